@@ -1,0 +1,230 @@
+"""External repositories of dflash, wrapped from Debian's system packages.
+
+Every repository is defined under its canonical upstream name and labels, and
+only when the caller has not defined it already, so a consumer that builds
+abseil, googletest, benchmark or protobuf from source keeps its own. Nothing
+here downloads: this Bazel (4.2.3) runs offline.
+"""
+
+_ABSL_MODULES = {
+    # package: {target: pkg-config module or None for header-only}
+    "absl/base": {"base": "absl_base", "core_headers": None},
+    "absl/container": {
+        "flat_hash_map": "absl_flat_hash_map",
+        "flat_hash_set": "absl_flat_hash_set",
+        "inlined_vector": "absl_inlined_vector",
+    },
+    "absl/flags": {
+        "flag": "absl_flags",
+        "parse": "absl_flags_parse",
+        "usage": "absl_flags_usage",
+    },
+    "absl/status": {"status": "absl_status", "statusor": "absl_statusor"},
+    "absl/strings": {
+        "cord": "absl_cord",
+        "str_format": "absl_str_format",
+        "strings": "absl_strings",
+    },
+    "absl/synchronization": {"synchronization": "absl_synchronization"},
+    "absl/time": {"time": "absl_time"},
+    "absl/types": {
+        "optional": "absl_optional",
+        "span": "absl_span",
+        "variant": "absl_variant",
+    },
+}
+
+def _pkg_config_libs(ctx, module):
+    result = ctx.execute(["pkg-config", "--libs", module])
+    if result.return_code == 0:
+        return result.stdout.strip().split(" ")
+    return ["-l" + module]
+
+def _system_absl_impl(ctx):
+    ctx.file("WORKSPACE", "workspace(name = \"%s\")\n" % ctx.name)
+    ctx.file("BUILD", "")
+    for package, targets in _ABSL_MODULES.items():
+        rules = ['package(default_visibility = ["//visibility:public"])\n']
+        for target, module in sorted(targets.items()):
+            linkopts = _pkg_config_libs(ctx, module) if module else []
+            rules.append("cc_library(name = %r, linkopts = %r)\n" % (target, linkopts))
+        ctx.file(package + "/BUILD", "\n".join(rules))
+
+_system_absl = repository_rule(implementation = _system_absl_impl, local = True)
+
+def _build_only_impl(ctx):
+    ctx.file("WORKSPACE", "workspace(name = \"%s\")\n" % ctx.name)
+    for path, content in ctx.attr.files.items():
+        ctx.file(path, content)
+    for target, source in ctx.attr.symlinks.items():
+        ctx.symlink(source, target)
+
+# A repository made of generated BUILD/bzl files (and symlinks into /usr).
+_build_only = repository_rule(
+    implementation = _build_only_impl,
+    attrs = {
+        "files": attr.string_dict(),
+        "symlinks": attr.string_dict(),
+    },
+    local = True,
+)
+
+_RULES_CC_DEFS = """
+def cc_binary(**kwargs):
+    native.cc_binary(**kwargs)
+
+def cc_library(**kwargs):
+    native.cc_library(**kwargs)
+
+def cc_test(**kwargs):
+    native.cc_test(**kwargs)
+
+def cc_proto_library(**kwargs):
+    native.cc_proto_library(**kwargs)
+
+def cc_toolchain(**kwargs):
+    native.cc_toolchain(**kwargs)
+
+def cc_toolchain_suite(**kwargs):
+    native.cc_toolchain_suite(**kwargs)
+
+def cc_import(**kwargs):
+    native.cc_import(**kwargs)
+
+def objc_library(**kwargs):
+    native.objc_library(**kwargs)
+"""
+
+_GTEST_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(name = "gtest", linkopts = ["-lgmock", "-lgtest", "-lpthread"])
+
+cc_library(name = "gtest_main", linkopts = ["-lgmock", "-lgtest_main", "-lgtest", "-lpthread"])
+"""
+
+_BENCHMARK_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(name = "benchmark", linkopts = ["-lbenchmark", "-lpthread"])
+
+cc_library(name = "benchmark_main", linkopts = ["-lbenchmark_main", "-lbenchmark", "-lpthread"])
+"""
+
+_PROTOBUF_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+exports_files(["protoc"])
+
+cc_library(name = "protobuf", linkopts = ["-lprotobuf", "-lpthread"])
+
+alias(name = "protobuf_headers", actual = ":protobuf")
+
+proto_lang_toolchain(
+    name = "cc_toolchain",
+    command_line = "--cpp_out=$(OUT)",
+    runtime = ":protobuf",
+)
+"""
+
+_OPENBLAS_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+# cblas.h is on the system include path (Debian's libopenblas-dev).
+cc_library(name = "cblas", linkopts = ["-lopenblas", "-lpthread"])
+"""
+
+_COVERAGE_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+filegroup(name = "coverage_report_generator")
+
+filegroup(name = "lcov_merger")
+"""
+
+def _maybe(rule, name, **kwargs):
+    if name not in native.existing_rules():
+        rule(name = name, **kwargs)
+
+def dflash_dependencies():
+    """Defines every external repository dflash needs, unless already defined."""
+    _maybe(
+        _build_only,
+        name = "rules_cc",
+        files = {"BUILD": "", "cc/BUILD": "", "cc/defs.bzl": _RULES_CC_DEFS},
+    )
+    _maybe(_build_only, name = "remote_coverage_tools", files = {"BUILD": _COVERAGE_BUILD})
+    _maybe(
+        native.local_repository,
+        name = "platforms",
+        path = "/usr/share/bazel/tools/platforms",
+    )
+    _maybe(
+        native.local_repository,
+        name = "bazel_skylib",
+        path = "/usr/share/bazel/tools/skylib",
+    )
+    _maybe(
+        native.local_repository,
+        name = "rules_java",
+        path = "/usr/share/bazel/rules/java",
+    )
+    _maybe(_system_absl, name = "com_google_absl")
+    _maybe(_build_only, name = "com_google_googletest", files = {"BUILD": _GTEST_BUILD})
+    _maybe(_build_only, name = "com_github_google_benchmark", files = {"BUILD": _BENCHMARK_BUILD})
+    _maybe(
+        _build_only,
+        name = "com_google_protobuf",
+        files = {"BUILD": _PROTOBUF_BUILD},
+        symlinks = {"protoc": "/usr/bin/protoc"},
+    )
+    _maybe(_build_only, name = "openblas", files = {"BUILD": _OPENBLAS_BUILD})
+    _maybe(_cuda_configure, name = "local_config_cuda")
+
+def _cuda_configure_impl(ctx):
+    ctx.file("WORKSPACE", "workspace(name = \"local_config_cuda\")\n")
+    env = ctx.os.environ
+    root = env.get("CUDA_PATH", "/usr/local/cuda")
+    nvcc = ctx.path(root + "/bin/nvcc")
+    enabled = env.get("DFLASH_CUDA", "auto") != "0" and nvcc.exists
+    archs = [a for a in env.get("DFLASH_CUDA_ARCHS", "80,90").split(",") if a]
+    if not enabled:
+        ctx.file("BUILD", "")
+        ctx.file("defs.bzl", "CUDA_ENABLED = False\nCUDA_ROOT = \"\"\nNVCC = \"\"\nCUDA_ARCHS = []\n")
+        return
+    ctx.symlink(root + "/include", "include")
+    lib = root + "/lib64"
+    ctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "cuda_headers",
+    hdrs = glob(["include/**"]),
+    includes = ["include"],
+)
+
+cc_library(
+    name = "cudart",
+    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-lcudart"],
+    deps = [":cuda_headers"],
+)
+
+cc_library(
+    name = "cublas",
+    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-lcublasLt", "-lcublas"],
+    deps = [":cudart"],
+)
+""".format(lib = lib))
+    ctx.file("defs.bzl", "CUDA_ENABLED = True\nCUDA_ROOT = %r\nNVCC = %r\nCUDA_ARCHS = %r\n" % (
+        root,
+        str(nvcc),
+        archs,
+    ))
+
+# Finds the CUDA toolkit (CUDA_PATH, else /usr/local/cuda). DFLASH_CUDA=0
+# turns CUDA off; DFLASH_CUDA_ARCHS=80,90 picks the SM architectures.
+_cuda_configure = repository_rule(
+    implementation = _cuda_configure_impl,
+    environ = ["CUDA_PATH", "DFLASH_CUDA", "DFLASH_CUDA_ARCHS"],
+    local = True,
+)

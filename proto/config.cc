@@ -1,0 +1,457 @@
+#include "proto/config.h"
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+
+namespace dflash {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+
+class CollectErrors : public google::protobuf::io::ErrorCollector {
+ public:
+  explicit CollectErrors(absl::string_view source) : source_(source) {}
+  void AddError(int line, int column, const std::string& message) override {
+    errors_.push_back(
+        absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message));
+  }
+  void AddWarning(int line, int column, const std::string& message) override {
+    AddError(line, column, message);
+  }
+  std::string Joined() const { return absl::StrJoin(errors_, "\n"); }
+
+ private:
+  std::string source_;
+  std::vector<std::string> errors_;
+};
+
+// Writes explicit defaults into every singular field that has one, creating
+// the non-oneof sub-messages so that the whole policy is visible.
+void FillDefaults(Message& message) {
+  const Reflection* reflection = message.GetReflection();
+  const google::protobuf::Descriptor* descriptor = message.GetDescriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* field = descriptor->field(i);
+    if (field->is_repeated()) continue;
+    const bool in_oneof = field->containing_oneof() != nullptr;
+    if (field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+      if (!in_oneof || reflection->HasField(message, field)) {
+        FillDefaults(*reflection->MutableMessage(&message, field));
+      }
+      continue;
+    }
+    if (in_oneof || !field->has_default_value() ||
+        reflection->HasField(message, field)) {
+      continue;
+    }
+    switch (field->cpp_type()) {
+      case FieldDescriptor::CPPTYPE_INT32:
+        reflection->SetInt32(&message, field, field->default_value_int32());
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        reflection->SetInt64(&message, field, field->default_value_int64());
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        reflection->SetDouble(&message, field, field->default_value_double());
+        break;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        reflection->SetBool(&message, field, field->default_value_bool());
+        break;
+      case FieldDescriptor::CPPTYPE_ENUM:
+        reflection->SetEnum(&message, field, field->default_value_enum());
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+std::string Num(double value) { return absl::StrFormat("%g", value); }
+
+// Collects "path: problem, got value" lines.
+class Problems {
+ public:
+  void Add(absl::string_view path, absl::string_view problem) {
+    lines_.push_back(absl::StrCat(path, ": ", problem));
+  }
+  void AtLeast(absl::string_view path, double value, double low) {
+    if (!(value >= low) || std::isinf(value)) {
+      Add(path, absl::StrCat("must be >= ", Num(low), ", got ", Num(value)));
+    }
+  }
+  void Above(absl::string_view path, double value, double low) {
+    if (!(value > low) || std::isinf(value)) {
+      Add(path, absl::StrCat("must be > ", Num(low), ", got ", Num(value)));
+    }
+  }
+  void Within(absl::string_view path, double value, double low, double high) {
+    if (!(value >= low && value <= high)) {
+      Add(path, absl::StrCat("must lie in [", Num(low), ", ", Num(high),
+                             "], got ", Num(value)));
+    }
+  }
+  template <typename Enum>
+  void Specified(absl::string_view path, Enum value,
+                 const std::string& name) {
+    if (static_cast<int>(value) == 0) {
+      Add(path, absl::StrCat("must be set, got ", name));
+    }
+  }
+  absl::Status ToStatus() const {
+    if (lines_.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrJoin(lines_, "\n"));
+  }
+
+ private:
+  std::vector<std::string> lines_;
+};
+
+void ValidateLayout(const v1::BatchLayout& layout, Problems& problems) {
+  problems.Above("layout.block_size", layout.block_size(), 0);
+  problems.Above("layout.num_anchors", layout.num_anchors(), 0);
+}
+
+void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
+  const v1::ChunkingPolicy& chunking = config.chunking();
+  const int64_t block = config.layout().block_size();
+  switch (chunking.size_case()) {
+    case v1::ChunkingPolicy::kRowsPerChunk:
+      if (chunking.rows_per_chunk() <= 0) {
+        problems.Add("chunking.rows_per_chunk",
+                     absl::StrCat("must be > 0, got ", chunking.rows_per_chunk()));
+      } else if (chunking.align_to_blocks() && block > 0 &&
+                 chunking.rows_per_chunk() % block != 0) {
+        problems.Add(
+            "chunking.rows_per_chunk",
+            absl::StrCat("must be a multiple of layout.block_size (", block,
+                         ") when chunking.align_to_blocks is true, got ",
+                         chunking.rows_per_chunk()));
+      }
+      break;
+    case v1::ChunkingPolicy::kBlocksPerChunk:
+      if (chunking.blocks_per_chunk() <= 0) {
+        problems.Add("chunking.blocks_per_chunk",
+                     absl::StrCat("must be > 0, got ",
+                                  chunking.blocks_per_chunk()));
+      }
+      break;
+    case v1::ChunkingPolicy::kLogitsBudgetBytes: {
+      const v1::HeadConfig& head = config.head();
+      const int64_t rows = chunking.align_to_blocks() ? block : 1;
+      const int64_t buffers = LossNeedsTeacher(config.loss()) ? 2 : 1;
+      if (rows <= 0 || head.vocab_size() <= 0) break;  // Reported elsewhere.
+      const int64_t per_logit = BytesPerLogit(head.dtype());
+      // Overflow-safe: compare in double, the budget is far below 2^53.
+      const double needed = static_cast<double>(rows) * head.vocab_size() *
+                            per_logit * buffers;
+      if (chunking.logits_budget_bytes() <= 0 ||
+          static_cast<double>(chunking.logits_budget_bytes()) < needed) {
+        problems.Add(
+            "chunking.logits_budget_bytes",
+            absl::StrCat("must hold one ", rows == 1 ? "row" : "block", " (",
+                         rows, " rows x ", head.vocab_size(), " vocab x ",
+                         per_logit, " bytes x ", buffers, " buffer(s) = ",
+                         Num(needed), " bytes), got ",
+                         chunking.logits_budget_bytes()));
+      }
+      break;
+    }
+    case v1::ChunkingPolicy::SIZE_NOT_SET:
+      problems.Add("chunking", "one of rows_per_chunk, blocks_per_chunk, "
+                               "logits_budget_bytes must be set");
+      break;
+  }
+  if (config.loss().has_dpace() && !chunking.align_to_blocks()) {
+    problems.Add("chunking.align_to_blocks",
+                 "must be true for loss.dpace (block-level weights need whole "
+                 "blocks in a chunk), got false");
+  }
+}
+
+void ValidateCheckpoint(const v1::CheckpointPolicy& checkpoint,
+                        Problems& problems) {
+  problems.AtLeast("checkpoint.segment_chunks", checkpoint.segment_chunks(), 0);
+  if (checkpoint.has_memory_budget_bytes()) {
+    problems.AtLeast("checkpoint.memory_budget_bytes",
+                     checkpoint.memory_budget_bytes(), 0);
+  }
+  if (checkpoint.has_preset() && checkpoint.rules_size() > 0) {
+    problems.Add("checkpoint.rules",
+                 absl::StrCat("must be empty when checkpoint.preset is set, got ",
+                              checkpoint.rules_size(), " rule(s) with preset ",
+                              v1::CheckpointPolicy::Preset_Name(
+                                  checkpoint.preset())));
+  }
+  if (checkpoint.has_preset() &&
+      checkpoint.preset() == v1::CheckpointPolicy::PRESET_UNSPECIFIED) {
+    problems.Add("checkpoint.preset", "must be a named preset, got "
+                                      "PRESET_UNSPECIFIED");
+  }
+  problems.Specified("checkpoint.default_action", checkpoint.default_action(),
+                     v1::CheckpointAction_Name(checkpoint.default_action()));
+
+  // Where PREFER_SAVE comes from, for the zero-budget check.
+  std::vector<std::string> prefer_save;
+  std::vector<v1::CheckpointRule> rules(checkpoint.rules().begin(),
+                                        checkpoint.rules().end());
+  std::string rules_path = "checkpoint.rules";
+  if (checkpoint.has_preset()) {
+    rules = PresetRules(checkpoint.preset());
+    rules_path = absl::StrCat(
+        "checkpoint.preset ",
+        v1::CheckpointPolicy::Preset_Name(checkpoint.preset()), " rule");
+  }
+  for (size_t i = 0; i < rules.size(); ++i) {
+    const v1::CheckpointRule& rule = rules[i];
+    const std::string path = absl::StrCat(rules_path, "[", i, "]");
+    problems.Specified(path + ".action", rule.action(),
+                       v1::CheckpointAction_Name(rule.action()));
+    if (rule.has_kind() && rule.kind() == v1::KIND_UNSPECIFIED) {
+      problems.Add(path + ".kind",
+                   "must name a kind (leave it unset to match any), got "
+                   "KIND_UNSPECIFIED");
+    }
+    if (rule.has_name() && (rule.name().empty() || rule.name() == "*")) {
+      problems.Add(path + ".name",
+                   absl::StrCat("must name a tag or a prefix* (leave it unset "
+                                "to match any), got \"",
+                                rule.name(), "\""));
+    }
+    if (rule.action() == v1::PREFER_SAVE) prefer_save.push_back(path);
+  }
+  if (checkpoint.default_action() == v1::PREFER_SAVE) {
+    prefer_save.push_back("checkpoint.default_action");
+  }
+  if (checkpoint.has_memory_budget_bytes() &&
+      checkpoint.memory_budget_bytes() == 0 && !prefer_save.empty()) {
+    problems.Add("checkpoint.memory_budget_bytes",
+                 absl::StrCat("is 0, so PREFER_SAVE in ",
+                              absl::StrJoin(prefer_save, ", "),
+                              " could never save; raise the budget or use "
+                              "MUST_SAVE/PREFER_RECOMPUTE, got 0"));
+  }
+}
+
+void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
+  const v1::HeadConfig& head = config.head();
+  if (!head.has_vocab_size()) {
+    problems.Add("head.vocab_size", "is required");
+  } else if (head.vocab_size() <= 0 ||
+             head.vocab_size() > std::numeric_limits<int32_t>::max()) {
+    problems.Add("head.vocab_size",
+                 absl::StrCat("must lie in [1, 2147483647] (target ids are "
+                              "int32), got ",
+                              head.vocab_size()));
+  }
+  if (!head.has_hidden_size()) {
+    problems.Add("head.hidden_size", "is required");
+  } else {
+    problems.Above("head.hidden_size", head.hidden_size(), 0);
+  }
+  problems.Specified("head.dtype", head.dtype(),
+                     v1::HeadConfig::DType_Name(head.dtype()));
+  problems.Specified("head.backend", head.backend(),
+                     v1::HeadConfig::Backend_Name(head.backend()));
+  problems.Specified("head.mode", head.mode(),
+                     v1::HeadConfig::ExecutionMode_Name(head.mode()));
+  if (head.has_logit_softcap()) {
+    problems.AtLeast("head.logit_softcap", head.logit_softcap(), 0);
+  }
+  problems.Above("head.logit_scale", head.logit_scale(), 0);
+  problems.AtLeast("head.threads", head.threads(), 0);
+  if (head.backend() == v1::HeadConfig::CUDA &&
+      head.dtype() == v1::HeadConfig::FLOAT64) {
+    problems.Add("head.dtype",
+                 "FLOAT64 is not supported on the CUDA backend (FLOAT32 or "
+                 "BFLOAT16), got FLOAT64");
+  }
+  const v1::CheckpointPolicy& checkpoint = config.checkpoint();
+  if (head.mode() == v1::HeadConfig::SELECTIVE && !checkpoint.has_preset() &&
+      checkpoint.rules_size() == 0) {
+    problems.Add("head.mode",
+                 "SELECTIVE needs checkpoint.preset or checkpoint.rules to say "
+                 "what to keep, got neither");
+  }
+}
+
+template <typename Loss>
+void Gamma(const std::string& path, const Loss& loss, Problems& problems) {
+  if (loss.has_gamma()) problems.AtLeast(path + ".gamma", loss.gamma(), 0);
+}
+
+void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
+  switch (loss.family_case()) {
+    case v1::LossConfig::kDflash:
+      Gamma("loss.dflash", loss.dflash(), problems);
+      break;
+    case v1::LossConfig::kDpace:
+      problems.Within("loss.dpace.alpha", loss.dpace().alpha(), 0, 1);
+      problems.Specified("loss.dpace.variant", loss.dpace().variant(),
+                         v1::DPaceLoss::Variant_Name(loss.dpace().variant()));
+      break;
+    case v1::LossConfig::kTv:
+      Gamma("loss.tv", loss.tv(), problems);
+      break;
+    case v1::LossConfig::kLkLambda:
+      Gamma("loss.lk_lambda", loss.lk_lambda(), problems);
+      problems.AtLeast("loss.lk_lambda.kl_scale", loss.lk_lambda().kl_scale(),
+                       0);
+      problems.AtLeast("loss.lk_lambda.kl_decay", loss.lk_lambda().kl_decay(),
+                       0);
+      break;
+    case v1::LossConfig::kDspark:
+      Gamma("loss.dspark", loss.dspark(), problems);
+      problems.AtLeast("loss.dspark.l1_weight", loss.dspark().l1_weight(), 0);
+      problems.AtLeast("loss.dspark.confidence_weight",
+                       loss.dspark().confidence_weight(), 0);
+      break;
+    case v1::LossConfig::kDistillation: {
+      const v1::DistillationLoss& distillation = loss.distillation();
+      Gamma("loss.distillation", distillation, problems);
+      problems.Specified(
+          "loss.distillation.divergence", distillation.divergence(),
+          v1::DistillationLoss::Divergence_Name(distillation.divergence()));
+      problems.Within("loss.distillation.beta", distillation.beta(), 0, 1);
+      problems.Above("loss.distillation.temperature",
+                     distillation.temperature(), 0);
+      break;
+    }
+    case v1::LossConfig::FAMILY_NOT_SET:
+      problems.Add("loss", "one loss family must be set (dflash, dpace, tv, "
+                           "lk_lambda, dspark, distillation), got none");
+      break;
+  }
+  const v1::CrossEntropyOptions& ce = loss.cross_entropy();
+  const double smoothing = ce.label_smoothing();
+  if (!(smoothing >= 0 && smoothing < 1)) {
+    problems.Add("loss.cross_entropy.label_smoothing",
+                 absl::StrCat("must lie in [0, 1), got ", Num(smoothing)));
+  }
+  problems.AtLeast("loss.cross_entropy.z_loss_scale", ce.z_loss_scale(), 0);
+}
+
+v1::CheckpointRule Rule(v1::CheckpointAction action) {
+  v1::CheckpointRule rule;
+  rule.set_action(action);
+  return rule;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
+    absl::string_view text, absl::string_view source) {
+  v1::ObjectiveConfig config;
+  CollectErrors errors(source);
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(std::string(text), &config)) {
+    return absl::InvalidArgumentError(errors.Joined());
+  }
+  return config;
+}
+
+v1::ObjectiveConfig ResolveDefaults(v1::ObjectiveConfig config) {
+  if (config.mutable_chunking()->size_case() ==
+      v1::ChunkingPolicy::SIZE_NOT_SET) {
+    config.mutable_chunking()->set_blocks_per_chunk(128);
+  }
+  FillDefaults(config);
+  return config;
+}
+
+absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config) {
+  Problems problems;
+  ValidateLayout(config.layout(), problems);
+  ValidateChunking(config, problems);
+  ValidateCheckpoint(config.checkpoint(), problems);
+  ValidateHead(config, problems);
+  ValidateLoss(config.loss(), problems);
+  return problems.ToStatus();
+}
+
+absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
+    absl::string_view text, absl::string_view source) {
+  absl::StatusOr<v1::ObjectiveConfig> parsed =
+      ParseObjectiveConfig(text, source);
+  if (!parsed.ok()) return parsed.status();
+  v1::ObjectiveConfig config = ResolveDefaults(*std::move(parsed));
+  absl::Status valid = ValidateObjectiveConfig(config);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": invalid config:\n", valid.message()));
+  }
+  return config;
+}
+
+absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
+    const std::string& path) {
+  std::ifstream file(path);
+  if (!file) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open config file \"", path, "\""));
+  }
+  std::stringstream text;
+  text << file.rdbuf();
+  return LoadObjectiveConfigFromString(text.str(), path);
+}
+
+std::vector<v1::CheckpointRule> PresetRules(
+    v1::CheckpointPolicy::Preset preset) {
+  switch (preset) {
+    case v1::CheckpointPolicy::SAVE_ALL:
+      return {Rule(v1::MUST_SAVE)};
+    case v1::CheckpointPolicy::FULL_RECOMPUTE:
+      return {Rule(v1::MUST_RECOMPUTE)};
+    case v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION: {
+      v1::CheckpointRule teacher = Rule(v1::MUST_SAVE);
+      teacher.set_kind(v1::PROJECTION);
+      teacher.set_weight_frozen(true);
+      teacher.set_input_requires_grad(false);
+      v1::CheckpointRule frozen = Rule(v1::PREFER_SAVE);
+      frozen.set_kind(v1::PROJECTION);
+      frozen.set_weight_frozen(true);
+      return {teacher, frozen, Rule(v1::MUST_RECOMPUTE)};
+    }
+    case v1::CheckpointPolicy::PRESET_UNSPECIFIED:
+    default:
+      return {};
+  }
+}
+
+int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {
+  switch (dtype) {
+    case v1::HeadConfig::BFLOAT16:
+      return 2;
+    case v1::HeadConfig::FLOAT64:
+      return 8;
+    case v1::HeadConfig::FLOAT32:
+    default:
+      return 4;
+  }
+}
+
+bool LossNeedsTeacher(const v1::LossConfig& loss) {
+  return loss.has_dspark() || loss.has_distillation();
+}
+
+std::string ToTextFormat(const google::protobuf::Message& message) {
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(message, &text);
+  return text;
+}
+
+}  // namespace dflash

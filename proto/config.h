@@ -1,0 +1,51 @@
+#ifndef DFLASH_PROTO_CONFIG_H_
+#define DFLASH_PROTO_CONFIG_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// Parses an ObjectiveConfig from protobuf text format. Syntax errors name
+// `source`, line and column. Does not fill defaults or validate.
+absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
+    absl::string_view text, absl::string_view source = "<string>");
+
+// Returns `config` with every defaulted field written out explicitly, so that
+// printing it shows the policy that will run (see policy.proto for each
+// default). A chunking policy with no size gets blocks_per_chunk = 128.
+v1::ObjectiveConfig ResolveDefaults(v1::ObjectiveConfig config);
+
+// Checks every field and the cross-field constraints of a resolved config.
+// The error lists each problem on its own line as
+// "full.field.path: what is wrong, got VALUE".
+absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config);
+
+// Parse, resolve defaults, validate.
+absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
+    absl::string_view text, absl::string_view source = "<string>");
+absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
+    const std::string& path);
+
+// The ordered rules a checkpoint preset stands for.
+std::vector<v1::CheckpointRule> PresetRules(
+    v1::CheckpointPolicy::Preset preset);
+
+// Bytes one logit occupies in the head's logits buffer.
+int64_t BytesPerLogit(v1::HeadConfig::DType dtype);
+
+// Whether the loss family reads a frozen teacher projection (a second logits
+// buffer per chunk).
+bool LossNeedsTeacher(const v1::LossConfig& loss);
+
+// Text format of any policy message, fields in declaration order.
+std::string ToTextFormat(const google::protobuf::Message& message);
+
+}  // namespace dflash
+
+#endif  // DFLASH_PROTO_CONFIG_H_
