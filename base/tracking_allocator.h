@@ -1,0 +1,90 @@
+#ifndef DFLASH_BASE_TRACKING_ALLOCATOR_H_
+#define DFLASH_BASE_TRACKING_ALLOCATOR_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "absl/status/statusor.h"
+
+namespace dflash {
+
+// Host allocator that counts current and peak bytes, so peak memory is
+// measured, not guessed, and a test can assert it. Thread-safe. An optional
+// limit turns an allocation beyond it into ResourceExhausted.
+class TrackingAllocator {
+ public:
+  explicit TrackingAllocator(
+      int64_t limit_bytes = std::numeric_limits<int64_t>::max())
+      : limit_bytes_(limit_bytes) {}
+  TrackingAllocator(const TrackingAllocator&) = delete;
+  TrackingAllocator& operator=(const TrackingAllocator&) = delete;
+
+  // 64-byte aligned; bytes must be >= 0 (0 gives a null pointer).
+  absl::StatusOr<void*> Allocate(int64_t bytes);
+  void Free(void* data, int64_t bytes);
+
+  int64_t current_bytes() const { return current_.load(); }
+  int64_t peak_bytes() const { return peak_.load(); }
+  int64_t limit_bytes() const { return limit_bytes_; }
+  // Starts a new peak measurement from the current usage.
+  void ResetPeak() { peak_.store(current_.load()); }
+
+ private:
+  const int64_t limit_bytes_;
+  std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> peak_{0};
+};
+
+// An owning, movable buffer of `size` elements of T from a TrackingAllocator.
+// Contents start uninitialised.
+template <typename T>
+class TrackedBuffer {
+ public:
+  TrackedBuffer() = default;
+  static absl::StatusOr<TrackedBuffer> Create(TrackingAllocator& allocator,
+                                              int64_t size) {
+    absl::StatusOr<void*> data =
+        allocator.Allocate(size * static_cast<int64_t>(sizeof(T)));
+    if (!data.ok()) return data.status();
+    return TrackedBuffer(&allocator, static_cast<T*>(*data), size);
+  }
+  TrackedBuffer(TrackedBuffer&& other) noexcept { *this = std::move(other); }
+  TrackedBuffer& operator=(TrackedBuffer&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      std::swap(allocator_, other.allocator_);
+      std::swap(data_, other.data_);
+      std::swap(size_, other.size_);
+    }
+    return *this;
+  }
+  ~TrackedBuffer() { Reset(); }
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  int64_t size() const { return size_; }
+  int64_t bytes() const { return size_ * static_cast<int64_t>(sizeof(T)); }
+  T& operator[](int64_t i) { return data_[i]; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+
+  void Reset() {
+    if (allocator_ != nullptr) allocator_->Free(data_, bytes());
+    allocator_ = nullptr;
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  TrackedBuffer(TrackingAllocator* allocator, T* data, int64_t size)
+      : allocator_(allocator), data_(data), size_(size) {}
+  TrackingAllocator* allocator_ = nullptr;
+  T* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_BASE_TRACKING_ALLOCATOR_H_
