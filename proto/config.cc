@@ -236,6 +236,21 @@ void ValidateCheckpoint(const v1::CheckpointPolicy& checkpoint,
   if (checkpoint.default_action() == v1::PREFER_SAVE) {
     prefer_save.push_back("checkpoint.default_action");
   }
+  if (checkpoint.segment_chunks() == 0) {
+    for (size_t i = 0; i < rules.size(); ++i) {
+      if (rules[i].action() == v1::MUST_RECOMPUTE) {
+        problems.Add("checkpoint.segment_chunks",
+                     absl::StrCat("0 (never recompute) contradicts "
+                                  "MUST_RECOMPUTE in ",
+                                  rules_path, "[", i, "], got 0"));
+      }
+    }
+    if (checkpoint.default_action() == v1::MUST_RECOMPUTE) {
+      problems.Add("checkpoint.segment_chunks",
+                   "0 (never recompute) contradicts MUST_RECOMPUTE in "
+                   "checkpoint.default_action, got 0");
+    }
+  }
   if (checkpoint.has_memory_budget_bytes() &&
       checkpoint.memory_budget_bytes() == 0 && !prefer_save.empty()) {
     problems.Add("checkpoint.memory_budget_bytes",
@@ -380,6 +395,12 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config) {
   ValidateCheckpoint(config.checkpoint(), problems);
   ValidateHead(config, problems);
   ValidateLoss(config.loss(), problems);
+  return problems.ToStatus();
+}
+
+absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy) {
+  Problems problems;
+  ValidateCheckpoint(policy, problems);
   return problems.ToStatus();
 }
 

@@ -26,6 +26,10 @@ v1::ObjectiveConfig ResolveDefaults(v1::ObjectiveConfig config);
 // "full.field.path: what is wrong, got VALUE".
 absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config);
 
+// The checkpoint part of ValidateObjectiveConfig, for users of the
+// checkpoint policy alone (paths start with "checkpoint.").
+absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy);
+
 // Parse, resolve defaults, validate.
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
     absl::string_view text, absl::string_view source = "<string>");

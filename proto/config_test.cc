@@ -185,6 +185,12 @@ INSTANTIATE_TEST_SUITE_P(
                   "} " + kHead + kLoss,
                   "checkpoint.rules: must be empty when checkpoint.preset is "
                   "set, got 1 rule(s) with preset SAVE_ALL"},
+        BadConfig{"NeverRecomputeButMustRecompute",
+                  "checkpoint { preset: FULL_RECOMPUTE segment_chunks: 0 } " +
+                      kHead + kLoss,
+                  "checkpoint.segment_chunks: 0 (never recompute) contradicts "
+                  "MUST_RECOMPUTE in checkpoint.preset FULL_RECOMPUTE "
+                  "rule[0], got 0"},
         BadConfig{"NegativeBudget",
                   "checkpoint { memory_budget_bytes: -5 } " + kHead + kLoss,
                   "checkpoint.memory_budget_bytes: must be >= 0, got -5"},
