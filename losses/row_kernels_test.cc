@@ -1,0 +1,121 @@
+#include "losses/row_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dflash {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Reference: logsumexp with long double and an explicit max shift.
+double NaiveLogSumExp(const std::vector<double>& x) {
+  const double max = *std::max_element(x.begin(), x.end());
+  long double sum = 0;
+  for (double v : x) sum += std::exp(static_cast<long double>(v - max));
+  return max + static_cast<double>(std::log(sum));
+}
+
+std::vector<int32_t> SortTopK(const std::vector<double>& x, int k) {
+  std::vector<int32_t> order(x.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return x[a] > x[b]; });
+  order.resize(k);
+  return order;
+}
+
+TEST(RowKernelsTest, StatsMatchNaiveReference) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> uniform(-5, 5);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<double> x(1 + trial * 37);
+    for (double& v : x) v = uniform(rng);
+    const int32_t target = static_cast<int32_t>(x.size() / 2);
+    auto stats = ComputeRowStats<double>(x, target, trial);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_NEAR(stats->logsumexp, NaiveLogSumExp(x), 1e-12);
+    EXPECT_EQ(stats->target_logit, x[target]);
+    EXPECT_EQ(stats->argmax, SortTopK(x, 1)[0]);
+  }
+}
+
+TEST(RowKernelsTest, ExtremeLogitsStayFinite) {
+  std::vector<float> x(262144, -1e4f);
+  x[5] = 1e4f;
+  x[77] = 1e4f - 1;
+  auto stats = ComputeRowStats<float>(x, 77, 0);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_NEAR(stats->logsumexp, 1e4 + std::log1p(std::exp(-1.0)), 1e-9);
+  EXPECT_EQ(stats->argmax, 5);
+  std::vector<float> grad = x;
+  WriteCrossEntropyGradient<float>(absl::MakeSpan(grad), 77, stats->logsumexp,
+                                   1.0);
+  for (float g : grad) ASSERT_TRUE(std::isfinite(g));
+  EXPECT_NEAR(grad[5], 1 / (1 + std::exp(-1.0)), 1e-6);
+  EXPECT_NEAR(grad[77], std::exp(-1.0) / (1 + std::exp(-1.0)) - 1, 1e-6);
+}
+
+TEST(RowKernelsTest, ArgmaxAndTopKTiesGoToLowestIndex) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> few(0, 4);  // Many ties.
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<double> x(13 + trial);
+    for (double& v : x) v = few(rng);
+    auto stats = ComputeRowStats<double>(x, 0, trial);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->argmax, SortTopK(x, 1)[0]);
+    for (int k : {1, 5, 13}) {
+      std::vector<int32_t> got(k);
+      ASSERT_TRUE(TopK<double>(x, k, absl::MakeSpan(got)).ok());
+      EXPECT_EQ(got, SortTopK(x, k)) << "trial " << trial << " k " << k;
+    }
+  }
+  std::vector<float> flat(100, 2.0f);
+  std::vector<int32_t> top(64);
+  ASSERT_TRUE(TopK<float>(flat, 64, absl::MakeSpan(top)).ok());
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(top[i], i);
+}
+
+TEST(RowKernelsTest, GradientIsSoftmaxMinusOneHot) {
+  const std::vector<double> x = {0.5, -1.0, 2.0, 0.0};
+  const double lse = NaiveLogSumExp(x);
+  std::vector<double> grad = x;
+  WriteCrossEntropyGradient<double>(absl::MakeSpan(grad), 2, lse, 0.5);
+  for (int v = 0; v < 4; ++v) {
+    EXPECT_NEAR(grad[v], 0.5 * (std::exp(x[v] - lse) - (v == 2)), 1e-15);
+  }
+}
+
+TEST(RowKernelsTest, BadInputsAreErrors) {
+  std::vector<double> x = {1, 2, std::numeric_limits<double>::quiet_NaN()};
+  EXPECT_EQ(ComputeRowStats<double>(x, 0, 42).status().message(),
+            "row 42: logit 2 is not finite (nan)");
+  x[2] = std::numeric_limits<double>::infinity();
+  EXPECT_THAT(std::string(ComputeRowStats<double>(x, 0, 1).status().message()),
+              HasSubstr("logit 2 is not finite (inf)"));
+  std::vector<double> ok = {1, 2, 3};
+  EXPECT_EQ(ComputeRowStats<double>(ok, 3, 7).status().message(),
+            "row 7: target id 3 is outside [0, 3)");
+  EXPECT_EQ(ComputeRowStats<double>(ok, -1, 7).status().message(),
+            "row 7: target id -1 is outside [0, 3)");
+  EXPECT_EQ(ComputeRowStats<double>({}, 0, 0).status().message(),
+            "row 0: empty vocabulary");
+  std::vector<int32_t> out(8);
+  EXPECT_EQ(TopK<double>(ok, 4, absl::MakeSpan(out)).message(),
+            "top-k: k must lie in [1, min(64, V = 3)], got 4");
+  EXPECT_EQ(TopK<double>(ok, 0, absl::MakeSpan(out)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TopK<double>(ok, 2, absl::MakeSpan(out).subspan(0, 1)).message(),
+            "top-k: indices holds 1 entries, need 2");
+}
+
+}  // namespace
+}  // namespace dflash
