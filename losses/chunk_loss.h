@@ -1,5 +1,5 @@
-#ifndef DFLASH_LOSSES_DFLASH_LOSS_H_
-#define DFLASH_LOSSES_DFLASH_LOSS_H_
+#ifndef DFLASH_LOSSES_CHUNK_LOSS_H_
+#define DFLASH_LOSSES_CHUNK_LOSS_H_
 
 #include <cstdint>
 #include <vector>
@@ -29,17 +29,21 @@ struct ChunkTerms {
 
 // The DFlash decay weight of a row: m * exp(-max(k-1, 0) / gamma), no decay
 // when gamma is absent or 0.
-double DFlashWeight(const v1::DFlashLoss& config, int32_t position, float mask);
+double DFlashWeight(bool has_gamma, double gamma, int32_t position,
+                    float mask);
 
-// DFlash decay-weighted cross-entropy over a chunk `logits` [rows x vocab]:
-// returns the chunk's terms and overwrites `logits` with
-// d(loss_num)/d(logits) (a zero row where the weight is 0, with no other
-// work for it). Accumulation in double; T is float or double.
+// The loss of a chunk `logits` [rows x vocab] for the families whose
+// gradient is a per-row multiple of softmax - onehot: dflash (decay-weighted
+// CE), dpace and its two variants (block-level weights from q, taken without
+// gradient; rows must be whole blocks in order), and tv (sum((1 - q) * w)).
+// Returns the chunk's terms and overwrites `logits` with
+// d(loss_num)/d(logits); a row whose weight is 0 gets a zero row and no
+// other work. Accumulation in double; T is float or double.
 template <typename T>
-absl::StatusOr<ChunkTerms> DFlashCrossEntropyChunk(
-    const v1::DFlashLoss& config, int64_t block_size, absl::Span<T> logits,
+absl::StatusOr<ChunkTerms> SoftmaxFamilyChunkLoss(
+    const v1::LossConfig& config, int64_t block_size, absl::Span<T> logits,
     int64_t vocab, absl::Span<const RowMeta> rows);
 
 }  // namespace dflash
 
-#endif  // DFLASH_LOSSES_DFLASH_LOSS_H_
+#endif  // DFLASH_LOSSES_CHUNK_LOSS_H_
