@@ -153,8 +153,7 @@ absl::StatusOr<ChunkTerms> SoftmaxFamilyChunkLoss(
     terms.accuracy_den += meta.mask;
     terms.correct_per_position[meta.position] += hit;
     terms.mask_per_position[meta.position] += meta.mask;
-    WriteCrossEntropyGradient(row, meta.target, stats[r].logsumexp,
-                              coefficient);
+    WriteCrossEntropyGradient(row, meta.target, stats[r], coefficient);
   }
   return terms;
 }

@@ -11,6 +11,7 @@ namespace dflash {
 
 // What one pass over a row of logits yields.
 struct RowStats {
+  double max_logit = 0;
   double logsumexp = 0;
   double target_logit = 0;
   int32_t argmax = 0;  // First index of the maximum.
@@ -30,10 +31,10 @@ absl::Status TopK(absl::Span<const T> logits, int32_t k,
                   absl::Span<int32_t> indices);
 
 // Overwrites `logits` with scale * (softmax(logits) - onehot(target)), the
-// gradient of scale * neg_log_q, given the row's logsumexp.
+// gradient of scale * neg_log_q, given the row's stats.
 template <typename T>
 void WriteCrossEntropyGradient(absl::Span<T> logits, int32_t target,
-                               double logsumexp, double scale);
+                               const RowStats& stats, double scale);
 
 }  // namespace dflash
 
