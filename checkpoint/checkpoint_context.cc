@@ -136,8 +136,7 @@ absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
        it != chunks_.end() && it->first < (segment + 1) * k; ++it) {
     for (auto& [name, entry] : it->second) {
       if (entry.kept || entry.held.data() != nullptr) continue;
-      int64_t bytes = ElementBytes(entry.dtype);
-      for (int64_t d : entry.shape) bytes *= d;
+      const int64_t bytes = TensorView(nullptr, entry.dtype, entry.shape).bytes();
       absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
       if (!held.ok()) return held.status();
       entry.held = *std::move(held);
@@ -157,14 +156,15 @@ absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
 
 absl::StatusOr<TensorView> CheckpointContext::Fetch(int64_t chunk,
                                                     absl::string_view tag) {
-  auto chunk_it = chunks_.find(chunk);
-  auto it = chunk_it == chunks_.end() ? decltype(chunk_it->second.end()){}
-                                      : chunk_it->second.find(tag);
-  if (chunk_it == chunks_.end() || it == chunk_it->second.end()) {
+  const auto not_found = [&] {
     return absl::NotFoundError(absl::StrCat(
         "checkpoint: nothing was offered as ", tag, " for chunk ", chunk,
         " (or it was released)"));
-  }
+  };
+  auto chunk_it = chunks_.find(chunk);
+  if (chunk_it == chunks_.end()) return not_found();
+  auto it = chunk_it->second.find(tag);
+  if (it == chunk_it->second.end()) return not_found();
   Entry& entry = it->second;
   if (entry.held.data() == nullptr && !entry.kept) {
     if (absl::Status ok = RecomputeSegment(chunk / policy_.segment_chunks());

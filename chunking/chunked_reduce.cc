@@ -70,6 +70,8 @@ absl::StatusOr<ChunkedReduction> ChunkedReduction::Run(
   reduction.function_ = &function;
   reduction.inputs_ = std::move(inputs);
   reduction.grads_ = std::move(grads);
+  // One (possibly absent) gradient per input, so Backward slices both alike.
+  reduction.grads_.resize(reduction.inputs_.size());
   reduction.checkpointed_ = options.checkpoint && options.chunk_size > 0 &&
                             options.grad_enabled && needs_grad;
   const int64_t step = options.chunk_size == 0 ? length : options.chunk_size;
@@ -137,13 +139,11 @@ absl::Status ChunkedReduction::Backward(const Terms& grad_terms) {
     }
   }
   std::vector<std::optional<TensorView>> slices, grad_slices;
-  std::vector<std::optional<TensorView>> grads = grads_;
-  grads.resize(inputs_.size());
   for (const auto& [start, size] : bounds_) {
     if (absl::Status ok = SliceAll(inputs_, start, size, slices); !ok.ok()) {
       return ok;
     }
-    if (absl::Status ok = SliceAll(grads, start, size, grad_slices); !ok.ok()) {
+    if (absl::Status ok = SliceAll(grads_, start, size, grad_slices); !ok.ok()) {
       return ok;
     }
     if (checkpointed_) {

@@ -72,24 +72,11 @@ absl::StatusOr<RowStats> FloatRowStats(absl::Span<const float> logits,
                   argmax};
 }
 
-}  // namespace
-
-template <typename T>
-absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
-                                         int32_t target, int64_t row) {
+// Double rows: online logsumexp, rescaling the running sum when the maximum
+// moves; the float64 reference path.
+absl::StatusOr<RowStats> DoubleRowStats(absl::Span<const double> logits,
+                                        int32_t target, int64_t row) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
-  if (vocab == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("row ", row, ": empty vocabulary"));
-  }
-  if (target < 0 || target >= vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "row ", row, ": target id ", target, " is outside [0, ", vocab, ")"));
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    return FloatRowStats(logits, target, row);
-  }
-  // Online logsumexp: rescale the running sum when the maximum moves.
   double max = -std::numeric_limits<double>::infinity();
   double sum = 0;
   int32_t argmax = 0;
@@ -109,6 +96,27 @@ absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
   }
   return RowStats{max, max + std::log(sum), static_cast<double>(logits[target]),
                   argmax};
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
+                                         int32_t target, int64_t row) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  if (vocab == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row ", row, ": empty vocabulary"));
+  }
+  if (target < 0 || target >= vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "row ", row, ": target id ", target, " is outside [0, ", vocab, ")"));
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    return FloatRowStats(logits, target, row);
+  } else {
+    return DoubleRowStats(logits, target, row);
+  }
 }
 
 template <typename T>
