@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "base/bfloat16.h"
 #include "proto/policy.pb.h"
 
 namespace dflash {
@@ -25,6 +26,9 @@ struct ChunkTerms {
   double accuracy_den = 0;  // sum(m).
   std::vector<double> correct_per_position;  // Size K.
   std::vector<double> mask_per_position;     // Size K: sum(m) at each k.
+
+  // Adds `other` (same K) term by term.
+  void Add(const ChunkTerms& other);
 };
 
 // The DFlash decay weight of a row: m * exp(-max(k-1, 0) / gamma), no decay
@@ -32,17 +36,70 @@ struct ChunkTerms {
 double DFlashWeight(bool has_gamma, double gamma, int32_t position,
                     float mask);
 
-// The loss of a chunk `logits` [rows x vocab] for the families whose
-// gradient is a per-row multiple of softmax - onehot: dflash (decay-weighted
-// CE), dpace and its two variants (block-level weights from q, taken without
-// gradient; rows must be whole blocks in order), and tv (sum((1 - q) * w)).
-// Returns the chunk's terms and overwrites `logits` with
-// d(loss_num)/d(logits); a row whose weight is 0 gets a zero row and no
-// other work. Accumulation in double; T is float or double.
+// How logits z become the loss's logits z': z' = c * tanh(s * z / c) with
+// softcap c > 0, z' = s * z without (HeadConfig.logit_scale/logit_softcap).
+// The teacher's logits, from the same head, get the same transform.
+struct ChunkLossOptions {
+  int64_t block_size = 1;
+  double logit_scale = 1;
+  double logit_softcap = 0;
+};
+
+// One chunk: `rows.size()` rows of `vocab` logits. T is float, double (the
+// exact reference path) or BFloat16 (computed in float, gradient rounded to
+// bfloat16 once).
 template <typename T>
-absl::StatusOr<ChunkTerms> SoftmaxFamilyChunkLoss(
-    const v1::LossConfig& config, int64_t block_size, absl::Span<T> logits,
-    int64_t vocab, absl::Span<const RowMeta> rows);
+struct ChunkLossInputs {
+  // [rows x vocab]; overwritten with d(loss_num)/d(logits).
+  absl::Span<T> logits;
+  // [rows x vocab], no gradient: the frozen teacher projection, for dspark
+  // and distillation.
+  absl::Span<const T> teacher_logits;
+  // [rows], dspark's confidence head output, when confidence_weight > 0.
+  absl::Span<const float> confidence_logits;
+  absl::Span<const RowMeta> rows;
+  int64_t vocab = 0;
+};
+
+// Optional per-row results; leave a span empty to skip it. Rows without
+// weight get neg_log_q 0, argmax -1 and top-k -1.
+struct ChunkLossOutputs {
+  absl::Span<float> confidence_grad;  // [rows], d(loss_num)/d(confidence).
+  absl::Span<float> neg_log_q;        // [rows], of the loss's logits z'.
+  absl::Span<int32_t> argmax;         // [rows]
+  absl::Span<int32_t> top_k;          // [rows x k], largest first.
+  int32_t k = 0;
+};
+
+// The loss terms of one chunk for any LossConfig family (SEMANTICS.md
+// sections 3 and 5), with the cross-entropy options:
+// - dflash: CE weighted by DFlashWeight.
+// - dpace and its variants: block-level weights from q without gradient;
+//   rows must be whole blocks in order.
+// - tv: (1 - q) weighted by DFlashWeight.
+// - lk_lambda: kl_w * CE + (1 - kl_w) * tv, kl_w = kl_scale *
+//   exp(-kl_decay * acc). acc = sum(q m) / sum(m) is taken per anchor block
+//   (without gradient), not per slice as in SpecForge, so that the loss does
+//   not change with the chunk size; rows must be whole blocks in order.
+// - dspark: decay m * exp(-k / gamma) from k = 0; CE + l1_weight * L1 +
+//   confidence_weight * BCE-with-logits(confidence, accept), L1 = sum|p - t|
+//   of draft and teacher softmax, accept = clamp(1 - L1 / 2, 0, 1) without
+//   gradient.
+// - distillation: D(p_teacher, p_draft) at temperature T weighted by
+//   DFlashWeight; forward KL(t || s), reverse KL(s || t), or the generalised
+//   JSD beta * KL(t || M) + (1 - beta) * KL(s || M), M = beta * t +
+//   (1 - beta) * s. Not multiplied by T^2.
+// - cross_entropy: a row whose target is ignore_index carries nothing;
+//   label smoothing eps turns CE into (1 - eps) * CE + eps * (lse -
+//   mean(z')); z_loss_scale adds w * z_loss_scale * lse^2.
+// loss_den is sum(w) (for dpace the effective weight). Accumulation in
+// double. A row whose weight is 0 gets a zero gradient and no other work.
+// Uses O(vocab) scratch for BFloat16, softcaps and teacher rows.
+template <typename T>
+absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
+                                     const ChunkLossOptions& options,
+                                     const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs = {});
 
 }  // namespace dflash
 

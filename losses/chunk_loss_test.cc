@@ -2,84 +2,158 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
+#include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "base/bfloat16.h"
+#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "losses/batch_layout.h"
 
 namespace dflash {
 namespace {
 
-constexpr int64_t kBlocks = 4;  // B = 2, N = 2.
-constexpr int64_t kK = 5;
-constexpr int64_t kV = 13;
-constexpr int64_t kRows = kBlocks * kK;
+// SpecForge's loss fixture: B = 2, N = 2, K = 5, V = 13, S = 9.
+constexpr int64_t kB = 2, kN = 2, kK = 5, kV = 13, kS = 9;
+constexpr int64_t kRows = kB * kN * kK;
 
-struct Batch {
-  std::vector<double> logits;
-  std::vector<RowMeta> rows;
-};
-
-// Random logits and targets; slot 0 of every block and a few other rows
-// carry no loss, as the DFlash weight mask would have it.
-Batch MakeBatch(uint32_t seed) {
+std::vector<RowMeta> FixtureRows(uint32_t seed) {
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> uniform(-3, 3);
-  std::uniform_int_distribution<int32_t> token(0, kV - 1);
-  Batch batch;
-  batch.logits.resize(kRows * kV);
-  for (double& x : batch.logits) x = uniform(rng);
-  for (int64_t r = 0; r < kRows; ++r) {
-    const int32_t k = static_cast<int32_t>(r % kK);
-    const bool masked = k == 0 || r == 7 || r >= 3 * kK + 2;
-    batch.rows.push_back({token(rng), k, masked ? 0.0f : 1.0f});
-  }
-  return batch;
+  std::uniform_int_distribution<int64_t> token(0, kV - 1);
+  std::vector<int64_t> ids(kB * kS);
+  for (int64_t& id : ids) id = token(rng);
+  std::vector<uint8_t> loss_mask(kB * kS, 1);
+  loss_mask[0 * kS + 7] = 0;
+  loss_mask[1 * kS + 6] = 0;
+  const std::vector<int64_t> anchors = {0, 3, 1, 4};
+  const std::vector<uint8_t> keep = {1, 1, 1, 0};
+  auto rows = LabelRows({kB, kS, ids, loss_mask}, anchors, keep, kN, kK, kV,
+                        Labeling::kDFlash);
+  EXPECT_TRUE(rows.ok()) << rows.status();
+  return *rows;
 }
 
-// Independent reference, written from SEMANTICS.md section 3. `fixed`
-// holds the weights constant (they are taken without gradient) for finite
-// differences.
+// Everything a chunk loss reads, in float64, before the logit transform.
+struct Problem {
+  std::vector<double> logits, teacher, confidence;
+  std::vector<RowMeta> rows;
+  ChunkLossOptions options;
+};
+
+Problem MakeProblem(uint32_t seed, const ChunkLossOptions& options) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(-3, 3);
+  std::normal_distribution<double> noise(0, 0.7);
+  Problem p;
+  p.rows = FixtureRows(seed);
+  p.options = options;
+  p.logits.resize(kRows * kV);
+  for (double& x : p.logits) x = uniform(rng);
+  for (double x : p.logits) p.teacher.push_back(x + noise(rng));
+  // Confidence logits travel as float; keep them float-representable.
+  for (int64_t r = 0; r < kRows; ++r) {
+    p.confidence.push_back(static_cast<float>(uniform(rng)));
+  }
+  return p;
+}
+
+// The quantities SEMANTICS.md takes without gradient; finite differences
+// hold them fixed.
+struct Detached {
+  std::vector<double> weights, ce_share, accept;
+};
+
 struct Reference {
   double num = 0, den = 0, correct = 0, acc_den = 0;
-  std::vector<double> weights;
+  std::vector<double> correct_per_position = std::vector<double>(kK, 0.0);
+  std::vector<double> neg_log_q = std::vector<double>(kRows, 0.0);
+  std::vector<int> argmax = std::vector<int>(kRows, -1);
+  Detached detached;
 };
-Reference Naive(const Batch& batch, const v1::LossConfig& config,
-                const std::vector<double>* fixed = nullptr) {
-  std::vector<double> neg_log_q(kRows), q(kRows);
-  std::vector<int> argmax(kRows);
-  for (int64_t r = 0; r < kRows; ++r) {
-    const double* x = &batch.logits[r * kV];
-    double sum = 0;
-    argmax[r] = 0;
-    for (int v = 0; v < kV; ++v) {
-      sum += std::exp(x[v]);
-      if (x[v] > x[argmax[r]]) argmax[r] = v;
-    }
-    neg_log_q[r] = std::log(sum) - x[batch.rows[r].target];
-    q[r] = std::exp(-neg_log_q[r]);
-  }
+
+double Transform(double z, const ChunkLossOptions& o) {
+  return o.logit_softcap > 0
+             ? o.logit_softcap * std::tanh(o.logit_scale * z / o.logit_softcap)
+             : o.logit_scale * z;
+}
+
+double LogSumExp(const std::vector<double>& x) {
+  const double max = *std::max_element(x.begin(), x.end());
+  double sum = 0;
+  for (double v : x) sum += std::exp(v - max);
+  return max + std::log(sum);
+}
+
+std::vector<double> Softmax(const std::vector<double>& x, double temperature) {
+  std::vector<double> scaled;
+  for (double v : x) scaled.push_back(v / temperature);
+  const double lse = LogSumExp(scaled);
+  for (double& v : scaled) v = std::exp(v - lse);
+  return scaled;
+}
+
+double Kl(const std::vector<double>& a, const std::vector<double>& b) {
+  double kl = 0;
+  for (size_t v = 0; v < a.size(); ++v) kl += a[v] * std::log(a[v] / b[v]);
+  return kl;
+}
+
+// Independent float64 reference, written from SEMANTICS.md sections 3 and 5
+// in the plainest form.
+Reference Naive(const v1::LossConfig& c, const Problem& p,
+                const Detached* fixed = nullptr) {
   Reference ref;
-  ref.weights.resize(kRows);
-  for (int64_t b = 0; b < kBlocks; ++b) {
-    double prefix[kK], suffix[kK];
+  const v1::CrossEntropyOptions& ce = c.cross_entropy();
+  std::vector<std::vector<double>> z(kRows), t(kRows);
+  std::vector<double> mask(kRows), q(kRows), lse(kRows);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      z[r].push_back(Transform(p.logits[r * kV + v], p.options));
+      t[r].push_back(Transform(p.teacher[r * kV + v], p.options));
+    }
+    const RowMeta& m = p.rows[r];
+    mask[r] = m.target == ce.ignore_index() ? 0 : m.mask;
+    lse[r] = LogSumExp(z[r]);
+    q[r] = std::exp(z[r][m.target] - lse[r]);
+    if (mask[r] > 0) {
+      ref.neg_log_q[r] = lse[r] - z[r][m.target];
+      ref.argmax[r] = static_cast<int>(
+          std::max_element(z[r].begin(), z[r].end()) - z[r].begin());
+    }
+  }
+  Detached& d = ref.detached;
+  d.weights.assign(kRows, 0);
+  d.ce_share.assign(kRows, 1);
+  d.accept.assign(kRows, 0);
+  for (int64_t b = 0; b < kRows / kK; ++b) {
+    double prefix[kK], suffix[kK], hit_mass = 0, mass = 0;
     for (int64_t k = 0; k < kK; ++k) {
-      const RowMeta& m = batch.rows[b * kK + k];
-      const double alpha = config.dpace().alpha();
-      const double smooth = m.mask > 0 ? (1 - alpha) * q[b * kK + k] + alpha : 1;
+      const int64_t r = b * kK + k;
+      const double alpha = c.dpace().alpha();
+      const double smooth = mask[r] > 0 ? (1 - alpha) * q[r] + alpha : 1;
       prefix[k] = smooth * (k > 0 ? prefix[k - 1] : 1.0);
+      hit_mass += q[r] * mask[r];
+      mass += mask[r];
     }
     for (int64_t k = kK - 1; k >= 0; --k) {
-      suffix[k] = prefix[k] * batch.rows[b * kK + k].mask +
-                  (k + 1 < kK ? suffix[k + 1] : 0.0);
+      suffix[k] = prefix[k] * mask[b * kK + k] + (k + 1 < kK ? suffix[k + 1] : 0);
     }
     for (int64_t k = 0; k < kK; ++k) {
       const int64_t r = b * kK + k;
-      const RowMeta& m = batch.rows[r];
-      double w;
-      if (config.has_dpace()) {
-        switch (config.dpace().variant()) {
+      double gamma = 0;
+      if (c.has_dflash()) gamma = c.dflash().gamma();
+      if (c.has_tv()) gamma = c.tv().gamma();
+      if (c.has_lk_lambda()) gamma = c.lk_lambda().gamma();
+      if (c.has_distillation()) gamma = c.distillation().gamma();
+      double w = mask[r] * (gamma > 0 ? std::exp(-std::max<double>(k - 1, 0) / gamma) : 1);
+      if (c.has_dspark()) {
+        const double g = c.dspark().gamma();
+        w = mask[r] * (g > 0 ? std::exp(-k / g) : 1);
+      }
+      if (c.has_dpace()) {
+        switch (c.dpace().variant()) {
           case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
             w = prefix[k];
             break;
@@ -89,143 +163,356 @@ Reference Naive(const Batch& batch, const v1::LossConfig& config,
           default:
             w = suffix[k];
         }
-        w *= m.mask;
-      } else {
-        const double gamma =
-            config.has_dflash() ? config.dflash().gamma() : config.tv().gamma();
-        w = m.mask *
-            (gamma > 0 ? std::exp(-std::max(m.position - 1, 0) / gamma) : 1.0);
+        w *= mask[r];
       }
-      if (fixed != nullptr) w = (*fixed)[r];
-      ref.weights[r] = w;
-      ref.num += (config.has_tv() ? 1 - q[r] : neg_log_q[r]) * w;
-      ref.den += w;
-      ref.correct += (argmax[r] == m.target && m.mask > 0.5);
-      ref.acc_den += m.mask;
+      d.weights[r] = w;
+      if (c.has_lk_lambda()) {
+        d.ce_share[r] = c.lk_lambda().kl_scale() *
+                        std::exp(-c.lk_lambda().kl_decay() * hit_mass / mass);
+      }
+    }
+  }
+  if (fixed != nullptr) d = *fixed;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const RowMeta& m = p.rows[r];
+    if (mask[r] == 0) continue;
+    const bool hit = mask[r] > 0.5 && ref.argmax[r] == m.target;
+    ref.correct += hit;
+    ref.correct_per_position[m.position] += hit;
+    ref.acc_den += mask[r];
+    const double w = d.weights[r];
+    ref.den += w;
+    const double eps = ce.label_smoothing();
+    const double mean = std::accumulate(z[r].begin(), z[r].end(), 0.0) / kV;
+    const double ce_term = (1 - eps) * (lse[r] - z[r][m.target]) +
+                           eps * (lse[r] - mean);
+    const double z_term = ce.z_loss_scale() * lse[r] * lse[r];
+    if (c.has_dflash() || c.has_dpace()) {
+      ref.num += w * (ce_term + z_term);
+    } else if (c.has_tv()) {
+      ref.num += w * ((1 - q[r]) + z_term);
+    } else if (c.has_lk_lambda()) {
+      const double kl_w = d.ce_share[r];
+      ref.num += w * (kl_w * ce_term + (1 - kl_w) * (1 - q[r]) + z_term);
+    } else if (c.has_dspark()) {
+      const std::vector<double> ps = Softmax(z[r], 1), pt = Softmax(t[r], 1);
+      double l1 = 0;
+      for (int64_t v = 0; v < kV; ++v) l1 += std::abs(ps[v] - pt[v]);
+      if (fixed == nullptr) d.accept[r] = std::clamp(1 - 0.5 * l1, 0.0, 1.0);
+      const double x = p.confidence[r], a = d.accept[r];
+      // BCE-with-logits, written as -(a log sigmoid(x) + (1-a) log(1-sigmoid(x))).
+      const double sig = 1 / (1 + std::exp(-x));
+      const double bce = -(a * std::log(sig) + (1 - a) * std::log(1 - sig));
+      ref.num += w * (ce_term + z_term + c.dspark().l1_weight() * l1 +
+                      c.dspark().confidence_weight() * bce);
+    } else if (c.has_distillation()) {
+      const v1::DistillationLoss& dist = c.distillation();
+      const std::vector<double> s = Softmax(z[r], dist.temperature());
+      const std::vector<double> tp = Softmax(t[r], dist.temperature());
+      double divergence;
+      switch (dist.divergence()) {
+        case v1::DistillationLoss::REVERSE_KL:
+          divergence = Kl(s, tp);
+          break;
+        case v1::DistillationLoss::JSD: {
+          const double beta = dist.beta();
+          std::vector<double> mix(kV);
+          for (int64_t v = 0; v < kV; ++v) mix[v] = beta * tp[v] + (1 - beta) * s[v];
+          divergence = beta * Kl(tp, mix) + (1 - beta) * Kl(s, mix);
+          break;
+        }
+        default:
+          divergence = Kl(tp, s);
+      }
+      ref.num += w * divergence;
     }
   }
   return ref;
 }
 
-v1::LossConfig Loss(const std::string& family, double gamma = 7,
-                    v1::DPaceLoss::Variant variant = v1::DPaceLoss::DPACE) {
+// Runs ChunkLoss<double> on a copy; `grad` receives d(loss_num)/d(logits).
+absl::StatusOr<ChunkTerms> RunDouble(const v1::LossConfig& c, const Problem& p,
+                                     std::vector<double>& grad,
+                                     std::vector<float>& confidence_grad,
+                                     const ChunkLossOutputs& extra = {}) {
+  grad = p.logits;
+  confidence_grad.assign(kRows, 0);
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  ChunkLossOutputs outputs = extra;
+  outputs.confidence_grad = absl::MakeSpan(confidence_grad);
+  return ChunkLoss<double>(c, p.options,
+                           {absl::MakeSpan(grad), p.teacher, confidence, p.rows,
+                            kV},
+                           outputs);
+}
+
+struct Case {
+  std::string name;
+  std::string loss;  // LossConfig in text format.
+  ChunkLossOptions options = {kK, 1, 0};
+};
+
+v1::LossConfig Parse(const std::string& text) {
   v1::LossConfig config;
-  if (family == "dflash") config.mutable_dflash()->set_gamma(gamma);
-  if (family == "tv") config.mutable_tv()->set_gamma(gamma);
-  if (family == "dpace") {
-    config.mutable_dpace()->set_alpha(0.3);
-    config.mutable_dpace()->set_variant(variant);
-  }
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &config))
+      << text;
   return config;
 }
 
-std::vector<v1::LossConfig> AllLosses() {
-  return {Loss("dflash", 0),
-          Loss("dflash", 7),
-          Loss("dflash", 2.5),
-          Loss("tv", 7),
-          Loss("tv", 0),
-          Loss("dpace", 0, v1::DPaceLoss::DPACE),
-          Loss("dpace", 0, v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY),
-          Loss("dpace", 0, v1::DPaceLoss::CONTINUATION_VALUE_ONLY)};
+std::vector<Case> AllCases() {
+  return {
+      {"DFlashNoGamma", "dflash {}"},
+      {"DFlashGamma7", "dflash { gamma: 7 }"},
+      {"DFlashGamma2p5", "dflash { gamma: 2.5 }"},
+      {"DFlashLabelSmoothing",
+       "dflash { gamma: 7 } cross_entropy { label_smoothing: 0.1 }"},
+      {"DFlashZLoss", "dflash { gamma: 7 } cross_entropy { z_loss_scale: 0.01 }"},
+      {"DFlashIgnoreIndex", "dflash { gamma: 7 } cross_entropy { ignore_index: 3 }"},
+      {"DFlashSoftcapAndScale", "dflash { gamma: 7 }", {kK, 0.7, 5}},
+      {"DFlashScale", "dflash {}", {kK, 2, 0}},
+      {"Tv", "tv { gamma: 7 }"},
+      {"TvNoGammaScaledZLoss", "tv {} cross_entropy { z_loss_scale: 0.02 }",
+       {kK, 1.5, 0}},
+      {"DPace", "dpace { alpha: 0.3 }"},
+      {"DPaceCumulativeConfidenceOnly",
+       "dpace { alpha: 0.3 variant: CUMULATIVE_CONFIDENCE_ONLY }"},
+      {"DPaceContinuationValueOnly",
+       "dpace { alpha: 0.3 variant: CONTINUATION_VALUE_ONLY }"},
+      {"DPaceAlphaZeroSmoothedSoftcap",
+       "dpace { alpha: 0 } cross_entropy { label_smoothing: 0.2 }", {kK, 1, 4}},
+      {"LkLambda", "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }"},
+      {"LkLambdaZLossSmoothing",
+       "lk_lambda { kl_scale: 1 kl_decay: 0.5 } cross_entropy { z_loss_scale: "
+       "0.01 label_smoothing: 0.05 }"},
+      {"DSpark", "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }"},
+      {"DSparkNoGammaSoftcapSmoothing",
+       "dspark { l1_weight: 1 confidence_weight: 1 } cross_entropy { "
+       "label_smoothing: 0.1 }",
+       {kK, 1, 6}},
+      {"DSparkNoConfidence", "dspark { confidence_weight: 0 }"},
+      {"ForwardKlTemperature2",
+       "distillation { divergence: FORWARD_KL temperature: 2 }"},
+      {"ReverseKl", "distillation { divergence: REVERSE_KL temperature: 1.5 "
+                    "gamma: 7 }"},
+      {"Jsd", "distillation { divergence: JSD beta: 0.3 }"},
+      {"JsdSoftcapIgnoreIndex",
+       "distillation { divergence: JSD beta: 0.5 temperature: 0.8 } "
+       "cross_entropy { ignore_index: 5 }",
+       {kK, 1, 3}},
+  };
 }
 
-class LossFamilyTest : public ::testing::TestWithParam<v1::LossConfig> {};
+class LossCaseTest : public ::testing::TestWithParam<Case> {
+ protected:
+  v1::LossConfig config() const { return Parse(GetParam().loss); }
+  Problem problem(uint32_t seed) const {
+    return MakeProblem(seed, GetParam().options);
+  }
+};
 
-TEST_P(LossFamilyTest, MatchesNaiveFloat64Reference) {
-  Batch batch = MakeBatch(11);
-  const Reference ref = Naive(batch, GetParam());
-  auto terms = SoftmaxFamilyChunkLoss<double>(
-      GetParam(), kK, absl::MakeSpan(batch.logits), kV, batch.rows);
+TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
+  const Problem p = problem(11);
+  const Reference ref = Naive(config(), p);
+  std::vector<double> grad;
+  std::vector<float> confidence_grad, neg_log_q(kRows);
+  std::vector<int32_t> argmax(kRows);
+  ChunkLossOutputs outputs;
+  outputs.neg_log_q = absl::MakeSpan(neg_log_q);
+  outputs.argmax = absl::MakeSpan(argmax);
+  auto terms = RunDouble(config(), p, grad, confidence_grad, outputs);
   ASSERT_TRUE(terms.ok()) << terms.status();
+  ASSERT_GT(ref.den, 0);
   EXPECT_NEAR(terms->loss_num, ref.num, 1e-10);
   EXPECT_NEAR(terms->loss_den, ref.den, 1e-10);
   EXPECT_EQ(terms->correct, ref.correct);
   EXPECT_EQ(terms->accuracy_den, ref.acc_den);
+  EXPECT_EQ(terms->correct_per_position, ref.correct_per_position);
+  for (int64_t r = 0; r < kRows; ++r) {
+    EXPECT_NEAR(neg_log_q[r], ref.neg_log_q[r], 1e-6) << "row " << r;
+    EXPECT_EQ(argmax[r], ref.argmax[r]) << "row " << r;
+  }
 }
 
-TEST_P(LossFamilyTest, GradientMatchesFiniteDifferences) {
-  Batch batch = MakeBatch(5);
-  const std::vector<double> weights = Naive(batch, GetParam()).weights;
-  std::vector<double> grad = batch.logits;
-  ASSERT_TRUE(SoftmaxFamilyChunkLoss<double>(GetParam(), kK,
-                                             absl::MakeSpan(grad), kV,
-                                             batch.rows)
-                  .ok());
+TEST_P(LossCaseTest, GradientMatchesFiniteDifferences) {
+  const Problem p = problem(5);
+  const v1::LossConfig c = config();
+  const Detached detached = Naive(c, p).detached;
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  ASSERT_TRUE(RunDouble(c, p, grad, confidence_grad).ok());
   const double h = 1e-6;
-  for (int64_t i = 0; i < kRows * kV; i += 5) {
-    Batch plus = batch, minus = batch;
+  for (int64_t i = 0; i < kRows * kV; ++i) {
+    Problem plus = p, minus = p;
     plus.logits[i] += h;
     minus.logits[i] -= h;
-    const double numeric = (Naive(plus, GetParam(), &weights).num -
-                            Naive(minus, GetParam(), &weights).num) /
-                           (2 * h);
-    EXPECT_NEAR(grad[i], numeric, 1e-8) << "logit " << i;
+    const double numeric =
+        (Naive(c, plus, &detached).num - Naive(c, minus, &detached).num) /
+        (2 * h);
+    ASSERT_NEAR(grad[i], numeric, 1e-8) << "logit " << i;
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    Problem plus = p, minus = p;
+    plus.confidence[r] += h;
+    minus.confidence[r] -= h;
+    const double numeric =
+        (Naive(c, plus, &detached).num - Naive(c, minus, &detached).num) /
+        (2 * h);
+    // The confidence gradient is returned in float.
+    EXPECT_NEAR(confidence_grad[r], numeric, 1e-6) << "confidence " << r;
   }
   // Rows without weight get an exactly zero gradient.
-  for (int64_t v = 0; v < kV; ++v) EXPECT_EQ(grad[7 * kV + v], 0.0);
-}
-
-TEST_P(LossFamilyTest, Float32WithinOneInTenToTheFiveOfFloat64) {
-  Batch batch = MakeBatch(9);
-  std::vector<float> logits32(batch.logits.begin(), batch.logits.end());
-  std::vector<double> rounded(logits32.begin(), logits32.end());
-  auto t64 = SoftmaxFamilyChunkLoss<double>(GetParam(), kK,
-                                            absl::MakeSpan(rounded), kV,
-                                            batch.rows);
-  auto t32 = SoftmaxFamilyChunkLoss<float>(GetParam(), kK,
-                                           absl::MakeSpan(logits32), kV,
-                                           batch.rows);
-  ASSERT_TRUE(t64.ok() && t32.ok());
-  EXPECT_NEAR(t32->loss_num, t64->loss_num, 1e-5 * std::abs(t64->loss_num));
-  for (size_t i = 0; i < rounded.size(); ++i) {
-    EXPECT_NEAR(logits32[i], rounded[i], 1e-5 * (std::abs(rounded[i]) + 1e-2));
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (p.rows[r].mask > 0) continue;
+    for (int64_t v = 0; v < kV; ++v) ASSERT_EQ(grad[r * kV + v], 0.0);
   }
 }
 
-TEST_P(LossFamilyTest, WholeBlockChunksSumToTheUnchunkedTerms) {
-  Batch batch = MakeBatch(21);
-  Batch whole = batch;
-  auto all = SoftmaxFamilyChunkLoss<double>(
-      GetParam(), kK, absl::MakeSpan(whole.logits), kV, whole.rows);
+TEST_P(LossCaseTest, Float32WithinOneInTenToTheFiveOfFloat64) {
+  Problem p = problem(9);
+  std::vector<float> logits(p.logits.begin(), p.logits.end());
+  std::vector<float> teacher(p.teacher.begin(), p.teacher.end());
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  p.logits.assign(logits.begin(), logits.end());
+  p.teacher.assign(teacher.begin(), teacher.end());
+  p.confidence.assign(confidence.begin(), confidence.end());
+  std::vector<double> grad64;
+  std::vector<float> confidence_grad64, confidence_grad32(kRows);
+  auto t64 = RunDouble(config(), p, grad64, confidence_grad64);
+  ChunkLossOutputs outputs;
+  outputs.confidence_grad = absl::MakeSpan(confidence_grad32);
+  auto t32 = ChunkLoss<float>(
+      config(), p.options,
+      {absl::MakeSpan(logits), teacher, confidence, p.rows, kV}, outputs);
+  ASSERT_TRUE(t64.ok() && t32.ok()) << t32.status();
+  EXPECT_NEAR(t32->loss_num, t64->loss_num, 1e-5 * std::abs(t64->loss_num));
+  EXPECT_NEAR(t32->loss_den, t64->loss_den, 1e-6 * t64->loss_den);
+  EXPECT_EQ(t32->correct, t64->correct);
+  for (size_t i = 0; i < grad64.size(); ++i) {
+    ASSERT_NEAR(logits[i], grad64[i], 1e-5 * (std::abs(grad64[i]) + 1e-2))
+        << i;
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    EXPECT_NEAR(confidence_grad32[r], confidence_grad64[r], 1e-6);
+  }
+}
+
+TEST_P(LossCaseTest, BFloat16WithinSpecForgeTolerances) {
+  Problem p = problem(13);
+  std::vector<BFloat16> logits, teacher;
+  for (double& x : p.logits) {
+    logits.push_back(ToBFloat16(static_cast<float>(x)));
+    x = ToFloat(logits.back());
+  }
+  for (double& x : p.teacher) {
+    teacher.push_back(ToBFloat16(static_cast<float>(x)));
+    x = ToFloat(teacher.back());
+  }
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  p.confidence.assign(confidence.begin(), confidence.end());
+  std::vector<double> grad64;
+  std::vector<float> confidence_grad64, confidence_grad(kRows);
+  auto t64 = RunDouble(config(), p, grad64, confidence_grad64);
+  ChunkLossOutputs outputs;
+  outputs.confidence_grad = absl::MakeSpan(confidence_grad);
+  auto bf = ChunkLoss<BFloat16>(
+      config(), p.options,
+      {absl::MakeSpan(logits), teacher, confidence, p.rows, kV}, outputs);
+  ASSERT_TRUE(t64.ok() && bf.ok()) << bf.status();
+  // FP32 accumulation over bfloat16 inputs: the loss is as exact as in float.
+  EXPECT_NEAR(bf->loss_num, t64->loss_num, 1e-5 * std::abs(t64->loss_num));
+  // The gradient is rounded to bfloat16 once: relative norm error < 5e-3.
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < grad64.size(); ++i) {
+    diff += std::pow(ToFloat(logits[i]) - grad64[i], 2);
+    norm += grad64[i] * grad64[i];
+  }
+  EXPECT_LT(std::sqrt(diff / norm), 5e-3);
+}
+
+TEST_P(LossCaseTest, WholeBlockChunksSumToTheUnchunkedTerms) {
+  const Problem p = problem(21);
+  std::vector<double> whole_grad;
+  std::vector<float> whole_confidence_grad;
+  auto all = RunDouble(config(), p, whole_grad, whole_confidence_grad);
   ASSERT_TRUE(all.ok());
+  std::vector<double> grad = p.logits;
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  std::vector<float> confidence_grad(kRows);
   ChunkTerms sum;
-  sum.correct_per_position.assign(kK, 0);
-  for (int64_t block = 0; block < kBlocks; ++block) {
-    auto part = SoftmaxFamilyChunkLoss<double>(
-        GetParam(), kK,
-        absl::MakeSpan(batch.logits).subspan(block * kK * kV, kK * kV), kV,
-        absl::MakeConstSpan(batch.rows).subspan(block * kK, kK));
+  for (int64_t block = 0; block < kRows / kK; ++block) {
+    const int64_t row = block * kK;
+    ChunkLossOutputs outputs;
+    outputs.confidence_grad = absl::MakeSpan(confidence_grad).subspan(row, kK);
+    auto part = ChunkLoss<double>(
+        config(), p.options,
+        {absl::MakeSpan(grad).subspan(row * kV, kK * kV),
+         absl::MakeConstSpan(p.teacher).subspan(row * kV, kK * kV),
+         absl::MakeConstSpan(confidence).subspan(row, kK),
+         absl::MakeConstSpan(p.rows).subspan(row, kK), kV},
+        outputs);
     ASSERT_TRUE(part.ok());
-    sum.loss_num += part->loss_num;
-    sum.loss_den += part->loss_den;
-    sum.correct += part->correct;
-    for (int64_t k = 0; k < kK; ++k) {
-      sum.correct_per_position[k] += part->correct_per_position[k];
-    }
+    sum.Add(*part);
   }
   EXPECT_NEAR(sum.loss_num, all->loss_num, 1e-12 * all->loss_num);
   EXPECT_NEAR(sum.loss_den, all->loss_den, 1e-12 * all->loss_den);
   EXPECT_EQ(sum.correct, all->correct);
   EXPECT_EQ(sum.correct_per_position, all->correct_per_position);
-  EXPECT_EQ(batch.logits, whole.logits);  // Same gradients.
+  EXPECT_EQ(sum.mask_per_position, all->mask_per_position);
+  EXPECT_EQ(grad, whole_grad);
+  EXPECT_EQ(confidence_grad, whole_confidence_grad);
 }
 
-TEST_P(LossFamilyTest, AllMaskedGivesFiniteZero) {
-  Batch batch = MakeBatch(2);
-  for (RowMeta& m : batch.rows) m.mask = 0;
-  auto terms = SoftmaxFamilyChunkLoss<double>(
-      GetParam(), kK, absl::MakeSpan(batch.logits), kV, batch.rows);
+TEST_P(LossCaseTest, AllMaskedGivesFiniteZero) {
+  Problem p = problem(2);
+  for (RowMeta& m : p.rows) m.mask = 0;
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto terms = RunDouble(config(), p, grad, confidence_grad);
   ASSERT_TRUE(terms.ok());
   EXPECT_EQ(terms->loss_num, 0.0);
   EXPECT_EQ(terms->loss_den, 0.0);
-  for (double g : batch.logits) ASSERT_EQ(g, 0.0);
+  for (double g : grad) ASSERT_EQ(g, 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, LossFamilyTest,
-                         ::testing::ValuesIn(AllLosses()));
+INSTANTIATE_TEST_SUITE_P(Losses, LossCaseTest, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
-TEST(DFlashLossTest, GammaSevenDecayIsExact) {
+TEST(ChunkLossFixtureTest, SpecForgeLayoutGivesTheHandComputedMask) {
+  std::vector<float> mask;
+  for (const RowMeta& m : FixtureRows(1)) mask.push_back(m.mask);
+  const std::vector<float> expected = {
+      0, 1, 1, 1, 1,  // b 0, anchor 0: tokens 1..4.
+      0, 1, 1, 1, 0,  // b 0, anchor 3: token 7 is unsupervised.
+      0, 1, 1, 1, 1,  // b 1, anchor 1: tokens 2..5.
+      0, 0, 0, 0, 0,  // b 1, anchor 4: not kept.
+  };
+  EXPECT_EQ(mask, expected);
+}
+
+TEST(ChunkLossFixtureTest, PartialTailBlockHasOneFiniteTarget) {
+  // S = 4, anchor 2: only k = 1 (token 3) lies inside the sequence.
+  const std::vector<int64_t> ids = {4, 7, 1, 9};
+  const std::vector<uint8_t> loss_mask = {1, 1, 1, 1};
+  auto rows = LabelRows({1, 4, ids, loss_mask}, std::vector<int64_t>{2},
+                        std::vector<uint8_t>{1}, 1, kK, kV, Labeling::kDFlash);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  std::vector<double> logits(kK * kV);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(i * 0.37);
+  const double neg_log_q = [&] {
+    std::vector<double> row(logits.begin() + kV, logits.begin() + 2 * kV);
+    return LogSumExp(row) - row[9];
+  }();
+  auto terms = ChunkLoss<double>(Parse("dflash { gamma: 7 }"), {kK},
+                                 {absl::MakeSpan(logits), {}, {}, *rows, kV});
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  EXPECT_EQ(terms->loss_den, 1.0);
+  EXPECT_TRUE(std::isfinite(terms->loss_num));
+  EXPECT_NEAR(terms->loss_num, neg_log_q, 1e-12);
+}
+
+TEST(ChunkLossTest, GammaSevenDecayIsExact) {
   EXPECT_EQ(DFlashWeight(true, 7, 0, 1.0f), 1.0);
   EXPECT_EQ(DFlashWeight(true, 7, 1, 1.0f), 1.0);
   EXPECT_DOUBLE_EQ(DFlashWeight(true, 7, 2, 1.0f), std::exp(-1.0 / 7));
@@ -234,67 +521,161 @@ TEST(DFlashLossTest, GammaSevenDecayIsExact) {
   EXPECT_EQ(DFlashWeight(true, 0, 4, 1.0f), 1.0);
 }
 
-TEST(DFlashLossTest, BadInputsAreErrors) {
-  Batch batch = MakeBatch(1);
-  auto rows = batch.rows;
-  rows[3].position = 5;
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(Loss("dflash"), kK,
-                                            absl::MakeSpan(batch.logits), kV,
-                                            rows)
-                .status()
-                .message(),
-            "row 3: block position 5 is outside [0, 5)");
-  rows = batch.rows;
-  rows[2].mask = -1;
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(Loss("dflash"), kK,
-                                            absl::MakeSpan(batch.logits), kV,
-                                            rows)
-                .status()
-                .message(),
-            "row 2: mask must be finite and >= 0, got -1");
-  rows = batch.rows;
-  rows[1].target = kV;
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(Loss("dflash"), kK,
-                                            absl::MakeSpan(batch.logits), kV,
-                                            rows)
-                .status()
-                .message(),
-            "row 1: target id 13 is outside [0, 13)");
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(
-                Loss("dflash"), kK, absl::MakeSpan(batch.logits).subspan(1), kV,
-                batch.rows)
-                .status()
-                .message(),
-            "chunk loss: logits hold 259 values, expected 20 rows x 13 vocab");
+TEST(ChunkLossTest, TopKMatchesASortOfTheLossLogits) {
+  Problem p = MakeProblem(3, {kK, 1, 4});
+  for (int64_t i = 0; i < kRows * kV; i += 3) p.logits[i] = 0.5;  // Ties.
+  const int32_t k = 4;
+  std::vector<int32_t> top(kRows * k);
+  ChunkLossOutputs outputs;
+  outputs.top_k = absl::MakeSpan(top);
+  outputs.k = k;
+  std::vector<double> grad = p.logits;
+  ASSERT_TRUE(ChunkLoss<double>(Parse("dflash {}"), p.options,
+                                {absl::MakeSpan(grad), {}, {}, p.rows, kV},
+                                outputs)
+                  .ok());
+  for (int64_t r = 0; r < kRows; ++r) {
+    std::vector<int32_t> expected(k, -1);
+    if (p.rows[r].mask > 0) {
+      std::vector<int32_t> order(kV);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return Transform(p.logits[r * kV + a], p.options) >
+               Transform(p.logits[r * kV + b], p.options);
+      });
+      expected.assign(order.begin(), order.begin() + k);
+    }
+    EXPECT_EQ(std::vector<int32_t>(top.begin() + r * k, top.begin() + (r + 1) * k),
+              expected)
+        << "row " << r;
+  }
 }
 
-TEST(DPaceLossTest, NeedsWholeBlocksInOrderAndAKnownFamily) {
-  Batch batch = MakeBatch(1);
-  const v1::LossConfig dpace = Loss("dpace");
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(
-                dpace, kK, absl::MakeSpan(batch.logits).subspan(0, 3 * kV), kV,
-                absl::MakeConstSpan(batch.rows).subspan(0, 3))
+TEST(ChunkLossTest, ExtremeLogitsAndLargeVocabularyStayExact) {
+  constexpr int64_t kBig = 262144;
+  const std::vector<RowMeta> rows = {{17, 1, 1.0f}, {kBig - 1, 2, 1.0f}};
+  std::vector<float> logits(2 * kBig), teacher(2 * kBig);
+  for (int64_t i = 0; i < 2 * kBig; ++i) {
+    logits[i] = (i % 7 == 0) ? 1e4f : -1e4f + static_cast<float>(i % 1000);
+    teacher[i] = (i % 5 == 0) ? 1e4f : -1e4f;
+  }
+  for (const char* loss : {"dflash { gamma: 7 }", "tv {}",
+                           "distillation { divergence: REVERSE_KL }"}) {
+    std::vector<float> grad32 = logits;
+    std::vector<double> grad64(logits.begin(), logits.end());
+    const std::vector<double> teacher64(teacher.begin(), teacher.end());
+    auto t32 = ChunkLoss<float>(Parse(loss), {kK},
+                                {absl::MakeSpan(grad32), teacher, {}, rows, kBig});
+    auto t64 = ChunkLoss<double>(
+        Parse(loss), {kK}, {absl::MakeSpan(grad64), teacher64, {}, rows, kBig});
+    ASSERT_TRUE(t32.ok() && t64.ok()) << loss;
+    EXPECT_TRUE(std::isfinite(t32->loss_num)) << loss;
+    EXPECT_NEAR(t32->loss_num, t64->loss_num,
+                1e-5 * std::abs(t64->loss_num) + 1e-6)
+        << loss;
+    for (int64_t i = 0; i < 2 * kBig; ++i) {
+      ASSERT_TRUE(std::isfinite(grad32[i])) << loss << " " << i;
+      ASSERT_NEAR(grad32[i], grad64[i], 1e-5 * std::abs(grad64[i]) + 1e-7)
+          << loss << " " << i;
+    }
+  }
+}
+
+absl::Status RunLoss(const std::string& loss, Problem p,
+                     ChunkLossOutputs outputs = {}) {
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  std::vector<float> confidence_grad(kRows);
+  if (outputs.confidence_grad.empty() && loss.find("dspark") == 0) {
+    outputs.confidence_grad = absl::MakeSpan(confidence_grad);
+  }
+  return ChunkLoss<double>(
+             Parse(loss), p.options,
+             {absl::MakeSpan(p.logits), p.teacher, confidence, p.rows, kV},
+             outputs)
+      .status();
+}
+
+TEST(ChunkLossTest, BadInputsAreClearErrors) {
+  const Problem good = MakeProblem(1, {kK});
+  Problem p = good;
+  p.rows[3].position = 5;
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "row 3: block position 5 is outside [0, 5)");
+  p = good;
+  p.rows[2].mask = -1;
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "row 2: mask must be finite and >= 0, got -1");
+  p = good;
+  p.rows[1].target = kV;
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "row 1: target id 13 is outside [0, 13)");
+  p = good;
+  p.logits[2 * kV + 4] = std::nan("");
+  EXPECT_EQ(RunLoss("dflash {}", p).message(), "row 2: logit 4 is not finite (nan)");
+  p = good;
+  p.teacher[6 * kV + 1] = INFINITY;
+  EXPECT_EQ(RunLoss("distillation {}", p).message(),
+            "teacher logits: row 6: logit 1 is not finite (inf)");
+  p = good;
+  p.confidence[1] = NAN;
+  EXPECT_EQ(RunLoss("dspark {}", p).message(),
+            "row 1: confidence logit is not finite (nan)");
+  p = good;
+  p.logits.pop_back();
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "chunk loss: logits hold 259 values, expected 20 rows x 13 vocab");
+  p = good;
+  p.teacher.clear();
+  EXPECT_EQ(RunLoss("distillation {}", p).message(),
+            "chunk loss: teacher_logits must hold 260 values (rows x vocab), "
+            "got 0");
+  p = good;
+  p.confidence.resize(3);
+  EXPECT_EQ(RunLoss("dspark {}", p).message(),
+            "chunk loss: confidence_logits must hold 20 values (one per row "
+            "for loss.dspark.confidence_weight), got 3");
+  EXPECT_EQ(RunLoss("", good).message(),
+            "chunk loss: loss: one loss family must be set (dflash, dpace, tv, "
+            "lk_lambda, dspark, distillation), got none");
+  EXPECT_EQ(RunLoss("dpace { alpha: 1.5 }", good).message(),
+            "chunk loss: loss.dpace.alpha: must lie in [0, 1], got 1.5");
+  EXPECT_EQ(RunLoss("tv {} cross_entropy { label_smoothing: 0.1 }", good).message(),
+            "chunk loss: loss.cross_entropy.label_smoothing: applies to "
+            "cross-entropy terms, which loss.tv does not have, got 0.1");
+  p = good;
+  p.options.logit_scale = 0;
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "chunk loss: logit_scale must be finite and > 0 and logit_softcap "
+            "finite and >= 0, got 0 and 0");
+  std::vector<int32_t> top(kRows * 65);
+  ChunkLossOutputs outputs;
+  outputs.top_k = absl::MakeSpan(top);
+  outputs.k = 65;
+  EXPECT_EQ(RunLoss("dflash {}", good, outputs).message(),
+            "chunk loss: outputs.k must lie in [1, min(64, V = 13)], got 65");
+  std::vector<int32_t> argmax(3);
+  outputs = {};
+  outputs.argmax = absl::MakeSpan(argmax);
+  EXPECT_EQ(RunLoss("dflash {}", good, outputs).message(),
+            "chunk loss: outputs.argmax must hold 20 values (one per row), "
+            "got 3");
+}
+
+TEST(ChunkLossTest, BlockCoupledLossesNeedWholeBlocksInOrder) {
+  const Problem good = MakeProblem(1, {kK});
+  std::vector<double> logits(good.logits.begin(), good.logits.begin() + 3 * kV);
+  EXPECT_EQ(ChunkLoss<double>(Parse("lk_lambda {}"), {kK},
+                              {absl::MakeSpan(logits), {}, {},
+                               absl::MakeConstSpan(good.rows).subspan(0, 3), kV})
                 .status()
                 .message(),
-            "chunk loss: loss.dpace needs whole blocks, got 3 rows for "
+            "chunk loss: loss.lk_lambda needs whole blocks, got 3 rows for "
             "block_size 5");
-  auto rows = batch.rows;
-  std::swap(rows[1].position, rows[2].position);
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(dpace, kK,
-                                           absl::MakeSpan(batch.logits), kV,
-                                           rows)
-                .status()
-                .message(),
-            "row 1: block position 2 is outside [0, 5) or not 1 (loss.dpace "
-            "needs blocks in order)");
-  v1::LossConfig dspark;
-  dspark.mutable_dspark();
-  EXPECT_EQ(SoftmaxFamilyChunkLoss<double>(dspark, kK,
-                                           absl::MakeSpan(batch.logits), kV,
-                                           batch.rows)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  Problem p = good;
+  std::swap(p.rows[1].position, p.rows[2].position);
+  EXPECT_EQ(RunLoss("dpace {}", p).message(),
+            "row 1: block position 2 is outside [0, 5) or not 1 (block-level "
+            "weights need blocks in order)");
 }
 
 }  // namespace

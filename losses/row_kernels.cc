@@ -38,17 +38,54 @@ inline float ExpNonPositive(float x) {
 
 constexpr int kLanes = 16;
 
+// First index of `max` in x: a vectorisable any-equal test per 64 values,
+// then a scalar scan inside the first block that has it.
+int32_t FirstIndexOf(const float* x, int64_t vocab, float max) {
+  constexpr int64_t kBlock = 64;
+  int64_t start = 0;
+  for (; start + kBlock <= vocab; start += kBlock) {
+    int hit = 0;
+    for (int64_t v = start; v < start + kBlock; ++v) hit |= x[v] == max;
+    if (hit) break;
+  }
+  while (x[start] != max) ++start;
+  return static_cast<int32_t>(start);
+}
+
 // Float rows: max and a finiteness check in one vectorised pass, sum of
 // exponentials in another (kLanes float partial sums, added in double).
-absl::StatusOr<RowStats> FloatRowStats(absl::Span<const float> logits,
-                                       int32_t target, int64_t row) {
-  const int64_t vocab = static_cast<int64_t>(logits.size());
-  const float* x = logits.data();
-  float max = -std::numeric_limits<float>::infinity();
-  int bad = 0;
-  for (int64_t v = 0; v < vocab; ++v) {
+// With kKeepExp, the second pass also stores exp(x - max) over x.
+template <bool kKeepExp>
+absl::StatusOr<RowStats> FloatRowStats(
+    std::conditional_t<kKeepExp, float*, const float*> x, int64_t vocab,
+    int32_t target, int64_t row) {
+  // Max and finiteness flags on GCC/Clang vector types: neither compiler
+  // vectorises a float max reduction by itself without -ffast-math.
+  using Floats = float __attribute__((vector_size(32)));
+  using Ints = int32_t __attribute__((vector_size(32)));
+  constexpr int kWidth = sizeof(Floats) / sizeof(float);
+  const float lowest = -std::numeric_limits<float>::infinity();
+  Floats max0 = lowest - Floats{}, max1 = max0;
+  Ints bad0 = {}, bad1 = {};
+  int64_t v = 0;
+  for (; v + 2 * kWidth <= vocab; v += 2 * kWidth) {
+    Floats a, b;
+    std::memcpy(&a, x + v, sizeof(a));
+    std::memcpy(&b, x + v + kWidth, sizeof(b));
+    max0 = a > max0 ? a : max0;
+    max1 = b > max1 ? b : max1;
+    bad0 |= (a - a) != 0;  // NaN for inf and NaN.
+    bad1 |= (b - b) != 0;
+  }
+  float max = lowest;
+  int32_t bad = 0;
+  for (; v < vocab; ++v) {
     max = std::max(max, x[v]);
-    bad |= !(x[v] - x[v] == 0.0f);  // NaN for inf and NaN.
+    bad |= !(x[v] - x[v] == 0.0f);
+  }
+  for (int l = 0; l < kWidth; ++l) {
+    max = std::max({max, max0[l], max1[l]});
+    bad |= bad0[l] | bad1[l];
   }
   if (bad) {
     for (int64_t v = 0; v < vocab; ++v) {
@@ -58,18 +95,44 @@ absl::StatusOr<RowStats> FloatRowStats(absl::Span<const float> logits,
       }
     }
   }
-  int32_t argmax = 0;
-  while (x[argmax] != max) ++argmax;
+  const int32_t argmax = FirstIndexOf(x, vocab, max);
+  const double target_logit = x[target];
   float lanes[kLanes] = {};
-  int64_t v = 0;
-  for (; v + kLanes <= vocab; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += ExpNonPositive(x[v + l] - max);
-  }
   double sum = 0;
-  for (; v < vocab; ++v) sum += ExpNonPositive(x[v] - max);
+  v = 0;
+  if constexpr (kKeepExp) {
+    for (; v + kLanes <= vocab; v += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        x[v + l] = ExpNonPositive(x[v + l] - max);
+        lanes[l] += x[v + l];
+      }
+    }
+    for (; v < vocab; ++v) {
+      x[v] = ExpNonPositive(x[v] - max);
+      sum += x[v];
+    }
+  } else {
+    for (; v + kLanes <= vocab; v += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lanes[l] += ExpNonPositive(x[v + l] - max);
+      }
+    }
+    for (; v < vocab; ++v) sum += ExpNonPositive(x[v] - max);
+  }
   for (float lane : lanes) sum += lane;
-  return RowStats{max, max + std::log(sum), static_cast<double>(x[target]),
-                  argmax};
+  return RowStats{max, max + std::log(sum), target_logit, argmax};
+}
+
+absl::Status CheckRow(int64_t vocab, int32_t target, int64_t row) {
+  if (vocab == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row ", row, ": empty vocabulary"));
+  }
+  if (target < 0 || target >= vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "row ", row, ": target id ", target, " is outside [0, ", vocab, ")"));
+  }
+  return absl::OkStatus();
 }
 
 // Double rows: online logsumexp, rescaling the running sum when the maximum
@@ -104,19 +167,35 @@ template <typename T>
 absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
                                          int32_t target, int64_t row) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
-  if (vocab == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("row ", row, ": empty vocabulary"));
-  }
-  if (target < 0 || target >= vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "row ", row, ": target id ", target, " is outside [0, ", vocab, ")"));
+  if (absl::Status valid = CheckRow(vocab, target, row); !valid.ok()) {
+    return valid;
   }
   if constexpr (std::is_same_v<T, float>) {
-    return FloatRowStats(logits, target, row);
+    return FloatRowStats<false>(logits.data(), vocab, target, row);
   } else {
     return DoubleRowStats(logits, target, row);
   }
+}
+
+absl::StatusOr<RowStats> ComputeRowStatsKeepExp(absl::Span<float> logits,
+                                                int32_t target, int64_t row) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  if (absl::Status valid = CheckRow(vocab, target, row); !valid.ok()) {
+    return valid;
+  }
+  return FloatRowStats<true>(logits.data(), vocab, target, row);
+}
+
+void WriteSoftmaxGradientFromExp(absl::Span<float> exps, int32_t target,
+                                 const RowStats& stats,
+                                 const SoftmaxGradient& grad) {
+  // p = exp(x - max) / exp(lse - max).
+  const float s = static_cast<float>(
+      grad.softmax * std::exp(stats.max_logit - stats.logsumexp));
+  const float u =
+      static_cast<float>(grad.uniform / static_cast<double>(exps.size()));
+  for (float& e : exps) e = s * e - u;
+  exps[target] = static_cast<float>(exps[target] - grad.target);
 }
 
 template <typename T>
@@ -148,21 +227,24 @@ absl::Status TopK(absl::Span<const T> logits, int32_t k,
 }
 
 template <typename T>
-void WriteCrossEntropyGradient(absl::Span<T> logits, int32_t target,
-                               const RowStats& stats, double scale) {
+void WriteSoftmaxGradient(absl::Span<T> logits, int32_t target,
+                          const RowStats& stats, const SoftmaxGradient& grad) {
+  const double uniform = grad.uniform / static_cast<double>(logits.size());
   if constexpr (std::is_same_v<T, float>) {
     // x - max is exact in float; lse - max is small, so nothing large is
     // rounded away even when |logits| ~ 1e4.
     const float max = static_cast<float>(stats.max_logit);
     const float shift = static_cast<float>(stats.logsumexp - stats.max_logit);
-    const float s = static_cast<float>(scale);
-    for (float& x : logits) x = s * ExpNonPositive((x - max) - shift);
+    const float s = static_cast<float>(grad.softmax);
+    const float u = static_cast<float>(uniform);
+    for (float& x : logits) x = s * ExpNonPositive((x - max) - shift) - u;
   } else {
     for (T& x : logits) {
-      x = static_cast<T>(scale * std::exp(x - stats.logsumexp));
+      x = static_cast<T>(grad.softmax * std::exp(x - stats.logsumexp) -
+                         uniform);
     }
   }
-  logits[target] = static_cast<T>(logits[target] - scale);
+  logits[target] = static_cast<T>(logits[target] - grad.target);
 }
 
 template absl::StatusOr<RowStats> ComputeRowStats<float>(
@@ -173,9 +255,11 @@ template absl::Status TopK<float>(absl::Span<const float>, int32_t,
                                   absl::Span<int32_t>);
 template absl::Status TopK<double>(absl::Span<const double>, int32_t,
                                    absl::Span<int32_t>);
-template void WriteCrossEntropyGradient<float>(absl::Span<float>, int32_t,
-                                               const RowStats&, double);
-template void WriteCrossEntropyGradient<double>(absl::Span<double>, int32_t,
-                                                const RowStats&, double);
+template void WriteSoftmaxGradient<float>(absl::Span<float>, int32_t,
+                                          const RowStats&,
+                                          const SoftmaxGradient&);
+template void WriteSoftmaxGradient<double>(absl::Span<double>, int32_t,
+                                           const RowStats&,
+                                           const SoftmaxGradient&);
 
 }  // namespace dflash

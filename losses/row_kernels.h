@@ -24,17 +24,37 @@ template <typename T>
 absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
                                          int32_t target, int64_t row);
 
+// ComputeRowStats for a float row that also leaves exp(logit - max) in
+// place, so that WriteSoftmaxGradientFromExp needs no second exponential.
+absl::StatusOr<RowStats> ComputeRowStatsKeepExp(absl::Span<float> logits,
+                                                int32_t target, int64_t row);
+
 // The k largest logits' indices, largest first; equal logits go to the lower
 // index. 1 <= k <= min(64, V).
 template <typename T>
 absl::Status TopK(absl::Span<const T> logits, int32_t k,
                   absl::Span<int32_t> indices);
 
-// Overwrites `logits` with scale * (softmax(logits) - onehot(target)), the
-// gradient of scale * neg_log_q, given the row's stats.
+// The gradient of a row loss that depends on the logits z only through
+// softmax p, the target and the mean logit: softmax * p - target * onehot -
+// uniform / V. Cross-entropy with label smoothing eps and weight c is
+// {c, c * (1 - eps), c * eps}; tv's (1 - q) * c is {c * q, c * q, 0}; the
+// z-loss c * lse^2 is {2 * c * lse, 0, 0}; sums of these add.
+struct SoftmaxGradient {
+  double softmax = 0;
+  double target = 0;
+  double uniform = 0;
+};
+
+// Overwrites `logits` with their SoftmaxGradient, given the row's stats.
 template <typename T>
-void WriteCrossEntropyGradient(absl::Span<T> logits, int32_t target,
-                               const RowStats& stats, double scale);
+void WriteSoftmaxGradient(absl::Span<T> logits, int32_t target,
+                          const RowStats& stats, const SoftmaxGradient& grad);
+
+// WriteSoftmaxGradient over the exponentials ComputeRowStatsKeepExp left.
+void WriteSoftmaxGradientFromExp(absl::Span<float> exps, int32_t target,
+                                 const RowStats& stats,
+                                 const SoftmaxGradient& grad);
 
 }  // namespace dflash
 

@@ -72,7 +72,7 @@ TEST(RowKernelsTest, ExtremeLogitsStayFinite) {
   EXPECT_NEAR(stats->logsumexp, 1e4 + std::log1p(std::exp(-1.0)), 1e-6);
   EXPECT_EQ(stats->argmax, 5);
   std::vector<float> grad = x;
-  WriteCrossEntropyGradient<float>(absl::MakeSpan(grad), 77, *stats, 1.0);
+  WriteSoftmaxGradient<float>(absl::MakeSpan(grad), 77, *stats, {1, 1, 0});
   for (float g : grad) ASSERT_TRUE(std::isfinite(g));
   EXPECT_NEAR(grad[5], 1 / (1 + std::exp(-1.0)), 1e-6);
   EXPECT_NEAR(grad[77], std::exp(-1.0) / (1 + std::exp(-1.0)) - 1, 1e-6);
@@ -99,14 +99,44 @@ TEST(RowKernelsTest, ArgmaxAndTopKTiesGoToLowestIndex) {
   for (int i = 0; i < 64; ++i) EXPECT_EQ(top[i], i);
 }
 
-TEST(RowKernelsTest, GradientIsSoftmaxMinusOneHot) {
+TEST(RowKernelsTest, GradientIsSoftmaxOneHotAndUniformParts) {
   const std::vector<double> x = {0.5, -1.0, 2.0, 0.0};
   const double lse = NaiveLogSumExp(x);
   std::vector<double> grad = x;
-  WriteCrossEntropyGradient<double>(absl::MakeSpan(grad), 2,
-                                    RowStats{2.0, lse, 2.0, 2}, 0.5);
+  WriteSoftmaxGradient<double>(absl::MakeSpan(grad), 2,
+                               RowStats{2.0, lse, 2.0, 2}, {0.5, 0.25, 0.2});
   for (int v = 0; v < 4; ++v) {
-    EXPECT_NEAR(grad[v], 0.5 * (std::exp(x[v] - lse) - (v == 2)), 1e-15);
+    EXPECT_NEAR(grad[v], 0.5 * std::exp(x[v] - lse) - 0.25 * (v == 2) - 0.05,
+                1e-15);
+  }
+  std::vector<float> grad32(x.begin(), x.end());
+  WriteSoftmaxGradient<float>(absl::MakeSpan(grad32), 2,
+                              RowStats{2.0, lse, 2.0, 2}, {0.5, 0.25, 0.2});
+  for (int v = 0; v < 4; ++v) EXPECT_NEAR(grad32[v], grad[v], 1e-6);
+}
+
+TEST(RowKernelsTest, KeepExpPathMatchesTheTwoExponentialPath) {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> uniform(-20, 20);
+  for (int64_t vocab : {1, 15, 16, 17, 63, 64, 65, 1000, 32768}) {
+    std::vector<float> x(vocab);
+    for (float& v : x) v = uniform(rng);
+    const int32_t target = static_cast<int32_t>(vocab / 3);
+    auto plain = ComputeRowStats<float>(x, target, 0);
+    std::vector<float> exps = x;
+    auto kept = ComputeRowStatsKeepExp(absl::MakeSpan(exps), target, 0);
+    ASSERT_TRUE(plain.ok() && kept.ok());
+    EXPECT_EQ(kept->logsumexp, plain->logsumexp);
+    EXPECT_EQ(kept->target_logit, plain->target_logit);
+    EXPECT_EQ(kept->argmax, plain->argmax);
+    const SoftmaxGradient grad{0.7, 0.6, 0.1};
+    std::vector<float> expected = x;
+    WriteSoftmaxGradient<float>(absl::MakeSpan(expected), target, *plain, grad);
+    WriteSoftmaxGradientFromExp(absl::MakeSpan(exps), target, *kept, grad);
+    for (int64_t v = 0; v < vocab; ++v) {
+      ASSERT_NEAR(exps[v], expected[v], 1e-6 * std::abs(expected[v]) + 1e-9)
+          << "V " << vocab << " v " << v;
+    }
   }
 }
 

@@ -340,7 +340,16 @@ void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
       problems.Specified(
           "loss.distillation.divergence", distillation.divergence(),
           v1::DistillationLoss::Divergence_Name(distillation.divergence()));
-      problems.Within("loss.distillation.beta", distillation.beta(), 0, 1);
+      if (distillation.divergence() == v1::DistillationLoss::JSD &&
+          !(distillation.beta() > 0 && distillation.beta() < 1)) {
+        // The mixture at beta 0 or 1 is one of the two sides: the JSD is 0.
+        problems.Add("loss.distillation.beta",
+                     absl::StrCat("must lie in (0, 1) for JSD (use FORWARD_KL "
+                                  "or REVERSE_KL for the end points), got ",
+                                  Num(distillation.beta())));
+      } else {
+        problems.Within("loss.distillation.beta", distillation.beta(), 0, 1);
+      }
       problems.Above("loss.distillation.temperature",
                      distillation.temperature(), 0);
       break;
@@ -357,6 +366,21 @@ void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
                  absl::StrCat("must lie in [0, 1), got ", Num(smoothing)));
   }
   problems.AtLeast("loss.cross_entropy.z_loss_scale", ce.z_loss_scale(), 0);
+  // Label smoothing reshapes a cross-entropy term; tv and distillation have
+  // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
+  // distillation at another temperature never forms.
+  const bool has_ce_term = !loss.has_tv() && !loss.has_distillation();
+  if (smoothing > 0 && !has_ce_term) {
+    problems.Add("loss.cross_entropy.label_smoothing",
+                 absl::StrCat("applies to cross-entropy terms, which loss.",
+                              loss.has_tv() ? "tv" : "distillation",
+                              " does not have, got ", Num(smoothing)));
+  }
+  if (ce.z_loss_scale() > 0 && loss.has_distillation()) {
+    problems.Add("loss.cross_entropy.z_loss_scale",
+                 absl::StrCat("does not apply to loss.distillation, got ",
+                              Num(ce.z_loss_scale())));
+  }
 }
 
 v1::CheckpointRule Rule(v1::CheckpointAction action) {
@@ -395,6 +419,12 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config) {
   ValidateCheckpoint(config.checkpoint(), problems);
   ValidateHead(config, problems);
   ValidateLoss(config.loss(), problems);
+  return problems.ToStatus();
+}
+
+absl::Status ValidateLossConfig(const v1::LossConfig& loss) {
+  Problems problems;
+  ValidateLoss(loss, problems);
   return problems.ToStatus();
 }
 

@@ -241,7 +241,24 @@ INSTANTIATE_TEST_SUITE_P(
                   "loss.distillation.temperature: must be > 0, got 0"},
         BadConfig{"JsdBetaNegative",
                   kHead + "loss { distillation { divergence: JSD beta: -0.1 } }",
-                  "loss.distillation.beta: must lie in [0, 1], got -0.1"},
+                  "loss.distillation.beta: must lie in (0, 1) for JSD (use "
+                  "FORWARD_KL or REVERSE_KL for the end points), got -0.1"},
+        BadConfig{"JsdBetaOne",
+                  kHead + "loss { distillation { divergence: JSD beta: 1 } }",
+                  "loss.distillation.beta: must lie in (0, 1) for JSD"},
+        BadConfig{"KlBetaAboveOne",
+                  kHead + "loss { distillation { beta: 1.5 } }",
+                  "loss.distillation.beta: must lie in [0, 1], got 1.5"},
+        BadConfig{"LabelSmoothingOnTv",
+                  kHead + "loss { tv {} cross_entropy { label_smoothing: "
+                          "0.1 } }",
+                  "loss.cross_entropy.label_smoothing: applies to "
+                  "cross-entropy terms, which loss.tv does not have, got 0.1"},
+        BadConfig{"ZLossOnDistillation",
+                  kHead + "loss { distillation {} cross_entropy { "
+                          "z_loss_scale: 1e-4 } }",
+                  "loss.cross_entropy.z_loss_scale: does not apply to "
+                  "loss.distillation, got 0.0001"},
         BadConfig{"NegativeKlDecay", kHead + "loss { lk_lambda { kl_decay: -1 } }",
                   "loss.lk_lambda.kl_decay: must be >= 0, got -1"},
         BadConfig{"TeacherBudgetCountsTwoBuffers",

@@ -1,0 +1,35 @@
+#ifndef DFLASH_BASE_BFLOAT16_H_
+#define DFLASH_BASE_BFLOAT16_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace dflash {
+
+// bfloat16 storage: the top 16 bits of an IEEE float. Arithmetic happens in
+// float; values are rounded to nearest-even once, when stored.
+struct BFloat16 {
+  uint16_t bits = 0;
+};
+
+inline float ToFloat(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline BFloat16 ToBFloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  // Branch-free so that conversion loops vectorise; NaN stays a quiet NaN
+  // rather than rounding up into infinity.
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return BFloat16{static_cast<uint16_t>(nan ? quiet_nan : rounded)};
+}
+
+}  // namespace dflash
+
+#endif  // DFLASH_BASE_BFLOAT16_H_

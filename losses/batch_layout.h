@@ -1,0 +1,60 @@
+#ifndef DFLASH_LOSSES_BATCH_LAYOUT_H_
+#define DFLASH_LOSSES_BATCH_LAYOUT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "losses/chunk_loss.h"
+
+namespace dflash {
+
+// Token-level inputs of a DFlash batch, row-major [batch, seq_len].
+struct TokenBatch {
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+  absl::Span<const int64_t> input_ids;
+  absl::Span<const uint8_t> loss_mask;  // Nonzero: the token is supervised.
+};
+
+// Anchor positions [batch, num_anchors], sorted per sequence, with a keep
+// mask that is 0 for padding anchors.
+struct Anchors {
+  int64_t num_anchors = 0;
+  std::vector<int64_t> positions;
+  std::vector<uint8_t> keep;
+};
+
+// How block position k maps to a label and a weight mask.
+enum class Labeling {
+  // SEMANTICS.md section 2: k predicts anchor + k, m = keep * (anchor + k <
+  // S) * (k > 0) * loss_mask[anchor + k].
+  kDFlash,
+  // SEMANTICS.md section 5 (DSpark): k predicts anchor + 1 + k, the mask is
+  // contiguous (it stops at the first unsupervised or out-of-range token).
+  kDSpark,
+};
+
+// Up to `num_anchors` anchors per sequence, drawn without replacement (seeded)
+// among positions p in [0, S-2] with loss_mask[p] and loss_mask[p+1] set,
+// sorted; fewer valid positions leave padding anchors (position 0, keep 0).
+// A sequence without a valid position is an error naming it.
+absl::StatusOr<Anchors> SampleAnchors(const TokenBatch& tokens,
+                                      int64_t num_anchors, uint64_t seed);
+
+// The rows [batch, num_anchors, block_size] in that order: target ids,
+// block positions and weight masks. Rows without weight get target 0. Kept
+// anchors outside [0, S), supervised targets outside [0, vocab) and
+// mis-sized inputs are errors naming the (b, n) or (b, s) concerned.
+absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,
+                                               absl::Span<const int64_t> anchors,
+                                               absl::Span<const uint8_t> keep,
+                                               int64_t num_anchors,
+                                               int64_t block_size,
+                                               int64_t vocab,
+                                               Labeling labeling);
+
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_BATCH_LAYOUT_H_
