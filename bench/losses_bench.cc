@@ -67,7 +67,8 @@ void BM_ChunkLoss(benchmark::State& state, const std::string& loss_text) {
   std::vector<RowMeta> rows(kRows);
   for (int64_t r = 0; r < kRows; ++r) {
     rows[r] = {static_cast<int32_t>(r * 997 % vocab),
-               static_cast<int32_t>(r % kBlock), r % kBlock == 0 ? 0.0f : 1.0f};
+               static_cast<int32_t>(r % kBlock), r % kBlock == 0 ? 0.0f : 1.0f,
+               r / kBlock};
   }
   v1::LossConfig config;
   google::protobuf::TextFormat::ParseFromString(loss_text, &config);

@@ -115,7 +115,7 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
         ") but no recompute function was given"));
   }
   Entry entry{info, value.dtype(), value.shape(), std::move(recompute), {},
-              keep};
+              keep, offers_++};
   if (keep) {
     absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
     if (!held.ok()) return held.status();
@@ -132,24 +132,32 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
 absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
   ++stats_.segment_recomputes;
   const int64_t k = policy_.segment_chunks();
+  std::vector<std::pair<const std::string*, Entry*>> dropped;
   for (auto it = chunks_.lower_bound(segment * k);
        it != chunks_.end() && it->first < (segment + 1) * k; ++it) {
     for (auto& [name, entry] : it->second) {
-      if (entry.kept || entry.held.data() != nullptr) continue;
-      const int64_t bytes = TensorView(nullptr, entry.dtype, entry.shape).bytes();
-      absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
-      if (!held.ok()) return held.status();
-      entry.held = *std::move(held);
-      absl::Status done = entry.recompute(
-          TensorView(entry.held.data(), entry.dtype, entry.shape));
-      if (!done.ok()) {
-        Drop(entry.held);
-        return done;
+      if (!entry.kept && entry.held.data() == nullptr) {
+        dropped.emplace_back(&name, &entry);
       }
-      TagStats& tag = stats_.per_tag[name];
-      ++tag.recomputed;
-      tag.recomputed_flops += entry.info.recompute_flops;
     }
+  }
+  std::sort(dropped.begin(), dropped.end(), [](const auto& a, const auto& b) {
+    return a.second->sequence < b.second->sequence;
+  });
+  for (auto& [name, entry] : dropped) {
+    const int64_t bytes = TensorView(nullptr, entry->dtype, entry->shape).bytes();
+    absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
+    if (!held.ok()) return held.status();
+    entry->held = *std::move(held);
+    absl::Status done = entry->recompute(
+        TensorView(entry->held.data(), entry->dtype, entry->shape));
+    if (!done.ok()) {
+      Drop(entry->held);
+      return done;
+    }
+    TagStats& tag = stats_.per_tag[*name];
+    ++tag.recomputed;
+    tag.recomputed_flops += entry->info.recompute_flops;
   }
   return absl::OkStatus();
 }

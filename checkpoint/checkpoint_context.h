@@ -53,8 +53,9 @@ struct CheckpointStats {
 // - PREFER_RECOMPUTE and MUST_RECOMPUTE drop; with segment_chunks = 0
 //   (never recompute) PREFER_RECOMPUTE keeps.
 // Backward fetches a dropped tensor by recomputing its whole segment (the
-// segment_chunks consecutive chunks containing it) once; the recomputed
-// tensors are held until Release() of their chunk. Kept tensors live in a
+// segment_chunks consecutive chunks containing it) once, in offer order, so
+// that a recompute function may Fetch what was offered before it; the
+// recomputed tensors are held until Release() of their chunk. Kept tensors live in a
 // store owned through the TrackingAllocator. Not thread-safe.
 class CheckpointContext {
  public:
@@ -86,6 +87,7 @@ class CheckpointContext {
     RecomputeFn recompute;
     TrackedBuffer<char> held;  // Kept copy or recomputed tensor; may be empty.
     bool kept = false;
+    int64_t sequence = 0;  // Offer order: recomputation follows it.
   };
   CheckpointContext(const v1::CheckpointPolicy& policy,
                     std::vector<v1::CheckpointRule> rules,
@@ -100,6 +102,7 @@ class CheckpointContext {
   TrackingAllocator& allocator_;
   std::map<int64_t, std::map<std::string, Entry, std::less<>>> chunks_;
   CheckpointStats stats_;
+  int64_t offers_ = 0;
 };
 
 }  // namespace dflash

@@ -191,6 +191,46 @@ INSTANTIATE_TEST_SUITE_P(
       return info.param.name;
     });
 
+// A recompute may read an intermediate offered before it: the segment is
+// recomputed in offer order, whatever the tags' names.
+TEST(CheckpointContextTest, RecomputesInOfferOrderSoLaterStagesCanFetch) {
+  TrackingAllocator allocator;
+  auto context = CheckpointContext::Create(Policy("segment_chunks: 1"),
+                                           allocator);
+  ASSERT_TRUE(context.ok());
+  CheckpointContext& ctx = **context;
+  std::vector<float> zz = {1, 2};  // Sorts after "aa" but is offered first.
+  std::vector<float> aa = {3, 5};  // 2 * zz + 1.
+  int zz_calls = 0;
+  ASSERT_TRUE(ctx.Offer(0, Info("zz", v1::PROJECTION, true, false),
+                        TensorView::Of(zz.data(), {2}),
+                        [&](const TensorView& out) {
+                          ++zz_calls;
+                          out.data_as<float>()[0] = 1;
+                          out.data_as<float>()[1] = 2;
+                          return absl::OkStatus();
+                        })
+                  .ok());
+  ASSERT_TRUE(ctx.Offer(0, Info("aa", v1::LOGITS_GRADIENT, true, true),
+                        TensorView::Of(aa.data(), {2}),
+                        [&](const TensorView& out) -> absl::Status {
+                          auto source = ctx.Fetch(0, "zz");
+                          if (!source.ok()) return source.status();
+                          for (int i = 0; i < 2; ++i) {
+                            out.data_as<float>()[i] =
+                                2 * source->data_as<float>()[i] + 1;
+                          }
+                          return absl::OkStatus();
+                        })
+                  .ok());
+  auto result = ctx.Fetch(0, "aa");
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->data_as<float>()[0], 3);
+  EXPECT_EQ(result->data_as<float>()[1], 5);
+  EXPECT_EQ(zz_calls, 1);
+  EXPECT_EQ(ctx.stats().segment_recomputes, 1);
+}
+
 TEST(CheckpointContextTest, BadPoliciesAreRejected) {
   TrackingAllocator allocator;
   EXPECT_THAT(CheckpointContext::Create(Policy("segment_chunks: -2"), allocator)

@@ -95,6 +95,7 @@ absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,
       RowMeta* out = rows.data() + block * block_size;
       for (int64_t k = 0; k < block_size; ++k) {
         out[k].position = static_cast<int32_t>(k);
+        out[k].block = block;
       }
       if (!keep[block]) continue;
       const int64_t anchor = anchors[block];

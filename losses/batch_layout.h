@@ -44,7 +44,8 @@ absl::StatusOr<Anchors> SampleAnchors(const TokenBatch& tokens,
                                       int64_t num_anchors, uint64_t seed);
 
 // The rows [batch, num_anchors, block_size] in that order: target ids,
-// block positions and weight masks. Rows without weight get target 0. Kept
+// block positions, block ids (b * N + n) and weight masks. Rows without
+// weight get target 0. Kept
 // anchors outside [0, S), supervised targets outside [0, vocab) and
 // mis-sized inputs are errors naming the (b, n) or (b, s) concerned.
 absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,

@@ -352,22 +352,25 @@ absl::Status ValidateChunk(const v1::LossConfig& config,
     if (!size.ok()) return size;
   }
   const bool coupled = BlockCoupled(config);
-  if (coupled && num_rows % block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk loss: loss.", config.has_dpace() ? "dpace" : "lk_lambda",
-        " needs whole blocks, got ", num_rows, " rows for block_size ",
-        block_size));
-  }
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
-    if (meta.position < 0 || meta.position >= block_size ||
-        (coupled && meta.position != r % block_size)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row ", r, ": block position ", meta.position, " is outside [0, ",
-          block_size, ")",
-          coupled ? absl::StrCat(" or not ", r % block_size,
-                                 " (block-level weights need blocks in order)")
-                  : ""));
+    if (meta.position < 0 || meta.position >= block_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, ": block position ", meta.position,
+                       " is outside [0, ", block_size, ")"));
+    }
+    if (coupled && r > 0) {
+      const RowMeta& prev = inputs.rows[r - 1];
+      const bool follows = meta.block == prev.block
+                               ? meta.position > prev.position
+                               : meta.block > prev.block;
+      if (!follows) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "row ", r, ": block ", meta.block, " position ", meta.position,
+            " does not follow block ", prev.block, " position ", prev.position,
+            " (block-level weights need each block's rows together, in "
+            "position order)"));
+      }
     }
     if (!(meta.mask >= 0) || !std::isfinite(meta.mask)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -486,23 +489,29 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   for (int64_t r = 0; r < num_rows; ++r) {
     weight[r] = RowWeight(config, inputs.rows[r].position, mask[r]);
   }
-  if (config.has_dpace()) {
-    for (int64_t b = 0; b < num_rows; b += block_size) {
-      DPaceWeights(config.dpace(), absl::MakeConstSpan(q).subspan(b, block_size),
-                   absl::MakeConstSpan(mask).subspan(b, block_size),
-                   absl::MakeSpan(weight).subspan(b, block_size));
+  // Block-level weights over each run of rows sharing a block id. Rows
+  // without weight may be left out of a chunk: they change neither the
+  // cumulative products nor the sums.
+  for (int64_t b = 0, end = 0; b < num_rows; b = end) {
+    end = b + 1;
+    while (end < num_rows && inputs.rows[end].block == inputs.rows[b].block) {
+      ++end;
     }
-  } else if (config.has_lk_lambda()) {
-    const v1::LkLambdaLoss& lk = config.lk_lambda();
-    for (int64_t b = 0; b < num_rows; b += block_size) {
+    const int64_t n = end - b;
+    if (config.has_dpace()) {
+      DPaceWeights(config.dpace(), absl::MakeConstSpan(q).subspan(b, n),
+                   absl::MakeConstSpan(mask).subspan(b, n),
+                   absl::MakeSpan(weight).subspan(b, n));
+    } else if (config.has_lk_lambda()) {
+      const v1::LkLambdaLoss& lk = config.lk_lambda();
       double hit_mass = 0, mass = 0;
-      for (int64_t r = b; r < b + block_size; ++r) {
+      for (int64_t r = b; r < end; ++r) {
         hit_mass += q[r] * mask[r];
         mass += mask[r];
       }
       const double acc = mass > 0 ? hit_mass / mass : 0;
       const double kl_w = lk.kl_scale() * std::exp(-lk.kl_decay() * acc);
-      std::fill(ce_share.begin() + b, ce_share.begin() + b + block_size, kl_w);
+      std::fill(ce_share.begin() + b, ce_share.begin() + end, kl_w);
     }
   }
 

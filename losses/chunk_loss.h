@@ -16,6 +16,7 @@ struct RowMeta {
   int32_t target = 0;    // Token id the row predicts.
   int32_t position = 0;  // k in [0, K): position inside its anchor block.
   float mask = 0;        // Weight mask m (SEMANTICS.md section 2).
+  int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
 };
 
 // Additive terms of one chunk; sum them over chunks, then divide.
@@ -74,13 +75,15 @@ struct ChunkLossOutputs {
 // The loss terms of one chunk for any LossConfig family (SEMANTICS.md
 // sections 3 and 5), with the cross-entropy options:
 // - dflash: CE weighted by DFlashWeight.
-// - dpace and its variants: block-level weights from q without gradient;
-//   rows must be whole blocks in order.
+// - dpace and its variants: block-level weights from q without gradient.
 // - tv: (1 - q) weighted by DFlashWeight.
 // - lk_lambda: kl_w * CE + (1 - kl_w) * tv, kl_w = kl_scale *
 //   exp(-kl_decay * acc). acc = sum(q m) / sum(m) is taken per anchor block
 //   (without gradient), not per slice as in SpecForge, so that the loss does
-//   not change with the chunk size; rows must be whole blocks in order.
+//   not change with the chunk size.
+// For these two, each block's rows must be together in position order, and
+// a chunk must hold every weighted row of its blocks (rows without weight may
+// be left out).
 // - dspark: decay m * exp(-k / gamma) from k = 0; CE + l1_weight * L1 +
 //   confidence_weight * BCE-with-logits(confidence, accept), L1 = sum|p - t|
 //   of draft and teacher softmax, accept = clamp(1 - L1 / 2, 0, 1) without

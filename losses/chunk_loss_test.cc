@@ -661,21 +661,66 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
             "got 3");
 }
 
-TEST(ChunkLossTest, BlockCoupledLossesNeedWholeBlocksInOrder) {
+TEST(ChunkLossTest, BlockCoupledLossesNeedEachBlockTogetherInOrder) {
   const Problem good = MakeProblem(1, {kK});
-  std::vector<double> logits(good.logits.begin(), good.logits.begin() + 3 * kV);
-  EXPECT_EQ(ChunkLoss<double>(Parse("lk_lambda {}"), {kK},
-                              {absl::MakeSpan(logits), {}, {},
-                               absl::MakeConstSpan(good.rows).subspan(0, 3), kV})
-                .status()
-                .message(),
-            "chunk loss: loss.lk_lambda needs whole blocks, got 3 rows for "
-            "block_size 5");
   Problem p = good;
   std::swap(p.rows[1].position, p.rows[2].position);
   EXPECT_EQ(RunLoss("dpace {}", p).message(),
-            "row 1: block position 2 is outside [0, 5) or not 1 (block-level "
-            "weights need blocks in order)");
+            "row 2: block 0 position 1 does not follow block 0 position 2 "
+            "(block-level weights need each block's rows together, in "
+            "position order)");
+  p = good;
+  p.rows[7].block = 0;  // A row of block 1 placed back in block 0.
+  EXPECT_EQ(RunLoss("lk_lambda {}", p).message(),
+            "row 8: block 1 position 3 does not follow block 0 position 2 "
+            "(block-level weights need each block's rows together, in "
+            "position order)");
+  EXPECT_TRUE(RunLoss("dflash {}", p).ok());  // No block-level weights.
+}
+
+// What a head does with masked rows: it never projects them. Dropping the
+// rows without weight from a chunk leaves every term and gradient unchanged.
+TEST_P(LossCaseTest, RowsWithoutWeightCanBeLeftOut) {
+  const Problem p = problem(17);
+  std::vector<double> full_grad;
+  std::vector<float> full_confidence_grad;
+  auto full = RunDouble(config(), p, full_grad, full_confidence_grad);
+  ASSERT_TRUE(full.ok());
+  Problem kept = p;
+  kept.logits.clear();
+  kept.teacher.clear();
+  kept.confidence.clear();
+  kept.rows.clear();
+  std::vector<int64_t> source;
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (p.rows[r].mask == 0) continue;
+    source.push_back(r);
+    kept.rows.push_back(p.rows[r]);
+    kept.confidence.push_back(p.confidence[r]);
+    kept.logits.insert(kept.logits.end(), p.logits.begin() + r * kV,
+                       p.logits.begin() + (r + 1) * kV);
+    kept.teacher.insert(kept.teacher.end(), p.teacher.begin() + r * kV,
+                        p.teacher.begin() + (r + 1) * kV);
+  }
+  std::vector<double> grad = kept.logits;
+  std::vector<float> confidence(kept.confidence.begin(), kept.confidence.end());
+  std::vector<float> confidence_grad(kept.rows.size());
+  ChunkLossOutputs outputs;
+  outputs.confidence_grad = absl::MakeSpan(confidence_grad);
+  auto compact = ChunkLoss<double>(
+      config(), p.options,
+      {absl::MakeSpan(grad), kept.teacher, confidence, kept.rows, kV}, outputs);
+  ASSERT_TRUE(compact.ok()) << compact.status();
+  EXPECT_NEAR(compact->loss_num, full->loss_num, 1e-12 * full->loss_num);
+  EXPECT_NEAR(compact->loss_den, full->loss_den, 1e-12 * full->loss_den);
+  EXPECT_EQ(compact->correct, full->correct);
+  EXPECT_EQ(compact->correct_per_position, full->correct_per_position);
+  for (size_t i = 0; i < source.size(); ++i) {
+    for (int64_t v = 0; v < kV; ++v) {
+      ASSERT_EQ(grad[i * kV + v], full_grad[source[i] * kV + v]);
+    }
+    EXPECT_EQ(confidence_grad[i], full_confidence_grad[source[i]]);
+  }
 }
 
 }  // namespace

@@ -175,10 +175,14 @@ void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
                                "logits_budget_bytes must be set");
       break;
   }
-  if (config.loss().has_dpace() && !chunking.align_to_blocks()) {
+  const v1::LossConfig& loss = config.loss();
+  if ((loss.has_dpace() || loss.has_lk_lambda()) &&
+      !chunking.align_to_blocks()) {
     problems.Add("chunking.align_to_blocks",
-                 "must be true for loss.dpace (block-level weights need whole "
-                 "blocks in a chunk), got false");
+                 absl::StrCat("must be true for loss.",
+                              loss.has_dpace() ? "dpace" : "lk_lambda",
+                              " (block-level weights need whole blocks in a "
+                              "chunk), got false"));
   }
 }
 

@@ -226,6 +226,10 @@ INSTANTIATE_TEST_SUITE_P(
                   "chunking { rows_per_chunk: 5 align_to_blocks: false } " +
                       kHead + "loss { dpace {} }",
                   "chunking.align_to_blocks: must be true for loss.dpace"},
+        BadConfig{"LkLambdaWithoutBlockAlignment",
+                  "chunking { rows_per_chunk: 5 align_to_blocks: false } " +
+                      kHead + "loss { lk_lambda {} }",
+                  "chunking.align_to_blocks: must be true for loss.lk_lambda"},
         BadConfig{"NoLossFamily", kHead + "loss { cross_entropy {} }",
                   "loss: one loss family must be set"},
         BadConfig{"UnknownLossType", kHead + "loss { focal {} }",
