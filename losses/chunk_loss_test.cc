@@ -672,7 +672,7 @@ TEST(ChunkLossTest, BlockCoupledLossesNeedEachBlockTogetherInOrder) {
   p = good;
   p.rows[7].block = 0;  // A row of block 1 placed back in block 0.
   EXPECT_EQ(RunLoss("lk_lambda {}", p).message(),
-            "row 8: block 1 position 3 does not follow block 0 position 2 "
+            "row 7: block 0 position 2 does not follow block 1 position 1 "
             "(block-level weights need each block's rows together, in "
             "position order)");
   EXPECT_TRUE(RunLoss("dflash {}", p).ok());  // No block-level weights.
