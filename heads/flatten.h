@@ -1,0 +1,40 @@
+#ifndef DFLASH_HEADS_FLATTEN_H_
+#define DFLASH_HEADS_FLATTEN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "losses/chunk_loss.h"
+
+namespace dflash {
+
+// Draft states [B, N, K, H] are already rows [B * N * K, H] in memory; the
+// head projects only the rows that carry weight. These are their indices,
+// ascending: mask > 0 and target != ignore_index.
+std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
+                                  int64_t ignore_index);
+
+// dst[i, :] = src[indices[i], :] for rows of `width` values.
+template <typename T>
+void GatherRows(const T* src, int64_t width, absl::Span<const int64_t> indices,
+                T* dst) {
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const T* from = src + indices[i] * width;
+    std::copy(from, from + width, dst + static_cast<int64_t>(i) * width);
+  }
+}
+
+// dst[indices[i], :] = src[i, :].
+template <typename T>
+void ScatterRows(const T* src, int64_t width, absl::Span<const int64_t> indices,
+                 T* dst) {
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const T* from = src + static_cast<int64_t>(i) * width;
+    std::copy(from, from + width, dst + indices[i] * width);
+  }
+}
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_FLATTEN_H_

@@ -1,0 +1,569 @@
+#include "heads/fused_head.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/tensor.h"
+#include "heads/flatten.h"
+#include "heads/projection.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr char kLogitsGradient[] = "logits_gradient";
+constexpr char kTeacherLogits[] = "teacher_logits";
+
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+template <typename T>
+absl::Span<const T> Part(absl::Span<const T> span, int64_t begin,
+                         int64_t count) {
+  return span.empty() ? span : span.subspan(begin, count);
+}
+template <typename T>
+absl::Span<T> Part(absl::Span<T> span, int64_t begin, int64_t count) {
+  return span.empty() ? span : span.subspan(begin, count);
+}
+
+// The chunk's loss with its rows split into `threads` groups at block
+// boundaries (block-level weights stay within a group); the groups' terms
+// are added in group order, so the result does not depend on scheduling.
+template <typename T>
+absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
+                                             const ChunkLossOptions& options,
+                                             const ChunkLossInputs<T>& in,
+                                             const ChunkLossOutputs& out,
+                                             int threads) {
+  const int64_t m = static_cast<int64_t>(in.rows.size());
+  const int64_t v = in.vocab;
+  std::vector<int64_t> bounds = {0};
+  for (int g = 1; g < threads; ++g) {
+    int64_t at = std::max(bounds.back(), m * g / threads);
+    while (at > 0 && at < m && in.rows[at].block == in.rows[at - 1].block) {
+      ++at;
+    }
+    if (at > bounds.back() && at < m) bounds.push_back(at);
+  }
+  bounds.push_back(m);
+  const int groups = static_cast<int>(bounds.size()) - 1;
+  std::vector<absl::StatusOr<ChunkTerms>> results(groups);
+  auto run = [&](int g) {
+    const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
+    ChunkLossInputs<T> part{Part(in.logits, b * v, n * v),
+                            Part(in.teacher_logits, b * v, n * v),
+                            Part(in.confidence_logits, b, n),
+                            in.rows.subspan(b, n), v};
+    ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
+                              Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
+                              Part(out.top_k, b * out.k, n * out.k), out.k};
+    results[g] = ChunkLoss<T>(config, options, part, part_out);
+  };
+  std::vector<std::thread> workers;
+  for (int g = 1; g < groups; ++g) workers.emplace_back(run, g);
+  run(0);
+  for (std::thread& worker : workers) worker.join();
+  ChunkTerms terms;
+  terms.correct_per_position.assign(options.block_size, 0.0);
+  terms.mask_per_position.assign(options.block_size, 0.0);
+  for (absl::StatusOr<ChunkTerms>& result : results) {
+    if (!result.ok()) return result.status();
+    terms.Add(*result);
+  }
+  return terms;
+}
+
+absl::Status SizeError(absl::string_view name, size_t size, int64_t expected,
+                       absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      name, ": must hold ", expected, " values (", why, "), got ", size));
+}
+
+// One forward and backward through the head; see RunHead.
+template <typename T>
+class HeadRun {
+ public:
+  HeadRun(const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+          const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
+          TrackingAllocator& allocator)
+      : config_(config),
+        head_(config.head()),
+        inputs_(inputs),
+        gradients_(gradients),
+        row_outputs_(row_outputs),
+        allocator_(allocator),
+        vocab_(head_.vocab_size()),
+        hidden_(head_.hidden_size()),
+        block_size_(config.layout().block_size()),
+        teacher_(LossNeedsTeacher(config.loss())),
+        confidence_(config.loss().has_dspark() &&
+                    config.loss().dspark().confidence_weight() > 0),
+        options_{block_size_, head_.logit_scale(), head_.logit_softcap()} {
+    const int32_t threads = head_.threads();
+    threads_ = threads > 0 ? threads
+                           : std::max(1u, std::thread::hardware_concurrency());
+  }
+
+  absl::Status Validate() const;
+  absl::StatusOr<HeadResult> Run(double upstream_gradient);
+
+ private:
+  bool Fused() const { return head_.mode() == v1::HeadConfig::FUSED; }
+  absl::Span<const int64_t> ChunkRows(int64_t c) const {
+    return absl::MakeConstSpan(active_).subspan(
+        chunk_begin_[c], chunk_begin_[c + 1] - chunk_begin_[c]);
+  }
+  absl::StatusOr<TrackedBuffer<T>> Buffer(int64_t size) {
+    return TrackedBuffer<T>::Create(allocator_, size);
+  }
+  absl::Status Plan();
+  absl::Status ForwardChunk(int64_t c, ChunkTerms& total);
+  absl::Status BackwardChunk(int64_t c);
+  // The chunk's teacher logits into `out` [m, V].
+  absl::Status TeacherLogits(int64_t c, T* out);
+  // The chunk's logits gradient into `out` [m, V], as forward made it.
+  absl::Status RecomputeLogitsGradient(int64_t c, const TensorView& out);
+  // The chunk loss on `logits` (and the teacher's), writing per-row results
+  // when `outputs` asks.
+  absl::StatusOr<ChunkTerms> Loss(int64_t c, absl::Span<T> logits,
+                                  absl::Span<const T> teacher,
+                                  const ChunkLossOutputs& outputs);
+  absl::Status ProjectionGradients(absl::Span<const int64_t> rows,
+                                   const T* grad_logits);
+
+  const v1::ObjectiveConfig& config_;
+  const v1::HeadConfig& head_;
+  const HeadInputs<T>& inputs_;
+  const HeadGradients<T>& gradients_;
+  const HeadRowOutputs& row_outputs_;
+  TrackingAllocator& allocator_;
+  const int64_t vocab_, hidden_, block_size_;
+  const bool teacher_, confidence_;
+  const ChunkLossOptions options_;
+  int threads_ = 1;
+
+  std::unique_ptr<VocabProjection<T>> projection_;
+  std::unique_ptr<CheckpointContext> context_;
+  ChunkPlan plan_;
+  std::vector<int64_t> active_;       // Rows with weight, ascending.
+  std::vector<int64_t> chunk_begin_;  // Chunk c holds active_[begin[c], begin[c+1]).
+};
+
+template <typename T>
+absl::Status HeadRun<T>::Validate() const {
+  constexpr v1::HeadConfig::DType kDType =
+      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
+                               : v1::HeadConfig::FLOAT64;
+  if (head_.backend() != v1::HeadConfig::CPU) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.backend: RunHead runs the CPU backend, got ",
+        v1::HeadConfig::Backend_Name(head_.backend())));
+  }
+  if (head_.dtype() != kDType) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
+        " tensors (CPU heads run FLOAT32 or FLOAT64), got ",
+        v1::HeadConfig::DType_Name(head_.dtype())));
+  }
+  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
+  if (rows == 0 || rows % block_size_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs.rows: must be a positive number of whole blocks of "
+        "layout.block_size = ",
+        block_size_, ", got ", rows, " rows"));
+  }
+  const int64_t ignore = config_.loss().cross_entropy().ignore_index();
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowMeta& meta = inputs_.rows[r];
+    if (meta.position < 0 || meta.position >= block_size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs.rows[", r, "].position: must lie in [0, ",
+                       block_size_, "), got ", meta.position));
+    }
+    if (!(meta.mask >= 0) || !std::isfinite(meta.mask)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs.rows[", r, "].mask: must be finite and >= 0, got ",
+          meta.mask));
+    }
+    if (meta.mask > 0 && meta.target != ignore &&
+        (meta.target < 0 || meta.target >= vocab_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs.rows[", r, "].target: must lie in [0, ", vocab_,
+                       "), got ", meta.target));
+    }
+  }
+  struct Size {
+    const char* name;
+    size_t size;
+    int64_t expected;
+    bool required;
+    const char* why;
+  };
+  const bool trainable = head_.trainable();
+  const Size sizes[] = {
+      {"inputs.hidden", inputs_.hidden.size(), rows * hidden_, true,
+       "rows x head.hidden_size"},
+      {"inputs.teacher_hidden", inputs_.teacher_hidden.size(), rows * hidden_,
+       teacher_, "rows x head.hidden_size, for the loss's teacher"},
+      {"inputs.confidence_logits", inputs_.confidence_logits.size(), rows,
+       confidence_, "one per row, for loss.dspark.confidence_weight"},
+      {"inputs.weight", inputs_.weight.size(), vocab_ * hidden_, true,
+       "head.vocab_size x head.hidden_size"},
+      {"inputs.bias", inputs_.bias.size(), vocab_, head_.bias(),
+       "head.vocab_size, as head.bias is set"},
+      {"gradients.hidden", gradients_.hidden.size(), rows * hidden_, true,
+       "rows x head.hidden_size"},
+      {"gradients.weight", gradients_.weight.size(), vocab_ * hidden_,
+       trainable, "head.vocab_size x head.hidden_size, as head.trainable"},
+      {"gradients.bias", gradients_.bias.size(), vocab_,
+       trainable && head_.bias(), "head.vocab_size, as the bias is trained"},
+      {"gradients.confidence", gradients_.confidence.size(), rows, confidence_,
+       "one per row, for loss.dspark.confidence_weight"},
+  };
+  for (const Size& s : sizes) {
+    if (s.required && static_cast<int64_t>(s.size) != s.expected) {
+      return SizeError(s.name, s.size, s.expected, s.why);
+    }
+  }
+  if (!head_.bias() && !inputs_.bias.empty()) {
+    return SizeError("inputs.bias", inputs_.bias.size(), 0,
+                     "none, as head.bias is not set");
+  }
+  for (const auto& [name, size] :
+       {std::pair<const char*, size_t>{"row_outputs.neg_log_q",
+                                       row_outputs_.neg_log_q.size()},
+        {"row_outputs.argmax", row_outputs_.argmax.size()}}) {
+    if (size != 0 && static_cast<int64_t>(size) != rows) {
+      return SizeError(name, size, rows, "one per row");
+    }
+  }
+  if (!row_outputs_.top_k.empty() &&
+      static_cast<int64_t>(row_outputs_.top_k.size()) != rows * row_outputs_.k) {
+    return SizeError("row_outputs.top_k", row_outputs_.top_k.size(),
+                     rows * row_outputs_.k, "rows x k");
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::Plan() {
+  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
+  const v1::HeadConfig::ExecutionMode mode = head_.mode();
+  const int64_t buffers = teacher_ ? 2 : 1;
+  if (mode == v1::HeadConfig::MATERIALIZE) {
+    plan_.chunks = {{0, rows, rows * vocab_ * buffers * sizeof(T)}};
+    plan_.rows_per_chunk = rows;
+    plan_.max_chunk_bytes = plan_.chunks[0].logits_bytes;
+  } else {
+    absl::StatusOr<ChunkPlan> plan = PlanChunks(
+        config_.chunking(), {rows, block_size_, vocab_,
+                             static_cast<int64_t>(sizeof(T)), buffers});
+    if (!plan.ok()) return plan.status();
+    plan_ = *std::move(plan);
+  }
+  active_ = WeightedRows(inputs_.rows,
+                         config_.loss().cross_entropy().ignore_index());
+  chunk_begin_.clear();
+  for (const ChunkRange& chunk : plan_.chunks) {
+    chunk_begin_.push_back(
+        std::lower_bound(active_.begin(), active_.end(), chunk.begin) -
+        active_.begin());
+  }
+  chunk_begin_.push_back(static_cast<int64_t>(active_.size()));
+
+  if (mode == v1::HeadConfig::FUSED) return absl::OkStatus();
+  v1::CheckpointPolicy policy = config_.checkpoint();
+  if (mode == v1::HeadConfig::MATERIALIZE ||
+      mode == v1::HeadConfig::SAVE_CHUNKS) {
+    policy = v1::CheckpointPolicy();
+    policy.set_preset(v1::CheckpointPolicy::SAVE_ALL);
+  }
+  absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
+      CheckpointContext::Create(policy, allocator_);
+  if (!context.ok()) return context.status();
+  context_ = *std::move(context);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
+  absl::Span<const int64_t> rows = ChunkRows(c);
+  const int64_t m = static_cast<int64_t>(rows.size());
+  absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+  if (!x.ok()) return x.status();
+  GatherRows(inputs_.teacher_hidden.data(), hidden_, rows, x->data());
+  projection_->Forward(x->data(), m, out);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<ChunkTerms> HeadRun<T>::Loss(int64_t c, absl::Span<T> logits,
+                                            absl::Span<const T> teacher,
+                                            const ChunkLossOutputs& outputs) {
+  absl::Span<const int64_t> rows = ChunkRows(c);
+  std::vector<RowMeta> meta(rows.size());
+  std::vector<float> confidence;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    meta[i] = inputs_.rows[rows[i]];
+    if (confidence_) confidence.push_back(inputs_.confidence_logits[rows[i]]);
+  }
+  absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
+      config_.loss(), options_, {logits, teacher, confidence, meta, vocab_},
+      outputs, threads_);
+  if (!terms.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk ", c, " (rows are that chunk's weighted rows): ",
+                     terms.status().message()));
+  }
+  return terms;
+}
+
+template <typename T>
+absl::Status HeadRun<T>::ProjectionGradients(absl::Span<const int64_t> rows,
+                                             const T* grad_logits) {
+  const int64_t m = static_cast<int64_t>(rows.size());
+  absl::StatusOr<TrackedBuffer<T>> grad = Buffer(m * hidden_);
+  if (!grad.ok()) return grad.status();
+  projection_->InputGradient(grad_logits, m, grad->data());
+  ScatterRows(grad->data(), hidden_, rows, gradients_.hidden.data());
+  if (head_.trainable()) {
+    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    if (!x.ok()) return x.status();
+    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
+    projection_->AccumulateWeightGradient(
+        grad_logits, x->data(), m, gradients_.weight.data(),
+        gradients_.bias.empty() ? nullptr : gradients_.bias.data());
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
+                                                 const TensorView& out) {
+  absl::Span<const int64_t> rows = ChunkRows(c);
+  const int64_t m = static_cast<int64_t>(rows.size());
+  {
+    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    if (!x.ok()) return x.status();
+    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
+    projection_->Forward(x->data(), m, out.data_as<T>());
+  }
+  absl::Span<const T> teacher;
+  if (teacher_) {
+    // Offered before the logits gradient, so kept or already recomputed.
+    absl::StatusOr<TensorView> kept = context_->Fetch(c, kTeacherLogits);
+    if (!kept.ok()) return kept.status();
+    teacher = absl::MakeConstSpan(kept->data_as<T>(), m * vocab_);
+  }
+  std::vector<float> confidence_grad(confidence_ ? m : 0);
+  ChunkLossOutputs outputs;
+  outputs.confidence_grad = absl::MakeSpan(confidence_grad);
+  return Loss(c, absl::MakeSpan(out.data_as<T>(), m * vocab_), teacher,
+              outputs)
+      .status();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
+  absl::Span<const int64_t> rows = ChunkRows(c);
+  const int64_t m = static_cast<int64_t>(rows.size());
+  if (m == 0) return absl::OkStatus();
+  absl::StatusOr<TrackedBuffer<T>> logits = Buffer(m * vocab_);
+  if (!logits.ok()) return logits.status();
+  {
+    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    if (!x.ok()) return x.status();
+    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
+    projection_->Forward(x->data(), m, logits->data());
+  }
+  TrackedBuffer<T> teacher;
+  if (teacher_) {
+    absl::StatusOr<TrackedBuffer<T>> buffer = Buffer(m * vocab_);
+    if (!buffer.ok()) return buffer.status();
+    teacher = *std::move(buffer);
+    if (absl::Status done = TeacherLogits(c, teacher.data()); !done.ok()) {
+      return done;
+    }
+    if (context_ != nullptr) {
+      // No gradient flows through the teacher logits, into the weight or the
+      // input, even when the head trains: for them the weight is frozen.
+      IntermediateInfo info{kTeacherLogits, v1::PROJECTION,
+                            /*weight_frozen=*/true,
+                            /*input_requires_grad=*/false,
+                            static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
+      absl::StatusOr<bool> kept = context_->Offer(
+          c, info, TensorView::Of(teacher.data(), {m, vocab_}),
+          [this, c](const TensorView& out) {
+            return TeacherLogits(c, out.data_as<T>());
+          });
+      if (!kept.ok()) return kept.status();
+    }
+  }
+
+  // Per-row results of the chunk, scattered to the rows' positions after.
+  std::vector<float> neg_log_q(row_outputs_.neg_log_q.empty() ? 0 : m);
+  std::vector<int32_t> argmax(row_outputs_.argmax.empty() ? 0 : m);
+  std::vector<int32_t> top_k(row_outputs_.top_k.empty() ? 0
+                                                        : m * row_outputs_.k);
+  std::vector<float> confidence_grad(confidence_ ? m : 0);
+  const ChunkLossOutputs outputs{absl::MakeSpan(confidence_grad),
+                                 absl::MakeSpan(neg_log_q),
+                                 absl::MakeSpan(argmax), absl::MakeSpan(top_k),
+                                 row_outputs_.k};
+  absl::StatusOr<ChunkTerms> terms =
+      Loss(c, absl::MakeSpan(logits->data(), m * vocab_),
+           absl::MakeConstSpan(teacher.data(), teacher.size()), outputs);
+  if (!terms.ok()) return terms.status();
+  total.Add(*terms);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = rows[i];
+    if (!neg_log_q.empty()) row_outputs_.neg_log_q[r] = neg_log_q[i];
+    if (!argmax.empty()) row_outputs_.argmax[r] = argmax[i];
+    if (!top_k.empty()) {
+      std::copy_n(top_k.begin() + i * row_outputs_.k, row_outputs_.k,
+                  row_outputs_.top_k.begin() + r * row_outputs_.k);
+    }
+    if (confidence_) gradients_.confidence[r] = confidence_grad[i];
+  }
+  teacher.Reset();
+
+  if (Fused()) return ProjectionGradients(rows, logits->data());
+  IntermediateInfo info{kLogitsGradient, v1::LOGITS_GRADIENT,
+                        /*weight_frozen=*/!head_.trainable(),
+                        /*input_requires_grad=*/true,
+                        static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
+  return context_
+      ->Offer(c, info, TensorView::Of(logits->data(), {m, vocab_}),
+              [this, c](const TensorView& out) {
+                return RecomputeLogitsGradient(c, out);
+              })
+      .status();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
+  absl::Span<const int64_t> rows = ChunkRows(c);
+  if (rows.empty()) return absl::OkStatus();
+  absl::StatusOr<TensorView> grad = context_->Fetch(c, kLogitsGradient);
+  if (!grad.ok()) return grad.status();
+  absl::Status done = ProjectionGradients(rows, grad->data_as<T>());
+  context_->Release(c);
+  return done;
+}
+
+template <typename T>
+absl::StatusOr<HeadResult> HeadRun<T>::Run(double upstream_gradient) {
+  const int64_t base_bytes = allocator_.current_bytes();
+  allocator_.ResetPeak();
+  absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
+      CreateCpuProjection<T>(inputs_.weight, inputs_.bias, vocab_, hidden_);
+  if (!projection.ok()) return projection.status();
+  projection_ = *std::move(projection);
+  if (absl::Status planned = Plan(); !planned.ok()) return planned;
+
+  std::fill(gradients_.hidden.begin(), gradients_.hidden.end(), T(0));
+  std::fill(gradients_.weight.begin(), gradients_.weight.end(), T(0));
+  std::fill(gradients_.bias.begin(), gradients_.bias.end(), T(0));
+  std::fill(gradients_.confidence.begin(), gradients_.confidence.end(), 0.0f);
+  std::fill(row_outputs_.neg_log_q.begin(), row_outputs_.neg_log_q.end(), 0.0f);
+  std::fill(row_outputs_.argmax.begin(), row_outputs_.argmax.end(), -1);
+  std::fill(row_outputs_.top_k.begin(), row_outputs_.top_k.end(), -1);
+
+  HeadResult result;
+  result.mode = head_.mode();
+  result.terms.correct_per_position.assign(block_size_, 0.0);
+  result.terms.mask_per_position.assign(block_size_, 0.0);
+  const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
+  const Clock::time_point forward = Clock::now();
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (absl::Status done = ForwardChunk(c, result.terms); !done.ok()) {
+      return done;
+    }
+  }
+  result.stats.forward_seconds = Since(forward);
+
+  const Clock::time_point backward = Clock::now();
+  if (!Fused()) {
+    for (int64_t c = chunks - 1; c >= 0; --c) {
+      if (absl::Status done = BackwardChunk(c); !done.ok()) return done;
+    }
+  }
+  // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
+  const double den = result.terms.loss_den;
+  const T scale = den > 0 ? static_cast<T>(upstream_gradient / den) : T(0);
+  for (int64_t r : active_) {
+    T* row = gradients_.hidden.data() + r * hidden_;
+    for (int64_t h = 0; h < hidden_; ++h) row[h] *= scale;
+    if (confidence_) gradients_.confidence[r] *= static_cast<float>(scale);
+  }
+  for (T& g : gradients_.weight) g *= scale;
+  for (T& g : gradients_.bias) g *= scale;
+  result.stats.backward_seconds = Since(backward);
+
+  result.loss = den > 0 ? result.terms.loss_num / den : 0;
+  result.accuracy = result.terms.accuracy_den > 0
+                        ? result.terms.correct / result.terms.accuracy_den
+                        : 0;
+  for (int64_t k = 0; k < block_size_; ++k) {
+    const double mass = result.terms.mask_per_position[k];
+    result.accuracy_per_position.push_back(
+        mass > 0 ? result.terms.correct_per_position[k] / mass : 0);
+  }
+  HeadStats& stats = result.stats;
+  stats.chunks = chunks;
+  stats.projected_rows = static_cast<int64_t>(active_.size());
+  stats.gemm_calls = projection_->gemms().calls;
+  stats.gemm_flops = projection_->gemms().flops;
+  const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
+  stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
+  if (context_ != nullptr) {
+    stats.checkpoint = context_->stats();
+    stats.segment_recomputes = stats.checkpoint.segment_recomputes;
+  }
+  stats.peak_bytes = allocator_.peak_bytes() - base_bytes;
+  result.plan = plan_;
+  return result;
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
+                                   const HeadInputs<T>& inputs,
+                                   const HeadGradients<T>& gradients,
+                                   TrackingAllocator& allocator,
+                                   const HeadRowOutputs& row_outputs,
+                                   double upstream_gradient) {
+  if (absl::Status valid = ValidateObjectiveConfig(config); !valid.ok()) {
+    return valid;
+  }
+  if (!std::isfinite(upstream_gradient)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "upstream_gradient: must be finite, got ", upstream_gradient));
+  }
+  HeadRun<T> run(config, inputs, gradients, row_outputs, allocator);
+  if (absl::Status valid = run.Validate(); !valid.ok()) return valid;
+  return run.Run(upstream_gradient);
+}
+
+template absl::StatusOr<HeadResult> RunHead<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    const HeadGradients<float>&, TrackingAllocator&, const HeadRowOutputs&,
+    double);
+template absl::StatusOr<HeadResult> RunHead<double>(
+    const v1::ObjectiveConfig&, const HeadInputs<double>&,
+    const HeadGradients<double>&, TrackingAllocator&, const HeadRowOutputs&,
+    double);
+
+}  // namespace dflash

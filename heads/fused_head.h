@@ -1,0 +1,94 @@
+#ifndef DFLASH_HEADS_FUSED_HEAD_H_
+#define DFLASH_HEADS_FUSED_HEAD_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/tracking_allocator.h"
+#include "checkpoint/checkpoint_context.h"
+#include "chunking/chunk_plan.h"
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// One batch through the head. Rows are the DFlash draft positions
+// [B, N, K] flattened (see //losses:batch_layout); K = layout.block_size.
+template <typename T>
+struct HeadInputs {
+  absl::Span<const T> hidden;          // [rows, H] draft hidden states.
+  absl::Span<const T> teacher_hidden;  // [rows, H]; dspark, distillation.
+  absl::Span<const float> confidence_logits;  // [rows]; dspark.
+  absl::Span<const RowMeta> rows;
+  absl::Span<const T> weight;  // [V, H]
+  absl::Span<const T> bias;    // [V] when head.bias.
+};
+
+// Where gradients of loss * upstream land, at the rows' original positions.
+template <typename T>
+struct HeadGradients {
+  absl::Span<T> hidden;          // [rows, H]; required.
+  absl::Span<T> weight;          // [V, H] when head.trainable; overwritten.
+  absl::Span<T> bias;            // [V] when trainable with a bias.
+  absl::Span<float> confidence;  // [rows] for dspark's confidence term.
+};
+
+// Optional per-row results at the rows' original positions (see
+// ChunkLossOutputs; rows without weight get 0 / -1).
+struct HeadRowOutputs {
+  absl::Span<float> neg_log_q;
+  absl::Span<int32_t> argmax;
+  absl::Span<int32_t> top_k;  // [rows, k]
+  int32_t k = 0;
+};
+
+struct HeadStats {
+  int64_t chunks = 0;
+  int64_t projected_rows = 0;  // Rows with weight; the others are skipped.
+  int64_t gemm_calls = 0;
+  double gemm_flops = 0;
+  // gemm_flops in units of one projection of the projected rows
+  // (2 * projected_rows * H * V): the ARCHITECTURE.md cost table's count.
+  double gemm_passes = 0;
+  int64_t segment_recomputes = 0;
+  int64_t peak_bytes = 0;  // Tracking allocator, above its level at entry.
+  double forward_seconds = 0;
+  double backward_seconds = 0;
+  CheckpointStats checkpoint;  // Empty for MATERIALIZE... FUSED w/o context.
+};
+
+struct HeadResult {
+  double loss = 0;  // loss_num / loss_den; 0 when nothing carries weight.
+  ChunkTerms terms;
+  double accuracy = 0;                       // correct / accuracy_den.
+  std::vector<double> accuracy_per_position;  // Size K; 0 where no mask.
+  v1::HeadConfig::ExecutionMode mode = v1::HeadConfig::FUSED;
+  ChunkPlan plan;
+  HeadStats stats;
+};
+
+// Runs forward and backward of `config` (validated and with defaults
+// resolved, see //proto:config) over one batch on the CPU (T = float for
+// FLOAT32, double for FLOAT64), in the config's execution mode:
+// - MATERIALIZE: one chunk of all rows, logits gradient kept.
+// - SAVE_CHUNKS: the chunk plan, every chunk's logits gradient kept.
+// - CHECKPOINT / SELECTIVE: the chunk plan under config.checkpoint: each
+//   chunk's logits gradient, and the teacher logits, are kept or dropped by
+//   its rules and budget; backward recomputes dropped ones a segment at a
+//   time.
+// - FUSED: grad_hidden is computed per chunk in forward; backward scales.
+// Rows without weight are never projected. Every buffer comes from
+// `allocator`. head.threads splits each chunk's loss at block boundaries.
+template <typename T>
+absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
+                                   const HeadInputs<T>& inputs,
+                                   const HeadGradients<T>& gradients,
+                                   TrackingAllocator& allocator,
+                                   const HeadRowOutputs& row_outputs = {},
+                                   double upstream_gradient = 1.0);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_FUSED_HEAD_H_

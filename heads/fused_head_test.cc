@@ -1,0 +1,493 @@
+#include "heads/fused_head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/tracking_allocator.h"
+#include "gtest/gtest.h"
+#include "losses/batch_layout.h"
+#include "losses/chunk_loss.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+constexpr int64_t kK = 4, kV = 23, kH = 8, kS = 14;
+
+// A DFlash batch in float64: token layout -> rows, random states, weights.
+struct Batch {
+  int64_t batch = 2, anchors = 3;
+  std::vector<RowMeta> rows;
+  std::vector<double> hidden, teacher, weight, bias, confidence;
+  int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
+};
+
+Batch MakeBatch(uint32_t seed, int64_t batch = 2, int64_t anchors = 3) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(-1, 1);
+  std::uniform_int_distribution<int64_t> token(0, kV - 1);
+  Batch b;
+  b.batch = batch;
+  b.anchors = anchors;
+  std::vector<int64_t> ids(batch * kS);
+  for (int64_t& id : ids) id = token(rng);
+  std::vector<uint8_t> loss_mask(batch * kS, 1);
+  for (int64_t s = 0; s < batch * kS; s += 5) loss_mask[s] = 0;
+  const TokenBatch tokens{batch, kS, ids, loss_mask};
+  auto sampled = SampleAnchors(tokens, anchors, seed);
+  EXPECT_TRUE(sampled.ok()) << sampled.status();
+  auto rows = LabelRows(tokens, sampled->positions, sampled->keep, anchors, kK,
+                        kV, Labeling::kDFlash);
+  EXPECT_TRUE(rows.ok()) << rows.status();
+  b.rows = *rows;
+  const int64_t n = b.num_rows();
+  for (int64_t i = 0; i < n * kH; ++i) b.hidden.push_back(uniform(rng));
+  for (int64_t i = 0; i < n * kH; ++i) b.teacher.push_back(uniform(rng));
+  for (int64_t i = 0; i < kV * kH; ++i) b.weight.push_back(2 * uniform(rng));
+  for (int64_t i = 0; i < kV; ++i) b.bias.push_back(uniform(rng));
+  for (int64_t i = 0; i < n; ++i) {
+    b.confidence.push_back(static_cast<float>(uniform(rng)));
+  }
+  return b;
+}
+
+// The reference: every row projected with naive float64 loops, one
+// unchunked loss call over all rows (//losses verifies it against its own
+// naive reference and finite differences), then the gradients by naive
+// loops, divided by the denominator.
+struct Reference {
+  double loss = 0;
+  ChunkTerms terms;
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<int32_t> argmax;
+};
+
+std::vector<double> NaiveLogits(const std::vector<double>& x, const Batch& b,
+                                bool bias) {
+  const int64_t n = b.num_rows();
+  std::vector<double> logits(n * kV);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      double sum = bias ? b.bias[v] : 0.0;
+      for (int64_t h = 0; h < kH; ++h) sum += x[r * kH + h] * b.weight[v * kH + h];
+      logits[r * kV + v] = sum;
+    }
+  }
+  return logits;
+}
+
+Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
+  const bool bias = config.head().bias();
+  const int64_t n = b.num_rows();
+  std::vector<double> d = NaiveLogits(b.hidden, b, bias);
+  const std::vector<double> t = NaiveLogits(b.teacher, b, bias);
+  std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
+  Reference ref;
+  ref.grad_confidence.assign(n, 0);
+  ref.neg_log_q.assign(n, 0);
+  ref.argmax.assign(n, 0);
+  ChunkLossOutputs outputs{absl::MakeSpan(ref.grad_confidence),
+                           absl::MakeSpan(ref.neg_log_q),
+                           absl::MakeSpan(ref.argmax), {}, 0};
+  auto terms = ChunkLoss<double>(
+      config.loss(),
+      {kK, config.head().logit_scale(), config.head().logit_softcap()},
+      {absl::MakeSpan(d), t, confidence, b.rows, kV}, outputs);
+  EXPECT_TRUE(terms.ok()) << terms.status();
+  ref.terms = *terms;
+  const double den = terms->loss_den;
+  ref.loss = den > 0 ? terms->loss_num / den : 0;
+  const double s = den > 0 ? 1 / den : 0;
+  ref.grad_hidden.assign(n * kH, 0);
+  ref.grad_weight.assign(kV * kH, 0);
+  ref.grad_bias.assign(kV, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      const double g = s * d[r * kV + v];
+      ref.grad_bias[v] += g;
+      for (int64_t h = 0; h < kH; ++h) {
+        ref.grad_hidden[r * kH + h] += g * b.weight[v * kH + h];
+        ref.grad_weight[v * kH + h] += g * b.hidden[r * kH + h];
+      }
+    }
+    ref.grad_confidence[r] = static_cast<float>(ref.grad_confidence[r] * s);
+  }
+  return ref;
+}
+
+v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
+                           int64_t blocks_per_chunk, int64_t segment,
+                           int threads, bool trainable, bool bias = true,
+                           const std::string& extra_head = "") {
+  std::string checkpoint;
+  if (mode == "SELECTIVE") {
+    checkpoint = absl::StrCat(
+        "checkpoint { preset: SELECTIVE_FROZEN_PROJECTION segment_chunks: ",
+        segment, " memory_budget_bytes: 1073741824 }");
+  } else if (mode == "CHECKPOINT") {
+    checkpoint = absl::StrCat("checkpoint { segment_chunks: ", segment, " }");
+  }
+  const std::string text = absl::StrCat(
+      "layout { block_size: ", kK, " num_anchors: 3 } chunking { ",
+      "blocks_per_chunk: ", blocks_per_chunk, " } ", checkpoint,
+      " head { vocab_size: ", kV, " hidden_size: ", kH, " mode: ", mode,
+      " threads: ", threads, " trainable: ", trainable ? "true" : "false",
+      " bias: ", bias ? "true" : "false", " dtype: FLOAT64 ", extra_head,
+      " } loss { ", loss, " }");
+  auto config = LoadObjectiveConfigFromString(text);
+  EXPECT_TRUE(config.ok()) << config.status() << "\n" << text;
+  return *config;
+}
+
+template <typename T>
+struct HeadRunOutput {
+  absl::StatusOr<HeadResult> result;
+  std::vector<T> grad_hidden, grad_weight, grad_bias;
+  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<int32_t> argmax;
+};
+
+v1::ObjectiveConfig AsFloat32(v1::ObjectiveConfig config) {
+  config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+  return config;
+}
+
+template <typename T>
+HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
+             TrackingAllocator& allocator, double upstream = 1.0) {
+  const bool trainable = config.head().trainable();
+  const bool bias = config.head().bias();
+  const std::vector<T> hidden(b.hidden.begin(), b.hidden.end());
+  const std::vector<T> teacher(b.teacher.begin(), b.teacher.end());
+  const std::vector<T> weight(b.weight.begin(), b.weight.end());
+  const std::vector<T> bias_values(b.bias.begin(), b.bias.end());
+  const std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
+  const int64_t n = b.num_rows();
+  HeadRunOutput<T> run;
+  run.grad_hidden.assign(n * kH, T(7));  // Must be overwritten.
+  if (trainable) run.grad_weight.assign(kV * kH, T(7));
+  if (trainable && bias) run.grad_bias.assign(kV, T(7));
+  const bool teacher_loss = LossNeedsTeacher(config.loss());
+  const bool conf = config.loss().has_dspark() &&
+                    config.loss().dspark().confidence_weight() > 0;
+  if (conf) run.grad_confidence.assign(n, 7);
+  run.neg_log_q.assign(n, 7);
+  run.argmax.assign(n, 7);
+  HeadInputs<T> inputs{hidden,
+                       teacher_loss ? absl::MakeConstSpan(teacher)
+                                    : absl::Span<const T>(),
+                       conf ? absl::MakeConstSpan(confidence)
+                            : absl::Span<const float>(),
+                       b.rows,
+                       weight,
+                       bias ? absl::MakeConstSpan(bias_values)
+                            : absl::Span<const T>()};
+  HeadGradients<T> gradients{absl::MakeSpan(run.grad_hidden),
+                             absl::MakeSpan(run.grad_weight),
+                             absl::MakeSpan(run.grad_bias),
+                             absl::MakeSpan(run.grad_confidence)};
+  HeadRowOutputs outputs{absl::MakeSpan(run.neg_log_q),
+                         absl::MakeSpan(run.argmax), {}, 0};
+  run.result =
+      RunHead<T>(config, inputs, gradients, allocator, outputs, upstream);
+  return run;
+}
+
+// max |a - b| / max |b|: the normwise relative error of a gradient.
+template <typename T>
+double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+const char* const kLosses[] = {
+    "dflash { gamma: 7 }",
+    "dpace { alpha: 0.3 }",
+    "tv { gamma: 7 }",
+    "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }",
+    "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
+    "distillation { divergence: FORWARD_KL temperature: 2 }",
+    "distillation { divergence: JSD beta: 0.3 }",
+};
+const char* const kModes[] = {"MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
+                              "SELECTIVE", "FUSED"};
+
+class HeadParityTest
+    : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+// Every mode x chunk size x segment size x threads, frozen and trainable,
+// equals the float64 reference; the FP32 head is within 1e-5 of it.
+TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
+  const std::string loss = kLosses[std::get<0>(GetParam())];
+  const std::string mode = std::get<1>(GetParam());
+  const Batch b = MakeBatch(3);
+  const int64_t blocks = b.batch * b.anchors;
+  const bool segmented = mode == "CHECKPOINT" || mode == "SELECTIVE";
+  for (bool trainable : {false, true}) {
+    const Reference ref =
+        Naive(Config(loss, mode, 1, 1, 1, trainable), b);
+    ASSERT_GT(ref.terms.loss_den, 0);
+    for (int64_t chunk : {int64_t{1}, int64_t{3}, blocks}) {
+      for (int64_t segment : {int64_t{1}, int64_t{2}, int64_t{1000}}) {
+        if (!segmented && segment != 1) continue;
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE(absl::StrCat(mode, " chunk ", chunk, " segment ",
+                                    segment, " threads ", threads,
+                                    " trainable ", trainable));
+          const v1::ObjectiveConfig config =
+              Config(loss, mode, chunk, segment, threads, trainable);
+          TrackingAllocator allocator;
+          HeadRunOutput<double> run = RunOn<double>(config, b, allocator);
+          ASSERT_TRUE(run.result.ok()) << run.result.status();
+          EXPECT_NEAR(run.result->loss, ref.loss, 1e-10 * std::abs(ref.loss));
+          EXPECT_EQ(run.result->terms.correct, ref.terms.correct);
+          EXPECT_EQ(run.result->terms.correct_per_position,
+                    ref.terms.correct_per_position);
+          EXPECT_LT(RelativeError(run.grad_hidden, ref.grad_hidden), 1e-10);
+          if (trainable) {
+            EXPECT_LT(RelativeError(run.grad_weight, ref.grad_weight), 1e-10);
+            EXPECT_LT(RelativeError(run.grad_bias, ref.grad_bias), 1e-10);
+          }
+          if (!run.grad_confidence.empty()) {
+            for (int64_t r = 0; r < b.num_rows(); ++r) {
+              EXPECT_NEAR(run.grad_confidence[r], ref.grad_confidence[r], 1e-7);
+            }
+          }
+          for (int64_t r = 0; r < b.num_rows(); ++r) {
+            const bool weighted = b.rows[r].mask > 0;
+            EXPECT_NEAR(run.neg_log_q[r], weighted ? ref.neg_log_q[r] : 0, 1e-6);
+            EXPECT_EQ(run.argmax[r], weighted ? ref.argmax[r] : -1);
+          }
+          EXPECT_EQ(allocator.current_bytes(), 0);
+        }
+      }
+    }
+    TrackingAllocator allocator;
+    HeadRunOutput<float> f32 = RunOn<float>(
+        AsFloat32(Config(loss, mode, 3, 2, 2, trainable)), b, allocator);
+    ASSERT_TRUE(f32.result.ok()) << f32.result.status();
+    // The reference saw the double inputs; rounding them to float (6e-8
+    // relative) is well inside the 1e-5 budget.
+    EXPECT_NEAR(f32.result->loss, ref.loss, 1e-5 * std::abs(ref.loss));
+    EXPECT_LT(RelativeError(f32.grad_hidden, ref.grad_hidden), 1e-5);
+    if (trainable) {
+      EXPECT_LT(RelativeError(f32.grad_weight, ref.grad_weight), 1e-5);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    LossesAndModes, HeadParityTest,
+    ::testing::Combine(::testing::Range(0, 7), ::testing::ValuesIn(kModes)),
+    [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
+      return absl::StrCat("Loss", std::get<0>(info.param), "_",
+                          std::get<1>(info.param));
+    });
+
+// ARCHITECTURE.md's cost table, in units of one projection of the rows.
+TEST(HeadCostTest, GemmCountsMatchTheCostTable) {
+  const Batch b = MakeBatch(4);
+  struct Row {
+    const char* mode;
+    double plain, teacher;
+  };
+  for (const Row& row : {Row{"MATERIALIZE", 2, 3}, Row{"SAVE_CHUNKS", 2, 3},
+                         Row{"CHECKPOINT", 3, 5}, Row{"SELECTIVE", 3, 4},
+                         Row{"FUSED", 2, 3}}) {
+    for (bool trainable : {false, true}) {
+      for (bool with_teacher : {false, true}) {
+        SCOPED_TRACE(absl::StrCat(row.mode, " trainable ", trainable,
+                                  " teacher ", with_teacher));
+        const char* loss =
+            with_teacher ? "distillation {}" : "dflash { gamma: 7 }";
+        TrackingAllocator allocator;
+        HeadRunOutput<double> run = RunOn<double>(
+            Config(loss, row.mode, 2, 1, 1, trainable), b, allocator);
+        ASSERT_TRUE(run.result.ok()) << run.result.status();
+        const double expected =
+            (with_teacher ? row.teacher : row.plain) + (trainable ? 1 : 0);
+        EXPECT_DOUBLE_EQ(run.result->stats.gemm_passes, expected);
+      }
+    }
+  }
+}
+
+TEST(HeadCostTest, SegmentsSetHowOftenBackwardRecomputes) {
+  const Batch b = MakeBatch(5);  // 6 blocks: 6 chunks of one block.
+  for (int64_t segment : {1, 2, 3, 6}) {
+    TrackingAllocator allocator;
+    HeadRunOutput<double> run = RunOn<double>(
+        Config("dflash {}", "CHECKPOINT", 1, segment, 1, false), b, allocator);
+    ASSERT_TRUE(run.result.ok());
+    EXPECT_EQ(run.result->stats.chunks, 6);
+    EXPECT_EQ(run.result->stats.segment_recomputes, 6 / segment);
+    EXPECT_DOUBLE_EQ(run.result->stats.gemm_passes, 3);
+  }
+}
+
+// The largest chunk's weighted rows.
+int64_t LargestChunkRows(const HeadResult& result, const Batch& b) {
+  int64_t most = 0;
+  for (const ChunkRange& chunk : result.plan.chunks) {
+    int64_t m = 0;
+    for (int64_t r = chunk.begin; r < chunk.end; ++r) m += b.rows[r].mask > 0;
+    most = std::max(most, m);
+  }
+  return most;
+}
+
+// Peak bytes, measured by the tracking allocator, against bounds derived
+// from what each mode holds at once (T = double, 8 bytes):
+// - fused: the chunk's logits (+ teacher logits) and two [m, H] buffers;
+// - checkpoint, segments of s chunks: s chunks' logits gradients (+ teacher
+//   logits) recomputed together, and two [m, H] buffers;
+// - materialize: all N x V logits, plus the kept copy.
+TEST(HeadMemoryTest, PeakBytesStayWithinChunkBoundsExceptMaterialize) {
+  for (bool teacher : {false, true}) {
+    const char* loss = teacher ? "distillation {}" : "dflash {}";
+    const int64_t t = teacher ? 1 : 0;
+    int64_t fused_peak = 0, checkpoint_peak = 0, materialize_peak = 0;
+    for (int64_t batch : {2, 8}) {
+      SCOPED_TRACE(absl::StrCat("teacher ", teacher, " batch ", batch));
+      const Batch b = MakeBatch(6, batch, 3);
+      TrackingAllocator fused_alloc, checkpoint_alloc, materialize_alloc;
+      HeadRunOutput<double> fused = RunOn<double>(
+          Config(loss, "FUSED", 2, 1, 1, true), b, fused_alloc);
+      HeadRunOutput<double> checkpoint = RunOn<double>(
+          Config(loss, "CHECKPOINT", 2, 2, 1, true), b, checkpoint_alloc);
+      HeadRunOutput<double> materialize = RunOn<double>(
+          Config(loss, "MATERIALIZE", 2, 1, 1, true), b, materialize_alloc);
+      ASSERT_TRUE(fused.result.ok() && checkpoint.result.ok() &&
+                  materialize.result.ok());
+      const int64_t m = LargestChunkRows(*fused.result, b);
+      const int64_t weighted = fused.result->stats.projected_rows;
+      const int64_t bytes = sizeof(double);
+      EXPECT_LE(fused.result->stats.peak_bytes,
+                (m * kV * (1 + t) + 2 * m * kH) * bytes);
+      EXPECT_GE(fused.result->stats.peak_bytes, m * kV * bytes);
+      EXPECT_LE(checkpoint.result->stats.peak_bytes,
+                (2 * m * kV * (1 + t) + 2 * m * kH) * bytes);
+      EXPECT_GE(materialize.result->stats.peak_bytes,
+                2 * weighted * kV * bytes);
+      if (batch == 2) {
+        fused_peak = fused.result->stats.peak_bytes;
+        checkpoint_peak = checkpoint.result->stats.peak_bytes;
+        materialize_peak = materialize.result->stats.peak_bytes;
+      } else {
+        // Four times the rows: chunked modes stay within the chunk bound
+        // (which does not grow); materialize grows with N x V.
+        EXPECT_GE(materialize.result->stats.peak_bytes, 3 * materialize_peak);
+        EXPECT_LE(fused.result->stats.peak_bytes,
+                  (m * kV * (1 + t) + 2 * m * kH) * bytes);
+        EXPECT_GT(fused_peak, 0);
+        EXPECT_GT(checkpoint_peak, 0);
+      }
+    }
+  }
+}
+
+TEST(HeadMaskTest, SeventyFivePercentMaskedDoesAQuarterOfTheProjection) {
+  Batch b = MakeBatch(7, 4, 4);  // 64 rows.
+  for (int64_t r = 0; r < b.num_rows(); ++r) {
+    b.rows[r].mask = r % 4 == 1 ? 1.0f : 0.0f;
+  }
+  TrackingAllocator allocator;
+  HeadRunOutput<double> run = RunOn<double>(Config("dflash {}", "FUSED", 2, 1, 1, false),
+                                  b, allocator);
+  ASSERT_TRUE(run.result.ok()) << run.result.status();
+  EXPECT_EQ(run.result->stats.projected_rows, b.num_rows() / 4);
+  EXPECT_DOUBLE_EQ(run.result->stats.gemm_flops,
+                   2 * (2.0 * (b.num_rows() / 4) * kH * kV));
+  const Reference ref = Naive(Config("dflash {}", "FUSED", 2, 1, 1, false), b);
+  EXPECT_NEAR(run.result->loss, ref.loss, 1e-12 * ref.loss);
+  for (int64_t r = 0; r < b.num_rows(); ++r) {
+    if (b.rows[r].mask > 0) continue;
+    for (int64_t h = 0; h < kH; ++h) {
+      ASSERT_EQ(run.grad_hidden[r * kH + h], 0.0);
+    }
+  }
+}
+
+TEST(HeadTest, UpstreamGradientScalesTheGradientsOnly) {
+  const Batch b = MakeBatch(8);
+  TrackingAllocator allocator;
+  const v1::ObjectiveConfig config =
+      Config("dflash { gamma: 7 }", "FUSED", 2, 1, 1, true);
+  HeadRunOutput<double> one = RunOn<double>(config, b, allocator, 1.0);
+  HeadRunOutput<double> half = RunOn<double>(config, b, allocator, 0.5);
+  ASSERT_TRUE(one.result.ok() && half.result.ok());
+  EXPECT_EQ(one.result->loss, half.result->loss);
+  for (size_t i = 0; i < one.grad_hidden.size(); ++i) {
+    EXPECT_DOUBLE_EQ(half.grad_hidden[i], 0.5 * one.grad_hidden[i]);
+  }
+}
+
+TEST(HeadTest, NothingWeightedGivesAFiniteZero) {
+  Batch b = MakeBatch(9);
+  for (RowMeta& m : b.rows) m.mask = 0;
+  TrackingAllocator allocator;
+  HeadRunOutput<double> run = RunOn<double>(
+      Config("dpace {}", "CHECKPOINT", 2, 1, 1, true), b, allocator);
+  ASSERT_TRUE(run.result.ok()) << run.result.status();
+  EXPECT_EQ(run.result->loss, 0.0);
+  EXPECT_EQ(run.result->stats.gemm_calls, 0);
+  for (double g : run.grad_hidden) ASSERT_EQ(g, 0.0);
+  for (double g : run.grad_weight) ASSERT_EQ(g, 0.0);
+}
+
+TEST(HeadTest, BadInputsAreClearErrors) {
+  const Batch good = MakeBatch(10);
+  TrackingAllocator allocator;
+  const v1::ObjectiveConfig config = Config("dflash {}", "FUSED", 2, 1, 1, false);
+  Batch b = good;
+  b.rows[5].target = kV;
+  b.rows[5].mask = 1;
+  EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
+            "inputs.rows[5].target: must lie in [0, 23), got 23");
+  b = good;
+  b.rows[2].position = kK;
+  EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
+            "inputs.rows[2].position: must lie in [0, 4), got 4");
+  b = good;
+  b.rows.pop_back();
+  EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
+            "inputs.rows: must be a positive number of whole blocks of "
+            "layout.block_size = 4, got 23 rows");
+  b = good;
+  b.weight.pop_back();
+  EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
+            "inputs.weight: must hold 184 values (head.vocab_size x "
+            "head.hidden_size), got 183");
+  b = good;
+  b.hidden[3 * kH + 1] = NAN;
+  b.rows[3].mask = 1;
+  b.rows[3].target = 0;
+  EXPECT_NE(RunOn<double>(config, b, allocator)
+                .result.status()
+                .message()
+                .find("is not finite (nan)"),
+            std::string::npos);
+  v1::ObjectiveConfig cuda = AsFloat32(config);
+  cuda.mutable_head()->set_backend(v1::HeadConfig::CUDA);
+  EXPECT_EQ(RunOn<float>(cuda, good, allocator).result.status().message(),
+            "head.backend: RunHead runs the CPU backend, got CUDA");
+  EXPECT_EQ(RunOn<float>(config, good, allocator).result.status().message(),
+            "head.dtype: this call takes FLOAT32 tensors (CPU heads run "
+            "FLOAT32 or FLOAT64), got FLOAT64");
+  TrackingAllocator tiny(1024);
+  EXPECT_EQ(RunOn<double>(config, good, tiny).result.status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace dflash

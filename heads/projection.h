@@ -1,0 +1,66 @@
+#ifndef DFLASH_HEADS_PROJECTION_H_
+#define DFLASH_HEADS_PROJECTION_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace dflash {
+
+// GEMM work a projection has done, for the heads' cost accounting.
+struct GemmCount {
+  int64_t calls = 0;
+  double flops = 0;  // 2 * m * n * k per call.
+};
+
+// A vocabulary projection: weight [V, H] (row-major, as torch's lm_head),
+// optional bias [V]. Rows are contiguous [m, H]; logits [m, V]. A backend
+// (CPU here, CUDA in //heads/cuda) implements the three products; the fused
+// head only talks to this interface.
+template <typename T>
+class VocabProjection {
+ public:
+  virtual ~VocabProjection() = default;
+
+  int64_t vocab() const { return vocab_; }
+  int64_t hidden() const { return hidden_; }
+  const GemmCount& gemms() const { return gemms_; }
+
+  // logits = rows @ W^T + bias.
+  virtual void Forward(const T* rows, int64_t m, T* logits) = 0;
+  // grad_rows = grad_logits @ W.
+  virtual void InputGradient(const T* grad_logits, int64_t m,
+                             T* grad_rows) = 0;
+  // grad_weight += grad_logits^T @ rows; grad_bias += column sums (when
+  // non-null).
+  virtual void AccumulateWeightGradient(const T* grad_logits, const T* rows,
+                                        int64_t m, T* grad_weight,
+                                        T* grad_bias) = 0;
+
+ protected:
+  VocabProjection(int64_t vocab, int64_t hidden)
+      : vocab_(vocab), hidden_(hidden) {}
+  void Count(int64_t m) {
+    ++gemms_.calls;
+    gemms_.flops += 2.0 * static_cast<double>(m) * vocab_ * hidden_;
+  }
+
+ private:
+  const int64_t vocab_;
+  const int64_t hidden_;
+  GemmCount gemms_;
+};
+
+// The CPU projection on CBLAS (OpenBLAS), T = float or double. The weight
+// and bias are borrowed and must outlive it. Sizes are checked: weight holds
+// vocab * hidden values, bias vocab or none.
+template <typename T>
+absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCpuProjection(
+    absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
+    int64_t hidden);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_PROJECTION_H_
