@@ -157,7 +157,8 @@ class HeadRun {
   std::unique_ptr<CheckpointContext> context_;
   ChunkPlan plan_;
   std::vector<int64_t> active_;       // Rows with weight, ascending.
-  std::vector<int64_t> chunk_begin_;  // Chunk c holds active_[begin[c], begin[c+1]).
+  std::vector<int64_t> chunk_begin_;  // Chunk c: active_[begin[c], begin[c+1]).
+  double loss_seconds_ = 0;
 };
 
 template <typename T>
@@ -318,9 +319,11 @@ absl::StatusOr<ChunkTerms> HeadRun<T>::Loss(int64_t c, absl::Span<T> logits,
     meta[i] = inputs_.rows[rows[i]];
     if (confidence_) confidence.push_back(inputs_.confidence_logits[rows[i]]);
   }
+  const Clock::time_point start = Clock::now();
   absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
       config_.loss(), options_, {logits, teacher, confidence, meta, vocab_},
       outputs, threads_);
+  loss_seconds_ += Since(start);
   if (!terms.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk ", c, " (rows are that chunk's weighted rows): ",
@@ -525,6 +528,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(double upstream_gradient) {
   stats.projected_rows = static_cast<int64_t>(active_.size());
   stats.gemm_calls = projection_->gemms().calls;
   stats.gemm_flops = projection_->gemms().flops;
+  stats.gemm_seconds = projection_->gemms().seconds;
+  stats.loss_seconds = loss_seconds_;
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
   stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
   if (context_ != nullptr) {

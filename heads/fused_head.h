@@ -56,7 +56,9 @@ struct HeadStats {
   int64_t peak_bytes = 0;  // Tracking allocator, above its level at entry.
   double forward_seconds = 0;
   double backward_seconds = 0;
-  CheckpointStats checkpoint;  // Empty for MATERIALIZE... FUSED w/o context.
+  double gemm_seconds = 0;  // Of which in GEMMs,
+  double loss_seconds = 0;  // and in the loss row kernels.
+  CheckpointStats checkpoint;  // Empty in FUSED mode (no context).
 };
 
 struct HeadResult {

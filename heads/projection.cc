@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 
+#include <chrono>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,12 @@ void Gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int64_t m,
   }
 }
 
+double Since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                       start)
+      .count();
+}
+
 template <typename T>
 class CpuProjection final : public VocabProjection<T> {
  public:
@@ -31,9 +38,10 @@ class CpuProjection final : public VocabProjection<T> {
   void Forward(const T* rows, int64_t m, T* logits) override {
     if (m == 0) return;
     const int64_t v = this->vocab(), h = this->hidden();
+    const auto start = std::chrono::steady_clock::now();
     Gemm<T>(CblasNoTrans, CblasTrans, m, v, h, rows, h, weight_, h, T(0),
             logits, v);
-    this->Count(m);
+    this->Count(m, Since(start));
     if (bias_ == nullptr) return;
     for (int64_t r = 0; r < m; ++r) {
       T* row = logits + r * v;
@@ -44,18 +52,20 @@ class CpuProjection final : public VocabProjection<T> {
   void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
     if (m == 0) return;
     const int64_t v = this->vocab(), h = this->hidden();
+    const auto start = std::chrono::steady_clock::now();
     Gemm<T>(CblasNoTrans, CblasNoTrans, m, h, v, grad_logits, v, weight_, h,
             T(0), grad_rows, h);
-    this->Count(m);
+    this->Count(m, Since(start));
   }
 
   void AccumulateWeightGradient(const T* grad_logits, const T* rows, int64_t m,
                                 T* grad_weight, T* grad_bias) override {
     if (m == 0) return;
     const int64_t v = this->vocab(), h = this->hidden();
+    const auto start = std::chrono::steady_clock::now();
     Gemm<T>(CblasTrans, CblasNoTrans, v, h, m, grad_logits, v, rows, h, T(1),
             grad_weight, h);
-    this->Count(m);
+    this->Count(m, Since(start));
     if (grad_bias == nullptr) return;
     for (int64_t r = 0; r < m; ++r) {
       const T* row = grad_logits + r * v;

@@ -13,6 +13,7 @@ namespace dflash {
 struct GemmCount {
   int64_t calls = 0;
   double flops = 0;  // 2 * m * n * k per call.
+  double seconds = 0;
 };
 
 // A vocabulary projection: weight [V, H] (row-major, as torch's lm_head),
@@ -42,9 +43,10 @@ class VocabProjection {
  protected:
   VocabProjection(int64_t vocab, int64_t hidden)
       : vocab_(vocab), hidden_(hidden) {}
-  void Count(int64_t m) {
+  void Count(int64_t m, double seconds) {
     ++gemms_.calls;
     gemms_.flops += 2.0 * static_cast<double>(m) * vocab_ * hidden_;
+    gemms_.seconds += seconds;
   }
 
  private:

@@ -1,0 +1,95 @@
+#include "heads/synthetic_batch.h"
+
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "proto/config.h"
+
+namespace dflash {
+
+template <typename T>
+HeadInputs<T> SyntheticBatch<T>::Inputs(
+    const v1::ObjectiveConfig& config) const {
+  const bool teacher = LossNeedsTeacher(config.loss());
+  const bool confidence = config.loss().has_dspark() &&
+                          config.loss().dspark().confidence_weight() > 0;
+  return {hidden,
+          teacher ? absl::MakeConstSpan(teacher_hidden)
+                  : absl::Span<const T>(),
+          confidence ? absl::MakeConstSpan(confidence_logits)
+                     : absl::Span<const float>(),
+          rows,
+          weight,
+          config.head().bias() ? absl::MakeConstSpan(bias)
+                               : absl::Span<const T>()};
+}
+
+template <typename T>
+absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
+    const v1::ObjectiveConfig& config, const SyntheticShape& shape,
+    uint64_t seed) {
+  const int64_t vocab = config.head().vocab_size();
+  const int64_t hidden = config.head().hidden_size();
+  const int64_t block = config.layout().block_size();
+  if (shape.batch <= 0 || shape.seq_len < 2 || shape.num_anchors <= 0 ||
+      vocab <= 0 || hidden <= 0 || block <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "synthetic batch: batch, num_anchors, vocab, hidden and block must be "
+        "> 0 and seq_len >= 2, got batch ",
+        shape.batch, ", seq_len ", shape.seq_len, ", num_anchors ",
+        shape.num_anchors, ", vocab ", vocab, ", hidden ", hidden,
+        ", block ", block));
+  }
+  std::mt19937_64 rng(seed);
+  SyntheticBatch<T> b;
+  const int64_t tokens = shape.batch * shape.seq_len;
+  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+  b.input_ids.resize(tokens);
+  b.loss_mask.resize(tokens);
+  for (int64_t i = 0; i < tokens; ++i) {
+    b.input_ids[i] = token(rng);
+    b.loss_mask[i] = (i % shape.seq_len) % 7 != 6;
+  }
+  const TokenBatch token_batch{shape.batch, shape.seq_len, b.input_ids,
+                               b.loss_mask};
+  absl::StatusOr<Anchors> anchors =
+      SampleAnchors(token_batch, shape.num_anchors, seed);
+  if (!anchors.ok()) return anchors.status();
+  b.anchors = *std::move(anchors);
+  absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
+      token_batch, b.anchors.positions, b.anchors.keep, shape.num_anchors,
+      block, vocab,
+      config.loss().has_dspark() ? Labeling::kDSpark : Labeling::kDFlash);
+  if (!rows.ok()) return rows.status();
+  b.rows = *std::move(rows);
+  const int64_t n = static_cast<int64_t>(b.rows.size());
+  std::normal_distribution<float> normal(0, 1), noise(0, 0.3f);
+  const float weight_scale = 1 / std::sqrt(static_cast<float>(hidden));
+  b.hidden.resize(n * hidden);
+  for (T& x : b.hidden) x = normal(rng);
+  if (LossNeedsTeacher(config.loss())) {
+    b.teacher_hidden.resize(n * hidden);
+    for (int64_t i = 0; i < n * hidden; ++i) {
+      b.teacher_hidden[i] = b.hidden[i] + noise(rng);
+    }
+  }
+  b.weight.resize(vocab * hidden);
+  for (T& x : b.weight) x = weight_scale * normal(rng);
+  if (config.head().bias()) {
+    b.bias.resize(vocab);
+    for (T& x : b.bias) x = 0.1f * normal(rng);
+  }
+  b.confidence_logits.resize(n);
+  for (float& x : b.confidence_logits) x = normal(rng);
+  return b;
+}
+
+template struct SyntheticBatch<float>;
+template struct SyntheticBatch<double>;
+template absl::StatusOr<SyntheticBatch<float>> MakeSyntheticBatch<float>(
+    const v1::ObjectiveConfig&, const SyntheticShape&, uint64_t);
+template absl::StatusOr<SyntheticBatch<double>> MakeSyntheticBatch<double>(
+    const v1::ObjectiveConfig&, const SyntheticShape&, uint64_t);
+
+}  // namespace dflash

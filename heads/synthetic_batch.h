@@ -1,0 +1,47 @@
+#ifndef DFLASH_HEADS_SYNTHETIC_BATCH_H_
+#define DFLASH_HEADS_SYNTHETIC_BATCH_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "heads/fused_head.h"
+#include "losses/batch_layout.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// The shape of a synthetic DFlash batch: `batch` sequences of `seq_len`
+// tokens, `num_anchors` anchor blocks each (layout.block_size, hidden and
+// vocab from the config).
+struct SyntheticShape {
+  int64_t batch = 1;
+  int64_t seq_len = 4096;
+  int64_t num_anchors = 128;
+};
+
+// A seeded batch with the statistics of a real one: token ids uniform over
+// the vocabulary, every 7th token unsupervised, anchors sampled as in
+// SEMANTICS.md section 2, hidden states N(0, 1) and weight N(0, 1/H) so that
+// logits are of order 1, the teacher's states the draft's plus N(0, 0.3).
+template <typename T>
+struct SyntheticBatch {
+  std::vector<int64_t> input_ids;
+  std::vector<uint8_t> loss_mask;
+  Anchors anchors;
+  std::vector<RowMeta> rows;
+  std::vector<T> hidden, teacher_hidden, weight, bias;
+  std::vector<float> confidence_logits;
+
+  // Views for RunHead; teacher and confidence only where the loss reads them.
+  HeadInputs<T> Inputs(const v1::ObjectiveConfig& config) const;
+};
+
+template <typename T>
+absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
+    const v1::ObjectiveConfig& config, const SyntheticShape& shape,
+    uint64_t seed);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_SYNTHETIC_BATCH_H_
