@@ -1,0 +1,292 @@
+#include "io/npy.h"
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <type_traits>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace dflash {
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+constexpr size_t kMagicSize = 6;
+
+struct TypeInfo {
+  NpyType type;
+  const char* descr;
+  int64_t size;
+};
+constexpr TypeInfo kTypes[] = {
+    {NpyType::kFloat32, "<f4", 4}, {NpyType::kFloat64, "<f8", 8},
+    {NpyType::kInt32, "<i4", 4},   {NpyType::kInt64, "<i8", 8},
+    {NpyType::kBool, "|b1", 1},    {NpyType::kUint8, "|u1", 1},
+};
+
+const TypeInfo& Info(NpyType type) {
+  for (const TypeInfo& info : kTypes) {
+    if (info.type == type) return info;
+  }
+  return kTypes[0];
+}
+
+absl::Status Error(absl::string_view name, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+}
+
+// The value of 'key' in the header dict, up to the next top-level comma.
+absl::StatusOr<std::string> Field(absl::string_view header,
+                                  absl::string_view key,
+                                  absl::string_view name) {
+  const std::string quoted = absl::StrCat("'", key, "'");
+  const size_t at = header.find(quoted);
+  if (at == absl::string_view::npos) {
+    return Error(name, absl::StrCat("malformed .npy header, no ", quoted,
+                                    " in ", header));
+  }
+  absl::string_view rest = header.substr(at + quoted.size());
+  rest = absl::StripLeadingAsciiWhitespace(rest);
+  if (!absl::ConsumePrefix(&rest, ":")) {
+    return Error(name, absl::StrCat("malformed .npy header near ", quoted));
+  }
+  rest = absl::StripLeadingAsciiWhitespace(rest);
+  size_t end = 0;
+  int depth = 0;
+  for (; end < rest.size(); ++end) {
+    const char c = rest[end];
+    if (c == '(') ++depth;
+    if (c == ')') --depth;
+    if ((c == ',' && depth == 0) || c == '}') break;
+  }
+  return std::string(absl::StripTrailingAsciiWhitespace(rest.substr(0, end)));
+}
+
+}  // namespace
+
+absl::string_view NpyDescr(NpyType type) { return Info(type).descr; }
+
+int64_t NpyArray::elements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string NpyArray::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
+                                  absl::string_view name) {
+  if (bytes.size() < kMagicSize + 4 ||
+      bytes.substr(0, kMagicSize) != absl::string_view(kMagic, kMagicSize)) {
+    return Error(name, "not a .npy file (no \\x93NUMPY magic)");
+  }
+  const int major = static_cast<unsigned char>(bytes[6]);
+  size_t header_len, offset;
+  if (major == 1) {
+    header_len = static_cast<unsigned char>(bytes[8]) |
+                 static_cast<unsigned char>(bytes[9]) << 8;
+    offset = 10;
+  } else if (major == 2 || major == 3) {
+    if (bytes.size() < 12) return Error(name, "truncated .npy header");
+    header_len = 0;
+    for (int i = 0; i < 4; ++i) {
+      header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i]))
+                    << (8 * i);
+    }
+    offset = 12;
+  } else {
+    return Error(name, absl::StrCat(".npy format version ", major,
+                                    " is not supported (1, 2 or 3)"));
+  }
+  if (bytes.size() < offset + header_len) {
+    return Error(name, "truncated .npy header");
+  }
+  const absl::string_view header = bytes.substr(offset, header_len);
+  absl::StatusOr<std::string> descr = Field(header, "descr", name);
+  absl::StatusOr<std::string> fortran = Field(header, "fortran_order", name);
+  absl::StatusOr<std::string> shape = Field(header, "shape", name);
+  for (const auto* field : {&descr, &fortran, &shape}) {
+    if (!field->ok()) return field->status();
+  }
+  NpyArray array;
+  absl::string_view d = *descr;
+  if (!absl::ConsumePrefix(&d, "'") || !absl::ConsumeSuffix(&d, "'")) {
+    return Error(name, absl::StrCat("malformed descr ", *descr));
+  }
+  if (absl::StartsWith(d, ">")) {
+    return Error(name, absl::StrCat("big-endian data (descr '", d,
+                                    "') is not supported; save it "
+                                    "little-endian"));
+  }
+  bool known = false;
+  for (const TypeInfo& info : kTypes) {
+    // "=" and "<" both mean little-endian on the machines we write for.
+    std::string native = info.descr;
+    if (native[0] == '<') native[0] = '=';
+    if (d == info.descr || d == native) {
+      array.type = info.type;
+      known = true;
+    }
+  }
+  if (!known) {
+    return Error(name, absl::StrCat("dtype '", d,
+                                    "' is not supported (float32, float64, "
+                                    "int32, int64, bool, uint8)"));
+  }
+  if (*fortran == "True") {
+    return Error(name, "Fortran-order data is not supported; save it in C "
+                       "order (np.ascontiguousarray)");
+  }
+  if (*fortran != "False") {
+    return Error(name, absl::StrCat("malformed fortran_order ", *fortran));
+  }
+  absl::string_view s = *shape;
+  if (!absl::ConsumePrefix(&s, "(") || !absl::ConsumeSuffix(&s, ")")) {
+    return Error(name, absl::StrCat("malformed shape ", *shape));
+  }
+  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipWhitespace())) {
+    int64_t extent;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &extent) ||
+        extent < 0 || extent > (int64_t{1} << 40)) {
+      return Error(name, absl::StrCat("malformed shape ", *shape));
+    }
+    array.shape.push_back(extent);
+  }
+  const int64_t elements = array.elements();
+  const int64_t item = Info(array.type).size;
+  const absl::string_view data = bytes.substr(offset + header_len);
+  if (elements > static_cast<int64_t>(data.size()) / item ||
+      static_cast<int64_t>(data.size()) != elements * item) {
+    return Error(name, absl::StrCat("data holds ", data.size(),
+                                    " bytes, shape ", array.ShapeString(),
+                                    " of ", d, " needs ", elements * item,
+                                    " (truncated or padded file)"));
+  }
+  array.data = std::string(data);
+  return array;
+}
+
+absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  }
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  return ParseNpy(bytes.str(), path);
+}
+
+std::string SerializeNpy(const NpyArray& array) {
+  std::string shape = absl::StrJoin(array.shape, ", ");
+  if (array.shape.size() == 1) shape += ",";
+  std::string header =
+      absl::StrCat("{'descr': '", NpyDescr(array.type),
+                   "', 'fortran_order': False, 'shape': (", shape, "), }");
+  // Pad with spaces so that the data starts 64-byte aligned; end with \n.
+  const bool v2 = header.size() + 11 > 65535;
+  const size_t prefix = v2 ? 12 : 10;
+  const size_t total = (prefix + header.size() + 1 + 63) / 64 * 64;
+  header.append(total - prefix - header.size() - 1, ' ');
+  header.push_back('\n');
+  std::string out(kMagic, kMagicSize);
+  out.push_back(static_cast<char>(v2 ? 2 : 1));
+  out.push_back(0);
+  const size_t len = header.size();
+  for (size_t i = 0; i < (v2 ? 4u : 2u); ++i) {
+    out.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+  }
+  return absl::StrCat(out, header, array.data);
+}
+
+absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  const std::string bytes = SerializeNpy(array);
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!file) {
+    return absl::InternalError(absl::StrCat(path, ": cannot write"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
+                      absl::Span<const int64_t> shape,
+                      absl::Span<const NpyType> types) {
+  bool type_ok = false;
+  for (NpyType t : types) type_ok |= t == array.type;
+  bool shape_ok = array.shape.size() == shape.size();
+  for (size_t i = 0; shape_ok && i < shape.size(); ++i) {
+    shape_ok = shape[i] < 0 || shape[i] == array.shape[i];
+  }
+  if (type_ok && shape_ok) return absl::OkStatus();
+  std::vector<std::string> extents, names;
+  for (int64_t d : shape) extents.push_back(d < 0 ? "*" : absl::StrCat(d));
+  for (NpyType t : types) names.push_back(std::string(NpyDescr(t)));
+  return absl::InvalidArgumentError(absl::StrCat(
+      name, ": expected shape [", absl::StrJoin(extents, ", "), "] of ",
+      absl::StrJoin(names, " or "), ", got ", array.ShapeString(), " of ",
+      NpyDescr(array.type)));
+}
+
+namespace {
+template <typename From, typename To>
+std::vector<To> Convert(const NpyArray& array) {
+  std::vector<To> out(array.elements());
+  for (int64_t i = 0; i < array.elements(); ++i) {
+    From value;
+    std::memcpy(&value, array.data.data() + i * sizeof(From), sizeof(From));
+    out[i] = static_cast<To>(value);
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<float> NpyToFloat(const NpyArray& array) {
+  if (array.type == NpyType::kFloat64) return Convert<double, float>(array);
+  return Convert<float, float>(array);
+}
+
+std::vector<int64_t> NpyToInt64(const NpyArray& array) {
+  switch (array.type) {
+    case NpyType::kInt32:
+      return Convert<int32_t, int64_t>(array);
+    case NpyType::kInt64:
+      return Convert<int64_t, int64_t>(array);
+    default:
+      return Convert<uint8_t, int64_t>(array);  // bool, uint8.
+  }
+}
+
+template <typename T>
+NpyArray MakeNpy(absl::Span<const T> values, std::vector<int64_t> shape) {
+  NpyArray array;
+  if constexpr (std::is_same_v<T, float>) array.type = NpyType::kFloat32;
+  if constexpr (std::is_same_v<T, double>) array.type = NpyType::kFloat64;
+  if constexpr (std::is_same_v<T, int32_t>) array.type = NpyType::kInt32;
+  if constexpr (std::is_same_v<T, int64_t>) array.type = NpyType::kInt64;
+  if constexpr (std::is_same_v<T, bool>) array.type = NpyType::kBool;
+  if constexpr (std::is_same_v<T, uint8_t>) array.type = NpyType::kUint8;
+  array.shape = std::move(shape);
+  array.data.assign(reinterpret_cast<const char*>(values.data()),
+                    values.size() * sizeof(T));
+  return array;
+}
+
+template NpyArray MakeNpy<float>(absl::Span<const float>, std::vector<int64_t>);
+template NpyArray MakeNpy<double>(absl::Span<const double>,
+                                  std::vector<int64_t>);
+template NpyArray MakeNpy<int32_t>(absl::Span<const int32_t>,
+                                   std::vector<int64_t>);
+template NpyArray MakeNpy<int64_t>(absl::Span<const int64_t>,
+                                   std::vector<int64_t>);
+template NpyArray MakeNpy<bool>(absl::Span<const bool>, std::vector<int64_t>);
+template NpyArray MakeNpy<uint8_t>(absl::Span<const uint8_t>,
+                                   std::vector<int64_t>);
+
+}  // namespace dflash

@@ -1,0 +1,58 @@
+#ifndef DFLASH_IO_NPY_H_
+#define DFLASH_IO_NPY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace dflash {
+
+// Element types of the NumPy .npy files dflash reads and writes.
+enum class NpyType { kFloat32, kFloat64, kInt32, kInt64, kBool, kUint8 };
+
+// The descr string of a type ("<f4", "|b1", ...).
+absl::string_view NpyDescr(NpyType type);
+
+// An array as stored: little-endian, C order.
+struct NpyArray {
+  NpyType type = NpyType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string data;  // Raw little-endian bytes, size = elements * item size.
+
+  int64_t elements() const;
+  std::string ShapeString() const;  // "[2, 3]"
+};
+
+// Parses the bytes of a .npy file (format versions 1, 2 and 3). Big-endian
+// data, Fortran order, other dtypes, malformed headers and truncated data
+// are errors that start with `name`.
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
+                                  absl::string_view name);
+absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
+
+// Version 1.0 bytes of `array` (2.0 if the header needs it).
+std::string SerializeNpy(const NpyArray& array);
+absl::Status WriteNpy(const std::string& path, const NpyArray& array);
+
+// Typed views and conversions; a wrong type or shape is an error naming
+// `name`, its shape and type and what was expected. A -1 in `shape` matches
+// any extent.
+absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
+                      absl::Span<const int64_t> shape,
+                      absl::Span<const NpyType> types);
+// float32 data as floats (float64 is rounded).
+std::vector<float> NpyToFloat(const NpyArray& array);
+// Integer or bool data as int64.
+std::vector<int64_t> NpyToInt64(const NpyArray& array);
+
+template <typename T>
+NpyArray MakeNpy(absl::Span<const T> values, std::vector<int64_t> shape);
+
+}  // namespace dflash
+
+#endif  // DFLASH_IO_NPY_H_
