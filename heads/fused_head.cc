@@ -116,7 +116,7 @@ class HeadRun {
   }
 
   absl::Status Validate() const;
-  absl::StatusOr<HeadResult> Run(double upstream_gradient);
+  absl::StatusOr<HeadResult> Run(const HeadOptions& options);
 
  private:
   bool Fused() const { return head_.mode() == v1::HeadConfig::FUSED; }
@@ -466,7 +466,7 @@ absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
 }
 
 template <typename T>
-absl::StatusOr<HeadResult> HeadRun<T>::Run(double upstream_gradient) {
+absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
   absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
@@ -488,11 +488,17 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(double upstream_gradient) {
   result.terms.correct_per_position.assign(block_size_, 0.0);
   result.terms.mask_per_position.assign(block_size_, 0.0);
   const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
+  const int64_t steps = Fused() ? chunks : 2 * chunks;
+  int64_t step = 0;
+  auto report = [&] {
+    if (options.progress) options.progress(++step, steps);
+  };
   const Clock::time_point forward = Clock::now();
   for (int64_t c = 0; c < chunks; ++c) {
     if (absl::Status done = ForwardChunk(c, result.terms); !done.ok()) {
       return done;
     }
+    report();
   }
   result.stats.forward_seconds = Since(forward);
 
@@ -500,11 +506,13 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(double upstream_gradient) {
   if (!Fused()) {
     for (int64_t c = chunks - 1; c >= 0; --c) {
       if (absl::Status done = BackwardChunk(c); !done.ok()) return done;
+      report();
     }
   }
   // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
   const double den = result.terms.loss_den;
-  const T scale = den > 0 ? static_cast<T>(upstream_gradient / den) : T(0);
+  const T scale =
+      den > 0 ? static_cast<T>(options.upstream_gradient / den) : T(0);
   for (int64_t r : active_) {
     T* row = gradients_.hidden.data() + r * hidden_;
     for (int64_t h = 0; h < hidden_; ++h) row[h] *= scale;
@@ -549,26 +557,27 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    const HeadGradients<T>& gradients,
                                    TrackingAllocator& allocator,
                                    const HeadRowOutputs& row_outputs,
-                                   double upstream_gradient) {
+                                   const HeadOptions& options) {
   if (absl::Status valid = ValidateObjectiveConfig(config); !valid.ok()) {
     return valid;
   }
-  if (!std::isfinite(upstream_gradient)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "upstream_gradient: must be finite, got ", upstream_gradient));
+  if (!std::isfinite(options.upstream_gradient)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.upstream_gradient: must be finite, got ",
+                     options.upstream_gradient));
   }
   HeadRun<T> run(config, inputs, gradients, row_outputs, allocator);
   if (absl::Status valid = run.Validate(); !valid.ok()) return valid;
-  return run.Run(upstream_gradient);
+  return run.Run(options);
 }
 
 template absl::StatusOr<HeadResult> RunHead<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     const HeadGradients<float>&, TrackingAllocator&, const HeadRowOutputs&,
-    double);
+    const HeadOptions&);
 template absl::StatusOr<HeadResult> RunHead<double>(
     const v1::ObjectiveConfig&, const HeadInputs<double>&,
     const HeadGradients<double>&, TrackingAllocator&, const HeadRowOutputs&,
-    double);
+    const HeadOptions&);
 
 }  // namespace dflash

@@ -2,6 +2,7 @@
 #define DFLASH_HEADS_FUSED_HEAD_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -71,6 +72,14 @@ struct HeadResult {
   HeadStats stats;
 };
 
+struct HeadOptions {
+  // d(objective)/d(loss) from the caller; gradients are scaled by it.
+  double upstream_gradient = 1.0;
+  // Called after each chunk's forward and each chunk's backward step with
+  // (steps done, steps in all).
+  std::function<void(int64_t, int64_t)> progress;
+};
+
 // Runs forward and backward of `config` (validated and with defaults
 // resolved, see //proto:config) over one batch on the CPU (T = float for
 // FLOAT32, double for FLOAT64), in the config's execution mode:
@@ -89,7 +98,7 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    const HeadGradients<T>& gradients,
                                    TrackingAllocator& allocator,
                                    const HeadRowOutputs& row_outputs = {},
-                                   double upstream_gradient = 1.0);
+                                   const HeadOptions& options = {});
 
 }  // namespace dflash
 

@@ -194,8 +194,21 @@ HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
                              absl::MakeSpan(run.grad_confidence)};
   HeadRowOutputs outputs{absl::MakeSpan(run.neg_log_q),
                          absl::MakeSpan(run.argmax), {}, 0};
-  run.result =
-      RunHead<T>(config, inputs, gradients, allocator, outputs, upstream);
+  HeadOptions options;
+  options.upstream_gradient = upstream;
+  int64_t steps = 0;
+  options.progress = [&](int64_t done, int64_t total) {
+    EXPECT_EQ(done, ++steps);
+    EXPECT_LE(done, total);
+  };
+  run.result = RunHead<T>(config, inputs, gradients, allocator, outputs,
+                          options);
+  if (run.result.ok()) {
+    const int64_t chunks = run.result->stats.chunks;
+    EXPECT_EQ(steps, config.head().mode() == v1::HeadConfig::FUSED
+                         ? chunks
+                         : 2 * chunks);
+  }
   return run;
 }
 

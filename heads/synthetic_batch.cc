@@ -9,7 +9,7 @@
 namespace dflash {
 
 template <typename T>
-HeadInputs<T> SyntheticBatch<T>::Inputs(
+HeadInputs<T> HeadBatch<T>::Inputs(
     const v1::ObjectiveConfig& config) const {
   const bool teacher = LossNeedsTeacher(config.loss());
   const bool confidence = config.loss().has_dspark() &&
@@ -26,7 +26,7 @@ HeadInputs<T> SyntheticBatch<T>::Inputs(
 }
 
 template <typename T>
-absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
+absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     const v1::ObjectiveConfig& config, const SyntheticShape& shape,
     uint64_t seed) {
   const int64_t vocab = config.head().vocab_size();
@@ -42,7 +42,7 @@ absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
         ", block ", block));
   }
   std::mt19937_64 rng(seed);
-  SyntheticBatch<T> b;
+  HeadBatch<T> b;
   const int64_t tokens = shape.batch * shape.seq_len;
   std::uniform_int_distribution<int64_t> token(0, vocab - 1);
   b.input_ids.resize(tokens);
@@ -85,11 +85,11 @@ absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
   return b;
 }
 
-template struct SyntheticBatch<float>;
-template struct SyntheticBatch<double>;
-template absl::StatusOr<SyntheticBatch<float>> MakeSyntheticBatch<float>(
+template struct HeadBatch<float>;
+template struct HeadBatch<double>;
+template absl::StatusOr<HeadBatch<float>> MakeSyntheticBatch<float>(
     const v1::ObjectiveConfig&, const SyntheticShape&, uint64_t);
-template absl::StatusOr<SyntheticBatch<double>> MakeSyntheticBatch<double>(
+template absl::StatusOr<HeadBatch<double>> MakeSyntheticBatch<double>(
     const v1::ObjectiveConfig&, const SyntheticShape&, uint64_t);
 
 }  // namespace dflash

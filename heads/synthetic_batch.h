@@ -20,12 +20,13 @@ struct SyntheticShape {
   int64_t num_anchors = 128;
 };
 
-// A seeded batch with the statistics of a real one: token ids uniform over
+// A batch's tensors, as the head reads them. MakeSyntheticBatch fills one
+// with the statistics of a real batch: token ids uniform over
 // the vocabulary, every 7th token unsupervised, anchors sampled as in
 // SEMANTICS.md section 2, hidden states N(0, 1) and weight N(0, 1/H) so that
 // logits are of order 1, the teacher's states the draft's plus N(0, 0.3).
 template <typename T>
-struct SyntheticBatch {
+struct HeadBatch {
   std::vector<int64_t> input_ids;
   std::vector<uint8_t> loss_mask;
   Anchors anchors;
@@ -38,7 +39,7 @@ struct SyntheticBatch {
 };
 
 template <typename T>
-absl::StatusOr<SyntheticBatch<T>> MakeSyntheticBatch(
+absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     const v1::ObjectiveConfig& config, const SyntheticShape& shape,
     uint64_t seed);
 
