@@ -4,9 +4,6 @@
 // plain cblas_sgemm in the same process. Reports time, effective GFLOP/s
 // (the 2 floor GEMMs' flops / time), peak bytes from the tracking allocator,
 // GEMM passes, and gemm_ratio = time / floor time.
-#include <cblas.h>
-
-#include <chrono>
 #include <map>
 #include <string>
 #include <utility>
@@ -14,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
+#include "bench/gemm_floor.h"
 #include "benchmark/benchmark.h"
 #include "heads/fused_head.h"
 #include "heads/synthetic_batch.h"
@@ -21,8 +19,6 @@
 
 namespace dflash {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct Shape {
   int64_t anchors, hidden, vocab, blocks_per_chunk;
@@ -52,26 +48,16 @@ v1::ObjectiveConfig Config(const Shape& shape, const std::string& mode) {
   return *config;
 }
 
-// Seconds of the two GEMMs over `rows` projected rows, best of two.
+// The floor for one shape, measured once per process.
 double FloorSeconds(const Shape& shape, int64_t rows) {
   static std::map<std::pair<int64_t, int64_t>, double> cache;
   const auto key = std::make_pair(shape.vocab, rows);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
-  const int64_t h = shape.hidden, v = shape.vocab;
-  std::vector<float> x(rows * h, 0.01f), w(v * h, 0.02f), logits(rows * v),
-      grad(rows * h);
-  double best = 1e30;
-  for (int rep = 0; rep < 2; ++rep) {
-    const Clock::time_point start = Clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f,
-                x.data(), h, w.data(), h, 0.0f, logits.data(), v);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f,
-                logits.data(), v, w.data(), h, 0.0f, grad.data(), h);
-    best = std::min(
-        best, std::chrono::duration<double>(Clock::now() - start).count());
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    it = cache.emplace(key, GemmFloorSeconds(rows, shape.hidden, shape.vocab))
+             .first;
   }
-  cache[key] = best;
-  return best;
+  return it->second;
 }
 
 void BM_Head(benchmark::State& state, Shape shape, std::string mode) {
