@@ -186,7 +186,9 @@ absl::StatusOr<HeadJobResult> RunOnce(
     job.grad_weight.assign(config.head().vocab_size() * hidden, 0);
   }
   std::vector<float> grad_bias(
-      config.head().trainable() && config.head().bias() ? hidden : 0);
+      config.head().trainable() && config.head().bias()
+          ? config.head().vocab_size()
+          : 0);
   std::vector<float> grad_confidence(rows);
   const bool confidence = config.loss().has_dspark() &&
                           config.loss().dspark().confidence_weight() > 0;

@@ -1,5 +1,6 @@
 #include "cli/head_job.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -106,6 +107,34 @@ TEST(HeadJobTest, CompareModesPrintsEveryMode) {
     EXPECT_NE(report.str().find(std::string("  ") + mode), std::string::npos)
         << report.str();
   }
+}
+
+// A trainable head with a bias, from a config file: the job sizes the bias
+// gradient and writes the weight gradient as grad_lm_head.npy (its values
+// are checked against the reference in //heads:fused_head_test).
+TEST(HeadJobTest, TrainableHeadWritesTheWeightGradient) {
+  const std::string dir = TempDir("trainable");
+  {
+    std::ofstream file(dir + "/trainable.textproto");
+    file << "layout { block_size: 4 } chunking { blocks_per_chunk: 2 } "
+            "head { vocab_size: 31 hidden_size: 8 trainable: true bias: true "
+            "mode: CHECKPOINT threads: 1 } loss { dflash { gamma: 7 } }";
+  }
+  HeadJobOptions options;
+  options.config_path = dir + "/trainable.textproto";
+  options.shape = {1, 40, 4};
+  options.out_dir = dir;
+  std::ostringstream report;
+  auto job = RunHeadJob(options, report);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_DOUBLE_EQ(job->metrics.gemms(), 4);  // Checkpoint 3 + grad W.
+  auto grad = ReadNpy(dir + "/grad_lm_head.npy");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->shape, (std::vector<int64_t>{31, 8}));
+  EXPECT_EQ(NpyToFloat(*grad), job->grad_weight);
+  double norm = 0;
+  for (float g : job->grad_weight) norm += std::abs(g);
+  EXPECT_GT(norm, 0);
 }
 
 TEST(HeadJobTest, BadFlagsAndFilesAreClearErrors) {

@@ -66,19 +66,33 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   const int64_t n = static_cast<int64_t>(b.rows.size());
   std::normal_distribution<float> normal(0, 1), noise(0, 0.3f);
   const float weight_scale = 1 / std::sqrt(static_cast<float>(hidden));
-  b.hidden.resize(n * hidden);
-  for (T& x : b.hidden) x = normal(rng);
-  if (LossNeedsTeacher(config.loss())) {
-    b.teacher_hidden.resize(n * hidden);
-    for (int64_t i = 0; i < n * hidden; ++i) {
-      b.teacher_hidden[i] = b.hidden[i] + noise(rng);
-    }
-  }
   b.weight.resize(vocab * hidden);
   for (T& x : b.weight) x = weight_scale * normal(rng);
   if (config.head().bias()) {
     b.bias.resize(vocab);
     for (T& x : b.bias) x = 0.1f * normal(rng);
+  }
+  // A draft model's states point at their target, less so further into the
+  // block: state += margin(k) * W[target] / |W[target]|^2 lifts the target
+  // logit by margin(k) over logits of unit spread.
+  b.hidden.resize(n * hidden);
+  for (T& x : b.hidden) x = normal(rng);
+  for (int64_t r = 0; r < n; ++r) {
+    const RowMeta& meta = b.rows[r];
+    if (meta.mask <= 0) continue;
+    const T* w = b.weight.data() + int64_t{meta.target} * hidden;
+    double norm2 = 0;
+    for (int64_t h = 0; h < hidden; ++h) norm2 += double{w[h]} * w[h];
+    const double margin = kSyntheticMargin - kSyntheticMarginDecay * meta.position;
+    const T lift = static_cast<T>(norm2 > 0 ? margin / norm2 : 0);
+    T* x = b.hidden.data() + r * hidden;
+    for (int64_t h = 0; h < hidden; ++h) x[h] += lift * w[h];
+  }
+  if (LossNeedsTeacher(config.loss())) {
+    b.teacher_hidden.resize(n * hidden);
+    for (int64_t i = 0; i < n * hidden; ++i) {
+      b.teacher_hidden[i] = b.hidden[i] + noise(rng);
+    }
   }
   b.confidence_logits.resize(n);
   for (float& x : b.confidence_logits) x = normal(rng);
