@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "base/tracking_allocator.h"
 #include "google/protobuf/util/json_util.h"
+#include "heads/projection.h"
 #include "io/npy.h"
 #include "proto/config.h"
 
@@ -150,8 +151,10 @@ const std::vector<NpyType> kInts = {NpyType::kInt32, NpyType::kInt64};
 const std::vector<NpyType> kFlags = {NpyType::kBool, NpyType::kUint8,
                                      NpyType::kInt32, NpyType::kInt64};
 
-v1::HeadMetrics Metrics(const v1::ObjectiveConfig& config,
-                        const HeadResult& r) {
+}  // namespace
+
+v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
+                              const HeadResult& r) {
   v1::HeadMetrics m;
   m.set_mode(v1::HeadConfig::ExecutionMode_Name(r.mode));
   m.set_loss_family(LossFamily(config.loss()));
@@ -173,6 +176,8 @@ v1::HeadMetrics Metrics(const v1::ObjectiveConfig& config,
   m.set_segment_recomputes(r.stats.segment_recomputes);
   return m;
 }
+
+namespace {
 
 absl::StatusOr<HeadJobResult> RunOnce(
     const v1::ObjectiveConfig& config, const HeadBatch<float>& batch,
@@ -203,7 +208,7 @@ absl::StatusOr<HeadJobResult> RunOnce(
       config, batch.Inputs(config), gradients, allocator, {}, options);
   if (!result.ok()) return result.status();
   job.result = *std::move(result);
-  job.metrics = Metrics(config, job.result);
+  job.metrics = HeadMetricsOf(config, job.result);
   return job;
 }
 
@@ -245,6 +250,7 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
       s.loss_seconds, seconds > 0 ? s.gemm_flops / seconds / 1e9 : 0);
   out << absl::StrFormat("  peak memory  %.1f MiB (tracking allocator)\n",
                          s.peak_bytes / 1048576.0);
+  out << "  BLAS         " << CpuBlasName() << "\n";
   if (s.segment_recomputes > 0) {
     out << absl::StrFormat("  recomputed   %d segment(s)\n",
                            s.segment_recomputes);

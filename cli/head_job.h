@@ -49,6 +49,10 @@ absl::Status SaveInputs(const HeadBatch<float>& batch,
                         const v1::ObjectiveConfig& config, int64_t batch_size,
                         int64_t seq_len, const std::string& dir);
 
+// The metrics.json record of one head run of `config`.
+v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
+                              const HeadResult& result);
+
 struct HeadJobResult {
   v1::ObjectiveConfig config;
   HeadResult result;

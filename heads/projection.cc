@@ -4,8 +4,11 @@
 
 #include <chrono>
 #include <type_traits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 namespace dflash {
 namespace {
@@ -79,6 +82,15 @@ class CpuProjection final : public VocabProjection<T> {
 };
 
 }  // namespace
+
+std::string CpuBlasName() {
+  // The config starts "OpenBLAS 0.3.21 ..."; keep the name and version.
+  const std::vector<absl::string_view> words =
+      absl::StrSplit(openblas_get_config(), ' ');
+  return absl::StrCat(words[0], words.size() > 1 ? " " : "",
+                      words.size() > 1 ? words[1] : "", " (",
+                      openblas_get_corename(), " kernels)");
+}
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCpuProjection(

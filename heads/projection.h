@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -62,6 +63,11 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCpuProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
     int64_t hidden);
+
+// The CPU projection's BLAS and the kernels it picked for this CPU, e.g.
+// "OpenBLAS 0.3.21 (SkylakeX kernels)". Generic kernels
+// ("Prescott") on an AVX2 machine cost 4-5x in GEMM time; see the README.
+std::string CpuBlasName();
 
 }  // namespace dflash
 

@@ -1,0 +1,55 @@
+#include "bench/head_cases.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/tracking_allocator.h"
+#include "proto/config.h"
+
+namespace dflash {
+
+constexpr int64_t kBlock = 16;
+
+const std::vector<v1::HeadConfig::ExecutionMode>& BenchModes() {
+  static const std::vector<v1::HeadConfig::ExecutionMode> modes = {
+      v1::HeadConfig::MATERIALIZE, v1::HeadConfig::SAVE_CHUNKS,
+      v1::HeadConfig::CHECKPOINT, v1::HeadConfig::SELECTIVE,
+      v1::HeadConfig::FUSED};
+  return modes;
+}
+
+absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
+    const HeadShape& shape, v1::HeadConfig::ExecutionMode mode) {
+  const std::string checkpoint =
+      mode == v1::HeadConfig::SELECTIVE
+          ? "checkpoint { preset: SELECTIVE_FROZEN_PROJECTION }"
+          : "";
+  return LoadObjectiveConfigFromString(absl::StrCat(
+      "layout { block_size: ", kBlock, " num_anchors: ", shape.anchors,
+      " } chunking { blocks_per_chunk: ", shape.blocks_per_chunk, " } ",
+      checkpoint, " head { vocab_size: ", shape.vocab,
+      " hidden_size: ", shape.hidden,
+      " mode: ", v1::HeadConfig::ExecutionMode_Name(mode),
+      " } loss { dflash { gamma: 7 } }"));
+}
+
+absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
+    const v1::ObjectiveConfig& config, const HeadShape& shape) {
+  // Sequences long enough that every anchor finds a valid position.
+  return MakeSyntheticBatch<float>(
+      config, {1, std::max<int64_t>(8192, 4 * kBlock * shape.anchors),
+               shape.anchors},
+      /*seed=*/1);
+}
+
+absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
+                                       const HeadBatch<float>& batch) {
+  std::vector<float> grad_hidden(batch.hidden.size());
+  const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {},
+                                       {}};
+  TrackingAllocator allocator;
+  return RunHead<float>(config, batch.Inputs(config), gradients, allocator);
+}
+
+}  // namespace dflash

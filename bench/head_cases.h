@@ -1,0 +1,43 @@
+#ifndef DFLASH_BENCH_HEAD_CASES_H_
+#define DFLASH_BENCH_HEAD_CASES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "heads/fused_head.h"
+#include "heads/synthetic_batch.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// A benchmarked head: a synthetic batch of one sequence with `anchors`
+// blocks of 16 (FP32, frozen head, dflash loss with gamma 7).
+struct HeadShape {
+  int64_t anchors = 128;
+  int64_t hidden = 1024;
+  int64_t vocab = 32768;
+  int64_t blocks_per_chunk = 64;
+};
+
+// The execution modes, in the order of ARCHITECTURE.md's cost table.
+const std::vector<v1::HeadConfig::ExecutionMode>& BenchModes();
+
+// The objective of `shape` in `mode` (SELECTIVE with the frozen-projection
+// preset), validated.
+absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
+    const HeadShape& shape, v1::HeadConfig::ExecutionMode mode);
+
+// The synthetic batch of `shape` (seed 1).
+absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
+    const v1::ObjectiveConfig& config, const HeadShape& shape);
+
+// One forward and backward of `config` over `batch` with a fresh tracking
+// allocator, so the result's peak bytes are this run's alone.
+absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
+                                       const HeadBatch<float>& batch);
+
+}  // namespace dflash
+
+#endif  // DFLASH_BENCH_HEAD_CASES_H_
