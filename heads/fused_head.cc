@@ -124,8 +124,19 @@ class HeadRun {
     return absl::MakeConstSpan(active_).subspan(
         chunk_begin_[c], chunk_begin_[c + 1] - chunk_begin_[c]);
   }
-  absl::StatusOr<TrackedBuffer<T>> Buffer(int64_t size) {
-    return TrackedBuffer<T>::Create(allocator_, size);
+  // `width` values for each row of the largest chunk, from `buffer`, which
+  // is allocated on first use and kept: one allocation per run instead of
+  // one per chunk (fresh pages cost ~5% of a chunk's GEMM in page faults).
+  absl::StatusOr<T*> Workspace(TrackedBuffer<T>& buffer, int64_t width) {
+    const int64_t size = max_chunk_rows_ * width;
+    if (buffer.size() < size) {
+      buffer.Reset();
+      absl::StatusOr<TrackedBuffer<T>> created =
+          TrackedBuffer<T>::Create(allocator_, size);
+      if (!created.ok()) return created.status();
+      buffer = *std::move(created);
+    }
+    return buffer.data();
   }
   absl::Status Plan();
   absl::Status ForwardChunk(int64_t c, ChunkTerms& total);
@@ -158,7 +169,11 @@ class HeadRun {
   ChunkPlan plan_;
   std::vector<int64_t> active_;       // Rows with weight, ascending.
   std::vector<int64_t> chunk_begin_;  // Chunk c: active_[begin[c], begin[c+1]).
+  int64_t max_chunk_rows_ = 0;
   double loss_seconds_ = 0;
+  // Per-run workspaces: forward logits and teacher logits (released before
+  // backward), gathered rows and their gradient.
+  TrackedBuffer<T> logits_ws_, teacher_ws_, rows_ws_, grad_ws_;
 };
 
 template <typename T>
@@ -263,7 +278,8 @@ absl::Status HeadRun<T>::Plan() {
   const v1::HeadConfig::ExecutionMode mode = head_.mode();
   const int64_t buffers = teacher_ ? 2 : 1;
   if (mode == v1::HeadConfig::MATERIALIZE) {
-    plan_.chunks = {{0, rows, rows * vocab_ * buffers * sizeof(T)}};
+    plan_.chunks = {
+        {0, rows, rows * vocab_ * buffers * static_cast<int64_t>(sizeof(T))}};
     plan_.rows_per_chunk = rows;
     plan_.max_chunk_bytes = plan_.chunks[0].logits_bytes;
   } else {
@@ -282,6 +298,10 @@ absl::Status HeadRun<T>::Plan() {
         active_.begin());
   }
   chunk_begin_.push_back(static_cast<int64_t>(active_.size()));
+  for (size_t c = 0; c + 1 < chunk_begin_.size(); ++c) {
+    max_chunk_rows_ =
+        std::max(max_chunk_rows_, chunk_begin_[c + 1] - chunk_begin_[c]);
+  }
 
   if (mode == v1::HeadConfig::FUSED) return absl::OkStatus();
   v1::CheckpointPolicy policy = config_.checkpoint();
@@ -301,10 +321,10 @@ template <typename T>
 absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
   absl::Span<const int64_t> rows = ChunkRows(c);
   const int64_t m = static_cast<int64_t>(rows.size());
-  absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+  absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
   if (!x.ok()) return x.status();
-  GatherRows(inputs_.teacher_hidden.data(), hidden_, rows, x->data());
-  projection_->Forward(x->data(), m, out);
+  GatherRows(inputs_.teacher_hidden.data(), hidden_, rows, *x);
+  projection_->Forward(*x, m, out);
   return absl::OkStatus();
 }
 
@@ -336,16 +356,16 @@ template <typename T>
 absl::Status HeadRun<T>::ProjectionGradients(absl::Span<const int64_t> rows,
                                              const T* grad_logits) {
   const int64_t m = static_cast<int64_t>(rows.size());
-  absl::StatusOr<TrackedBuffer<T>> grad = Buffer(m * hidden_);
+  absl::StatusOr<T*> grad = Workspace(grad_ws_, hidden_);
   if (!grad.ok()) return grad.status();
-  projection_->InputGradient(grad_logits, m, grad->data());
-  ScatterRows(grad->data(), hidden_, rows, gradients_.hidden.data());
+  projection_->InputGradient(grad_logits, m, *grad);
+  ScatterRows(*grad, hidden_, rows, gradients_.hidden.data());
   if (head_.trainable()) {
-    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
+    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
     projection_->AccumulateWeightGradient(
-        grad_logits, x->data(), m, gradients_.weight.data(),
+        grad_logits, *x, m, gradients_.weight.data(),
         gradients_.bias.empty() ? nullptr : gradients_.bias.data());
   }
   return absl::OkStatus();
@@ -357,10 +377,10 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
   absl::Span<const int64_t> rows = ChunkRows(c);
   const int64_t m = static_cast<int64_t>(rows.size());
   {
-    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
-    projection_->Forward(x->data(), m, out.data_as<T>());
+    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
+    projection_->Forward(*x, m, out.data_as<T>());
   }
   absl::Span<const T> teacher;
   if (teacher_) {
@@ -382,20 +402,20 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
   absl::Span<const int64_t> rows = ChunkRows(c);
   const int64_t m = static_cast<int64_t>(rows.size());
   if (m == 0) return absl::OkStatus();
-  absl::StatusOr<TrackedBuffer<T>> logits = Buffer(m * vocab_);
+  absl::StatusOr<T*> logits = Workspace(logits_ws_, vocab_);
   if (!logits.ok()) return logits.status();
   {
-    absl::StatusOr<TrackedBuffer<T>> x = Buffer(m * hidden_);
+    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, x->data());
-    projection_->Forward(x->data(), m, logits->data());
+    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
+    projection_->Forward(*x, m, *logits);
   }
-  TrackedBuffer<T> teacher;
+  absl::Span<const T> teacher;
   if (teacher_) {
-    absl::StatusOr<TrackedBuffer<T>> buffer = Buffer(m * vocab_);
+    absl::StatusOr<T*> buffer = Workspace(teacher_ws_, vocab_);
     if (!buffer.ok()) return buffer.status();
-    teacher = *std::move(buffer);
-    if (absl::Status done = TeacherLogits(c, teacher.data()); !done.ok()) {
+    teacher = absl::MakeConstSpan(*buffer, m * vocab_);
+    if (absl::Status done = TeacherLogits(c, *buffer); !done.ok()) {
       return done;
     }
     if (context_ != nullptr) {
@@ -425,8 +445,7 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
                                  absl::MakeSpan(argmax), absl::MakeSpan(top_k),
                                  row_outputs_.k};
   absl::StatusOr<ChunkTerms> terms =
-      Loss(c, absl::MakeSpan(logits->data(), m * vocab_),
-           absl::MakeConstSpan(teacher.data(), teacher.size()), outputs);
+      Loss(c, absl::MakeSpan(*logits, m * vocab_), teacher, outputs);
   if (!terms.ok()) return terms.status();
   total.Add(*terms);
   for (int64_t i = 0; i < m; ++i) {
@@ -439,15 +458,13 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
     }
     if (confidence_) gradients_.confidence[r] = confidence_grad[i];
   }
-  teacher.Reset();
-
-  if (Fused()) return ProjectionGradients(rows, logits->data());
+  if (Fused()) return ProjectionGradients(rows, *logits);
   IntermediateInfo info{kLogitsGradient, v1::LOGITS_GRADIENT,
                         /*weight_frozen=*/!head_.trainable(),
                         /*input_requires_grad=*/true,
                         static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
   return context_
-      ->Offer(c, info, TensorView::Of(logits->data(), {m, vocab_}),
+      ->Offer(c, info, TensorView::Of(*logits, {m, vocab_}),
               [this, c](const TensorView& out) {
                 return RecomputeLogitsGradient(c, out);
               })
@@ -501,6 +518,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
     report();
   }
   result.stats.forward_seconds = Since(forward);
+  logits_ws_.Reset();
+  teacher_ws_.Reset();
 
   const Clock::time_point backward = Clock::now();
   if (!Fused()) {
