@@ -7,6 +7,14 @@
 
 namespace dflash {
 
+namespace {
+
+constexpr int64_t kAlign = 64;
+
+int64_t Rounded(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
 absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   if (bytes < 0) {
     return absl::InvalidArgumentError(
@@ -20,12 +28,23 @@ absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
         absl::StrCat("allocating ", bytes, " bytes would exceed the limit of ",
                      limit_bytes_, " bytes (", now - bytes, " in use)"));
   }
-  constexpr int64_t kAlign = 64;
-  void* data = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  const bool cacheable = cache_blocks_ && bytes >= kMinCachedBytes;
+  void* data = cacheable ? TakeCached(bytes) : nullptr;
   if (data == nullptr) {
-    current_.fetch_sub(bytes);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+    data = std::aligned_alloc(kAlign, Rounded(bytes));
+    if (data == nullptr && cacheable) {
+      ReleaseCache();
+      data = std::aligned_alloc(kAlign, Rounded(bytes));
+    }
+    if (data == nullptr) {
+      current_.fetch_sub(bytes);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+    }
+    if (cacheable) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      capacity_[data] = Rounded(bytes);
+    }
   }
   int64_t peak = peak_.load();
   while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
@@ -33,10 +52,43 @@ absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   return data;
 }
 
+void* TrackingAllocator::TakeCached(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = cached_.lower_bound(Rounded(bytes));
+  if (it == cached_.end() || it->first > bytes + bytes / 2) return nullptr;
+  void* data = it->second;
+  capacity_[data] = it->first;
+  cached_bytes_ -= it->first;
+  cached_.erase(it);
+  return data;
+}
+
 void TrackingAllocator::Free(void* data, int64_t bytes) {
   if (data == nullptr) return;
-  std::free(data);
   current_.fetch_sub(bytes);
+  if (cache_blocks_ && bytes >= kMinCachedBytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = capacity_.find(data);
+    if (it != capacity_.end()) {
+      cached_.emplace(it->second, data);
+      cached_bytes_ += it->second;
+      capacity_.erase(it);
+      return;
+    }
+  }
+  std::free(data);
+}
+
+int64_t TrackingAllocator::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cached_bytes_;
+}
+
+void TrackingAllocator::ReleaseCache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [capacity, data] : cached_) std::free(data);
+  cached_.clear();
+  cached_bytes_ = 0;
 }
 
 }  // namespace dflash

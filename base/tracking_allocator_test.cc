@@ -1,6 +1,7 @@
 #include "base/tracking_allocator.h"
 
 #include <cstdint>
+#include <limits>
 
 #include "gtest/gtest.h"
 
@@ -45,6 +46,42 @@ TEST(TrackingAllocatorTest, HugeRequestFailsCleanly) {
   auto huge = allocator.Allocate(int64_t{1} << 62);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(allocator.current_bytes(), 0);
+}
+
+// Freed large blocks come back to requests that fit them; counts stay those
+// of live bytes; small blocks and misfits are not cached.
+TEST(TrackingAllocatorTest, CachedBlocksAreReused) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  TrackingAllocator allocator(std::numeric_limits<int64_t>::max(),
+                              /*cache_blocks=*/true);
+  void* first = *allocator.Allocate(4 * kMiB);
+  allocator.Free(first, 4 * kMiB);
+  EXPECT_EQ(allocator.current_bytes(), 0);
+  EXPECT_EQ(allocator.cached_bytes(), 4 * kMiB);
+  void* again = *allocator.Allocate(3 * kMiB);  // Fits: 4 <= 1.5 * 3.
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(allocator.cached_bytes(), 0);
+  EXPECT_EQ(allocator.current_bytes(), 3 * kMiB);
+  EXPECT_EQ(allocator.peak_bytes(), 4 * kMiB);
+  allocator.Free(again, 3 * kMiB);
+  EXPECT_EQ(allocator.cached_bytes(), 4 * kMiB);  // Its whole capacity.
+  void* small = *allocator.Allocate(2 * kMiB);  // 4 > 1.5 * 2: a new block.
+  EXPECT_NE(small, first);
+  EXPECT_EQ(allocator.cached_bytes(), 4 * kMiB);
+  allocator.Free(small, 2 * kMiB);
+  void* tiny = *allocator.Allocate(1000);
+  allocator.Free(tiny, 1000);
+  EXPECT_EQ(allocator.cached_bytes(), 6 * kMiB);
+  allocator.ReleaseCache();
+  EXPECT_EQ(allocator.cached_bytes(), 0);
+  EXPECT_EQ(allocator.current_bytes(), 0);
+}
+
+TEST(TrackingAllocatorTest, WithoutCachingNothingIsHeld) {
+  TrackingAllocator allocator;
+  void* block = *allocator.Allocate(int64_t{8} << 20);
+  allocator.Free(block, int64_t{8} << 20);
+  EXPECT_EQ(allocator.cached_bytes(), 0);
 }
 
 }  // namespace

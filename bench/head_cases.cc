@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "base/tracking_allocator.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -44,11 +43,11 @@ absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
 }
 
 absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
-                                       const HeadBatch<float>& batch) {
+                                       const HeadBatch<float>& batch,
+                                       TrackingAllocator& allocator) {
   std::vector<float> grad_hidden(batch.hidden.size());
   const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {},
                                        {}};
-  TrackingAllocator allocator;
   return RunHead<float>(config, batch.Inputs(config), gradients, allocator);
 }
 

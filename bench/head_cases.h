@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/tracking_allocator.h"
 #include "heads/fused_head.h"
 #include "heads/synthetic_batch.h"
 #include "proto/policy.pb.h"
@@ -33,10 +34,12 @@ absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
 absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
     const v1::ObjectiveConfig& config, const HeadShape& shape);
 
-// One forward and backward of `config` over `batch` with a fresh tracking
-// allocator, so the result's peak bytes are this run's alone.
+// One forward and backward of `config` over `batch`. Pass the same caching
+// allocator to successive runs to measure a training loop's steady state
+// (no fresh pages after the first step); peak bytes are each run's own.
 absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
-                                       const HeadBatch<float>& batch);
+                                       const HeadBatch<float>& batch,
+                                       TrackingAllocator& allocator);
 
 }  // namespace dflash
 
