@@ -7,11 +7,11 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "base/device.h"
 
 namespace dflash {
 
 enum class DType { kFloat32, kFloat64, kBFloat16, kInt32, kInt64, kBool };
-enum class Device { kCpu, kCuda };
 
 int64_t ElementBytes(DType dtype);
 const char* DTypeName(DType dtype);

@@ -1,6 +1,7 @@
 #include "base/tracking_allocator.h"
 
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -13,7 +14,24 @@ constexpr int64_t kAlign = 64;
 
 int64_t Rounded(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
+class Host final : public MemorySpace {
+ public:
+  Device device() const override { return Device::kCpu; }
+  void* Allocate(int64_t bytes) override {
+    return std::aligned_alloc(kAlign, Rounded(bytes));
+  }
+  void Free(void* data) override { std::free(data); }
+  void Copy(void* dst, const void* src, int64_t bytes) override {
+    std::memcpy(dst, src, bytes);
+  }
+};
+
 }  // namespace
+
+MemorySpace& HostMemory() {
+  static Host* const host = new Host;
+  return *host;
+}
 
 absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   if (bytes < 0) {
@@ -31,15 +49,16 @@ absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   const bool cacheable = cache_blocks_ && bytes >= kMinCachedBytes;
   void* data = cacheable ? TakeCached(bytes) : nullptr;
   if (data == nullptr) {
-    data = std::aligned_alloc(kAlign, Rounded(bytes));
+    data = space_.Allocate(Rounded(bytes));
     if (data == nullptr && cacheable) {
       ReleaseCache();
-      data = std::aligned_alloc(kAlign, Rounded(bytes));
+      data = space_.Allocate(Rounded(bytes));
     }
     if (data == nullptr) {
       current_.fetch_sub(bytes);
       return absl::ResourceExhaustedError(
-          absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+          absl::StrCat("out of ", DeviceName(space_.device()),
+                       " memory allocating ", bytes, " bytes"));
     }
     if (cacheable) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -76,7 +95,7 @@ void TrackingAllocator::Free(void* data, int64_t bytes) {
       return;
     }
   }
-  std::free(data);
+  space_.Free(data);
 }
 
 int64_t TrackingAllocator::cached_bytes() const {
@@ -86,7 +105,7 @@ int64_t TrackingAllocator::cached_bytes() const {
 
 void TrackingAllocator::ReleaseCache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [capacity, data] : cached_) std::free(data);
+  for (const auto& [capacity, data] : cached_) space_.Free(data);
   cached_.clear();
   cached_bytes_ = 0;
 }

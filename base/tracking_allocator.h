@@ -10,10 +10,28 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "base/device.h"
 
 namespace dflash {
 
-// Host allocator that counts current and peak bytes, so peak memory is
+// Where a TrackingAllocator's bytes live and how they are copied: host
+// memory by default; a CUDA backend passes device memory (//base:cuda_memory,
+// stream-ordered), so that device bytes are counted the same way.
+class MemorySpace {
+ public:
+  virtual ~MemorySpace() = default;
+  virtual Device device() const = 0;
+  // At least 64-byte aligned; null when out of memory.
+  virtual void* Allocate(int64_t bytes) = 0;
+  virtual void Free(void* data) = 0;
+  // Copies `bytes` within this space, ordered with the space's other work.
+  virtual void Copy(void* dst, const void* src, int64_t bytes) = 0;
+};
+
+// Host memory (aligned_alloc, memcpy).
+MemorySpace& HostMemory();
+
+// Allocator that counts current and peak bytes, so peak memory is
 // measured, not guessed, and a test can assert it. Thread-safe. An optional
 // limit turns an allocation beyond it into ResourceExhausted.
 //
@@ -30,8 +48,8 @@ class TrackingAllocator {
 
   explicit TrackingAllocator(
       int64_t limit_bytes = std::numeric_limits<int64_t>::max(),
-      bool cache_blocks = false)
-      : limit_bytes_(limit_bytes), cache_blocks_(cache_blocks) {}
+      bool cache_blocks = false, MemorySpace& space = HostMemory())
+      : limit_bytes_(limit_bytes), cache_blocks_(cache_blocks), space_(space) {}
   TrackingAllocator(const TrackingAllocator&) = delete;
   TrackingAllocator& operator=(const TrackingAllocator&) = delete;
   ~TrackingAllocator() { ReleaseCache(); }
@@ -39,6 +57,12 @@ class TrackingAllocator {
   // 64-byte aligned; bytes must be >= 0 (0 gives a null pointer).
   absl::StatusOr<void*> Allocate(int64_t bytes);
   void Free(void* data, int64_t bytes);
+
+  Device device() const { return space_.device(); }
+  // Copies within the allocator's memory space.
+  void Copy(void* dst, const void* src, int64_t bytes) {
+    space_.Copy(dst, src, bytes);
+  }
 
   int64_t current_bytes() const { return current_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }
@@ -57,6 +81,7 @@ class TrackingAllocator {
 
   const int64_t limit_bytes_;
   const bool cache_blocks_;
+  MemorySpace& space_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
   mutable std::mutex mutex_;

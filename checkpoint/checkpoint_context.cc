@@ -78,11 +78,11 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint: chunk must be >= 0, got ", chunk));
   }
-  if (!value.is_contiguous() || value.device() != Device::kCpu) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint: ", info.tag, " of chunk ", chunk,
-                     " must be a contiguous CPU tensor, got ",
-                     value.DebugString()));
+  if (!value.is_contiguous() || value.device() != allocator_.device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint: ", info.tag, " of chunk ", chunk, " must be a contiguous ",
+        DeviceName(allocator_.device()), " tensor (the allocator's), got ",
+        DeviceName(value.device()), " ", value.DebugString()));
   }
   auto& entries = chunks_[chunk];
   if (entries.count(info.tag) > 0) {
@@ -119,7 +119,7 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
   if (keep) {
     absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
     if (!held.ok()) return held.status();
-    if (bytes > 0) std::memcpy(held->data(), value.data(), bytes);
+    if (bytes > 0) allocator_.Copy(held->data(), value.data(), bytes);
     entry.held = *std::move(held);
   }
   TagStats& tag = stats_.per_tag[info.tag];
@@ -149,8 +149,8 @@ absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
     absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
     if (!held.ok()) return held.status();
     entry->held = *std::move(held);
-    absl::Status done = entry->recompute(
-        TensorView(entry->held.data(), entry->dtype, entry->shape));
+    absl::Status done = entry->recompute(TensorView(
+        entry->held.data(), entry->dtype, entry->shape, allocator_.device()));
     if (!done.ok()) {
       Drop(entry->held);
       return done;
@@ -180,7 +180,8 @@ absl::StatusOr<TensorView> CheckpointContext::Fetch(int64_t chunk,
       return ok;
     }
   }
-  return TensorView(entry.held.data(), entry.dtype, entry.shape);
+  return TensorView(entry.held.data(), entry.dtype, entry.shape,
+                    allocator_.device());
 }
 
 void CheckpointContext::Release(int64_t chunk) {

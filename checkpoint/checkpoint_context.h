@@ -55,8 +55,9 @@ struct CheckpointStats {
 // Backward fetches a dropped tensor by recomputing its whole segment (the
 // segment_chunks consecutive chunks containing it) once, in offer order, so
 // that a recompute function may Fetch what was offered before it; the
-// recomputed tensors are held until Release() of their chunk. Kept tensors live in a
-// store owned through the TrackingAllocator. Not thread-safe.
+// recomputed tensors are held until Release() of their chunk. Kept tensors
+// live in a store owned through the TrackingAllocator, on its device. Not
+// thread-safe.
 class CheckpointContext {
  public:
   static absl::StatusOr<std::unique_ptr<CheckpointContext>> Create(
@@ -65,8 +66,8 @@ class CheckpointContext {
   // The action the rules give `info`.
   v1::CheckpointAction Decide(const IntermediateInfo& info) const;
 
-  // Forward: offers a contiguous CPU tensor of chunk `chunk`; copies it into
-  // the store when kept. Returns whether it was kept. `recompute` may be
+  // Forward: offers a contiguous tensor of chunk `chunk`, in the allocator's
+  // memory (host, or a CUDA device's); copies it into the store when kept. Returns whether it was kept. `recompute` may be
   // empty only for an intermediate that will be kept.
   absl::StatusOr<bool> Offer(int64_t chunk, const IntermediateInfo& info,
                              const TensorView& value, RecomputeFn recompute);

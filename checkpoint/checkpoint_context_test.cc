@@ -289,7 +289,14 @@ TEST(CheckpointContextTest, BadCallsAreErrors) {
   EXPECT_THAT((*context)->Offer(1, info, *strided, stage.Recompute(1))
                   .status()
                   .message(),
-              HasSubstr("must be a contiguous CPU tensor, got float32[3, 2]"));
+              HasSubstr("must be a contiguous CPU tensor (the allocator's), "
+                        "got CPU float32[3, 2]"));
+  // A tensor on another device than the allocator's memory.
+  const TensorView on_gpu(v.data(), DType::kFloat32, {12}, Device::kCuda);
+  EXPECT_THAT(
+      (*context)->Offer(1, info, on_gpu, stage.Recompute(1)).status().message(),
+      HasSubstr("must be a contiguous CPU tensor (the allocator's), got CUDA "
+                "float32[12]"));
   EXPECT_EQ((*context)->Offer(-1, info, TensorView::Of(v.data(), {12}),
                               stage.Recompute(0))
                 .status()
