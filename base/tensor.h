@@ -7,6 +7,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "base/bfloat16.h"
 #include "base/device.h"
 
 namespace dflash {
@@ -65,6 +66,8 @@ template <>
 struct DTypeOf<float> { static constexpr DType value = DType::kFloat32; };
 template <>
 struct DTypeOf<double> { static constexpr DType value = DType::kFloat64; };
+template <>
+struct DTypeOf<BFloat16> { static constexpr DType value = DType::kBFloat16; };
 template <>
 struct DTypeOf<int32_t> { static constexpr DType value = DType::kInt32; };
 template <>

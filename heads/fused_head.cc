@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
-#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -12,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/tensor.h"
 #include "heads/flatten.h"
+#include "heads/head_backend.h"
 #include "heads/projection.h"
 #include "proto/config.h"
 
@@ -27,102 +27,41 @@ double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-template <typename T>
-absl::Span<const T> Part(absl::Span<const T> span, int64_t begin,
-                         int64_t count) {
-  return span.empty() ? span : span.subspan(begin, count);
-}
-template <typename T>
-absl::Span<T> Part(absl::Span<T> span, int64_t begin, int64_t count) {
-  return span.empty() ? span : span.subspan(begin, count);
-}
-
-// The chunk's loss with its rows split into `threads` groups at block
-// boundaries (block-level weights stay within a group); the groups' terms
-// are added in group order, so the result does not depend on scheduling.
-template <typename T>
-absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
-                                             const ChunkLossOptions& options,
-                                             const ChunkLossInputs<T>& in,
-                                             const ChunkLossOutputs& out,
-                                             int threads) {
-  const int64_t m = static_cast<int64_t>(in.rows.size());
-  const int64_t v = in.vocab;
-  std::vector<int64_t> bounds = {0};
-  for (int g = 1; g < threads; ++g) {
-    int64_t at = std::max(bounds.back(), m * g / threads);
-    while (at > 0 && at < m && in.rows[at].block == in.rows[at - 1].block) {
-      ++at;
-    }
-    if (at > bounds.back() && at < m) bounds.push_back(at);
-  }
-  bounds.push_back(m);
-  const int groups = static_cast<int>(bounds.size()) - 1;
-  std::vector<absl::StatusOr<ChunkTerms>> results(groups);
-  auto run = [&](int g) {
-    const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
-    ChunkLossInputs<T> part{Part(in.logits, b * v, n * v),
-                            Part(in.teacher_logits, b * v, n * v),
-                            Part(in.confidence_logits, b, n),
-                            in.rows.subspan(b, n), v};
-    ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
-                              Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
-                              Part(out.top_k, b * out.k, n * out.k), out.k};
-    results[g] = ChunkLoss<T>(config, options, part, part_out);
-  };
-  std::vector<std::thread> workers;
-  for (int g = 1; g < groups; ++g) workers.emplace_back(run, g);
-  run(0);
-  for (std::thread& worker : workers) worker.join();
-  ChunkTerms terms;
-  terms.correct_per_position.assign(options.block_size, 0.0);
-  terms.mask_per_position.assign(options.block_size, 0.0);
-  for (absl::StatusOr<ChunkTerms>& result : results) {
-    if (!result.ok()) return result.status();
-    terms.Add(*result);
-  }
-  return terms;
-}
-
 absl::Status SizeError(absl::string_view name, size_t size, int64_t expected,
                        absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
       name, ": must hold ", expected, " values (", why, "), got ", size));
 }
 
-// One forward and backward through the head; see RunHead.
+// One forward and backward through the head on a backend; see RunHead.
 template <typename T>
 class HeadRun {
  public:
   HeadRun(const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
           const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
-          TrackingAllocator& allocator)
+          HeadBackend<T>& backend)
       : config_(config),
         head_(config.head()),
         inputs_(inputs),
         gradients_(gradients),
         row_outputs_(row_outputs),
-        allocator_(allocator),
+        backend_(backend),
+        allocator_(backend.allocator()),
         vocab_(head_.vocab_size()),
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
         teacher_(LossNeedsTeacher(config.loss())),
         confidence_(config.loss().has_dspark() &&
-                    config.loss().dspark().confidence_weight() > 0),
-        options_{block_size_, head_.logit_scale(), head_.logit_softcap()} {
-    const int32_t threads = head_.threads();
-    threads_ = threads > 0 ? threads
-                           : std::max(1u, std::thread::hardware_concurrency());
-  }
+                    config.loss().dspark().confidence_weight() > 0) {}
 
   absl::Status Validate() const;
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
 
  private:
   bool Fused() const { return head_.mode() == v1::HeadConfig::FUSED; }
-  absl::Span<const int64_t> ChunkRows(int64_t c) const {
-    return absl::MakeConstSpan(active_).subspan(
-        chunk_begin_[c], chunk_begin_[c + 1] - chunk_begin_[c]);
+  int64_t Begin(int64_t c) const { return chunk_begin_[c]; }
+  int64_t Rows(int64_t c) const {
+    return chunk_begin_[c + 1] - chunk_begin_[c];
   }
   // `width` values for each row of the largest chunk, from `buffer`, which
   // is allocated on first use and kept: one allocation per run instead of
@@ -138,39 +77,34 @@ class HeadRun {
     }
     return buffer.data();
   }
+  TensorView View(T* data, int64_t m) const {
+    return TensorView(data, DTypeOf<T>::value, {m, vocab_}, backend_.device());
+  }
   absl::Status Plan();
-  absl::Status ForwardChunk(int64_t c, ChunkTerms& total);
+  absl::Status ForwardChunk(int64_t c);
   absl::Status BackwardChunk(int64_t c);
   // The chunk's teacher logits into `out` [m, V].
   absl::Status TeacherLogits(int64_t c, T* out);
   // The chunk's logits gradient into `out` [m, V], as forward made it.
   absl::Status RecomputeLogitsGradient(int64_t c, const TensorView& out);
-  // The chunk loss on `logits` (and the teacher's), writing per-row results
-  // when `outputs` asks.
-  absl::StatusOr<ChunkTerms> Loss(int64_t c, absl::Span<T> logits,
-                                  absl::Span<const T> teacher,
-                                  const ChunkLossOutputs& outputs);
-  absl::Status ProjectionGradients(absl::Span<const int64_t> rows,
-                                   const T* grad_logits);
+  // grad_hidden (and grad_W) of the chunk from its logits gradient.
+  absl::Status ProjectionGradients(int64_t c, const T* grad_logits);
 
   const v1::ObjectiveConfig& config_;
   const v1::HeadConfig& head_;
   const HeadInputs<T>& inputs_;
   const HeadGradients<T>& gradients_;
   const HeadRowOutputs& row_outputs_;
+  HeadBackend<T>& backend_;
   TrackingAllocator& allocator_;
   const int64_t vocab_, hidden_, block_size_;
   const bool teacher_, confidence_;
-  const ChunkLossOptions options_;
-  int threads_ = 1;
 
-  std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<CheckpointContext> context_;
   ChunkPlan plan_;
   std::vector<int64_t> active_;       // Rows with weight, ascending.
   std::vector<int64_t> chunk_begin_;  // Chunk c: active_[begin[c], begin[c+1]).
   int64_t max_chunk_rows_ = 0;
-  double loss_seconds_ = 0;
   // Per-run workspaces: forward logits and teacher logits (released before
   // backward), gathered rows and their gradient.
   TrackedBuffer<T> logits_ws_, teacher_ws_, rows_ws_, grad_ws_;
@@ -178,20 +112,6 @@ class HeadRun {
 
 template <typename T>
 absl::Status HeadRun<T>::Validate() const {
-  constexpr v1::HeadConfig::DType kDType =
-      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
-                               : v1::HeadConfig::FLOAT64;
-  if (head_.backend() != v1::HeadConfig::CPU) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.backend: RunHead runs the CPU backend, got ",
-        v1::HeadConfig::Backend_Name(head_.backend())));
-  }
-  if (head_.dtype() != kDType) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
-        " tensors (CPU heads run FLOAT32 or FLOAT64), got ",
-        v1::HeadConfig::DType_Name(head_.dtype())));
-  }
   const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
   if (rows == 0 || rows % block_size_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -319,52 +239,26 @@ absl::Status HeadRun<T>::Plan() {
 
 template <typename T>
 absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
-  absl::Span<const int64_t> rows = ChunkRows(c);
-  const int64_t m = static_cast<int64_t>(rows.size());
   absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
   if (!x.ok()) return x.status();
-  GatherRows(inputs_.teacher_hidden.data(), hidden_, rows, *x);
-  projection_->Forward(*x, m, out);
+  backend_.GatherRows(inputs_.teacher_hidden.data(), hidden_, Begin(c),
+                      Rows(c), *x);
+  backend_.projection().Forward(*x, Rows(c), out);
   return absl::OkStatus();
 }
 
 template <typename T>
-absl::StatusOr<ChunkTerms> HeadRun<T>::Loss(int64_t c, absl::Span<T> logits,
-                                            absl::Span<const T> teacher,
-                                            const ChunkLossOutputs& outputs) {
-  absl::Span<const int64_t> rows = ChunkRows(c);
-  std::vector<RowMeta> meta(rows.size());
-  std::vector<float> confidence;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    meta[i] = inputs_.rows[rows[i]];
-    if (confidence_) confidence.push_back(inputs_.confidence_logits[rows[i]]);
-  }
-  const Clock::time_point start = Clock::now();
-  absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
-      config_.loss(), options_, {logits, teacher, confidence, meta, vocab_},
-      outputs, threads_);
-  loss_seconds_ += Since(start);
-  if (!terms.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk ", c, " (rows are that chunk's weighted rows): ",
-                     terms.status().message()));
-  }
-  return terms;
-}
-
-template <typename T>
-absl::Status HeadRun<T>::ProjectionGradients(absl::Span<const int64_t> rows,
-                                             const T* grad_logits) {
-  const int64_t m = static_cast<int64_t>(rows.size());
+absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
+  const int64_t m = Rows(c);
   absl::StatusOr<T*> grad = Workspace(grad_ws_, hidden_);
   if (!grad.ok()) return grad.status();
-  projection_->InputGradient(grad_logits, m, *grad);
-  ScatterRows(*grad, hidden_, rows, gradients_.hidden.data());
+  backend_.projection().InputGradient(grad_logits, m, *grad);
+  backend_.ScatterRows(*grad, hidden_, Begin(c), m, gradients_.hidden.data());
   if (head_.trainable()) {
     absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
-    projection_->AccumulateWeightGradient(
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
+    backend_.projection().AccumulateWeightGradient(
         grad_logits, *x, m, gradients_.weight.data(),
         gradients_.bias.empty() ? nullptr : gradients_.bias.data());
   }
@@ -374,48 +268,42 @@ absl::Status HeadRun<T>::ProjectionGradients(absl::Span<const int64_t> rows,
 template <typename T>
 absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
                                                  const TensorView& out) {
-  absl::Span<const int64_t> rows = ChunkRows(c);
-  const int64_t m = static_cast<int64_t>(rows.size());
+  const int64_t m = Rows(c);
   {
     absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
-    projection_->Forward(*x, m, out.data_as<T>());
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
+    backend_.projection().Forward(*x, m, out.data_as<T>());
   }
-  absl::Span<const T> teacher;
+  const T* teacher = nullptr;
   if (teacher_) {
     // Offered before the logits gradient, so kept or already recomputed.
     absl::StatusOr<TensorView> kept = context_->Fetch(c, kTeacherLogits);
     if (!kept.ok()) return kept.status();
-    teacher = absl::MakeConstSpan(kept->data_as<T>(), m * vocab_);
+    teacher = kept->data_as<T>();
   }
-  std::vector<float> confidence_grad(confidence_ ? m : 0);
-  ChunkLossOutputs outputs;
-  outputs.confidence_grad = absl::MakeSpan(confidence_grad);
-  return Loss(c, absl::MakeSpan(out.data_as<T>(), m * vocab_), teacher,
-              outputs)
-      .status();
+  return backend_.ChunkLoss(c, Begin(c), m, out.data_as<T>(), teacher,
+                            /*record=*/false);
 }
 
 template <typename T>
-absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
-  absl::Span<const int64_t> rows = ChunkRows(c);
-  const int64_t m = static_cast<int64_t>(rows.size());
+absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
+  const int64_t m = Rows(c);
   if (m == 0) return absl::OkStatus();
   absl::StatusOr<T*> logits = Workspace(logits_ws_, vocab_);
   if (!logits.ok()) return logits.status();
   {
     absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
     if (!x.ok()) return x.status();
-    GatherRows(inputs_.hidden.data(), hidden_, rows, *x);
-    projection_->Forward(*x, m, *logits);
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
+    backend_.projection().Forward(*x, m, *logits);
   }
-  absl::Span<const T> teacher;
+  T* teacher = nullptr;
   if (teacher_) {
     absl::StatusOr<T*> buffer = Workspace(teacher_ws_, vocab_);
     if (!buffer.ok()) return buffer.status();
-    teacher = absl::MakeConstSpan(*buffer, m * vocab_);
-    if (absl::Status done = TeacherLogits(c, *buffer); !done.ok()) {
+    teacher = *buffer;
+    if (absl::Status done = TeacherLogits(c, teacher); !done.ok()) {
       return done;
     }
     if (context_ != nullptr) {
@@ -426,45 +314,24 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
                             /*input_requires_grad=*/false,
                             static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
       absl::StatusOr<bool> kept = context_->Offer(
-          c, info, TensorView::Of(teacher.data(), {m, vocab_}),
-          [this, c](const TensorView& out) {
+          c, info, View(teacher, m), [this, c](const TensorView& out) {
             return TeacherLogits(c, out.data_as<T>());
           });
       if (!kept.ok()) return kept.status();
     }
   }
-
-  // Per-row results of the chunk, scattered to the rows' positions after.
-  std::vector<float> neg_log_q(row_outputs_.neg_log_q.empty() ? 0 : m);
-  std::vector<int32_t> argmax(row_outputs_.argmax.empty() ? 0 : m);
-  std::vector<int32_t> top_k(row_outputs_.top_k.empty() ? 0
-                                                        : m * row_outputs_.k);
-  std::vector<float> confidence_grad(confidence_ ? m : 0);
-  const ChunkLossOutputs outputs{absl::MakeSpan(confidence_grad),
-                                 absl::MakeSpan(neg_log_q),
-                                 absl::MakeSpan(argmax), absl::MakeSpan(top_k),
-                                 row_outputs_.k};
-  absl::StatusOr<ChunkTerms> terms =
-      Loss(c, absl::MakeSpan(*logits, m * vocab_), teacher, outputs);
-  if (!terms.ok()) return terms.status();
-  total.Add(*terms);
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t r = rows[i];
-    if (!neg_log_q.empty()) row_outputs_.neg_log_q[r] = neg_log_q[i];
-    if (!argmax.empty()) row_outputs_.argmax[r] = argmax[i];
-    if (!top_k.empty()) {
-      std::copy_n(top_k.begin() + i * row_outputs_.k, row_outputs_.k,
-                  row_outputs_.top_k.begin() + r * row_outputs_.k);
-    }
-    if (confidence_) gradients_.confidence[r] = confidence_grad[i];
+  if (absl::Status done =
+          backend_.ChunkLoss(c, Begin(c), m, *logits, teacher, /*record=*/true);
+      !done.ok()) {
+    return done;
   }
-  if (Fused()) return ProjectionGradients(rows, *logits);
+  if (Fused()) return ProjectionGradients(c, *logits);
   IntermediateInfo info{kLogitsGradient, v1::LOGITS_GRADIENT,
                         /*weight_frozen=*/!head_.trainable(),
                         /*input_requires_grad=*/true,
                         static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
   return context_
-      ->Offer(c, info, TensorView::Of(*logits, {m, vocab_}),
+      ->Offer(c, info, View(*logits, m),
               [this, c](const TensorView& out) {
                 return RecomputeLogitsGradient(c, out);
               })
@@ -473,11 +340,10 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c, ChunkTerms& total) {
 
 template <typename T>
 absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
-  absl::Span<const int64_t> rows = ChunkRows(c);
-  if (rows.empty()) return absl::OkStatus();
+  if (Rows(c) == 0) return absl::OkStatus();
   absl::StatusOr<TensorView> grad = context_->Fetch(c, kLogitsGradient);
   if (!grad.ok()) return grad.status();
-  absl::Status done = ProjectionGradients(rows, grad->data_as<T>());
+  absl::Status done = ProjectionGradients(c, grad->data_as<T>());
   context_->Release(c);
   return done;
 }
@@ -486,24 +352,15 @@ template <typename T>
 absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
-  absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
-      CreateCpuProjection<T>(inputs_.weight, inputs_.bias, vocab_, hidden_);
-  if (!projection.ok()) return projection.status();
-  projection_ = *std::move(projection);
   if (absl::Status planned = Plan(); !planned.ok()) return planned;
-
-  std::fill(gradients_.hidden.begin(), gradients_.hidden.end(), T(0));
-  std::fill(gradients_.weight.begin(), gradients_.weight.end(), T(0));
-  std::fill(gradients_.bias.begin(), gradients_.bias.end(), T(0));
-  std::fill(gradients_.confidence.begin(), gradients_.confidence.end(), 0.0f);
-  std::fill(row_outputs_.neg_log_q.begin(), row_outputs_.neg_log_q.end(), 0.0f);
-  std::fill(row_outputs_.argmax.begin(), row_outputs_.argmax.end(), -1);
-  std::fill(row_outputs_.top_k.begin(), row_outputs_.top_k.end(), -1);
+  if (absl::Status started = backend_.Start(
+          {&config_, &inputs_, &gradients_, &row_outputs_, active_});
+      !started.ok()) {
+    return started;
+  }
 
   HeadResult result;
   result.mode = head_.mode();
-  result.terms.correct_per_position.assign(block_size_, 0.0);
-  result.terms.mask_per_position.assign(block_size_, 0.0);
   const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
   const int64_t steps = Fused() ? chunks : 2 * chunks;
   int64_t step = 0;
@@ -512,11 +369,10 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   };
   const Clock::time_point forward = Clock::now();
   for (int64_t c = 0; c < chunks; ++c) {
-    if (absl::Status done = ForwardChunk(c, result.terms); !done.ok()) {
-      return done;
-    }
+    if (absl::Status done = ForwardChunk(c); !done.ok()) return done;
     report();
   }
+  if (absl::Status done = backend_.Synchronize(); !done.ok()) return done;
   result.stats.forward_seconds = Since(forward);
   logits_ws_.Reset();
   teacher_ws_.Reset();
@@ -528,19 +384,12 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
       report();
     }
   }
-  // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
-  const double den = result.terms.loss_den;
-  const T scale =
-      den > 0 ? static_cast<T>(options.upstream_gradient / den) : T(0);
-  for (int64_t r : active_) {
-    T* row = gradients_.hidden.data() + r * hidden_;
-    for (int64_t h = 0; h < hidden_; ++h) row[h] *= scale;
-    if (confidence_) gradients_.confidence[r] *= static_cast<float>(scale);
-  }
-  for (T& g : gradients_.weight) g *= scale;
-  for (T& g : gradients_.bias) g *= scale;
+  absl::StatusOr<ChunkTerms> terms = backend_.Finish(options.upstream_gradient);
+  if (!terms.ok()) return terms.status();
   result.stats.backward_seconds = Since(backward);
+  result.terms = *std::move(terms);
 
+  const double den = result.terms.loss_den;
   result.loss = den > 0 ? result.terms.loss_num / den : 0;
   result.accuracy = result.terms.accuracy_den > 0
                         ? result.terms.correct / result.terms.accuracy_den
@@ -551,12 +400,13 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
         mass > 0 ? result.terms.correct_per_position[k] / mass : 0);
   }
   HeadStats& stats = result.stats;
+  const GemmCount& gemms = backend_.projection().gemms();
   stats.chunks = chunks;
   stats.projected_rows = static_cast<int64_t>(active_.size());
-  stats.gemm_calls = projection_->gemms().calls;
-  stats.gemm_flops = projection_->gemms().flops;
-  stats.gemm_seconds = projection_->gemms().seconds;
-  stats.loss_seconds = loss_seconds_;
+  stats.gemm_calls = gemms.calls;
+  stats.gemm_flops = gemms.flops;
+  stats.gemm_seconds = gemms.seconds;
+  stats.loss_seconds = backend_.loss_seconds();
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
   stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
   if (context_ != nullptr) {
@@ -571,12 +421,12 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
 }  // namespace
 
 template <typename T>
-absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
-                                   const HeadInputs<T>& inputs,
-                                   const HeadGradients<T>& gradients,
-                                   TrackingAllocator& allocator,
-                                   const HeadRowOutputs& row_outputs,
-                                   const HeadOptions& options) {
+absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
+                                     const HeadInputs<T>& inputs,
+                                     const HeadGradients<T>& gradients,
+                                     HeadBackend<T>& backend,
+                                     const HeadRowOutputs& row_outputs,
+                                     const HeadOptions& options) {
   if (absl::Status valid = ValidateObjectiveConfig(config); !valid.ok()) {
     return valid;
   }
@@ -585,10 +435,52 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
         absl::StrCat("options.upstream_gradient: must be finite, got ",
                      options.upstream_gradient));
   }
-  HeadRun<T> run(config, inputs, gradients, row_outputs, allocator);
+  HeadRun<T> run(config, inputs, gradients, row_outputs, backend);
   if (absl::Status valid = run.Validate(); !valid.ok()) return valid;
   return run.Run(options);
 }
+
+template <typename T>
+absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
+                                   const HeadInputs<T>& inputs,
+                                   const HeadGradients<T>& gradients,
+                                   TrackingAllocator& allocator,
+                                   const HeadRowOutputs& row_outputs,
+                                   const HeadOptions& options) {
+  constexpr v1::HeadConfig::DType kDType =
+      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
+                               : v1::HeadConfig::FLOAT64;
+  const v1::HeadConfig& head = config.head();
+  if (head.backend() != v1::HeadConfig::CPU) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.backend: RunHead runs the CPU backend, got ",
+        v1::HeadConfig::Backend_Name(head.backend())));
+  }
+  if (head.dtype() != kDType) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
+        " tensors (CPU heads run FLOAT32 or FLOAT64), got ",
+        v1::HeadConfig::DType_Name(head.dtype())));
+  }
+  if (allocator.device() != Device::kCpu) {
+    return absl::InvalidArgumentError(
+        "allocator: RunHead needs host memory, got a CUDA allocator");
+  }
+  std::unique_ptr<HeadBackend<T>> backend =
+      CreateCpuHeadBackend<T>(config, allocator);
+  return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,
+                      options);
+}
+
+#define DFLASH_INSTANTIATE_RUN_HEAD(T)                                       \
+  template absl::StatusOr<HeadResult> RunHeadOn<T>(                          \
+      const v1::ObjectiveConfig&, const HeadInputs<T>&,                      \
+      const HeadGradients<T>&, HeadBackend<T>&, const HeadRowOutputs&,       \
+      const HeadOptions&);
+DFLASH_INSTANTIATE_RUN_HEAD(float)
+DFLASH_INSTANTIATE_RUN_HEAD(double)
+DFLASH_INSTANTIATE_RUN_HEAD(BFloat16)
+#undef DFLASH_INSTANTIATE_RUN_HEAD
 
 template absl::StatusOr<HeadResult> RunHead<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,

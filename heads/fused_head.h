@@ -92,6 +92,8 @@ struct HeadOptions {
 // - FUSED: grad_hidden is computed per chunk in forward; backward scales.
 // Rows without weight are never projected. Every buffer comes from
 // `allocator`. head.threads splits each chunk's loss at block boundaries.
+// The same run on a CUDA device is RunCudaHead (//heads:cuda_head); both
+// are RunHeadOn (head_backend.h) with their backend.
 template <typename T>
 absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    const HeadInputs<T>& inputs,

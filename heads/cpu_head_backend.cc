@@ -1,0 +1,219 @@
+// The CPU backend of the head: host memory, CBLAS, ChunkLoss on threads.
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "heads/flatten.h"
+#include "heads/head_backend.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <typename S>
+S Part(S span, int64_t begin, int64_t count) {
+  return span.empty() ? span : span.subspan(begin, count);
+}
+
+// The chunk's loss with its rows split into `threads` groups at block
+// boundaries (block-level weights stay within a group); the groups' terms
+// are added in group order, so the result does not depend on scheduling.
+template <typename T>
+absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
+                                             const ChunkLossOptions& options,
+                                             const ChunkLossInputs<T>& in,
+                                             const ChunkLossOutputs& out,
+                                             int threads) {
+  const int64_t m = static_cast<int64_t>(in.rows.size());
+  const int64_t v = in.vocab;
+  std::vector<int64_t> bounds = {0};
+  for (int g = 1; g < threads; ++g) {
+    int64_t at = std::max(bounds.back(), m * g / threads);
+    while (at > 0 && at < m && in.rows[at].block == in.rows[at - 1].block) {
+      ++at;
+    }
+    if (at > bounds.back() && at < m) bounds.push_back(at);
+  }
+  bounds.push_back(m);
+  const int groups = static_cast<int>(bounds.size()) - 1;
+  std::vector<absl::StatusOr<ChunkTerms>> results(groups);
+  auto run = [&](int g) {
+    const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
+    ChunkLossInputs<T> part{Part(in.logits, b * v, n * v),
+                            Part(in.teacher_logits, b * v, n * v),
+                            Part(in.confidence_logits, b, n),
+                            in.rows.subspan(b, n), v};
+    ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
+                              Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
+                              Part(out.top_k, b * out.k, n * out.k), out.k};
+    results[g] = ChunkLoss<T>(config, options, part, part_out);
+  };
+  std::vector<std::thread> workers;
+  for (int g = 1; g < groups; ++g) workers.emplace_back(run, g);
+  run(0);
+  for (std::thread& worker : workers) worker.join();
+  ChunkTerms terms;
+  terms.correct_per_position.assign(options.block_size, 0.0);
+  terms.mask_per_position.assign(options.block_size, 0.0);
+  for (absl::StatusOr<ChunkTerms>& result : results) {
+    if (!result.ok()) return result.status();
+    terms.Add(*result);
+  }
+  return terms;
+}
+
+template <typename T>
+class CpuHeadBackend final : public HeadBackend<T> {
+ public:
+  CpuHeadBackend(const v1::ObjectiveConfig& config,
+                 TrackingAllocator& allocator)
+      : config_(config),
+        allocator_(allocator),
+        options_{config.layout().block_size(), config.head().logit_scale(),
+                 config.head().logit_softcap()},
+        confidence_(config.loss().has_dspark() &&
+                    config.loss().dspark().confidence_weight() > 0) {
+    const int32_t threads = config.head().threads();
+    threads_ = threads > 0 ? threads
+                           : std::max(1u, std::thread::hardware_concurrency());
+    terms_.correct_per_position.assign(options_.block_size, 0.0);
+    terms_.mask_per_position.assign(options_.block_size, 0.0);
+  }
+
+  Device device() const override { return Device::kCpu; }
+  TrackingAllocator& allocator() override { return allocator_; }
+  VocabProjection<T>& projection() override { return *projection_; }
+
+  absl::Status Start(const HeadRunSpec<T>& spec) override {
+    spec_ = spec;
+    const HeadConfig& head = config_.head();
+    absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
+        CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
+                               head.vocab_size(), head.hidden_size());
+    if (!projection.ok()) return projection.status();
+    projection_ = *std::move(projection);
+    const HeadGradients<T>& g = *spec.gradients;
+    std::fill(g.hidden.begin(), g.hidden.end(), T(0));
+    std::fill(g.weight.begin(), g.weight.end(), T(0));
+    std::fill(g.bias.begin(), g.bias.end(), T(0));
+    std::fill(g.confidence.begin(), g.confidence.end(), 0.0f);
+    const HeadRowOutputs& o = *spec.row_outputs;
+    std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
+    std::fill(o.argmax.begin(), o.argmax.end(), -1);
+    std::fill(o.top_k.begin(), o.top_k.end(), -1);
+    return absl::OkStatus();
+  }
+
+  void GatherRows(const T* source, int64_t width, int64_t begin,
+                  int64_t count, T* out) override {
+    dflash::GatherRows(source, width, spec_.active.subspan(begin, count), out);
+  }
+
+  void ScatterRows(const T* rows, int64_t width, int64_t begin, int64_t count,
+                   T* out) override {
+    dflash::ScatterRows(rows, width, spec_.active.subspan(begin, count), out);
+  }
+
+  absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,
+                         const T* teacher, bool record) override {
+    absl::Span<const int64_t> rows = spec_.active.subspan(begin, m);
+    const HeadInputs<T>& in = *spec_.inputs;
+    const int64_t vocab = config_.head().vocab_size();
+    std::vector<RowMeta> meta(m);
+    std::vector<float> confidence(confidence_ ? m : 0);
+    for (int64_t i = 0; i < m; ++i) {
+      meta[i] = in.rows[rows[i]];
+      if (confidence_) confidence[i] = in.confidence_logits[rows[i]];
+    }
+    // Per-row results of the chunk, scattered to the rows' positions after.
+    const HeadRowOutputs& o = *spec_.row_outputs;
+    std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
+    std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
+    std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
+    std::vector<float> confidence_grad(confidence_ ? m : 0);
+    const ChunkLossOutputs outputs{
+        absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
+        absl::MakeSpan(argmax), absl::MakeSpan(top_k), o.k};
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
+        config_.loss(), options_,
+        {absl::MakeSpan(logits, m * vocab),
+         teacher == nullptr ? absl::Span<const T>()
+                            : absl::MakeConstSpan(teacher, m * vocab),
+         confidence, meta, vocab},
+        outputs, threads_);
+    loss_seconds_ +=
+        std::chrono::duration<double>(Clock::now() - start).count();
+    if (!terms.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", chunk, " (rows are that chunk's weighted rows): ",
+                       terms.status().message()));
+    }
+    if (!record) return absl::OkStatus();
+    terms_.Add(*terms);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t r = rows[i];
+      if (!neg_log_q.empty()) o.neg_log_q[r] = neg_log_q[i];
+      if (!argmax.empty()) o.argmax[r] = argmax[i];
+      if (!top_k.empty()) {
+        std::copy_n(top_k.begin() + i * o.k, o.k, o.top_k.begin() + r * o.k);
+      }
+      if (confidence_) spec_.gradients->confidence[r] = confidence_grad[i];
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::StatusOr<ChunkTerms> Finish(double upstream) override {
+    // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
+    const double den = terms_.loss_den;
+    const T scale = den > 0 ? static_cast<T>(upstream / den) : T(0);
+    const HeadGradients<T>& g = *spec_.gradients;
+    const int64_t hidden = config_.head().hidden_size();
+    for (int64_t r : spec_.active) {
+      T* row = g.hidden.data() + r * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] *= scale;
+      if (confidence_) g.confidence[r] *= static_cast<float>(scale);
+    }
+    for (T& x : g.weight) x *= scale;
+    for (T& x : g.bias) x *= scale;
+    return terms_;
+  }
+
+  double loss_seconds() const override { return loss_seconds_; }
+
+ private:
+  using HeadConfig = v1::HeadConfig;
+
+  const v1::ObjectiveConfig& config_;
+  TrackingAllocator& allocator_;
+  const ChunkLossOptions options_;
+  const bool confidence_;
+  int threads_ = 1;
+  HeadRunSpec<T> spec_;
+  std::unique_ptr<VocabProjection<T>> projection_;
+  ChunkTerms terms_;
+  double loss_seconds_ = 0;
+};
+
+}  // namespace
+
+template <typename T>
+std::unique_ptr<HeadBackend<T>> CreateCpuHeadBackend(
+    const v1::ObjectiveConfig& config, TrackingAllocator& allocator) {
+  return std::make_unique<CpuHeadBackend<T>>(config, allocator);
+}
+
+template std::unique_ptr<HeadBackend<float>> CreateCpuHeadBackend<float>(
+    const v1::ObjectiveConfig&, TrackingAllocator&);
+template std::unique_ptr<HeadBackend<double>> CreateCpuHeadBackend<double>(
+    const v1::ObjectiveConfig&, TrackingAllocator&);
+
+}  // namespace dflash

@@ -1,0 +1,94 @@
+#ifndef DFLASH_HEADS_HEAD_BACKEND_H_
+#define DFLASH_HEADS_HEAD_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/tracking_allocator.h"
+#include "heads/fused_head.h"
+#include "heads/projection.h"
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// One run's tensors, as RunHeadOn hands them to a backend. Every span is in
+// the backend's memory; `active` (host) lists the rows the head projects:
+// the weighted ones, ascending. Chunk ranges below index into `active`.
+template <typename T>
+struct HeadRunSpec {
+  const v1::ObjectiveConfig* config = nullptr;
+  const HeadInputs<T>* inputs = nullptr;
+  const HeadGradients<T>* gradients = nullptr;
+  const HeadRowOutputs* row_outputs = nullptr;
+  absl::Span<const int64_t> active;
+};
+
+// What the head needs from the device it runs on: memory, the projection,
+// row movement and the chunk loss. RunHeadOn holds the execution modes, the
+// chunk plan and the checkpoint logic once for every backend; the CPU
+// backend (CBLAS, //losses:chunk_loss with threads) and the CUDA backend
+// (cuBLAS, //losses:cuda_chunk_loss) implement this.
+template <typename T>
+class HeadBackend {
+ public:
+  virtual ~HeadBackend() = default;
+
+  virtual Device device() const = 0;
+  // Memory on the backend's device, counted (peak bytes of a run).
+  virtual TrackingAllocator& allocator() = 0;
+  // Valid after Start.
+  virtual VocabProjection<T>& projection() = 0;
+
+  // Before the first chunk: zeroes the gradients and resets the per-row
+  // outputs (neg_log_q 0, argmax and top-k -1).
+  virtual absl::Status Start(const HeadRunSpec<T>& spec) = 0;
+
+  // out[i, :] = source[active[begin + i], :] for rows of `width` values.
+  virtual void GatherRows(const T* source, int64_t width, int64_t begin,
+                          int64_t count, T* out) = 0;
+  // out[active[begin + i], :] = rows[i, :].
+  virtual void ScatterRows(const T* rows, int64_t width, int64_t begin,
+                           int64_t count, T* out) = 0;
+
+  // The loss of chunk `chunk`, active rows [begin, begin + count), on
+  // `logits` [count, V] (and `teacher` [count, V] or null); the logits are
+  // overwritten with d(loss_num)/d(logits). With `record`, the chunk's terms
+  // join the run's and its per-row outputs and confidence gradient are
+  // written; a recomputation passes false.
+  virtual absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t count,
+                                 T* logits, const T* teacher, bool record) = 0;
+
+  // Waits for the work issued so far; the head times its phases with it.
+  virtual absl::Status Synchronize() = 0;
+
+  // After all chunks: scales the gradients by upstream / loss_den and
+  // returns the run's terms.
+  virtual absl::StatusOr<ChunkTerms> Finish(double upstream) = 0;
+
+  // Host seconds spent in the loss so far (0 where it runs asynchronously).
+  virtual double loss_seconds() const = 0;
+};
+
+// RunHead's work on any backend; see RunHead for the modes. The caller has
+// checked the config's backend and dtype against `backend`.
+template <typename T>
+absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
+                                     const HeadInputs<T>& inputs,
+                                     const HeadGradients<T>& gradients,
+                                     HeadBackend<T>& backend,
+                                     const HeadRowOutputs& row_outputs,
+                                     const HeadOptions& options);
+
+// The CPU backend for one objective: CBLAS projection, ChunkLoss split over
+// head.threads at block boundaries, host memory from `allocator`.
+template <typename T>
+std::unique_ptr<HeadBackend<T>> CreateCpuHeadBackend(
+    const v1::ObjectiveConfig& config, TrackingAllocator& allocator);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_HEAD_BACKEND_H_
