@@ -16,10 +16,6 @@ namespace {
 template <typename T>
 using Work = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-bool BlockCoupled(const v1::LossConfig& config) {
-  return config.has_dpace() || config.has_lk_lambda();
-}
-
 // D-PACE block weights (SEMANTICS.md section 3), without gradient:
 // smooth = m > 0 ? (1-alpha)*q + alpha : 1, prefix = cumprod(smooth),
 // suffix = reverse-cumsum(prefix * m).
@@ -60,26 +56,6 @@ template <typename Loss>
 double DecayWeight(const Loss& loss, int32_t position, double mask) {
   return DFlashWeight(loss.has_gamma(), loss.gamma(), position,
                       static_cast<float>(mask));
-}
-
-// The row's loss weight before block coupling.
-double RowWeight(const v1::LossConfig& config, int32_t position, double mask) {
-  switch (config.family_case()) {
-    case v1::LossConfig::kDflash:
-      return DecayWeight(config.dflash(), position, mask);
-    case v1::LossConfig::kTv:
-      return DecayWeight(config.tv(), position, mask);
-    case v1::LossConfig::kLkLambda:
-      return DecayWeight(config.lk_lambda(), position, mask);
-    case v1::LossConfig::kDistillation:
-      return DecayWeight(config.distillation(), position, mask);
-    case v1::LossConfig::kDspark: {
-      const double gamma = config.dspark().gamma();
-      return gamma > 0 ? mask * std::exp(-position / gamma) : mask;
-    }
-    default:
-      return mask;  // dpace: replaced by its block weights.
-  }
 }
 
 double LogAddExp(double a, double b) {
@@ -288,11 +264,13 @@ absl::Status CheckSize(const char* name, size_t size, int64_t expected,
                                                  size));
 }
 
+}  // namespace
+
 template <typename T>
-absl::Status ValidateChunk(const v1::LossConfig& config,
-                           const ChunkLossOptions& options,
-                           const ChunkLossInputs<T>& inputs,
-                           const ChunkLossOutputs& outputs) {
+absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
+                                     const ChunkLossOptions& options,
+                                     const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs) {
   if (absl::Status valid = ValidateLossConfig(config); !valid.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: ", valid.message()));
@@ -351,7 +329,7 @@ absl::Status ValidateChunk(const v1::LossConfig& config,
                                   num_rows * outputs.k, "rows x k");
     if (!size.ok()) return size;
   }
-  const bool coupled = BlockCoupled(config);
+  const bool coupled = LossCouplesBlocks(config);
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
     if (meta.position < 0 || meta.position >= block_size) {
@@ -380,6 +358,8 @@ absl::Status ValidateChunk(const v1::LossConfig& config,
   return absl::OkStatus();
 }
 
+namespace {
+
 absl::Status TeacherError(const absl::Status& status) {
   return absl::InvalidArgumentError(
       absl::StrCat("teacher logits: ", status.message()));
@@ -402,6 +382,29 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   }
 }
 
+bool LossCouplesBlocks(const v1::LossConfig& config) {
+  return config.has_dpace() || config.has_lk_lambda();
+}
+
+double RowLossWeight(const v1::LossConfig& config, int32_t position, double mask) {
+  switch (config.family_case()) {
+    case v1::LossConfig::kDflash:
+      return DecayWeight(config.dflash(), position, mask);
+    case v1::LossConfig::kTv:
+      return DecayWeight(config.tv(), position, mask);
+    case v1::LossConfig::kLkLambda:
+      return DecayWeight(config.lk_lambda(), position, mask);
+    case v1::LossConfig::kDistillation:
+      return DecayWeight(config.distillation(), position, mask);
+    case v1::LossConfig::kDspark: {
+      const double gamma = config.dspark().gamma();
+      return gamma > 0 ? mask * std::exp(-position / gamma) : mask;
+    }
+    default:
+      return mask;  // dpace: replaced by its block weights.
+  }
+}
+
 double DFlashWeight(bool has_gamma, double gamma, int32_t position,
                     float mask) {
   if (!has_gamma || gamma == 0) return mask;
@@ -414,7 +417,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs) {
   using W = Work<T>;
-  if (absl::Status valid = ValidateChunk(config, options, inputs, outputs);
+  if (absl::Status valid = ValidateChunkLossInputs(config, options, inputs, outputs);
       !valid.ok()) {
     return valid;
   }
@@ -448,7 +451,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   const bool keep_exp =
       std::is_same_v<W, float> && smoothing == 0 &&
       options.logit_softcap == 0 && !LossNeedsTeacher(config) &&
-      (!BlockCoupled(config) || std::is_same_v<T, W>);
+      (!LossCouplesBlocks(config) || std::is_same_v<T, W>);
 
   std::vector<RowStats> stats(num_rows);
   std::vector<bool> have_stats(num_rows, false);
@@ -474,7 +477,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 
   // Pass 1, block-coupled families only: q of every row with a mask.
   std::vector<double> q(num_rows, 0.0);
-  if (BlockCoupled(config)) {
+  if (LossCouplesBlocks(config)) {
     for (int64_t r = 0; r < num_rows; ++r) {
       if (mask[r] == 0) continue;
       if (absl::Status done = analyse(r, source.Draft(r)); !done.ok()) {
@@ -487,7 +490,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   // Pass 2: each row's loss weight, and lk-lambda's per-block CE share.
   std::vector<double> weight(num_rows), ce_share(num_rows, 1.0);
   for (int64_t r = 0; r < num_rows; ++r) {
-    weight[r] = RowWeight(config, inputs.rows[r].position, mask[r]);
+    weight[r] = RowLossWeight(config, inputs.rows[r].position, mask[r]);
   }
   // Block-level weights over each run of rows sharing a block id. Rows
   // without weight may be left out of a chunk: they change neither the
@@ -614,6 +617,9 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 
 #define DFLASH_INSTANTIATE_CHUNK_LOSS(T)                                     \
   template absl::StatusOr<ChunkTerms> ChunkLoss<T>(                          \
+      const v1::LossConfig&, const ChunkLossOptions&,                        \
+      const ChunkLossInputs<T>&, const ChunkLossOutputs&);                   \
+  template absl::Status ValidateChunkLossInputs<T>(                          \
       const v1::LossConfig&, const ChunkLossOptions&,                        \
       const ChunkLossInputs<T>&, const ChunkLossOutputs&);
 DFLASH_INSTANTIATE_CHUNK_LOSS(float)

@@ -37,6 +37,16 @@ struct ChunkTerms {
 double DFlashWeight(bool has_gamma, double gamma, int32_t position,
                     float mask);
 
+// Whether a family's weights couple the rows of an anchor block (dpace,
+// lk_lambda).
+bool LossCouplesBlocks(const v1::LossConfig& config);
+
+// A row's loss weight before block-level coupling: DFlashWeight for dflash,
+// tv, lk_lambda and distillation (their gamma), m * exp(-k / gamma) for
+// dspark, m for dpace (whose block weights replace it).
+double RowLossWeight(const v1::LossConfig& config, int32_t position,
+                     double mask);
+
 // How logits z become the loss's logits z': z' = c * tanh(s * z / c) with
 // softcap c > 0, z' = s * z without (HeadConfig.logit_scale/logit_softcap).
 // The teacher's logits, from the same head, get the same transform.
@@ -103,6 +113,16 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossOptions& options,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs = {});
+
+// The checks ChunkLoss makes before any work: the config, span sizes, block
+// positions, masks and, for block-coupled families, row order. Only sizes
+// and `rows` are read, so a backend whose spans are device memory (the CUDA
+// loss) runs the same checks.
+template <typename T>
+absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
+                                     const ChunkLossOptions& options,
+                                     const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs);
 
 }  // namespace dflash
 
