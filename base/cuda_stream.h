@@ -1,0 +1,52 @@
+#ifndef DFLASH_BASE_CUDA_STREAM_H_
+#define DFLASH_BASE_CUDA_STREAM_H_
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/tracking_allocator.h"
+
+struct CUstream_st;
+
+namespace dflash {
+
+// A CUDA stream on the current device, its stream-ordered device memory
+// (cudaMallocAsync, counted by allocator()), and the copies to and from the
+// host that the CUDA backends and their tests need. Work on it runs in
+// issue order; nothing here waits for the device except Synchronize() and
+// the copies to the host.
+class CudaStream {
+ public:
+  // Fails with the driver's reason where no device is usable.
+  static absl::StatusOr<std::unique_ptr<CudaStream>> Create(
+      int64_t limit_bytes = std::numeric_limits<int64_t>::max());
+  ~CudaStream();
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+
+  CUstream_st* stream() const { return stream_; }
+  // Device memory, stream-ordered on this stream; current and peak bytes.
+  TrackingAllocator& allocator() { return *allocator_; }
+
+  absl::Status CopyToDevice(void* device, const void* host, int64_t bytes);
+  // Waits for the stream, then copies.
+  absl::Status CopyToHost(void* host, const void* device, int64_t bytes);
+  absl::Status Zero(void* device, int64_t bytes);
+  // Waits for everything issued; the first asynchronous error, if any.
+  absl::Status Synchronize();
+  // The last launch error (a kernel that could not start), without waiting.
+  absl::Status LaunchStatus(const char* what);
+
+ private:
+  CudaStream() = default;
+  CUstream_st* stream_ = nullptr;
+  std::unique_ptr<MemorySpace> memory_;
+  std::unique_ptr<TrackingAllocator> allocator_;
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_BASE_CUDA_STREAM_H_

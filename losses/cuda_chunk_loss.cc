@@ -1,0 +1,372 @@
+#include "losses/cuda_chunk_loss.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "losses/cuda_row_kernels.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+cuda::LossParams Params(const v1::LossConfig& config,
+                        const ChunkLossOptions& options) {
+  cuda::LossParams p;
+  p.vocab = 0;
+  p.block_size = static_cast<int32_t>(options.block_size);
+  p.logit_scale = options.logit_scale;
+  p.logit_softcap = options.logit_softcap;
+  const v1::CrossEntropyOptions& ce = config.cross_entropy();
+  p.z_loss_scale = ce.z_loss_scale();
+  p.label_smoothing =
+      config.has_tv() || config.has_distillation() ? 0 : ce.label_smoothing();
+  if (config.has_tv()) p.tv = true;
+  if (config.has_dpace()) {
+    p.coupling = cuda::Coupling::kDPace;
+    p.alpha = config.dpace().alpha();
+    switch (config.dpace().variant()) {
+      case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
+        p.dpace_variant = cuda::DPaceVariant::kCumulative;
+        break;
+      case v1::DPaceLoss::CONTINUATION_VALUE_ONLY:
+        p.dpace_variant = cuda::DPaceVariant::kContinuation;
+        break;
+      default:
+        p.dpace_variant = cuda::DPaceVariant::kDPace;
+        break;
+    }
+  }
+  if (config.has_lk_lambda()) {
+    p.coupling = cuda::Coupling::kLkLambda;
+    p.kl_scale = config.lk_lambda().kl_scale();
+    p.kl_decay = config.lk_lambda().kl_decay();
+  }
+  if (config.has_dspark()) {
+    p.family = cuda::Family::kDSpark;
+    p.l1_weight = config.dspark().l1_weight();
+    p.confidence_weight = config.dspark().confidence_weight();
+  }
+  if (config.has_distillation()) {
+    const v1::DistillationLoss& d = config.distillation();
+    p.family = cuda::Family::kDistillation;
+    p.inv_temperature = 1 / d.temperature();
+    p.beta = d.beta();
+    p.divergence = d.divergence() == v1::DistillationLoss::REVERSE_KL
+                       ? cuda::Divergence::kReverseKl
+                   : d.divergence() == v1::DistillationLoss::JSD
+                       ? cuda::Divergence::kJsd
+                       : cuda::Divergence::kForwardKl;
+  }
+  return p;
+}
+
+// Bytes of `count` T, rounded up to 256 so that sub-buffers stay aligned.
+template <typename T>
+int64_t Aligned(int64_t count) {
+  return (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
+}
+
+}  // namespace
+
+template <typename T>
+struct CudaChunkLoss<T>::State {
+  v1::LossConfig config;
+  ChunkLossOptions options;
+  cuda::LossParams params;
+  CudaStream* stream = nullptr;
+  TrackedBuffer<double> totals;
+  TrackedBuffer<unsigned long long> error;
+  // Host copies of the chunks' metadata, alive until the device has read
+  // them (copies from pageable memory are staged, but keep it simple).
+  std::vector<std::vector<cuda::Row>> rows;
+  std::vector<std::vector<int32_t>> block_begins;
+};
+
+template <typename T>
+CudaChunkLoss<T>::CudaChunkLoss(std::unique_ptr<State> state)
+    : state_(std::move(state)) {}
+
+template <typename T>
+CudaChunkLoss<T>::~CudaChunkLoss() = default;
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
+    const v1::LossConfig& config, const ChunkLossOptions& options,
+    CudaStream& stream) {
+  if (absl::Status valid = ValidateLossConfig(config); !valid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: ", valid.message()));
+  }
+  if (options.block_size <= 0 || options.block_size > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk loss: block_size must lie in [1, 2^20], got ",
+        options.block_size));
+  }
+  auto state = std::make_unique<State>();
+  state->config = config;
+  state->options = options;
+  state->params = Params(config, options);
+  state->stream = &stream;
+  TrackingAllocator& allocator = stream.allocator();
+  absl::StatusOr<TrackedBuffer<double>> totals = TrackedBuffer<double>::Create(
+      allocator, cuda::TotalsSize(state->params.block_size));
+  if (!totals.ok()) return totals.status();
+  state->totals = *std::move(totals);
+  absl::StatusOr<TrackedBuffer<unsigned long long>> error =
+      TrackedBuffer<unsigned long long>::Create(allocator, 1);
+  if (!error.ok()) return error.status();
+  state->error = *std::move(error);
+  if (absl::Status ok =
+          stream.Zero(state->totals.data(), state->totals.bytes());
+      !ok.ok()) {
+    return ok;
+  }
+  const unsigned long long none = cuda::kNoError;
+  if (absl::Status ok = stream.CopyToDevice(state->error.data(), &none,
+                                            sizeof(none));
+      !ok.ok()) {
+    return ok;
+  }
+  // `none` is read before Create returns.
+  if (absl::Status ok = stream.Synchronize(); !ok.ok()) return ok;
+  return std::unique_ptr<CudaChunkLoss>(new CudaChunkLoss(std::move(state)));
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
+                                   const ChunkLossOutputs& outputs,
+                                   const int64_t* out_rows, bool record) {
+  State& s = *state_;
+  if (absl::Status valid =
+          ValidateChunkLossInputs(s.config, s.options, inputs, outputs);
+      !valid.ok()) {
+    return valid;
+  }
+  const int64_t n = static_cast<int64_t>(inputs.rows.size());
+  if (n == 0) return absl::OkStatus();
+  const int64_t vocab = inputs.vocab;
+  const int64_t ignore = s.config.cross_entropy().ignore_index();
+  std::vector<cuda::Row> rows(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const RowMeta& meta = inputs.rows[r];
+    const float mask = meta.target == ignore ? 0.0f : meta.mask;
+    if (mask != 0 && (meta.target < 0 || meta.target >= vocab)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", r, ": target id ", meta.target, " is outside [0, ", vocab,
+          ")"));
+    }
+    rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
+               static_cast<float>(
+                   RowLossWeight(s.config, meta.position, mask))};
+  }
+  std::vector<int32_t> block_begin;
+  if (LossCouplesBlocks(s.config)) {
+    for (int64_t r = 0; r < n; ++r) {
+      if (r == 0 || inputs.rows[r].block != inputs.rows[r - 1].block) {
+        block_begin.push_back(static_cast<int32_t>(r));
+      }
+    }
+    block_begin.push_back(static_cast<int32_t>(n));
+  }
+
+  // One device buffer for the chunk's metadata and scratch, freed in stream
+  // order when this call returns.
+  const int64_t meta_bytes = Aligned<cuda::Row>(n);
+  const int64_t blocks_bytes = Aligned<int32_t>(block_begin.size());
+  const int64_t stats_bytes = Aligned<cuda::RowStats>(n);
+  const int64_t row_bytes = Aligned<double>(n);
+  const int64_t terms_bytes = Aligned<double>(4 * n);
+  absl::StatusOr<TrackedBuffer<char>> scratch = TrackedBuffer<char>::Create(
+      s.stream->allocator(), meta_bytes + blocks_bytes + stats_bytes +
+                                 2 * row_bytes + terms_bytes);
+  if (!scratch.ok()) return scratch.status();
+  char* at = scratch->data();
+  auto take = [&](int64_t bytes) {
+    char* here = at;
+    at += bytes;
+    return here;
+  };
+  cuda::ChunkArgs<T> args;
+  args.meta = reinterpret_cast<const cuda::Row*>(take(meta_bytes));
+  args.block_begin = reinterpret_cast<const int32_t*>(take(blocks_bytes));
+  args.stats = reinterpret_cast<cuda::RowStats*>(take(stats_bytes));
+  args.weight = reinterpret_cast<double*>(take(row_bytes));
+  args.ce_share = reinterpret_cast<double*>(take(row_bytes));
+  args.row_terms = reinterpret_cast<double*>(take(terms_bytes));
+  s.rows.push_back(std::move(rows));
+  s.block_begins.push_back(std::move(block_begin));
+  if (absl::Status ok = s.stream->CopyToDevice(
+          const_cast<cuda::Row*>(args.meta), s.rows.back().data(),
+          n * sizeof(cuda::Row));
+      !ok.ok()) {
+    return ok;
+  }
+  if (absl::Status ok = s.stream->CopyToDevice(
+          const_cast<int32_t*>(args.block_begin), s.block_begins.back().data(),
+          s.block_begins.back().size() * sizeof(int32_t));
+      !ok.ok()) {
+    return ok;
+  }
+  args.logits = inputs.logits.data();
+  args.teacher =
+      inputs.teacher_logits.empty() ? nullptr : inputs.teacher_logits.data();
+  args.rows = n;
+  args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
+  args.out_rows = out_rows;
+  args.confidence = inputs.confidence_logits.empty()
+                        ? nullptr
+                        : inputs.confidence_logits.data();
+  args.confidence_grad =
+      outputs.confidence_grad.empty() ? nullptr : outputs.confidence_grad.data();
+  args.neg_log_q = outputs.neg_log_q.empty() ? nullptr : outputs.neg_log_q.data();
+  args.argmax = outputs.argmax.empty() ? nullptr : outputs.argmax.data();
+  args.top_k = outputs.top_k.empty() ? nullptr : outputs.top_k.data();
+  args.k = outputs.top_k.empty() ? 0 : outputs.k;
+  args.totals = record ? s.totals.data() : nullptr;
+  args.error = s.error.data();
+  cuda::LossParams params = s.params;
+  params.vocab = vocab;
+  cuda::LaunchChunkLoss<T>(params, args, s.stream->stream());
+  return s.stream->LaunchStatus("chunk loss kernels");
+}
+
+template <typename T>
+absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
+  State& s = *state_;
+  unsigned long long error = 0;
+  if (absl::Status ok =
+          s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
+      !ok.ok()) {
+    return ok;
+  }
+  s.rows.clear();
+  s.block_begins.clear();
+  if (error != cuda::kNoError) {
+    const int64_t row = static_cast<int64_t>(error / 4);
+    switch (static_cast<int>(error % 4)) {
+      case cuda::kTeacherNotFinite:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "teacher logits: row ", row, ": a logit is not finite"));
+      case cuda::kConfidenceNotFinite:
+        return absl::InvalidArgumentError(
+            absl::StrCat("row ", row, ": confidence logit is not finite"));
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("row ", row, ": a logit is not finite"));
+    }
+  }
+  std::vector<double> totals(s.totals.size());
+  if (absl::Status ok = s.stream->CopyToHost(totals.data(), s.totals.data(),
+                                             s.totals.bytes());
+      !ok.ok()) {
+    return ok;
+  }
+  const int64_t k = s.params.block_size;
+  ChunkTerms terms;
+  terms.loss_num = totals[0];
+  terms.loss_den = totals[1];
+  terms.correct = totals[2];
+  terms.accuracy_den = totals[3];
+  terms.correct_per_position.assign(totals.begin() + cuda::kTermSlots,
+                                    totals.begin() + cuda::kTermSlots + k);
+  terms.mask_per_position.assign(totals.begin() + cuda::kTermSlots + k,
+                                 totals.end());
+  return terms;
+}
+
+template <typename T>
+const double* CudaChunkLoss<T>::device_loss_den() const {
+  return state_->totals.data() + 1;
+}
+
+namespace {
+
+// A device copy of a host span (empty stays empty).
+template <typename U>
+absl::StatusOr<TrackedBuffer<U>> Upload(absl::Span<const U> host,
+                                        CudaStream& stream) {
+  absl::StatusOr<TrackedBuffer<U>> device = TrackedBuffer<U>::Create(
+      stream.allocator(), static_cast<int64_t>(host.size()));
+  if (!device.ok()) return device.status();
+  if (absl::Status ok = stream.CopyToDevice(device->data(), host.data(),
+                                            device->bytes());
+      !ok.ok()) {
+    return ok;
+  }
+  return device;
+}
+
+template <typename U>
+absl::Span<U> View(TrackedBuffer<U>& buffer) {
+  return absl::MakeSpan(buffer.data(), buffer.size());
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
+    const v1::LossConfig& config, const ChunkLossOptions& options,
+    const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
+    CudaStream& stream) {
+  auto logits = Upload<T>(inputs.logits, stream);
+  auto teacher = Upload<T>(inputs.teacher_logits, stream);
+  auto confidence = Upload<float>(inputs.confidence_logits, stream);
+  auto confidence_grad = Upload<float>(outputs.confidence_grad, stream);
+  auto neg_log_q = Upload<float>(outputs.neg_log_q, stream);
+  auto argmax = Upload<int32_t>(outputs.argmax, stream);
+  auto top_k = Upload<int32_t>(outputs.top_k, stream);
+  for (const absl::Status& status :
+       {logits.status(), teacher.status(), confidence.status(),
+        confidence_grad.status(), neg_log_q.status(), argmax.status(),
+        top_k.status()}) {
+    if (!status.ok()) return status;
+  }
+  absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> loss =
+      CudaChunkLoss<T>::Create(config, options, stream);
+  if (!loss.ok()) return loss.status();
+  const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
+                                         View(*confidence), inputs.rows,
+                                         inputs.vocab};
+  const ChunkLossOutputs device_outputs{View(*confidence_grad),
+                                        View(*neg_log_q), View(*argmax),
+                                        View(*top_k), outputs.k};
+  if (absl::Status ok = (*loss)->Run(device_inputs, device_outputs,
+                                     /*out_rows=*/nullptr, /*record=*/true);
+      !ok.ok()) {
+    return ok;
+  }
+  absl::StatusOr<ChunkTerms> terms = (*loss)->Terms();
+  if (!terms.ok()) return terms.status();
+  struct Back {
+    void* host;
+    const void* device;
+    int64_t bytes;
+  };
+  for (const Back& back :
+       {Back{inputs.logits.data(), logits->data(), logits->bytes()},
+        Back{outputs.confidence_grad.data(), confidence_grad->data(),
+             confidence_grad->bytes()},
+        Back{outputs.neg_log_q.data(), neg_log_q->data(), neg_log_q->bytes()},
+        Back{outputs.argmax.data(), argmax->data(), argmax->bytes()},
+        Back{outputs.top_k.data(), top_k->data(), top_k->bytes()}}) {
+    if (back.bytes == 0) continue;
+    if (absl::Status ok = stream.CopyToHost(back.host, back.device, back.bytes);
+        !ok.ok()) {
+      return ok;
+    }
+  }
+  return terms;
+}
+
+template class CudaChunkLoss<float>;
+template class CudaChunkLoss<BFloat16>;
+template absl::StatusOr<ChunkTerms> CudaChunkLossFromHost<float>(
+    const v1::LossConfig&, const ChunkLossOptions&,
+    const ChunkLossInputs<float>&, const ChunkLossOutputs&, CudaStream&);
+template absl::StatusOr<ChunkTerms> CudaChunkLossFromHost<BFloat16>(
+    const v1::LossConfig&, const ChunkLossOptions&,
+    const ChunkLossInputs<BFloat16>&, const ChunkLossOutputs&, CudaStream&);
+
+}  // namespace dflash

@@ -1,0 +1,69 @@
+#ifndef DFLASH_LOSSES_CUDA_CHUNK_LOSS_H_
+#define DFLASH_LOSSES_CUDA_CHUNK_LOSS_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/bfloat16.h"
+#include "base/cuda_stream.h"
+#include "base/tracking_allocator.h"
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// ChunkLoss on a CUDA device: the same families, options, terms, gradient
+// and per-row outputs (chunk_loss.h), T = float or BFloat16 (computed in
+// FP32, the gradient rounded to bfloat16 once). The logits, teacher logits,
+// confidence logits and every output span are device memory; the rows'
+// metadata stays on the host, where it is validated as ChunkLoss does.
+//
+// Chunks are queued on the stream without waiting for the device; their
+// terms accumulate on the device, and Terms() waits once and reads them.
+// Errors only the device can see (a non-finite logit, teacher logit or
+// confidence logit) are reported by Terms(), naming the row.
+template <typename T>
+class CudaChunkLoss {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaChunkLoss>> Create(
+      const v1::LossConfig& config, const ChunkLossOptions& options,
+      CudaStream& stream);
+  ~CudaChunkLoss();
+
+  // One chunk. Per-row arrays (confidence logits and gradient, neg_log_q,
+  // argmax, top-k) are indexed by out_rows[i] for the chunk's row i, a
+  // device array, or by i when out_rows is null; so a caller's chunk of
+  // compacted rows reads and writes its rows where they are. With
+  // `record`, the chunk's terms join Terms(); a recomputation passes false.
+  absl::Status Run(const ChunkLossInputs<T>& inputs,
+                   const ChunkLossOutputs& outputs, const int64_t* out_rows,
+                   bool record);
+
+  // Waits for the device; the terms of every recorded chunk.
+  absl::StatusOr<ChunkTerms> Terms();
+
+  // The running loss_den on the device (a double), for scaling gradients
+  // without a round trip to the host.
+  const double* device_loss_den() const;
+
+ private:
+  struct State;
+  explicit CudaChunkLoss(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// One chunk through CudaChunkLoss with host tensors: copies them to the
+// device, runs, and copies the gradient and outputs back. The drop-in twin
+// of ChunkLoss, for tests and tools (not for speed).
+template <typename T>
+absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
+    const v1::LossConfig& config, const ChunkLossOptions& options,
+    const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
+    CudaStream& stream);
+
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_CUDA_CHUNK_LOSS_H_

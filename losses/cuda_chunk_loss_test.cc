@@ -1,0 +1,282 @@
+// The CPU loss suite's families and options, re-run on the CUDA loss and
+// compared with the CPU loss in float64 (itself checked against naive
+// references and finite differences in chunk_loss_test). Skipped, with the
+// reason, where no GPU is usable.
+#include "losses/cuda_chunk_loss.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/bfloat16.h"
+#include "google/protobuf/text_format.h"
+#include "gtest/gtest.h"
+#include "losses/chunk_loss.h"
+
+namespace dflash {
+namespace {
+
+constexpr int64_t kK = 5, kBlocks = 7, kRows = kK * kBlocks;
+
+std::unique_ptr<CudaStream> StreamOrSkip(std::string& why) {
+  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
+  if (!stream.ok()) {
+    why = std::string(stream.status().message());
+    return nullptr;
+  }
+  return *std::move(stream);
+}
+
+#define SKIP_WITHOUT_GPU(stream)                                   \
+  std::string why;                                                 \
+  std::unique_ptr<CudaStream> stream = StreamOrSkip(why);          \
+  if (stream == nullptr) GTEST_SKIP() << "no GPU here: " << why
+
+v1::LossConfig Loss(const std::string& text) {
+  v1::LossConfig config;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &config))
+      << text;
+  return config;
+}
+
+// Rows of kBlocks blocks of kK positions: some masked, one ignore_index
+// target, one block with fractional masks.
+struct Problem {
+  int64_t vocab;
+  std::vector<RowMeta> rows;
+  std::vector<double> logits, teacher;
+  std::vector<float> confidence;
+};
+
+Problem MakeProblem(int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0, 2);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  Problem p;
+  p.vocab = vocab;
+  for (int64_t r = 0; r < kRows; ++r) {
+    RowMeta meta;
+    meta.block = r / kK;
+    meta.position = static_cast<int32_t>(r % kK);
+    meta.target = token(rng);
+    meta.mask = meta.position == 0 || r % 11 == 3 ? 0.0f : 1.0f;
+    if (meta.block == 2 && meta.mask > 0) meta.mask = 0.5f;
+    if (r == 8) meta.target = -100;  // ignore_index
+    p.rows.push_back(meta);
+  }
+  for (int64_t i = 0; i < kRows * vocab; ++i) {
+    p.logits.push_back(normal(rng));
+    p.teacher.push_back(p.logits.back() + 0.5 * normal(rng));
+  }
+  // A planted winner in some rows: argmax away from 0, ties nowhere.
+  for (int64_t r = 0; r < kRows; r += 3) p.logits[r * vocab + (r % vocab)] += 6;
+  for (int64_t r = 0; r < kRows; ++r) {
+    p.confidence.push_back(static_cast<float>(normal(rng)));
+  }
+  return p;
+}
+
+struct Outcome {
+  absl::StatusOr<ChunkTerms> terms;
+  std::vector<double> grad;
+  std::vector<float> confidence_grad, neg_log_q;
+  std::vector<int32_t> argmax, top_k;
+};
+
+constexpr int32_t kTopK = 4;
+
+// Runs `T` on the CPU (ChunkLoss) or the GPU (CudaChunkLossFromHost).
+template <typename T>
+Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
+            const Problem& p, CudaStream* gpu) {
+  std::vector<T> logits, teacher;
+  for (double x : p.logits) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      logits.push_back(ToBFloat16(static_cast<float>(x)));
+    } else {
+      logits.push_back(static_cast<T>(x));
+    }
+  }
+  for (double x : p.teacher) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      teacher.push_back(ToBFloat16(static_cast<float>(x)));
+    } else {
+      teacher.push_back(static_cast<T>(x));
+    }
+  }
+  const bool confidence = config.has_dspark() &&
+                          config.dspark().confidence_weight() > 0;
+  Outcome out;
+  out.confidence_grad.assign(confidence ? kRows : 0, 7);
+  out.neg_log_q.assign(kRows, 7);
+  out.argmax.assign(kRows, 7);
+  out.top_k.assign(kRows * kTopK, 7);
+  const bool needs_teacher = config.has_dspark() || config.has_distillation();
+  const ChunkLossInputs<T> inputs{
+      absl::MakeSpan(logits),
+      needs_teacher ? absl::MakeConstSpan(teacher) : absl::Span<const T>(),
+      confidence ? absl::MakeConstSpan(p.confidence)
+                 : absl::Span<const float>(),
+      p.rows, p.vocab};
+  const ChunkLossOutputs outputs{
+      absl::MakeSpan(out.confidence_grad), absl::MakeSpan(out.neg_log_q),
+      absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), kTopK};
+  out.terms = gpu != nullptr
+                  ? CudaChunkLossFromHost<T>(config, options, inputs, outputs,
+                                             *gpu)
+                  : ChunkLoss<T>(config, options, inputs, outputs);
+  for (const T& g : logits) {
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      out.grad.push_back(ToFloat(g));
+    } else {
+      out.grad.push_back(static_cast<double>(g));
+    }
+  }
+  return out;
+}
+
+double RelativeNormError(const std::vector<double>& a,
+                         const std::vector<double>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+struct Case {
+  const char* name;
+  const char* loss;
+  double scale = 1, softcap = 0;
+};
+
+const Case kCases[] = {
+    {"dflash", "dflash { gamma: 7 }"},
+    {"dflash_smoothing_zloss",
+     "dflash { gamma: 4 } cross_entropy { label_smoothing: 0.1 "
+     "z_loss_scale: 0.01 }"},
+    {"dflash_softcap", "dflash { gamma: 7 }", 0.8, 5},
+    {"dpace", "dpace { alpha: 0.3 }"},
+    {"dpace_cumulative", "dpace { alpha: 0.2 variant: CUMULATIVE_CONFIDENCE_ONLY }"},
+    {"dpace_continuation",
+     "dpace { alpha: 0.4 variant: CONTINUATION_VALUE_ONLY }"},
+    {"tv", "tv { gamma: 7 }"},
+    {"lk_lambda", "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }"},
+    {"dspark", "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }"},
+    {"forward_kl", "distillation { divergence: FORWARD_KL temperature: 2 }"},
+    {"reverse_kl", "distillation { divergence: REVERSE_KL temperature: 0.7 }"},
+    {"jsd", "distillation { divergence: JSD beta: 0.3 }"},
+};
+
+class CudaChunkLossTest : public ::testing::TestWithParam<Case> {};
+
+// FP32 on the GPU within 1e-5 of the CPU in float64: terms, gradient,
+// neg_log_q and the confidence gradient; argmax and top-k exact.
+TEST_P(CudaChunkLossTest, Float32MatchesTheCpuInFloat64) {
+  SKIP_WITHOUT_GPU(gpu);
+  const Case& c = GetParam();
+  const v1::LossConfig config = Loss(c.loss);
+  const ChunkLossOptions options{kK, c.scale, c.softcap};
+  for (int64_t vocab : {int64_t{13}, int64_t{1000}, int64_t{4099}}) {
+    SCOPED_TRACE(vocab);
+    const Problem p = MakeProblem(vocab, 11);
+    const Outcome want = RunLoss<double>(config, options, p, nullptr);
+    const Outcome got = RunLoss<float>(config, options, p, gpu.get());
+    ASSERT_TRUE(want.terms.ok()) << want.terms.status();
+    ASSERT_TRUE(got.terms.ok()) << got.terms.status();
+    EXPECT_NEAR(got.terms->loss_num, want.terms->loss_num,
+                1e-5 * std::abs(want.terms->loss_num));
+    EXPECT_NEAR(got.terms->loss_den, want.terms->loss_den,
+                1e-6 * want.terms->loss_den);
+    EXPECT_EQ(got.terms->correct, want.terms->correct);
+    EXPECT_EQ(got.terms->accuracy_den, want.terms->accuracy_den);
+    EXPECT_EQ(got.terms->correct_per_position,
+              want.terms->correct_per_position);
+    EXPECT_EQ(got.terms->mask_per_position, want.terms->mask_per_position);
+    EXPECT_LT(RelativeNormError(got.grad, want.grad), 1e-5);
+    for (int64_t r = 0; r < kRows; ++r) {
+      EXPECT_NEAR(got.neg_log_q[r], want.neg_log_q[r],
+                  1e-5 * (1 + std::abs(want.neg_log_q[r])))
+          << "row " << r;
+      EXPECT_EQ(got.argmax[r], want.argmax[r]) << "row " << r;
+    }
+    EXPECT_EQ(got.top_k, want.top_k);
+    for (size_t r = 0; r < want.confidence_grad.size(); ++r) {
+      EXPECT_NEAR(got.confidence_grad[r], want.confidence_grad[r], 1e-5);
+    }
+  }
+}
+
+// BF16 logits on the GPU against the CPU's BF16 path on the same values:
+// per-token CE within 1e-5 (SpecForge's tolerance), argmax and top-k exact;
+// the gradient, rounded to bfloat16 once, within 5e-3 in relative norm of
+// the float64 gradient of the same bfloat16 logits.
+TEST_P(CudaChunkLossTest, BFloat16MatchesTheCpu) {
+  SKIP_WITHOUT_GPU(gpu);
+  const Case& c = GetParam();
+  const v1::LossConfig config = Loss(c.loss);
+  const ChunkLossOptions options{kK, c.scale, c.softcap};
+  Problem p = MakeProblem(4099, 12);
+  // The float64 reference sees exactly the bfloat16 values.
+  for (double& x : p.logits) x = ToFloat(ToBFloat16(static_cast<float>(x)));
+  for (double& x : p.teacher) x = ToFloat(ToBFloat16(static_cast<float>(x)));
+  const Outcome cpu = RunLoss<BFloat16>(config, options, p, nullptr);
+  const Outcome exact = RunLoss<double>(config, options, p, nullptr);
+  const Outcome got = RunLoss<BFloat16>(config, options, p, gpu.get());
+  ASSERT_TRUE(cpu.terms.ok() && exact.terms.ok());
+  ASSERT_TRUE(got.terms.ok()) << got.terms.status();
+  EXPECT_NEAR(got.terms->loss_num, exact.terms->loss_num,
+              1e-5 * std::abs(exact.terms->loss_num));
+  for (int64_t r = 0; r < kRows; ++r) {
+    EXPECT_NEAR(got.neg_log_q[r], cpu.neg_log_q[r],
+                1e-5 * (1 + std::abs(cpu.neg_log_q[r])));
+    EXPECT_EQ(got.argmax[r], cpu.argmax[r]);
+  }
+  EXPECT_EQ(got.top_k, cpu.top_k);
+  EXPECT_LT(RelativeNormError(got.grad, exact.grad), 5e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, CudaChunkLossTest, ::testing::ValuesIn(kCases),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
+  SKIP_WITHOUT_GPU(gpu);
+  const v1::LossConfig config = Loss("dflash { gamma: 7 }");
+  const ChunkLossOptions options{kK, 1, 0};
+  Problem p = MakeProblem(13, 3);
+  p.rows[4].target = 13;
+  p.rows[4].mask = 1;
+  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+            "row 4: target id 13 is outside [0, 13)");
+  p = MakeProblem(13, 3);
+  p.rows[6].mask = 1;
+  p.logits[6 * 13 + 5] = NAN;
+  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+            "row 6: a logit is not finite");
+  p = MakeProblem(13, 3);
+  p.rows[2].position = kK;
+  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+            "row 2: block position 5 is outside [0, 5)");
+  // The same messages as the CPU's where both see the problem first.
+  p = MakeProblem(13, 3);
+  p.rows[2].position = kK;
+  EXPECT_EQ(RunLoss<float>(config, options, p, nullptr).terms.status().message(),
+            "row 2: block position 5 is outside [0, 5)");
+}
+
+// Without a GPU, the stream says why; this runs everywhere.
+TEST(CudaChunkLossErrorsTest, NoDeviceIsAnUnavailableStatus) {
+  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
+  if (stream.ok()) GTEST_SKIP() << "a GPU is present";
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(stream.status().message().find("CUDA"), std::string::npos)
+      << stream.status();
+}
+
+}  // namespace
+}  // namespace dflash

@@ -1,0 +1,632 @@
+// The CUDA row kernels; see cuda_row_kernels.h. One thread block per row:
+// every pass over a row's V logits is a strided loop with 16-byte vector
+// loads, reduced across the block in a fixed tree (deterministic results),
+// accumulating in FP32; the per-row scalars are computed in double.
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "base/bfloat16.h"
+#include "losses/cuda_row_kernels.h"
+
+namespace dflash {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 512;  // A power of two: the reduction tree halves.
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(BFloat16 x) {
+  return __uint_as_float(static_cast<uint32_t>(x.bits) << 16);
+}
+template <typename T>
+__device__ __forceinline__ T FromF(float f);
+template <>
+__device__ __forceinline__ float FromF<float>(float f) {
+  return f;
+}
+// Round to nearest even, NaN kept quiet: base/bfloat16.h's ToBFloat16.
+template <>
+__device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return BFloat16{static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u) : rounded)};
+}
+
+// z -> z' (logit scale and tanh softcap) and its chain rule.
+struct Transform {
+  float scale, cap;
+  __device__ __forceinline__ float operator()(float z) const {
+    return cap > 0 ? cap * tanhf(scale * z / cap) : scale * z;
+  }
+  // d/dz from d/dz', given z'.
+  __device__ __forceinline__ float Chain(float g, float zp) const {
+    if (cap > 0) {
+      const float t = zp / cap;
+      return g * scale * (1 - t * t);
+    }
+    return g * scale;
+  }
+};
+
+// f(i, x[i]) for this thread's elements of a row, with 16-byte loads where
+// the row allows them.
+template <typename T, typename F>
+__device__ __forceinline__ void ForRow(const T* row, int64_t n, F&& f) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (n % kVec == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+    const uint4* vec = reinterpret_cast<const uint4*>(row);
+    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+      const uint4 packed = __ldg(vec + i);
+      const T* e = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(e[j]));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) f(i, ToF(row[i]));
+  }
+}
+
+// f(i, z[i], t[i]) over two rows (t may be null: then t[i] = z[i]).
+template <typename T, typename F>
+__device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
+                                        F&& f) {
+  if (t == nullptr) {
+    ForRow(z, n, [&](int64_t i, float x) { f(i, x, x); });
+    return;
+  }
+  constexpr int kVec = 16 / sizeof(T);
+  const bool aligned = n % kVec == 0 &&
+                       ((reinterpret_cast<uintptr_t>(z) |
+                         reinterpret_cast<uintptr_t>(t)) & 15) == 0;
+  if (aligned) {
+    const uint4* zv = reinterpret_cast<const uint4*>(z);
+    const uint4* tv = reinterpret_cast<const uint4*>(t);
+    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+      const uint4 zp = __ldg(zv + i), tp = __ldg(tv + i);
+      const T* ze = reinterpret_cast<const T*>(&zp);
+      const T* te = reinterpret_cast<const T*>(&tp);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(ze[j]), ToF(te[j]));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      f(i, ToF(z[i]), ToF(t[i]));
+    }
+  }
+}
+
+// row[i] = g(i, row[i], t[i]) in place, with 16-byte loads and stores where
+// the rows allow them (t may be null).
+template <typename T, typename G>
+__device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n, G&& g) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool aligned = n % kVec == 0 &&
+                       ((reinterpret_cast<uintptr_t>(row) |
+                         reinterpret_cast<uintptr_t>(t)) & 15) == 0;
+  if (aligned) {
+    uint4* zv = reinterpret_cast<uint4*>(row);
+    const uint4* tv = reinterpret_cast<const uint4*>(t);
+    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+      uint4 zp = zv[i];
+      const uint4 tp = t != nullptr ? __ldg(tv + i) : zp;
+      T* ze = reinterpret_cast<T*>(&zp);
+      const T* te = reinterpret_cast<const T*>(&tp);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        ze[j] = FromF<T>(g(i * kVec + j, ToF(ze[j]), ToF(te[j])));
+      }
+      zv[i] = zp;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const float x = ToF(row[i]);
+      row[i] = FromF<T>(g(i, x, t != nullptr ? ToF(t[i]) : x));
+    }
+  }
+}
+
+template <typename T>
+__device__ void ZeroRow(T* row, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) row[i] = FromF<T>(0.0f);
+}
+
+// The block's reduction of `value` by `op` in a fixed tree; every thread
+// gets the result.
+template <typename S, typename Op>
+__device__ S BlockReduce(S value, Op op) {
+  __shared__ S buffer[kThreads];
+  buffer[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      buffer[threadIdx.x] = op(buffer[threadIdx.x], buffer[threadIdx.x + stride]);
+    }
+    __syncthreads();
+  }
+  const S result = buffer[0];
+  __syncthreads();
+  return result;
+}
+
+struct Pair {
+  float a, b;
+};
+__device__ __forceinline__ Pair AddPairs(Pair x, Pair y) {
+  return {x.a + y.a, x.b + y.b};
+}
+
+__device__ __forceinline__ void ReportError(unsigned long long* error,
+                                            int64_t row, ErrorKind kind) {
+  atomicMin(error, static_cast<unsigned long long>(row) * 4 + kind);
+}
+
+__device__ __forceinline__ int64_t OutRow(const int64_t* out_rows, int64_t r) {
+  return out_rows != nullptr ? out_rows[r] : r;
+}
+
+// Online logsumexp at two temperatures (1 and 1/inv_t), argmax (first
+// index), sum, and a finiteness flag, over this thread's elements.
+struct Online {
+  float max = -FLT_MAX;
+  float sum = 0;    // Sum of exp(x - max).
+  float sum_t = 0;  // Sum of exp((x - max) * inv_t).
+  float total = 0;  // Sum of x.
+  float best = -FLT_MAX;
+  int32_t argmax = INT32_MAX;
+  int32_t bad = 0;
+};
+
+__device__ __forceinline__ void Add(Online& s, int64_t i, float x, float inv_t,
+                                    bool tempered) {
+  s.bad |= !isfinite(x);
+  if (x > s.max) {
+    const float shift = s.max - x;
+    s.sum = s.sum * expf(shift) + 1;
+    if (tempered) s.sum_t = s.sum_t * expf(shift * inv_t) + 1;
+    s.max = x;
+  } else {
+    s.sum += expf(x - s.max);
+    if (tempered) s.sum_t += expf((x - s.max) * inv_t);
+  }
+  s.total += x;
+  if (x > s.best) {
+    s.best = x;
+    s.argmax = static_cast<int32_t>(i);
+  }
+}
+
+__device__ __forceinline__ Online Merge(Online a, Online b, float inv_t,
+                                        bool tempered) {
+  Online m;
+  m.bad = a.bad | b.bad;
+  m.total = a.total + b.total;
+  if (b.best > a.best || (b.best == a.best && b.argmax < a.argmax)) {
+    m.best = b.best;
+    m.argmax = b.argmax;
+  } else {
+    m.best = a.best;
+    m.argmax = a.argmax;
+  }
+  if (a.max < b.max) {
+    const Online t = a;
+    a = b;
+    b = t;
+  }
+  m.max = a.max;
+  if (b.sum == 0) {
+    m.sum = a.sum;
+    m.sum_t = a.sum_t;
+  } else {
+    const float shift = b.max - a.max;
+    m.sum = a.sum + b.sum * expf(shift);
+    m.sum_t = tempered ? a.sum_t + b.sum_t * expf(shift * inv_t) : 0;
+  }
+  return m;
+}
+
+// Pass 1: the row's statistics (of z' and of the teacher's t').
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    StatsKernel(LossParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const Row meta = a.meta[r];
+  if (meta.mask == 0) return;
+  const int64_t v = p.vocab;
+  const Transform transform{static_cast<float>(p.logit_scale),
+                            static_cast<float>(p.logit_softcap)};
+  const bool distill = p.family == Family::kDistillation;
+  const float inv_t = static_cast<float>(p.inv_temperature);
+  __shared__ float target;
+  Online s;
+  ForRow(a.logits + r * v, v, [&](int64_t i, float x) {
+    const float z = transform(x);
+    Add(s, i, z, inv_t, distill);
+    if (i == meta.target) target = z;
+  });
+  s = BlockReduce(s, [&](Online x, Online y) {
+    return Merge(x, y, inv_t, distill);
+  });
+  Online t;
+  if (a.teacher != nullptr) {
+    const float teacher_inv_t = distill ? inv_t : 1.0f;
+    ForRow(a.teacher + r * v, v, [&](int64_t i, float x) {
+      Add(t, i, transform(x), teacher_inv_t, true);
+    });
+    t = BlockReduce(t, [&](Online x, Online y) {
+      return Merge(x, y, teacher_inv_t, true);
+    });
+  }
+  if (threadIdx.x != 0) return;
+  const int64_t out = OutRow(a.out_rows, r);
+  if (s.bad) ReportError(a.error, out, kLogitNotFinite);
+  if (t.bad) ReportError(a.error, out, kTeacherNotFinite);
+  RowStats& stats = a.stats[r];
+  stats.max = s.max;
+  stats.lse = s.max + logf(s.sum);
+  stats.lse_t = distill ? s.max * inv_t + logf(s.sum_t) : 0;
+  stats.target = target;
+  stats.sum = s.total;
+  stats.argmax = s.argmax;
+  if (a.teacher != nullptr) {
+    stats.t_lse = t.max * (distill ? inv_t : 1.0f) + logf(t.sum_t);
+  }
+}
+
+// The k largest z' of each row with mask, largest first, ties to the lower
+// index: k passes, each the block's maximum below the previous pick.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    TopKKernel(LossParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const int64_t out = OutRow(a.out_rows, r);
+  const Row meta = a.meta[r];
+  const Transform transform{static_cast<float>(p.logit_scale),
+                            static_cast<float>(p.logit_softcap)};
+  struct Pick {
+    float value;
+    int32_t index;
+  };
+  auto better = [](Pick x, Pick y) {
+    return y.value > x.value || (y.value == x.value && y.index < x.index) ? y
+                                                                          : x;
+  };
+  Pick last{FLT_MAX, -1};
+  for (int32_t j = 0; j < a.k; ++j) {
+    if (meta.mask == 0) {
+      if (threadIdx.x == 0) a.top_k[out * a.k + j] = -1;
+      continue;
+    }
+    Pick best{-FLT_MAX, INT32_MAX};
+    ForRow(a.logits + r * p.vocab, p.vocab, [&](int64_t i, float x) {
+      const float z = transform(x);
+      const bool after =
+          z < last.value || (z == last.value && i > last.index);
+      if (after) best = better(best, Pick{z, static_cast<int32_t>(i)});
+    });
+    best = BlockReduce(best, better);
+    if (threadIdx.x == 0) a.top_k[out * a.k + j] = best.index;
+    last = best;
+  }
+}
+
+// D-PACE block weights and lk-lambda's CE share, one thread per block run.
+__global__ void BlockWeightsKernel(LossParams p, const Row* meta,
+                                   const RowStats* stats,
+                                   const int32_t* block_begin, int32_t blocks,
+                                   double* weight, double* ce_share) {
+  const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= blocks) return;
+  const int32_t begin = block_begin[b], end = block_begin[b + 1];
+  auto q = [&](int32_t r) {
+    return meta[r].mask > 0 ? exp(static_cast<double>(stats[r].target) -
+                                  stats[r].lse)
+                            : 0.0;
+  };
+  if (p.coupling == Coupling::kLkLambda) {
+    double hits = 0, mass = 0;
+    for (int32_t r = begin; r < end; ++r) {
+      hits += q(r) * meta[r].mask;
+      mass += meta[r].mask;
+    }
+    const double acc = mass > 0 ? hits / mass : 0;
+    const double kl_w = p.kl_scale * exp(-p.kl_decay * acc);
+    for (int32_t r = begin; r < end; ++r) {
+      weight[r] = meta[r].weight;
+      ce_share[r] = kl_w;
+    }
+    return;
+  }
+  // D-PACE: smooth = m > 0 ? (1 - alpha) q + alpha : 1; prefix = cumprod;
+  // suffix = reverse cumsum(prefix * m). Prefixes go in `weight` first.
+  double running = 1;
+  for (int32_t r = begin; r < end; ++r) {
+    const double smooth =
+        meta[r].mask > 0 ? (1 - p.alpha) * q(r) + p.alpha : 1.0;
+    running *= smooth;
+    weight[r] = running;
+    ce_share[r] = 1;
+  }
+  double tail = 0;
+  for (int32_t r = end - 1; r >= begin; --r) {
+    const double prefix = weight[r], mask = meta[r].mask;
+    tail += prefix * mask;
+    double w;
+    switch (p.dpace_variant) {
+      case DPaceVariant::kCumulative:
+        w = prefix;
+        break;
+      case DPaceVariant::kContinuation:
+        w = tail / fmax(prefix, DBL_MIN);
+        break;
+      default:
+        w = tail;
+        break;
+    }
+    weight[r] = w * mask;
+  }
+}
+
+// Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    LossKernel(LossParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const int64_t v = p.vocab;
+  const int64_t out = OutRow(a.out_rows, r);
+  T* z_row = a.logits + r * v;
+  const T* t_row = a.teacher != nullptr ? a.teacher + r * v : nullptr;
+  double* terms = a.row_terms + 4 * r;
+  const Row meta = a.meta[r];
+  if (meta.mask == 0) {
+    ZeroRow(z_row, v);
+    if (threadIdx.x == 0) {
+      terms[0] = terms[1] = terms[2] = terms[3] = 0;
+      if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
+      if (a.argmax != nullptr) a.argmax[out] = -1;
+      if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
+    }
+    return;
+  }
+  const RowStats s = a.stats[r];
+  const double lse = s.lse;
+  const double neg_log_q = lse - s.target;
+  const double hit = meta.mask > 0.5f && s.argmax == meta.target;
+  const double w =
+      p.coupling != Coupling::kNone ? a.weight[r] : double{meta.weight};
+  if (threadIdx.x == 0) {
+    terms[1] = w;
+    terms[2] = hit;
+    terms[3] = meta.mask;
+    if (a.neg_log_q != nullptr) a.neg_log_q[out] = static_cast<float>(neg_log_q);
+    if (a.argmax != nullptr) a.argmax[out] = s.argmax;
+    if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
+  }
+  if (w == 0) {
+    ZeroRow(z_row, v);
+    if (threadIdx.x == 0) terms[0] = 0;
+    return;
+  }
+  const Transform transform{static_cast<float>(p.logit_scale),
+                            static_cast<float>(p.logit_softcap)};
+
+  if (p.family == Family::kDistillation) {
+    const float inv_t = static_cast<float>(p.inv_temperature);
+    const float lse_s = s.lse_t, lse_t = s.t_lse;
+    const float beta = static_cast<float>(p.beta);
+    const float log_beta = logf(beta), log_rest = log1pf(-beta);
+    auto logs = [&](float x, float y, float& ls, float& lt) {
+      ls = transform(x) * inv_t - lse_s;
+      lt = transform(y) * inv_t - lse_t;
+    };
+    auto mix = [&](float ls, float lt) {
+      const float a1 = log_rest + ls, b1 = log_beta + lt;
+      const float hi = fmaxf(a1, b1);
+      return hi + log1pf(expf(-fabsf(a1 - b1)));
+    };
+    Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
+    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+      float ls, lt;
+      logs(x, y, ls, lt);
+      switch (p.divergence) {
+        case Divergence::kReverseKl:
+          acc.a += expf(ls) * (ls - lt);
+          break;
+        case Divergence::kJsd: {
+          const float lm = mix(ls, lt);
+          const float s_part = expf(ls) * (ls - lm);
+          acc.a += beta * expf(lt) * (lt - lm) + (1 - beta) * s_part;
+          acc.b += s_part;
+          break;
+        }
+        default:
+          acc.a += expf(lt) * (lt - ls);
+          break;
+      }
+    });
+    acc = BlockReduce(acc, AddPairs);
+    if (threadIdx.x == 0) terms[0] = w * acc.a;
+    const float g = static_cast<float>(w * p.inv_temperature);
+    MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+      float ls, lt;
+      logs(x, y, ls, lt);
+      float grad;
+      switch (p.divergence) {
+        case Divergence::kReverseKl:
+          grad = g * expf(ls) * ((ls - lt) - acc.a);
+          break;
+        case Divergence::kJsd:
+          grad = g * (1 - beta) * expf(ls) * ((ls - mix(ls, lt)) - acc.b);
+          break;
+        default:
+          grad = g * (expf(ls) - expf(lt));
+          break;
+      }
+      return transform.Chain(grad, transform(x));
+    });
+    return;
+  }
+
+  // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
+  // the confidence BCE.
+  const double ce_share =
+      p.coupling == Coupling::kLkLambda ? a.ce_share[r] : 1.0;
+  const double q = exp(-neg_log_q);
+  const double eps = p.label_smoothing;
+  const double ce_w = p.tv ? 0 : w * ce_share;
+  const double tv_w = p.tv ? w
+                      : p.coupling == Coupling::kLkLambda ? w * (1 - ce_share)
+                                                          : 0;
+  const double z_w = w * p.z_loss_scale;
+  double ce_term = neg_log_q;
+  if (eps > 0) {
+    ce_term = (1 - eps) * neg_log_q + eps * (lse - double{s.sum} / v);
+  }
+  double num = ce_w * ce_term + tv_w * (1 - q) + z_w * lse * lse;
+  const float softmax = static_cast<float>(ce_w + tv_w * q + 2 * z_w * lse);
+  const float on_target = static_cast<float>(ce_w * (1 - eps) + tv_w * q);
+  const float uniform = static_cast<float>(ce_w * eps / v);
+  const float lse_f = s.lse;
+
+  if (p.family == Family::kDSpark) {
+    const float t_lse = s.t_lse;
+    Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
+    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+      const float pz = expf(transform(x) - lse_f);
+      const float d = pz - expf(transform(y) - t_lse);
+      acc.a += fabsf(d);
+      acc.b += pz * ((d > 0) - (d < 0));
+    });
+    acc = BlockReduce(acc, AddPairs);
+    const double l1 = acc.a;
+    num += w * p.l1_weight * l1;
+    if (p.confidence_weight > 0) {
+      const double accept = fmin(fmax(1 - 0.5 * l1, 0.0), 1.0);
+      const double c = a.confidence[out];
+      if (!isfinite(c)) {
+        if (threadIdx.x == 0) ReportError(a.error, out, kConfidenceNotFinite);
+      } else {
+        const double bce = fmax(c, 0.0) - c * accept + log1p(exp(-fabs(c)));
+        num += w * p.confidence_weight * bce;
+        if (threadIdx.x == 0 && a.confidence_grad != nullptr) {
+          a.confidence_grad[out] = static_cast<float>(
+              w * p.confidence_weight * (1 / (1 + exp(-c)) - accept));
+        }
+      }
+    }
+    if (threadIdx.x == 0) terms[0] = num;
+    const float l1c = static_cast<float>(w * p.l1_weight);
+    const float signed_mass = acc.b;
+    MapRow(z_row, t_row, v, [&](int64_t i, float x, float y) {
+      const float zp = transform(x);
+      const float pz = expf(zp - lse_f);
+      const float d = pz - expf(transform(y) - t_lse);
+      const float sign = (d > 0) - (d < 0);
+      float g = (softmax + l1c * (sign - signed_mass)) * pz - uniform;
+      if (i == meta.target) g -= on_target;
+      return transform.Chain(g, zp);
+    });
+    return;
+  }
+
+  if (threadIdx.x == 0) terms[0] = num;
+  MapRow(z_row, static_cast<const T*>(nullptr), v,
+         [&](int64_t i, float x, float) {
+           const float zp = transform(x);
+           float g = softmax * expf(zp - lse_f) - uniform;
+           if (i == meta.target) g -= on_target;
+           return transform.Chain(g, zp);
+         });
+}
+
+// The rows' terms into the totals, in a fixed order.
+__global__ void __launch_bounds__(kThreads)
+    ReduceTermsKernel(const Row* meta, const double* row_terms, int64_t rows,
+                      int32_t block_size, double* totals) {
+  auto add = [](double x, double y) { return x + y; };
+  for (int j = 0; j < kTermSlots; ++j) {
+    double sum = 0;
+    for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
+      sum += row_terms[4 * r + j];
+    }
+    sum = BlockReduce(sum, add);
+    if (threadIdx.x == 0) totals[j] += sum;
+  }
+  for (int32_t k = 0; k < block_size; ++k) {
+    double correct = 0, mass = 0;
+    for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
+      if (meta[r].position != k) continue;
+      correct += row_terms[4 * r + 2];
+      mass += row_terms[4 * r + 3];
+    }
+    correct = BlockReduce(correct, add);
+    mass = BlockReduce(mass, add);
+    if (threadIdx.x == 0) {
+      totals[kTermSlots + k] += correct;
+      totals[kTermSlots + block_size + k] += mass;
+    }
+  }
+}
+
+template <typename T>
+__global__ void ScaleKernel(T* data, int64_t count, const double* den,
+                            double upstream) {
+  const float scale = den[0] > 0 ? static_cast<float>(upstream / den[0]) : 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = FromF<T>(ToF(data[i]) * scale);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void LaunchChunkLoss(const LossParams& params, const ChunkArgs<T>& args,
+                     CUstream_st* stream) {
+  if (args.rows == 0) return;
+  const dim3 rows(static_cast<unsigned>(args.rows));
+  StatsKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  if (args.top_k != nullptr && args.k > 0) {
+    TopKKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  }
+  if (params.coupling != Coupling::kNone && args.blocks > 0) {
+    constexpr int kPerBlock = 128;
+    BlockWeightsKernel<<<(args.blocks + kPerBlock - 1) / kPerBlock, kPerBlock,
+                         0, stream>>>(params, args.meta, args.stats,
+                                      args.block_begin, args.blocks,
+                                      args.weight, args.ce_share);
+  }
+  LossKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  if (args.totals != nullptr) {
+    ReduceTermsKernel<<<1, kThreads, 0, stream>>>(
+        args.meta, args.row_terms, args.rows, params.block_size, args.totals);
+  }
+}
+
+template <typename T>
+void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
+                                  double upstream, CUstream_st* stream) {
+  if (count == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+  ScaleKernel<T><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096),
+                   kBlock, 0, stream>>>(data, count, den, upstream);
+}
+
+template void LaunchChunkLoss<float>(const LossParams&,
+                                     const ChunkArgs<float>&, CUstream_st*);
+template void LaunchChunkLoss<BFloat16>(const LossParams&,
+                                        const ChunkArgs<BFloat16>&,
+                                        CUstream_st*);
+template void LaunchScaleByUpstreamOverDen<float>(float*, int64_t,
+                                                  const double*, double,
+                                                  CUstream_st*);
+template void LaunchScaleByUpstreamOverDen<BFloat16>(BFloat16*, int64_t,
+                                                     const double*, double,
+                                                     CUstream_st*);
+
+}  // namespace cuda
+}  // namespace dflash

@@ -1,0 +1,120 @@
+#ifndef DFLASH_LOSSES_CUDA_ROW_KERNELS_H_
+#define DFLASH_LOSSES_CUDA_ROW_KERNELS_H_
+
+// The CUDA row kernels of every //losses family, the device twin of
+// row_kernels.h + chunk_loss.cc. Plain types only: nvcc compiles the .cu,
+// and //losses:cuda_chunk_loss (host C++) prepares these structs from a
+// LossConfig and launches them.
+
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace dflash {
+namespace cuda {
+
+enum class Family : int32_t { kSoftmax = 0, kDSpark = 1, kDistillation = 2 };
+enum class Coupling : int32_t { kNone = 0, kDPace = 1, kLkLambda = 2 };
+// DPaceLoss.Variant and DistillationLoss.Divergence (mapped on the host).
+enum class DPaceVariant : int32_t { kDPace = 0, kCumulative = 1, kContinuation = 2 };
+enum class Divergence : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+
+// One LossConfig and ChunkLossOptions, resolved (see chunk_loss.h).
+struct LossParams {
+  Family family = Family::kSoftmax;
+  Coupling coupling = Coupling::kNone;
+  bool tv = false;  // tv's (1 - q) instead of CE.
+  DPaceVariant dpace_variant = DPaceVariant::kDPace;
+  double alpha = 0;  // D-PACE smoothing.
+  double kl_scale = 0, kl_decay = 0;  // lk-lambda.
+  double label_smoothing = 0, z_loss_scale = 0;
+  double logit_scale = 1, logit_softcap = 0;
+  double l1_weight = 0, confidence_weight = 0;  // DSpark.
+  Divergence divergence = Divergence::kForwardKl;
+  double inv_temperature = 1, beta = 0.5;  // Distillation.
+  int64_t vocab = 0;
+  int32_t block_size = 1;
+};
+
+// A chunk row, prepared on the host: mask is 0 where the target is
+// ignore_index, weight is RowLossWeight (replaced per block for D-PACE).
+struct Row {
+  int32_t target = 0;
+  int32_t position = 0;
+  float mask = 0;
+  float weight = 0;
+};
+
+// What the stats pass leaves per row (of the transformed logits z').
+struct RowStats {
+  float max = 0;
+  float lse = 0;      // logsumexp(z').
+  float lse_t = 0;    // logsumexp(z' / T), distillation.
+  float target = 0;   // z'[target].
+  float sum = 0;      // sum(z'), label smoothing.
+  float t_lse = 0;    // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
+  int32_t argmax = 0;
+  int32_t pad = 0;
+};
+
+// Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
+// accuracy_den, then correct_per_position[K], mask_per_position[K].
+constexpr int kTermSlots = 4;
+inline int64_t TotalsSize(int32_t block_size) {
+  return kTermSlots + 2 * int64_t{block_size};
+}
+
+// Error codes the kernels report through an atomic minimum; the host reads
+// row = code / 4 and the kind = code % 4.
+enum ErrorKind : int32_t {
+  kLogitNotFinite = 0,
+  kTeacherNotFinite = 1,
+  kConfidenceNotFinite = 2,
+};
+constexpr unsigned long long kNoError = ~0ull;
+
+// One chunk's device buffers. Per-row arrays marked "by out row" are indexed
+// by out_rows[r] (the row's place in the caller's arrays), or r when
+// out_rows is null. Optional buffers are null when not wanted.
+template <typename T>
+struct ChunkArgs {
+  T* logits = nullptr;           // [rows, V]; overwritten with the gradient.
+  const T* teacher = nullptr;    // [rows, V], dspark and distillation.
+  int64_t rows = 0;
+  const Row* meta = nullptr;     // [rows]
+  const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
+  int32_t blocks = 0;
+  const int64_t* out_rows = nullptr;
+  const float* confidence = nullptr;     // By out row, DSpark.
+  float* confidence_grad = nullptr;      // By out row.
+  float* neg_log_q = nullptr;            // By out row.
+  int32_t* argmax = nullptr;             // By out row.
+  int32_t* top_k = nullptr;              // [out row, k].
+  int32_t k = 0;
+  // Scratch, [rows] each (row_terms [rows, 4]).
+  RowStats* stats = nullptr;
+  double* weight = nullptr;
+  double* ce_share = nullptr;
+  double* row_terms = nullptr;
+  double* totals = nullptr;  // TotalsSize(K); null: terms are not recorded.
+  unsigned long long* error = nullptr;
+};
+
+// Queues the chunk's kernels on `stream`: stats, top-k, block weights,
+// loss terms with the gradient written in place, and the terms' reduction
+// into `totals` in a fixed order. T is float or BFloat16 (dflash::BFloat16).
+template <typename T>
+void LaunchChunkLoss(const LossParams& params, const ChunkArgs<T>& args,
+                     CUstream_st* stream);
+
+// data[i] *= upstream / den[0] for i < count (0 when den[0] is 0): the
+// gradients' final scale, read from the device totals so that nobody waits
+// to learn the denominator. T is float or BFloat16.
+template <typename T>
+void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
+                                  double upstream, CUstream_st* stream);
+
+}  // namespace cuda
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_CUDA_ROW_KERNELS_H_
