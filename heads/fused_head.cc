@@ -373,6 +373,9 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
     report();
   }
   if (absl::Status done = backend_.Synchronize(); !done.ok()) return done;
+  if (absl::Status done = backend_.projection().status(); !done.ok()) {
+    return done;
+  }
   result.stats.forward_seconds = Since(forward);
   logits_ws_.Reset();
   teacher_ws_.Reset();
@@ -386,6 +389,9 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   }
   absl::StatusOr<ChunkTerms> terms = backend_.Finish(options.upstream_gradient);
   if (!terms.ok()) return terms.status();
+  if (absl::Status done = backend_.projection().status(); !done.ok()) {
+    return done;
+  }
   result.stats.backward_seconds = Since(backward);
   result.terms = *std::move(terms);
 

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
@@ -40,6 +41,10 @@ class VocabProjection {
   virtual void AccumulateWeightGradient(const T* grad_logits, const T* rows,
                                         int64_t m, T* grad_weight,
                                         T* grad_bias) = 0;
+
+  // The first error of the products so far: a backend that queues them
+  // (CUDA) learns of a failure after the call; the CPU's never fail.
+  virtual absl::Status status() const { return absl::OkStatus(); }
 
  protected:
   VocabProjection(int64_t vocab, int64_t hidden)

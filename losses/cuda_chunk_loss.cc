@@ -139,12 +139,27 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
                                    const ChunkLossOutputs& outputs,
                                    const int64_t* out_rows, bool record) {
   State& s = *state_;
-  if (absl::Status valid =
-          ValidateChunkLossInputs(s.config, s.options, inputs, outputs);
+  const int64_t n = static_cast<int64_t>(inputs.rows.size());
+  // With out_rows, per-row arrays hold the caller's rows rather than the
+  // chunk's; the checks see the chunk's share of them.
+  ChunkLossInputs<T> check_inputs = inputs;
+  ChunkLossOutputs check_outputs = outputs;
+  if (out_rows != nullptr) {
+    auto share = [n](auto span, int64_t per_row) {
+      const size_t want = static_cast<size_t>(n * per_row);
+      return span.size() >= want ? span.subspan(0, want) : span;
+    };
+    check_inputs.confidence_logits = share(inputs.confidence_logits, 1);
+    check_outputs.confidence_grad = share(outputs.confidence_grad, 1);
+    check_outputs.neg_log_q = share(outputs.neg_log_q, 1);
+    check_outputs.argmax = share(outputs.argmax, 1);
+    check_outputs.top_k = share(outputs.top_k, outputs.k);
+  }
+  if (absl::Status valid = ValidateChunkLossInputs(s.config, s.options,
+                                                   check_inputs, check_outputs);
       !valid.ok()) {
     return valid;
   }
-  const int64_t n = static_cast<int64_t>(inputs.rows.size());
   if (n == 0) return absl::OkStatus();
   const int64_t vocab = inputs.vocab;
   const int64_t ignore = s.config.cross_entropy().ignore_index();

@@ -1,0 +1,193 @@
+#include "heads/cuda_head.h"
+
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "heads/cuda_head_kernels.h"
+#include "heads/head_backend.h"
+#include "losses/cuda_chunk_loss.h"
+#include "losses/cuda_row_kernels.h"
+
+namespace dflash {
+namespace {
+
+// The CUDA backend of RunHeadOn: cuBLAS, the CUDA loss, device memory.
+template <typename T>
+class CudaHeadBackend final : public HeadBackend<T> {
+ public:
+  CudaHeadBackend(const v1::ObjectiveConfig& config, CublasHandle& blas)
+      : config_(config), blas_(blas), stream_(blas.stream()) {}
+
+  Device device() const override { return Device::kCuda; }
+  TrackingAllocator& allocator() override { return stream_.allocator(); }
+  VocabProjection<T>& projection() override { return *projection_; }
+
+  absl::Status Start(const HeadRunSpec<T>& spec) override {
+    spec_ = spec;
+    const v1::HeadConfig& head = config_.head();
+    absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
+        CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
+                                head.vocab_size(), head.hidden_size(), blas_);
+    if (!projection.ok()) return projection.status();
+    projection_ = *std::move(projection);
+    absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> loss =
+        CudaChunkLoss<T>::Create(
+            config_.loss(),
+            {config_.layout().block_size(), head.logit_scale(),
+             head.logit_softcap()},
+            stream_);
+    if (!loss.ok()) return loss.status();
+    loss_ = *std::move(loss);
+    // The active rows on the device: chunks index into them, and the loss
+    // writes per-row outputs through them.
+    absl::StatusOr<TrackedBuffer<int64_t>> active =
+        TrackedBuffer<int64_t>::Create(
+            allocator(), static_cast<int64_t>(spec.active.size()));
+    if (!active.ok()) return active.status();
+    active_ = *std::move(active);
+    host_active_.assign(spec.active.begin(), spec.active.end());
+    if (absl::Status ok = stream_.CopyToDevice(
+            active_.data(), host_active_.data(), active_.bytes());
+        !ok.ok()) {
+      return ok;
+    }
+    const HeadGradients<T>& g = *spec.gradients;
+    const HeadRowOutputs& o = *spec.row_outputs;
+    for (const auto& [data, bytes] :
+         {std::pair<void*, size_t>{g.hidden.data(), g.hidden.size() * sizeof(T)},
+          {g.weight.data(), g.weight.size() * sizeof(T)},
+          {g.bias.data(), g.bias.size() * sizeof(T)},
+          {g.confidence.data(), g.confidence.size() * sizeof(float)},
+          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)}}) {
+      if (absl::Status ok = stream_.Zero(data, static_cast<int64_t>(bytes));
+          !ok.ok()) {
+        return ok;
+      }
+    }
+    cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
+                          stream_.stream());
+    cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1,
+                          stream_.stream());
+    return stream_.LaunchStatus("head start");
+  }
+
+  void GatherRows(const T* source, int64_t width, int64_t begin,
+                  int64_t count, T* out) override {
+    cuda::LaunchGatherRows<T>(source, width, active_.data() + begin, count,
+                              out, stream_.stream());
+  }
+
+  void ScatterRows(const T* rows, int64_t width, int64_t begin, int64_t count,
+                   T* out) override {
+    cuda::LaunchScatterRows<T>(rows, width, active_.data() + begin, count, out,
+                               stream_.stream());
+  }
+
+  absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,
+                         const T* teacher, bool record) override {
+    const HeadInputs<T>& in = *spec_.inputs;
+    const HeadRowOutputs& o = *spec_.row_outputs;
+    const int64_t vocab = config_.head().vocab_size();
+    std::vector<RowMeta>& meta = chunk_meta_;
+    meta.resize(m);
+    for (int64_t i = 0; i < m; ++i) meta[i] = in.rows[host_active_[begin + i]];
+    auto if_recorded = [record](auto span) {
+      return record ? span : decltype(span)();
+    };
+    const ChunkLossInputs<T> inputs{
+        absl::MakeSpan(logits, m * vocab),
+        teacher == nullptr ? absl::Span<const T>()
+                           : absl::MakeConstSpan(teacher, m * vocab),
+        in.confidence_logits, meta, vocab};
+    const ChunkLossOutputs outputs{
+        if_recorded(spec_.gradients->confidence), if_recorded(o.neg_log_q),
+        if_recorded(o.argmax), if_recorded(o.top_k), o.k};
+    absl::Status done = loss_->Run(inputs, outputs, active_.data() + begin,
+                                   record);
+    if (!done.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", chunk, " (rows are that chunk's weighted rows): ",
+          done.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Synchronize() override { return stream_.Synchronize(); }
+
+  absl::StatusOr<ChunkTerms> Finish(double upstream) override {
+    const HeadGradients<T>& g = *spec_.gradients;
+    const double* den = loss_->device_loss_den();
+    cuda::LaunchScaleByUpstreamOverDen<T>(g.hidden.data(), g.hidden.size(),
+                                          den, upstream, stream_.stream());
+    cuda::LaunchScaleByUpstreamOverDen<T>(g.weight.data(), g.weight.size(),
+                                          den, upstream, stream_.stream());
+    cuda::LaunchScaleByUpstreamOverDen<T>(g.bias.data(), g.bias.size(), den,
+                                          upstream, stream_.stream());
+    cuda::LaunchScaleByUpstreamOverDen<float>(g.confidence.data(),
+                                              g.confidence.size(), den,
+                                              upstream, stream_.stream());
+    if (absl::Status ok = stream_.LaunchStatus("gradient scaling"); !ok.ok()) {
+      return ok;
+    }
+    // Waits for the device and reads the terms.
+    return loss_->Terms();
+  }
+
+  double loss_seconds() const override { return 0; }
+
+ private:
+  const v1::ObjectiveConfig& config_;
+  CublasHandle& blas_;
+  CudaStream& stream_;
+  HeadRunSpec<T> spec_;
+  std::unique_ptr<VocabProjection<T>> projection_;
+  std::unique_ptr<CudaChunkLoss<T>> loss_;
+  TrackedBuffer<int64_t> active_;
+  std::vector<int64_t> host_active_;
+  std::vector<RowMeta> chunk_meta_;
+};
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
+                                       const HeadInputs<T>& inputs,
+                                       const HeadGradients<T>& gradients,
+                                       CublasHandle& blas,
+                                       const HeadRowOutputs& row_outputs,
+                                       const HeadOptions& options) {
+  constexpr v1::HeadConfig::DType kDType =
+      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
+                               : v1::HeadConfig::BFLOAT16;
+  const v1::HeadConfig& head = config.head();
+  if (head.backend() != v1::HeadConfig::CUDA) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.backend: RunCudaHead runs the CUDA backend, got ",
+        v1::HeadConfig::Backend_Name(head.backend())));
+  }
+  if (head.dtype() != kDType) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
+        " tensors (CUDA heads run FLOAT32 or BFLOAT16), got ",
+        v1::HeadConfig::DType_Name(head.dtype())));
+  }
+  CudaHeadBackend<T> backend(config, blas);
+  return RunHeadOn<T>(config, inputs, gradients, backend, row_outputs,
+                      options);
+}
+
+template absl::StatusOr<HeadResult> RunCudaHead<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    const HeadGradients<float>&, CublasHandle&, const HeadRowOutputs&,
+    const HeadOptions&);
+template absl::StatusOr<HeadResult> RunCudaHead<BFloat16>(
+    const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
+    const HeadGradients<BFloat16>&, CublasHandle&, const HeadRowOutputs&,
+    const HeadOptions&);
+
+}  // namespace dflash

@@ -1,0 +1,34 @@
+#ifndef DFLASH_HEADS_CUDA_HEAD_H_
+#define DFLASH_HEADS_CUDA_HEAD_H_
+
+#include "absl/status/statusor.h"
+#include "heads/cuda_projection.h"
+#include "heads/fused_head.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// RunHead on a CUDA device: head.backend CUDA, T = float for FLOAT32 or
+// BFloat16 for BFLOAT16. The same modes, chunk plan, checkpoint logic and
+// results as RunHead (both are RunHeadOn), with cuBLAS projections and the
+// CUDA loss (//losses:cuda_chunk_loss).
+//
+// Every tensor span in `inputs`, `gradients` and `row_outputs` is device
+// memory; `inputs.rows` (the metadata) stays on the host. Work goes on
+// `blas`'s stream, and device memory comes from that stream's allocator, so
+// HeadStats.peak_bytes are the run's device bytes, measured as on the CPU.
+// The chunk loop never waits for the device: the run synchronises once at
+// the end of forward and once at the end of backward, where it reads the
+// terms; gradients are scaled on the device. GEMM and loss seconds are not
+// measured (0); forward and backward seconds are.
+template <typename T>
+absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
+                                       const HeadInputs<T>& inputs,
+                                       const HeadGradients<T>& gradients,
+                                       CublasHandle& blas,
+                                       const HeadRowOutputs& row_outputs = {},
+                                       const HeadOptions& options = {});
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_CUDA_HEAD_H_

@@ -1,0 +1,138 @@
+#include "heads/cuda_head_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include "base/bfloat16.h"
+
+namespace dflash {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(BFloat16 x) {
+  return __uint_as_float(static_cast<uint32_t>(x.bits) << 16);
+}
+__device__ __forceinline__ void Store(float& out, float x) { out = x; }
+__device__ __forceinline__ void Store(BFloat16& out, float f) {
+  const uint32_t bits = __float_as_uint(f);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  out.bits = static_cast<uint16_t>(
+      nan ? ((bits >> 16) | 0x40u)
+          : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One block per row; 16-byte copies when the rows allow them.
+template <typename T>
+__global__ void CopyRowsKernel(const T* source, int64_t width,
+                               const int64_t* rows, bool gather, T* out) {
+  const int64_t i = blockIdx.x;
+  const int64_t from = gather ? rows[i] : i;
+  const int64_t to = gather ? i : rows[i];
+  const T* src = source + from * width;
+  T* dst = out + to * width;
+  constexpr int kVec = 16 / sizeof(T);
+  if (width % kVec == 0 &&
+      ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) &
+       15) == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t j = threadIdx.x; j < width / kVec; j += blockDim.x) d[j] = s[j];
+  } else {
+    for (int64_t j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+template <typename T>
+__global__ void AddBiasKernel(T* logits, const T* bias, int64_t total,
+                              int64_t vocab) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    Store(logits[i], ToF(logits[i]) + ToF(bias[i % vocab]));
+  }
+}
+
+// One thread per vocabulary column, rows summed in order.
+template <typename T>
+__global__ void BiasGradientKernel(const T* grad, int64_t count, int64_t vocab,
+                                   T* grad_bias) {
+  const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (v >= vocab) return;
+  float sum = 0;
+  for (int64_t i = 0; i < count; ++i) sum += ToF(grad[i * vocab + v]);
+  Store(grad_bias[v], ToF(grad_bias[v]) + sum);
+}
+
+__global__ void FillKernel(int32_t* data, int64_t count, int32_t value) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = value;
+  }
+}
+
+unsigned Blocks(int64_t count) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65535 ? (blocks > 0 ? blocks : 1)
+                                              : 65535);
+}
+
+}  // namespace
+
+template <typename T>
+void LaunchGatherRows(const T* source, int64_t width, const int64_t* rows,
+                      int64_t count, T* out, CUstream_st* stream) {
+  if (count == 0) return;
+  CopyRowsKernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+      source, width, rows, /*gather=*/true, out);
+}
+
+template <typename T>
+void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
+                       int64_t count, T* out, CUstream_st* stream) {
+  if (count == 0) return;
+  CopyRowsKernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+      values, width, rows, /*gather=*/false, out);
+}
+
+template <typename T>
+void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
+                   CUstream_st* stream) {
+  const int64_t total = count * vocab;
+  if (total == 0) return;
+  AddBiasKernel<T><<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total,
+                                                           vocab);
+}
+
+template <typename T>
+void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
+                                  int64_t vocab, T* grad_bias,
+                                  CUstream_st* stream) {
+  if (count == 0) return;
+  BiasGradientKernel<T><<<static_cast<unsigned>((vocab + kThreads - 1) /
+                                                kThreads),
+                          kThreads, 0, stream>>>(grad_logits, count, vocab,
+                                                 grad_bias);
+}
+
+void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
+                     CUstream_st* stream) {
+  if (count == 0) return;
+  FillKernel<<<Blocks(count), kThreads, 0, stream>>>(data, count, value);
+}
+
+#define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                    \
+  template void LaunchGatherRows<T>(const T*, int64_t, const int64_t*,       \
+                                    int64_t, T*, CUstream_st*);              \
+  template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,      \
+                                     int64_t, T*, CUstream_st*);             \
+  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,             \
+                                 CUstream_st*);                              \
+  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t,  \
+                                                T*, CUstream_st*);
+DFLASH_INSTANTIATE_HEAD_KERNELS(float)
+DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
+#undef DFLASH_INSTANTIATE_HEAD_KERNELS
+
+}  // namespace cuda
+}  // namespace dflash

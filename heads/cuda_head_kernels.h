@@ -1,0 +1,43 @@
+#ifndef DFLASH_HEADS_CUDA_HEAD_KERNELS_H_
+#define DFLASH_HEADS_CUDA_HEAD_KERNELS_H_
+
+// Small CUDA kernels of the CUDA head: row gather and scatter by index,
+// bias add and bias gradient. T is float or dflash::BFloat16; every pointer
+// is device memory; launches are queued on `stream`.
+
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace dflash {
+namespace cuda {
+
+// out[i, :] = source[rows[i], :], i < count, rows of `width` values.
+template <typename T>
+void LaunchGatherRows(const T* source, int64_t width, const int64_t* rows,
+                      int64_t count, T* out, CUstream_st* stream);
+
+// out[rows[i], :] = values[i, :].
+template <typename T>
+void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
+                       int64_t count, T* out, CUstream_st* stream);
+
+// logits[i, v] += bias[v] for a [count, vocab] block.
+template <typename T>
+void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
+                   CUstream_st* stream);
+
+// grad_bias[v] += sum_i grad_logits[i, v], summed in FP32.
+template <typename T>
+void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
+                                  int64_t vocab, T* grad_bias,
+                                  CUstream_st* stream);
+
+// data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).
+void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
+                     CUstream_st* stream);
+
+}  // namespace cuda
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_CUDA_HEAD_KERNELS_H_

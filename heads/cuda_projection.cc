@@ -1,0 +1,150 @@
+#include "heads/cuda_projection.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <limits>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "heads/cuda_head_kernels.h"
+
+namespace dflash {
+namespace {
+
+template <typename T>
+constexpr cudaDataType_t kType =
+    std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+
+absl::Status BlasStatus(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cublasGetStatusString(status)));
+}
+
+// Row-major products written as cuBLAS's column-major ones: a row-major
+// [r, c] matrix is a column-major [c, r] one.
+template <typename T>
+class CudaProjection final : public VocabProjection<T> {
+ public:
+  CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
+                 CublasHandle& blas)
+      : VocabProjection<T>(vocab, hidden),
+        weight_(weight),
+        bias_(bias),
+        blas_(blas) {}
+
+  // logits^T [V, m] = W [V, H] (col-major [H, V], transposed) x rows^T.
+  void Forward(const T* rows, int64_t m, T* logits) override {
+    if (m == 0) return;
+    const int v = this->vocab(), h = this->hidden();
+    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 0.0f, logits,
+         v, "forward GEMM");
+    if (bias_ != nullptr) {
+      cuda::LaunchAddBias<T>(logits, bias_, m, v, blas_.stream().stream());
+    }
+    this->Count(m, 0);
+  }
+
+  // grad_rows^T [H, m] = W^T (col-major [H, V]) x grad_logits^T [V, m].
+  void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
+    if (m == 0) return;
+    const int v = this->vocab(), h = this->hidden();
+    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits, v, 0.0f,
+         grad_rows, h, "input-gradient GEMM");
+    this->Count(m, 0);
+  }
+
+  // grad_W^T [H, V] += rows^T [H, m] x grad_logits [m, V].
+  void AccumulateWeightGradient(const T* grad_logits, const T* rows, int64_t m,
+                                T* grad_weight, T* grad_bias) override {
+    if (m == 0) return;
+    const int v = this->vocab(), h = this->hidden();
+    Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
+         grad_weight, h, "weight-gradient GEMM");
+    if (grad_bias != nullptr) {
+      cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v, grad_bias,
+                                            blas_.stream().stream());
+    }
+    this->Count(m, 0);
+  }
+
+  absl::Status status() const override { return status_; }
+
+ private:
+  void Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
+            int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+            int64_t ldb, float beta, T* c, int64_t ldc, const char* what) {
+    if (!status_.ok()) return;
+    const float alpha = 1.0f;
+    status_ = BlasStatus(
+        cublasGemmEx(blas_.get(), op_a, op_b, static_cast<int>(m),
+                     static_cast<int>(n), static_cast<int>(k), &alpha, a,
+                     kType<T>, static_cast<int>(lda), b, kType<T>,
+                     static_cast<int>(ldb), &beta, c, kType<T>,
+                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT),
+        what);
+  }
+
+  const T* const weight_;
+  const T* const bias_;
+  CublasHandle& blas_;
+  absl::Status status_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
+    CudaStream& stream) {
+  cublasHandle_t handle = nullptr;
+  if (absl::Status ok = BlasStatus(cublasCreate(&handle), "cublasCreate");
+      !ok.ok()) {
+    return ok;
+  }
+  if (absl::Status ok =
+          BlasStatus(cublasSetStream(handle, stream.stream()), "cublasSetStream");
+      !ok.ok()) {
+    cublasDestroy(handle);
+    return ok;
+  }
+  return std::unique_ptr<CublasHandle>(new CublasHandle(handle, stream));
+}
+
+CublasHandle::~CublasHandle() { cublasDestroy(handle_); }
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
+    absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
+    int64_t hidden, CublasHandle& blas) {
+  constexpr int64_t kMaxDim = std::numeric_limits<int>::max();
+  if (vocab <= 0 || hidden <= 0 || vocab > kMaxDim || hidden > kMaxDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projection: vocab and hidden must lie in [1, 2^31), got ", vocab,
+        " and ", hidden));
+  }
+  if (static_cast<int64_t>(weight.size()) != vocab * hidden) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projection: weight must hold vocab x hidden = ", vocab, " x ", hidden,
+        " values, got ", weight.size()));
+  }
+  if (!bias.empty() && static_cast<int64_t>(bias.size()) != vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("projection: bias must hold vocab = ", vocab,
+                     " values or none, got ", bias.size()));
+  }
+  return std::unique_ptr<VocabProjection<T>>(new CudaProjection<T>(
+      weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden,
+      blas));
+}
+
+template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>
+CreateCudaProjection<float>(absl::Span<const float>, absl::Span<const float>,
+                            int64_t, int64_t, CublasHandle&);
+template absl::StatusOr<std::unique_ptr<VocabProjection<BFloat16>>>
+CreateCudaProjection<BFloat16>(absl::Span<const BFloat16>,
+                               absl::Span<const BFloat16>, int64_t, int64_t,
+                               CublasHandle&);
+
+}  // namespace dflash

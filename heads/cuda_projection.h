@@ -1,0 +1,50 @@
+#ifndef DFLASH_HEADS_CUDA_PROJECTION_H_
+#define DFLASH_HEADS_CUDA_PROJECTION_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/cuda_stream.h"
+#include "heads/projection.h"
+
+struct cublasContext;
+
+namespace dflash {
+
+// A cuBLAS handle bound to a CudaStream. Creating one costs milliseconds:
+// make it once and reuse it for every step.
+class CublasHandle {
+ public:
+  static absl::StatusOr<std::unique_ptr<CublasHandle>> Create(
+      CudaStream& stream);
+  ~CublasHandle();
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+
+  cublasContext* get() const { return handle_; }
+  CudaStream& stream() const { return stream_; }
+
+ private:
+  CublasHandle(cublasContext* handle, CudaStream& stream)
+      : handle_(handle), stream_(stream) {}
+  cublasContext* const handle_;
+  CudaStream& stream_;
+};
+
+// The CUDA projection, the twin of CreateCpuProjection: cublasGemmEx with
+// FP32 accumulation for T = float (plain FP32 math, no TF32) or BFloat16
+// (bf16 inputs and outputs). Weight, bias and every pointer passed to the
+// projection are device memory; the products are queued on the handle's
+// stream, and a cuBLAS failure shows in status(). The BF16 weight gradient
+// accumulates in bf16 across chunks, as autograd's does for a bf16 weight.
+// GemmCount.seconds stays 0: the products are not waited for.
+template <typename T>
+absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
+    absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
+    int64_t hidden, CublasHandle& blas);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_CUDA_PROJECTION_H_
