@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
+#include "heads/head_test_util.h"
 #include "losses/batch_layout.h"
 #include "losses/chunk_loss.h"
 #include "proto/config.h"
@@ -17,133 +18,7 @@
 namespace dflash {
 namespace {
 
-constexpr int64_t kK = 4, kV = 23, kH = 8, kS = 14;
-
-// A DFlash batch in float64: token layout -> rows, random states, weights.
-struct Batch {
-  int64_t batch = 2, anchors = 3;
-  std::vector<RowMeta> rows;
-  std::vector<double> hidden, teacher, weight, bias, confidence;
-  int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
-};
-
-Batch MakeBatch(uint32_t seed, int64_t batch = 2, int64_t anchors = 3) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> uniform(-1, 1);
-  std::uniform_int_distribution<int64_t> token(0, kV - 1);
-  Batch b;
-  b.batch = batch;
-  b.anchors = anchors;
-  std::vector<int64_t> ids(batch * kS);
-  for (int64_t& id : ids) id = token(rng);
-  std::vector<uint8_t> loss_mask(batch * kS, 1);
-  for (int64_t s = 0; s < batch * kS; s += 5) loss_mask[s] = 0;
-  const TokenBatch tokens{batch, kS, ids, loss_mask};
-  auto sampled = SampleAnchors(tokens, anchors, seed);
-  EXPECT_TRUE(sampled.ok()) << sampled.status();
-  auto rows = LabelRows(tokens, sampled->positions, sampled->keep, anchors, kK,
-                        kV, Labeling::kDFlash);
-  EXPECT_TRUE(rows.ok()) << rows.status();
-  b.rows = *rows;
-  const int64_t n = b.num_rows();
-  for (int64_t i = 0; i < n * kH; ++i) b.hidden.push_back(uniform(rng));
-  for (int64_t i = 0; i < n * kH; ++i) b.teacher.push_back(uniform(rng));
-  for (int64_t i = 0; i < kV * kH; ++i) b.weight.push_back(2 * uniform(rng));
-  for (int64_t i = 0; i < kV; ++i) b.bias.push_back(uniform(rng));
-  for (int64_t i = 0; i < n; ++i) {
-    b.confidence.push_back(static_cast<float>(uniform(rng)));
-  }
-  return b;
-}
-
-// The reference: every row projected with naive float64 loops, one
-// unchunked loss call over all rows (//losses verifies it against its own
-// naive reference and finite differences), then the gradients by naive
-// loops, divided by the denominator.
-struct Reference {
-  double loss = 0;
-  ChunkTerms terms;
-  std::vector<double> grad_hidden, grad_weight, grad_bias;
-  std::vector<float> grad_confidence, neg_log_q;
-  std::vector<int32_t> argmax;
-};
-
-std::vector<double> NaiveLogits(const std::vector<double>& x, const Batch& b,
-                                bool bias) {
-  const int64_t n = b.num_rows();
-  std::vector<double> logits(n * kV);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t v = 0; v < kV; ++v) {
-      double sum = bias ? b.bias[v] : 0.0;
-      for (int64_t h = 0; h < kH; ++h) sum += x[r * kH + h] * b.weight[v * kH + h];
-      logits[r * kV + v] = sum;
-    }
-  }
-  return logits;
-}
-
-Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
-  const bool bias = config.head().bias();
-  const int64_t n = b.num_rows();
-  std::vector<double> d = NaiveLogits(b.hidden, b, bias);
-  const std::vector<double> t = NaiveLogits(b.teacher, b, bias);
-  std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
-  Reference ref;
-  ref.grad_confidence.assign(n, 0);
-  ref.neg_log_q.assign(n, 0);
-  ref.argmax.assign(n, 0);
-  ChunkLossOutputs outputs{absl::MakeSpan(ref.grad_confidence),
-                           absl::MakeSpan(ref.neg_log_q),
-                           absl::MakeSpan(ref.argmax), {}, 0};
-  auto terms = ChunkLoss<double>(
-      config.loss(),
-      {kK, config.head().logit_scale(), config.head().logit_softcap()},
-      {absl::MakeSpan(d), t, confidence, b.rows, kV}, outputs);
-  EXPECT_TRUE(terms.ok()) << terms.status();
-  ref.terms = *terms;
-  const double den = terms->loss_den;
-  ref.loss = den > 0 ? terms->loss_num / den : 0;
-  const double s = den > 0 ? 1 / den : 0;
-  ref.grad_hidden.assign(n * kH, 0);
-  ref.grad_weight.assign(kV * kH, 0);
-  ref.grad_bias.assign(kV, 0);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t v = 0; v < kV; ++v) {
-      const double g = s * d[r * kV + v];
-      ref.grad_bias[v] += g;
-      for (int64_t h = 0; h < kH; ++h) {
-        ref.grad_hidden[r * kH + h] += g * b.weight[v * kH + h];
-        ref.grad_weight[v * kH + h] += g * b.hidden[r * kH + h];
-      }
-    }
-    ref.grad_confidence[r] = static_cast<float>(ref.grad_confidence[r] * s);
-  }
-  return ref;
-}
-
-v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
-                           int64_t blocks_per_chunk, int64_t segment,
-                           int threads, bool trainable, bool bias = true,
-                           const std::string& extra_head = "") {
-  std::string checkpoint;
-  if (mode == "SELECTIVE") {
-    checkpoint = absl::StrCat(
-        "checkpoint { preset: SELECTIVE_FROZEN_PROJECTION segment_chunks: ",
-        segment, " memory_budget_bytes: 1073741824 }");
-  } else if (mode == "CHECKPOINT") {
-    checkpoint = absl::StrCat("checkpoint { segment_chunks: ", segment, " }");
-  }
-  const std::string text = absl::StrCat(
-      "layout { block_size: ", kK, " num_anchors: 3 } chunking { ",
-      "blocks_per_chunk: ", blocks_per_chunk, " } ", checkpoint,
-      " head { vocab_size: ", kV, " hidden_size: ", kH, " mode: ", mode,
-      " threads: ", threads, " trainable: ", trainable ? "true" : "false",
-      " bias: ", bias ? "true" : "false", " dtype: FLOAT64 ", extra_head,
-      " } loss { ", loss, " }");
-  auto config = LoadObjectiveConfigFromString(text);
-  EXPECT_TRUE(config.ok()) << config.status() << "\n" << text;
-  return *config;
-}
+using namespace head_test;  // NOLINT: the suite's shared vocabulary.
 
 template <typename T>
 struct HeadRunOutput {
@@ -211,29 +86,6 @@ HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
   }
   return run;
 }
-
-// max |a - b| / max |b|: the normwise relative error of a gradient.
-template <typename T>
-double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(b[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
-
-const char* const kLosses[] = {
-    "dflash { gamma: 7 }",
-    "dpace { alpha: 0.3 }",
-    "tv { gamma: 7 }",
-    "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }",
-    "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
-    "distillation { divergence: FORWARD_KL temperature: 2 }",
-    "distillation { divergence: JSD beta: 0.3 }",
-};
-const char* const kModes[] = {"MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
-                              "SELECTIVE", "FUSED"};
 
 class HeadParityTest
     : public ::testing::TestWithParam<std::tuple<int, const char*>> {};

@@ -1,0 +1,328 @@
+// The CPU head's parity suite re-run on the CUDA backend: every loss family
+// and mode, chunk and segment sizes, frozen and trainable, against the same
+// float64 reference (FP32 within 1e-5); BF16 within SpecForge's tolerances;
+// device peak bytes within chunk-sized bounds. Skipped, with the reason,
+// where no GPU is usable.
+#include "heads/cuda_head.h"
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "base/cuda_stream.h"
+#include "gtest/gtest.h"
+#include "heads/head_test_util.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+using namespace head_test;  // NOLINT: the suite's shared vocabulary.
+
+struct Gpu {
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<CublasHandle> blas;
+};
+
+// A stream and cuBLAS handle, or the reason there is none.
+absl::StatusOr<Gpu> OpenGpu() {
+  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
+  if (!stream.ok()) return stream.status();
+  absl::StatusOr<std::unique_ptr<CublasHandle>> blas =
+      CublasHandle::Create(**stream);
+  if (!blas.ok()) return blas.status();
+  return Gpu{*std::move(stream), *std::move(blas)};
+}
+
+#define OPEN_GPU_OR_SKIP(gpu)                                         \
+  absl::StatusOr<Gpu> gpu = OpenGpu();                                \
+  if (!gpu.ok()) GTEST_SKIP() << "no GPU here: " << gpu.status().message()
+
+template <typename T>
+T FromDouble(double x) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return ToBFloat16(static_cast<float>(x));
+  } else {
+    return static_cast<T>(x);
+  }
+}
+template <typename T>
+double ToDouble(T x) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return ToFloat(x);
+  } else {
+    return static_cast<double>(x);
+  }
+}
+
+// A device copy of host values (empty stays empty).
+template <typename T, typename U>
+TrackedBuffer<T> Upload(const std::vector<U>& host, CudaStream& stream) {
+  std::vector<T> values;
+  for (const U& x : host) values.push_back(FromDouble<T>(x));
+  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
+                                         static_cast<int64_t>(values.size()));
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_TRUE(
+      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
+  return *std::move(buffer);
+}
+
+template <typename T>
+std::vector<T> Download(const TrackedBuffer<T>& buffer, CudaStream& stream) {
+  std::vector<T> host(buffer.size());
+  EXPECT_TRUE(stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
+  return host;
+}
+
+template <typename T>
+absl::Span<T> Span(TrackedBuffer<T>& b) {
+  return absl::MakeSpan(b.data(), b.size());
+}
+
+// One RunCudaHead of `config` over `b`, results back on the host.
+struct GpuRun {
+  absl::StatusOr<HeadResult> result;
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<int32_t> argmax, top_k;
+  int64_t leaked_bytes = 0;
+};
+
+template <typename T>
+GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
+  CudaStream& stream = *gpu.stream;
+  const int64_t base = stream.allocator().current_bytes();
+  GpuRun run;
+  {
+    const bool trainable = config.head().trainable();
+    const bool bias = config.head().bias();
+    const bool teacher = LossNeedsTeacher(config.loss());
+    const bool conf = config.loss().has_dspark() &&
+                      config.loss().dspark().confidence_weight() > 0;
+    const int64_t n = b.num_rows();
+    TrackedBuffer<T> hidden = Upload<T>(b.hidden, stream);
+    TrackedBuffer<T> teacher_hidden =
+        Upload<T>(teacher ? b.teacher : std::vector<double>(), stream);
+    TrackedBuffer<T> weight = Upload<T>(b.weight, stream);
+    TrackedBuffer<T> bias_values =
+        Upload<T>(bias ? b.bias : std::vector<double>(), stream);
+    TrackedBuffer<float> confidence =
+        Upload<float>(conf ? b.confidence : std::vector<double>(), stream);
+    TrackedBuffer<T> grad_hidden =
+        Upload<T>(std::vector<double>(n * kH, 7), stream);
+    TrackedBuffer<T> grad_weight = Upload<T>(
+        std::vector<double>(trainable ? kV * kH : 0, 7), stream);
+    TrackedBuffer<T> grad_bias = Upload<T>(
+        std::vector<double>(trainable && bias ? kV : 0, 7), stream);
+    TrackedBuffer<float> grad_confidence =
+        Upload<float>(std::vector<double>(conf ? n : 0, 7), stream);
+    TrackedBuffer<float> neg_log_q =
+        Upload<float>(std::vector<double>(n, 7), stream);
+    TrackedBuffer<int32_t> argmax =
+        Upload<int32_t>(std::vector<int32_t>(n, 7), stream);
+    TrackedBuffer<int32_t> top_k =
+        Upload<int32_t>(std::vector<int32_t>(n * kTopK, 7), stream);
+    const HeadInputs<T> inputs{Span(hidden), Span(teacher_hidden),
+                               Span(confidence), b.rows, Span(weight),
+                               Span(bias_values)};
+    const HeadGradients<T> gradients{Span(grad_hidden), Span(grad_weight),
+                                     Span(grad_bias), Span(grad_confidence)};
+    const HeadRowOutputs outputs{Span(neg_log_q), Span(argmax), Span(top_k),
+                                 kTopK};
+    run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
+    for (T x : Download(grad_hidden, stream)) run.grad_hidden.push_back(ToDouble(x));
+    for (T x : Download(grad_weight, stream)) run.grad_weight.push_back(ToDouble(x));
+    for (T x : Download(grad_bias, stream)) run.grad_bias.push_back(ToDouble(x));
+    run.grad_confidence = Download(grad_confidence, stream);
+    run.neg_log_q = Download(neg_log_q, stream);
+    run.argmax = Download(argmax, stream);
+    run.top_k = Download(top_k, stream);
+  }
+  EXPECT_TRUE(stream.Synchronize().ok());
+  run.leaked_bytes = stream.allocator().current_bytes() - base;
+  return run;
+}
+
+v1::ObjectiveConfig OnCuda(v1::ObjectiveConfig config,
+                           v1::HeadConfig::DType dtype) {
+  config.mutable_head()->set_backend(v1::HeadConfig::CUDA);
+  config.mutable_head()->set_dtype(dtype);
+  return config;
+}
+
+class CudaHeadParityTest
+    : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(CudaHeadParityTest, Float32MatchesTheFloat64Reference) {
+  OPEN_GPU_OR_SKIP(gpu);
+  const std::string loss = kLosses[std::get<0>(GetParam())];
+  const std::string mode = std::get<1>(GetParam());
+  const Batch b = MakeBatch(3);
+  const int64_t blocks = b.batch * b.anchors;
+  const bool segmented = mode == "CHECKPOINT" || mode == "SELECTIVE";
+  for (bool trainable : {false, true}) {
+    const Reference ref = Naive(Config(loss, mode, 1, 1, 1, trainable), b);
+    for (int64_t chunk : {int64_t{1}, int64_t{3}, blocks}) {
+      for (int64_t segment : {int64_t{1}, int64_t{2}, int64_t{1000}}) {
+        if (!segmented && segment != 1) continue;
+        SCOPED_TRACE(absl::StrCat(mode, " chunk ", chunk, " segment ", segment,
+                                  " trainable ", trainable));
+        const v1::ObjectiveConfig config = OnCuda(
+            Config(loss, mode, chunk, segment, 1, trainable),
+            v1::HeadConfig::FLOAT32);
+        const GpuRun run = RunOnGpu<float>(config, b, *gpu);
+        ASSERT_TRUE(run.result.ok()) << run.result.status();
+        EXPECT_NEAR(run.result->loss, ref.loss, 1e-5 * std::abs(ref.loss));
+        EXPECT_EQ(run.result->terms.correct, ref.terms.correct);
+        EXPECT_EQ(run.result->terms.correct_per_position,
+                  ref.terms.correct_per_position);
+        EXPECT_LT(RelativeError(run.grad_hidden, ref.grad_hidden), 1e-5);
+        if (trainable) {
+          EXPECT_LT(RelativeError(run.grad_weight, ref.grad_weight), 1e-5);
+          EXPECT_LT(RelativeError(run.grad_bias, ref.grad_bias), 1e-5);
+        }
+        for (size_t r = 0; r < run.grad_confidence.size(); ++r) {
+          EXPECT_NEAR(run.grad_confidence[r], ref.grad_confidence[r], 1e-5);
+        }
+        for (int64_t r = 0; r < b.num_rows(); ++r) {
+          const bool weighted = b.rows[r].mask > 0;
+          EXPECT_NEAR(run.neg_log_q[r], weighted ? ref.neg_log_q[r] : 0,
+                      1e-5 * (1 + std::abs(ref.neg_log_q[r])));
+          EXPECT_EQ(run.argmax[r], weighted ? ref.argmax[r] : -1);
+          for (int32_t j = 0; j < kTopK; ++j) {
+            EXPECT_EQ(run.top_k[r * kTopK + j],
+                      weighted ? ref.top_k[r * kTopK + j] : -1);
+          }
+        }
+        EXPECT_EQ(run.leaked_bytes, 0);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    LossesAndModes, CudaHeadParityTest,
+    ::testing::Combine(::testing::Range(0, 7), ::testing::ValuesIn(kModes)),
+    [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
+      return absl::StrCat("Loss", std::get<0>(info.param), "_",
+                          std::get<1>(info.param));
+    });
+
+// sqrt(sum (a - b)^2 / sum b^2).
+double RelativeNorm(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// BF16 with inputs on a grid of 1/4 (bias 1/16), so that the GEMM's logits
+// are exact in bf16 and the reference sees the same logits: per-token CE
+// within 1e-5, argmax and top-k exact, the hidden gradient within 5e-3 in
+// relative norm (SpecForge's fused-head tolerances).
+TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
+  OPEN_GPU_OR_SKIP(gpu);
+  Batch b = MakeBatch(21);
+  for (auto* values : {&b.hidden, &b.teacher, &b.weight}) {
+    for (double& x : *values) x = std::round(x * 4) / 4;
+  }
+  for (double& x : b.bias) x = std::round(x * 16) / 16;
+  for (const char* loss : kLosses) {
+    for (const char* mode : {"FUSED", "CHECKPOINT"}) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", mode));
+      const v1::ObjectiveConfig config = Config(loss, mode, 2, 1, 1, false);
+      const Reference ref = Naive(config, b);
+      const GpuRun run = RunOnGpu<BFloat16>(
+          OnCuda(config, v1::HeadConfig::BFLOAT16), b, *gpu);
+      ASSERT_TRUE(run.result.ok()) << run.result.status();
+      for (int64_t r = 0; r < b.num_rows(); ++r) {
+        if (b.rows[r].mask <= 0) continue;
+        EXPECT_NEAR(run.neg_log_q[r], ref.neg_log_q[r],
+                    1e-5 * (1 + std::abs(ref.neg_log_q[r])));
+        EXPECT_EQ(run.argmax[r], ref.argmax[r]);
+        for (int32_t j = 0; j < kTopK; ++j) {
+          EXPECT_EQ(run.top_k[r * kTopK + j], ref.top_k[r * kTopK + j]);
+        }
+      }
+      EXPECT_LT(RelativeNorm(run.grad_hidden, ref.grad_hidden), 5e-3);
+    }
+  }
+}
+
+// Device peak bytes: chunk-sized in fused and checkpoint modes (the CPU
+// test's bounds plus the loss's per-row scratch and the active-row index),
+// growing with N x V when materialized.
+TEST(CudaHeadMemoryTest, PeakBytesStayWithinChunkBounds) {
+  OPEN_GPU_OR_SKIP(gpu);
+  int64_t materialize_small = 0;
+  for (int64_t batch : {2, 8}) {
+    const Batch b = MakeBatch(6, batch, 3);
+    const GpuRun fused = RunOnGpu<float>(
+        OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
+               v1::HeadConfig::FLOAT32),
+        b, *gpu);
+    const GpuRun checkpoint = RunOnGpu<float>(
+        OnCuda(Config("dflash {}", "CHECKPOINT", 2, 2, 1, false),
+               v1::HeadConfig::FLOAT32),
+        b, *gpu);
+    const GpuRun materialize = RunOnGpu<float>(
+        OnCuda(Config("dflash {}", "MATERIALIZE", 2, 1, 1, false),
+               v1::HeadConfig::FLOAT32),
+        b, *gpu);
+    ASSERT_TRUE(fused.result.ok() && checkpoint.result.ok() &&
+                materialize.result.ok());
+    const int64_t m = 2 * kK;  // Rows of two blocks at most per chunk.
+    const int64_t rows = b.num_rows();
+    const int64_t scratch = 256 * m + 8 * rows + 8192;
+    EXPECT_LE(fused.result->stats.peak_bytes,
+              (m * kV + 2 * m * kH) * 4 + scratch);
+    EXPECT_LE(checkpoint.result->stats.peak_bytes,
+              (2 * m * kV + 2 * m * kH) * 4 + scratch);
+    const int64_t weighted = fused.result->stats.projected_rows;
+    EXPECT_GE(materialize.result->stats.peak_bytes, 2 * weighted * kV * 4);
+    if (batch == 2) {
+      materialize_small = materialize.result->stats.peak_bytes;
+    } else {
+      EXPECT_GE(materialize.result->stats.peak_bytes, 3 * materialize_small);
+    }
+  }
+}
+
+TEST(CudaHeadTest, BadConfigsAreClearErrors) {
+  OPEN_GPU_OR_SKIP(gpu);
+  const Batch b = MakeBatch(10);
+  v1::ObjectiveConfig config = Config("dflash {}", "FUSED", 2, 1, 1, false);
+  config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+  EXPECT_EQ(RunOnGpu<float>(config, b, *gpu).result.status().message(),
+            "head.backend: RunCudaHead runs the CUDA backend, got CPU");
+  config = OnCuda(config, v1::HeadConfig::BFLOAT16);
+  EXPECT_EQ(RunOnGpu<float>(config, b, *gpu).result.status().message(),
+            "head.dtype: this call takes FLOAT32 tensors (CUDA heads run "
+            "FLOAT32 or BFLOAT16), got BFLOAT16");
+  Batch bad = b;
+  bad.rows[5].target = kV;
+  bad.rows[5].mask = 1;
+  EXPECT_EQ(RunOnGpu<float>(OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
+                                   v1::HeadConfig::FLOAT32),
+                            bad, *gpu)
+                .result.status()
+                .message(),
+            "inputs.rows[5].target: must lie in [0, 23), got 23");
+}
+
+// Runs everywhere: without a GPU the stream says why.
+TEST(CudaHeadTest, NoDeviceIsAnUnavailableStatus) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  if (gpu.ok()) GTEST_SKIP() << "a GPU is present";
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace dflash

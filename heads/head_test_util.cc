@@ -1,0 +1,129 @@
+#include "heads/head_test_util.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "losses/batch_layout.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace head_test {
+
+Batch MakeBatch(uint32_t seed, int64_t batch, int64_t anchors) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(-1, 1);
+  std::uniform_int_distribution<int64_t> token(0, kV - 1);
+  Batch b;
+  b.batch = batch;
+  b.anchors = anchors;
+  std::vector<int64_t> ids(batch * kS);
+  for (int64_t& id : ids) id = token(rng);
+  std::vector<uint8_t> loss_mask(batch * kS, 1);
+  for (int64_t s = 0; s < batch * kS; s += 5) loss_mask[s] = 0;
+  const TokenBatch tokens{batch, kS, ids, loss_mask};
+  auto sampled = SampleAnchors(tokens, anchors, seed);
+  EXPECT_TRUE(sampled.ok()) << sampled.status();
+  auto rows = LabelRows(tokens, sampled->positions, sampled->keep, anchors, kK,
+                        kV, Labeling::kDFlash);
+  EXPECT_TRUE(rows.ok()) << rows.status();
+  b.rows = *rows;
+  const int64_t n = b.num_rows();
+  for (int64_t i = 0; i < n * kH; ++i) b.hidden.push_back(uniform(rng));
+  for (int64_t i = 0; i < n * kH; ++i) b.teacher.push_back(uniform(rng));
+  for (int64_t i = 0; i < kV * kH; ++i) b.weight.push_back(2 * uniform(rng));
+  for (int64_t i = 0; i < kV; ++i) b.bias.push_back(uniform(rng));
+  for (int64_t i = 0; i < n; ++i) {
+    b.confidence.push_back(static_cast<float>(uniform(rng)));
+  }
+  return b;
+}
+
+
+namespace {
+
+std::vector<double> NaiveLogits(const std::vector<double>& x, const Batch& b,
+                                bool bias) {
+  const int64_t n = b.num_rows();
+  std::vector<double> logits(n * kV);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      double sum = bias ? b.bias[v] : 0.0;
+      for (int64_t h = 0; h < kH; ++h) sum += x[r * kH + h] * b.weight[v * kH + h];
+      logits[r * kV + v] = sum;
+    }
+  }
+  return logits;
+}
+
+}  // namespace
+
+Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
+  const bool bias = config.head().bias();
+  const int64_t n = b.num_rows();
+  std::vector<double> d = NaiveLogits(b.hidden, b, bias);
+  const std::vector<double> t = NaiveLogits(b.teacher, b, bias);
+  std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
+  Reference ref;
+  ref.grad_confidence.assign(n, 0);
+  ref.neg_log_q.assign(n, 0);
+  ref.argmax.assign(n, 0);
+  ref.top_k.assign(n * kTopK, 0);
+  ChunkLossOutputs outputs{absl::MakeSpan(ref.grad_confidence),
+                           absl::MakeSpan(ref.neg_log_q),
+                           absl::MakeSpan(ref.argmax), absl::MakeSpan(ref.top_k),
+                           kTopK};
+  auto terms = ChunkLoss<double>(
+      config.loss(),
+      {kK, config.head().logit_scale(), config.head().logit_softcap()},
+      {absl::MakeSpan(d), t, confidence, b.rows, kV}, outputs);
+  EXPECT_TRUE(terms.ok()) << terms.status();
+  ref.terms = *terms;
+  const double den = terms->loss_den;
+  ref.loss = den > 0 ? terms->loss_num / den : 0;
+  const double s = den > 0 ? 1 / den : 0;
+  ref.grad_hidden.assign(n * kH, 0);
+  ref.grad_weight.assign(kV * kH, 0);
+  ref.grad_bias.assign(kV, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      const double g = s * d[r * kV + v];
+      ref.grad_bias[v] += g;
+      for (int64_t h = 0; h < kH; ++h) {
+        ref.grad_hidden[r * kH + h] += g * b.weight[v * kH + h];
+        ref.grad_weight[v * kH + h] += g * b.hidden[r * kH + h];
+      }
+    }
+    ref.grad_confidence[r] = static_cast<float>(ref.grad_confidence[r] * s);
+  }
+  return ref;
+}
+
+v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
+                           int64_t blocks_per_chunk, int64_t segment,
+                           int threads, bool trainable, bool bias,
+                           const std::string& extra_head) {
+  std::string checkpoint;
+  if (mode == "SELECTIVE") {
+    checkpoint = absl::StrCat(
+        "checkpoint { preset: SELECTIVE_FROZEN_PROJECTION segment_chunks: ",
+        segment, " memory_budget_bytes: 1073741824 }");
+  } else if (mode == "CHECKPOINT") {
+    checkpoint = absl::StrCat("checkpoint { segment_chunks: ", segment, " }");
+  }
+  const std::string text = absl::StrCat(
+      "layout { block_size: ", kK, " num_anchors: 3 } chunking { ",
+      "blocks_per_chunk: ", blocks_per_chunk, " } ", checkpoint,
+      " head { vocab_size: ", kV, " hidden_size: ", kH, " mode: ", mode,
+      " threads: ", threads, " trainable: ", trainable ? "true" : "false",
+      " bias: ", bias ? "true" : "false", " dtype: FLOAT64 ", extra_head,
+      " } loss { ", loss, " }");
+  auto config = LoadObjectiveConfigFromString(text);
+  EXPECT_TRUE(config.ok()) << config.status() << "\n" << text;
+  return *config;
+}
+
+}  // namespace head_test
+}  // namespace dflash

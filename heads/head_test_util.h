@@ -1,0 +1,79 @@
+#ifndef DFLASH_HEADS_HEAD_TEST_UTIL_H_
+#define DFLASH_HEADS_HEAD_TEST_UTIL_H_
+
+// The head parity suite's batch, float64 reference and configs, shared by
+// the CPU test (fused_head_test) and its re-run on CUDA (cuda_head_test).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+namespace head_test {
+
+constexpr int64_t kK = 4, kV = 23, kH = 8, kS = 14;
+constexpr int32_t kTopK = 3;
+
+// A DFlash batch in float64: token layout -> rows, random states, weights.
+struct Batch {
+  int64_t batch = 2, anchors = 3;
+  std::vector<RowMeta> rows;
+  std::vector<double> hidden, teacher, weight, bias, confidence;
+  int64_t num_rows() const { return static_cast<int64_t>(rows.size()); }
+};
+
+Batch MakeBatch(uint32_t seed, int64_t batch = 2, int64_t anchors = 3);
+
+// The reference: every row projected with naive float64 loops, one
+// unchunked loss call over all rows (//losses verifies it against its own
+// naive reference and finite differences), then the gradients by naive
+// loops, divided by the denominator.
+struct Reference {
+  double loss = 0;
+  ChunkTerms terms;
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<int32_t> argmax, top_k;  // top_k: kTopK per row.
+};
+
+Reference Naive(const v1::ObjectiveConfig& config, const Batch& b);
+
+// An objective over Batch's shape: `loss` is a LossConfig body, `mode` an
+// ExecutionMode name; float64 on the CPU unless changed.
+v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
+                           int64_t blocks_per_chunk, int64_t segment,
+                           int threads, bool trainable, bool bias = true,
+                           const std::string& extra_head = "");
+
+// max |a - b| / max |b|: the normwise relative error of a gradient.
+template <typename T>
+double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+inline const char* const kLosses[] = {
+    "dflash { gamma: 7 }",
+    "dpace { alpha: 0.3 }",
+    "tv { gamma: 7 }",
+    "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }",
+    "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
+    "distillation { divergence: FORWARD_KL temperature: 2 }",
+    "distillation { divergence: JSD beta: 0.3 }",
+};
+inline const char* const kModes[] = {"MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
+                                     "SELECTIVE", "FUSED"};
+
+}  // namespace head_test
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_HEAD_TEST_UTIL_H_
