@@ -1,0 +1,87 @@
+#include "bench/cuda_gemm_floor.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "base/tracking_allocator.h"
+#include "bench/cuda_fill.h"
+
+namespace dflash {
+
+absl::StatusOr<double> CudaGemmFloorSeconds(CublasHandle& blas, int64_t rows,
+                                            int64_t hidden, int64_t vocab,
+                                            bool bfloat16, int repeats,
+                                            int64_t rows_per_chunk) {
+  CudaStream& stream = blas.stream();
+  const int64_t element = bfloat16 ? 2 : 4;
+  const int64_t chunk =
+      rows_per_chunk > 0 ? std::min(rows_per_chunk, rows) : rows;
+  TrackingAllocator& allocator = stream.allocator();
+  auto x = TrackedBuffer<char>::Create(allocator, rows * hidden * element);
+  auto w = TrackedBuffer<char>::Create(allocator, vocab * hidden * element);
+  auto logits = TrackedBuffer<char>::Create(allocator, chunk * vocab * element);
+  auto grad = TrackedBuffer<char>::Create(allocator, rows * hidden * element);
+  for (const absl::Status& s :
+       {x.status(), w.status(), logits.status(), grad.status()}) {
+    if (!s.ok()) return s;
+  }
+  const cudaDataType_t type = bfloat16 ? CUDA_R_16BF : CUDA_R_32F;
+  auto fill = [&](TrackedBuffer<char>& b, float scale, uint64_t seed) {
+    if (bfloat16) {
+      LaunchFillNormal(reinterpret_cast<BFloat16*>(b.data()), b.size() / 2,
+                       scale, seed, stream.stream());
+    } else {
+      LaunchFillNormal(reinterpret_cast<float*>(b.data()), b.size() / 4, scale,
+                       seed, stream.stream());
+    }
+  };
+  fill(*x, 1.0f, 1);
+  fill(*w, 0.02f, 2);
+  const float one = 1, zero = 0;
+  const int h = static_cast<int>(hidden), v = static_cast<int>(vocab);
+  auto pair = [&]() -> absl::Status {
+    for (int64_t begin = 0; begin < rows; begin += chunk) {
+      const int m = static_cast<int>(std::min(chunk, rows - begin));
+      const char* xs = x->data() + begin * hidden * element;
+      char* gs = grad->data() + begin * hidden * element;
+      cublasStatus_t s = cublasGemmEx(
+          blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, &one, w->data(), type,
+          h, xs, type, h, &zero, logits->data(), type, v, CUBLAS_COMPUTE_32F,
+          CUBLAS_GEMM_DEFAULT);
+      if (s == CUBLAS_STATUS_SUCCESS) {
+        s = cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, &one,
+                         w->data(), type, h, logits->data(), type, v, &zero,
+                         gs, type, h, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      }
+      if (s != CUBLAS_STATUS_SUCCESS) {
+        return absl::InternalError(
+            absl::StrCat("floor GEMM: ", cublasGetStatusString(s)));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status ok = pair(); !ok.ok()) return ok;  // Warm-up.
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    cudaEventRecord(start, stream.stream());
+    if (absl::Status ok = pair(); !ok.ok()) return ok;
+    cudaEventRecord(stop, stream.stream());
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    best = std::min(best, ms / 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (absl::Status ok = stream.Synchronize(); !ok.ok()) return ok;
+  return best;
+}
+
+}  // namespace dflash
