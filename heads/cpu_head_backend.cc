@@ -136,7 +136,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
     std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
-    std::vector<float> confidence_grad(confidence_ ? m : 0);
+    std::vector<float> confidence_grad(record && confidence_ ? m : 0);
     const ChunkLossOutputs outputs{
         absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
         absl::MakeSpan(argmax), absl::MakeSpan(top_k), o.k};
@@ -164,7 +164,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
       if (!top_k.empty()) {
         std::copy_n(top_k.begin() + i * o.k, o.k, o.top_k.begin() + r * o.k);
       }
-      if (confidence_) spec_.gradients->confidence[r] = confidence_grad[i];
+      if (!confidence_grad.empty()) {
+        spec_.gradients->confidence[r] = confidence_grad[i];
+      }
     }
     return absl::OkStatus();
   }

@@ -302,18 +302,16 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
     if (!size.ok()) return size;
   }
   if (config.has_dspark() && config.dspark().confidence_weight() > 0) {
-    for (absl::Status size :
-         {CheckSize("confidence_logits", inputs.confidence_logits.size(),
-                    num_rows, "one per row for loss.dspark.confidence_weight"),
-          CheckSize("outputs.confidence_grad", outputs.confidence_grad.size(),
-                    num_rows, "one per row for loss.dspark.confidence_weight")}) {
-      if (!size.ok()) return size;
-    }
+    absl::Status size =
+        CheckSize("confidence_logits", inputs.confidence_logits.size(),
+                  num_rows, "one per row for loss.dspark.confidence_weight");
+    if (!size.ok()) return size;
   }
   for (const auto& [name, size] :
        {std::pair<const char*, size_t>{"outputs.neg_log_q",
                                        outputs.neg_log_q.size()},
-        {"outputs.argmax", outputs.argmax.size()}}) {
+        {"outputs.argmax", outputs.argmax.size()},
+        {"outputs.confidence_grad", outputs.confidence_grad.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
@@ -598,8 +596,11 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
         const double bce =
             std::max(c, 0.0) - c * accept + std::log1p(std::exp(-std::abs(c)));
         terms.loss_num += w * dspark.confidence_weight() * bce;
-        outputs.confidence_grad[r] = static_cast<float>(
-            w * dspark.confidence_weight() * (1 / (1 + std::exp(-c)) - accept));
+        if (!outputs.confidence_grad.empty()) {
+          outputs.confidence_grad[r] = static_cast<float>(
+              w * dspark.confidence_weight() *
+              (1 / (1 + std::exp(-c)) - accept));
+        }
       }
     } else if constexpr (std::is_same_v<W, float>) {
       if (keep_exp) {

@@ -75,7 +75,8 @@ struct ChunkLossInputs {
 // Optional per-row results; leave a span empty to skip it. Rows without
 // weight get neg_log_q 0, argmax -1 and top-k -1.
 struct ChunkLossOutputs {
-  absl::Span<float> confidence_grad;  // [rows], d(loss_num)/d(confidence).
+  // [rows], d(loss_num)/d(confidence) for dspark's confidence term.
+  absl::Span<float> confidence_grad;
   absl::Span<float> neg_log_q;        // [rows], of the loss's logits z'.
   absl::Span<int32_t> argmax;         // [rows]
   absl::Span<int32_t> top_k;          // [rows x k], largest first.

@@ -661,6 +661,27 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
             "got 3");
 }
 
+// The confidence gradient is an optional output like the others: without
+// it, the terms and the logits gradient are the same.
+TEST(ChunkLossTest, ConfidenceGradientIsOptional) {
+  const v1::LossConfig c =
+      Parse("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }");
+  const Problem p = MakeProblem(17, {kK, 1, 0});
+  std::vector<double> with_grad, without_grad = p.logits;
+  std::vector<float> confidence_grad;
+  auto with = RunDouble(c, p, with_grad, confidence_grad);
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  auto without = ChunkLoss<double>(
+      c, p.options,
+      {absl::MakeSpan(without_grad), p.teacher, confidence, p.rows, kV});
+  ASSERT_TRUE(with.ok() && without.ok()) << without.status();
+  EXPECT_EQ(with->loss_num, without->loss_num);
+  EXPECT_EQ(with_grad, without_grad);
+  double norm = 0;
+  for (float g : confidence_grad) norm += std::abs(g);
+  EXPECT_GT(norm, 0);
+}
+
 TEST(ChunkLossTest, BlockCoupledLossesNeedEachBlockTogetherInOrder) {
   const Problem good = MakeProblem(1, {kK});
   Problem p = good;
