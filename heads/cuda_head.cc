@@ -164,17 +164,11 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
   constexpr v1::HeadConfig::DType kDType =
       std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
                                : v1::HeadConfig::BFLOAT16;
-  const v1::HeadConfig& head = config.head();
-  if (head.backend() != v1::HeadConfig::CUDA) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.backend: RunCudaHead runs the CUDA backend, got ",
-        v1::HeadConfig::Backend_Name(head.backend())));
-  }
-  if (head.dtype() != kDType) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
-        " tensors (CUDA heads run FLOAT32 or BFLOAT16), got ",
-        v1::HeadConfig::DType_Name(head.dtype())));
+  if (absl::Status ok = CheckHeadTarget(config.head(), v1::HeadConfig::CUDA,
+                                       kDType, "RunCudaHead",
+                                       "CUDA heads run FLOAT32 or BFLOAT16");
+      !ok.ok()) {
+    return ok;
   }
   CudaHeadBackend<T> backend(config, blas);
   return RunHeadOn<T>(config, inputs, gradients, backend, row_outputs,

@@ -87,9 +87,7 @@ absl::Span<T> Span(TrackedBuffer<T>& b) {
 // One RunCudaHead of `config` over `b`, results back on the host.
 struct GpuRun {
   absl::StatusOr<HeadResult> result;
-  std::vector<double> grad_hidden, grad_weight, grad_bias;
-  std::vector<float> grad_confidence, neg_log_q;
-  std::vector<int32_t> argmax, top_k;
+  RunOutputs outputs;
   int64_t leaked_bytes = 0;
 };
 
@@ -135,13 +133,14 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
     const HeadRowOutputs outputs{Span(neg_log_q), Span(argmax), Span(top_k),
                                  kTopK};
     run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
-    for (T x : Download(grad_hidden, stream)) run.grad_hidden.push_back(ToDouble(x));
-    for (T x : Download(grad_weight, stream)) run.grad_weight.push_back(ToDouble(x));
-    for (T x : Download(grad_bias, stream)) run.grad_bias.push_back(ToDouble(x));
-    run.grad_confidence = Download(grad_confidence, stream);
-    run.neg_log_q = Download(neg_log_q, stream);
-    run.argmax = Download(argmax, stream);
-    run.top_k = Download(top_k, stream);
+    RunOutputs& o = run.outputs;
+    for (T x : Download(grad_hidden, stream)) o.grad_hidden.push_back(ToDouble(x));
+    for (T x : Download(grad_weight, stream)) o.grad_weight.push_back(ToDouble(x));
+    for (T x : Download(grad_bias, stream)) o.grad_bias.push_back(ToDouble(x));
+    o.grad_confidence = Download(grad_confidence, stream);
+    o.neg_log_q = Download(neg_log_q, stream);
+    o.argmax = Download(argmax, stream);
+    o.top_k = Download(top_k, stream);
   }
   EXPECT_TRUE(stream.Synchronize().ok());
   run.leaked_bytes = stream.allocator().current_bytes() - base;
@@ -177,28 +176,8 @@ TEST_P(CudaHeadParityTest, Float32MatchesTheFloat64Reference) {
             v1::HeadConfig::FLOAT32);
         const GpuRun run = RunOnGpu<float>(config, b, *gpu);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
-        EXPECT_NEAR(run.result->loss, ref.loss, 1e-5 * std::abs(ref.loss));
-        EXPECT_EQ(run.result->terms.correct, ref.terms.correct);
-        EXPECT_EQ(run.result->terms.correct_per_position,
-                  ref.terms.correct_per_position);
-        EXPECT_LT(RelativeError(run.grad_hidden, ref.grad_hidden), 1e-5);
-        if (trainable) {
-          EXPECT_LT(RelativeError(run.grad_weight, ref.grad_weight), 1e-5);
-          EXPECT_LT(RelativeError(run.grad_bias, ref.grad_bias), 1e-5);
-        }
-        for (size_t r = 0; r < run.grad_confidence.size(); ++r) {
-          EXPECT_NEAR(run.grad_confidence[r], ref.grad_confidence[r], 1e-5);
-        }
-        for (int64_t r = 0; r < b.num_rows(); ++r) {
-          const bool weighted = b.rows[r].mask > 0;
-          EXPECT_NEAR(run.neg_log_q[r], weighted ? ref.neg_log_q[r] : 0,
-                      1e-5 * (1 + std::abs(ref.neg_log_q[r])));
-          EXPECT_EQ(run.argmax[r], weighted ? ref.argmax[r] : -1);
-          for (int32_t j = 0; j < kTopK; ++j) {
-            EXPECT_EQ(run.top_k[r * kTopK + j],
-                      weighted ? ref.top_k[r * kTopK + j] : -1);
-          }
-        }
+        ExpectMatchesReference(*run.result, run.outputs, ref, b, trainable,
+                               1e-5, 1e-5);
         EXPECT_EQ(run.leaked_bytes, 0);
       }
     }
@@ -244,14 +223,14 @@ TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
       ASSERT_TRUE(run.result.ok()) << run.result.status();
       for (int64_t r = 0; r < b.num_rows(); ++r) {
         if (b.rows[r].mask <= 0) continue;
-        EXPECT_NEAR(run.neg_log_q[r], ref.neg_log_q[r],
+        EXPECT_NEAR(run.outputs.neg_log_q[r], ref.neg_log_q[r],
                     1e-5 * (1 + std::abs(ref.neg_log_q[r])));
-        EXPECT_EQ(run.argmax[r], ref.argmax[r]);
+        EXPECT_EQ(run.outputs.argmax[r], ref.argmax[r]);
         for (int32_t j = 0; j < kTopK; ++j) {
-          EXPECT_EQ(run.top_k[r * kTopK + j], ref.top_k[r * kTopK + j]);
+          EXPECT_EQ(run.outputs.top_k[r * kTopK + j], ref.top_k[r * kTopK + j]);
         }
       }
-      EXPECT_LT(RelativeNorm(run.grad_hidden, ref.grad_hidden), 5e-3);
+      EXPECT_LT(RelativeNorm(run.outputs.grad_hidden, ref.grad_hidden), 5e-3);
     }
   }
 }

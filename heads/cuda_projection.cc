@@ -3,7 +3,6 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include <limits>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -118,21 +117,10 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
     int64_t hidden, CublasHandle& blas) {
-  constexpr int64_t kMaxDim = std::numeric_limits<int>::max();
-  if (vocab <= 0 || hidden <= 0 || vocab > kMaxDim || hidden > kMaxDim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection: vocab and hidden must lie in [1, 2^31), got ", vocab,
-        " and ", hidden));
-  }
-  if (static_cast<int64_t>(weight.size()) != vocab * hidden) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection: weight must hold vocab x hidden = ", vocab, " x ", hidden,
-        " values, got ", weight.size()));
-  }
-  if (!bias.empty() && static_cast<int64_t>(bias.size()) != vocab) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("projection: bias must hold vocab = ", vocab,
-                     " values or none, got ", bias.size()));
+  if (absl::Status valid =
+          ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
+      !valid.ok()) {
+    return valid;
   }
   return std::unique_ptr<VocabProjection<T>>(new CudaProjection<T>(
       weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden,

@@ -426,6 +426,25 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
 
 }  // namespace
 
+absl::Status CheckHeadTarget(const v1::HeadConfig& head,
+                             v1::HeadConfig::Backend backend,
+                             v1::HeadConfig::DType dtype, const char* call,
+                             const char* dtypes) {
+  if (head.backend() != backend) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.backend: ", call, " runs the ",
+        v1::HeadConfig::Backend_Name(backend), " backend, got ",
+        v1::HeadConfig::Backend_Name(head.backend())));
+  }
+  if (head.dtype() != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(dtype),
+        " tensors (", dtypes, "), got ",
+        v1::HeadConfig::DType_Name(head.dtype())));
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
                                      const HeadInputs<T>& inputs,
@@ -456,17 +475,11 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
   constexpr v1::HeadConfig::DType kDType =
       std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
                                : v1::HeadConfig::FLOAT64;
-  const v1::HeadConfig& head = config.head();
-  if (head.backend() != v1::HeadConfig::CPU) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.backend: RunHead runs the CPU backend, got ",
-        v1::HeadConfig::Backend_Name(head.backend())));
-  }
-  if (head.dtype() != kDType) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(kDType),
-        " tensors (CPU heads run FLOAT32 or FLOAT64), got ",
-        v1::HeadConfig::DType_Name(head.dtype())));
+  if (absl::Status ok = CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
+                                       kDType, "RunHead",
+                                       "CPU heads run FLOAT32 or FLOAT64");
+      !ok.ok()) {
+    return ok;
   }
   if (allocator.device() != Device::kCpu) {
     return absl::InvalidArgumentError(

@@ -114,25 +114,11 @@ TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
           TrackingAllocator allocator;
           HeadRunOutput<double> run = RunOn<double>(config, b, allocator);
           ASSERT_TRUE(run.result.ok()) << run.result.status();
-          EXPECT_NEAR(run.result->loss, ref.loss, 1e-10 * std::abs(ref.loss));
-          EXPECT_EQ(run.result->terms.correct, ref.terms.correct);
-          EXPECT_EQ(run.result->terms.correct_per_position,
-                    ref.terms.correct_per_position);
-          EXPECT_LT(RelativeError(run.grad_hidden, ref.grad_hidden), 1e-10);
-          if (trainable) {
-            EXPECT_LT(RelativeError(run.grad_weight, ref.grad_weight), 1e-10);
-            EXPECT_LT(RelativeError(run.grad_bias, ref.grad_bias), 1e-10);
-          }
-          if (!run.grad_confidence.empty()) {
-            for (int64_t r = 0; r < b.num_rows(); ++r) {
-              EXPECT_NEAR(run.grad_confidence[r], ref.grad_confidence[r], 1e-7);
-            }
-          }
-          for (int64_t r = 0; r < b.num_rows(); ++r) {
-            const bool weighted = b.rows[r].mask > 0;
-            EXPECT_NEAR(run.neg_log_q[r], weighted ? ref.neg_log_q[r] : 0, 1e-6);
-            EXPECT_EQ(run.argmax[r], weighted ? ref.argmax[r] : -1);
-          }
+          ExpectMatchesReference(
+              *run.result,
+              {run.grad_hidden, run.grad_weight, run.grad_bias,
+               run.grad_confidence, run.neg_log_q, run.argmax, {}},
+              ref, b, trainable, 1e-10, 1e-6);
           EXPECT_EQ(allocator.current_bytes(), 0);
         }
       }

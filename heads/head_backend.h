@@ -73,6 +73,14 @@ class HeadBackend {
   virtual double loss_seconds() const = 0;
 };
 
+// The config's head.backend and head.dtype against what `call` runs, e.g.
+// "head.dtype: this call takes FLOAT32 tensors (CPU heads run FLOAT32 or
+// FLOAT64), got BFLOAT16".
+absl::Status CheckHeadTarget(const v1::HeadConfig& head,
+                             v1::HeadConfig::Backend backend,
+                             v1::HeadConfig::DType dtype, const char* call,
+                             const char* dtypes);
+
 // RunHead's work on any backend; see RunHead for the modes. The caller has
 // checked the config's backend and dtype against `backend`.
 template <typename T>

@@ -125,5 +125,35 @@ v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
   return *config;
 }
 
+void ExpectMatchesReference(const HeadResult& result, const RunOutputs& out,
+                            const Reference& ref, const Batch& b,
+                            bool trainable, double relative, double outputs) {
+  EXPECT_NEAR(result.loss, ref.loss, relative * std::abs(ref.loss));
+  EXPECT_EQ(result.terms.correct, ref.terms.correct);
+  EXPECT_EQ(result.terms.correct_per_position, ref.terms.correct_per_position);
+  EXPECT_LT(RelativeError(out.grad_hidden, ref.grad_hidden), relative);
+  if (trainable) {
+    EXPECT_LT(RelativeError(out.grad_weight, ref.grad_weight), relative);
+    EXPECT_LT(RelativeError(out.grad_bias, ref.grad_bias), relative);
+  }
+  for (size_t r = 0; r < out.grad_confidence.size(); ++r) {
+    EXPECT_NEAR(out.grad_confidence[r], ref.grad_confidence[r],
+                outputs * (1 + std::abs(ref.grad_confidence[r])))
+        << "row " << r;
+  }
+  for (int64_t r = 0; r < b.num_rows(); ++r) {
+    const bool weighted = b.rows[r].mask > 0;
+    EXPECT_NEAR(out.neg_log_q[r], weighted ? ref.neg_log_q[r] : 0,
+                outputs * (1 + std::abs(ref.neg_log_q[r])))
+        << "row " << r;
+    EXPECT_EQ(out.argmax[r], weighted ? ref.argmax[r] : -1) << "row " << r;
+    for (size_t j = 0; j < out.top_k.size() / b.rows.size(); ++j) {
+      EXPECT_EQ(out.top_k[r * kTopK + j],
+                weighted ? ref.top_k[r * kTopK + j] : -1)
+          << "row " << r;
+    }
+  }
+}
+
 }  // namespace head_test
 }  // namespace dflash

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "heads/fused_head.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
 
@@ -60,6 +61,21 @@ double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
   }
   return scale > 0 ? diff / scale : diff;
 }
+
+// What a head run left, copied to the host in float64.
+struct RunOutputs {
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<int32_t> argmax, top_k;  // top_k: kTopK per row, or none.
+};
+
+// Expects a run to equal the reference: loss and gradients (normwise)
+// within `relative`, correct counts exact, per-row neg_log_q and confidence
+// gradient within `outputs` * (1 + |reference|), argmax and top-k exact;
+// rows without weight report 0 and -1.
+void ExpectMatchesReference(const HeadResult& result, const RunOutputs& out,
+                            const Reference& ref, const Batch& b,
+                            bool trainable, double relative, double outputs);
 
 inline const char* const kLosses[] = {
     "dflash { gamma: 7 }",

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <chrono>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -83,6 +84,27 @@ class CpuProjection final : public VocabProjection<T> {
 
 }  // namespace
 
+absl::Status ValidateProjectionShape(size_t weight_size, size_t bias_size,
+                                     int64_t vocab, int64_t hidden) {
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (vocab <= 0 || hidden <= 0 || vocab > kMaxDim || hidden > kMaxDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projection: vocab and hidden must lie in [1, 2^31), got ", vocab,
+        " and ", hidden));
+  }
+  if (static_cast<int64_t>(weight_size) != vocab * hidden) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projection: weight must hold vocab x hidden = ", vocab, " x ", hidden,
+        " values, got ", weight_size));
+  }
+  if (bias_size != 0 && static_cast<int64_t>(bias_size) != vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("projection: bias must hold vocab = ", vocab,
+                     " values or none, got ", bias_size));
+  }
+  return absl::OkStatus();
+}
+
 std::string CpuBlasName() {
   // The config starts "OpenBLAS 0.3.21 ..."; keep the name and version.
   const std::vector<absl::string_view> words =
@@ -96,20 +118,10 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCpuProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
     int64_t hidden) {
-  if (vocab <= 0 || hidden <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection: vocab and hidden must be > 0, got ", vocab, " and ",
-        hidden));
-  }
-  if (static_cast<int64_t>(weight.size()) != vocab * hidden) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection: weight must hold vocab x hidden = ", vocab, " x ", hidden,
-        " values, got ", weight.size()));
-  }
-  if (!bias.empty() && static_cast<int64_t>(bias.size()) != vocab) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("projection: bias must hold vocab = ", vocab,
-                     " values or none, got ", bias.size()));
+  if (absl::Status valid =
+          ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
+      !valid.ok()) {
+    return valid;
   }
   return std::unique_ptr<VocabProjection<T>>(new CpuProjection<T>(
       weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden));

@@ -61,6 +61,12 @@ class VocabProjection {
   GemmCount gemms_;
 };
 
+// The checks every projection makes: vocab and hidden in [1, 2^31) (BLAS
+// dimensions are 32-bit), a weight of vocab x hidden values, a bias of vocab
+// values or none.
+absl::Status ValidateProjectionShape(size_t weight_size, size_t bias_size,
+                                     int64_t vocab, int64_t hidden);
+
 // The CPU projection on CBLAS (OpenBLAS), T = float or double. The weight
 // and bias are borrowed and must outlive it. Sizes are checked: weight holds
 // vocab * hidden values, bias vocab or none.

@@ -77,7 +77,7 @@ TEST(ProjectionTest, BadShapesAreErrors) {
   EXPECT_EQ(CreateCpuProjection<double>(w, b, kV, kH).status().message(),
             "projection: bias must hold vocab = 7 values or none, got 6");
   EXPECT_EQ(CreateCpuProjection<double>(w, {}, 0, kH).status().message(),
-            "projection: vocab and hidden must be > 0, got 0 and 5");
+            "projection: vocab and hidden must lie in [1, 2^31), got 0 and 5");
 }
 
 TEST(FlattenTest, WeightedRowsGatherAndScatter) {
