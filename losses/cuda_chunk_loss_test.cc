@@ -124,10 +124,13 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
   const ChunkLossOutputs outputs{
       absl::MakeSpan(out.confidence_grad), absl::MakeSpan(out.neg_log_q),
       absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), kTopK};
-  out.terms = gpu != nullptr
-                  ? CudaChunkLossFromHost<T>(config, options, inputs, outputs,
-                                             *gpu)
-                  : ChunkLoss<T>(config, options, inputs, outputs);
+  if constexpr (std::is_same_v<T, double>) {
+    out.terms = ChunkLoss<T>(config, options, inputs, outputs);  // No FP64 on CUDA.
+  } else {
+    out.terms = gpu != nullptr ? CudaChunkLossFromHost<T>(config, options,
+                                                          inputs, outputs, *gpu)
+                               : ChunkLoss<T>(config, options, inputs, outputs);
+  }
   for (const T& g : logits) {
     if constexpr (std::is_same_v<T, BFloat16>) {
       out.grad.push_back(ToFloat(g));
