@@ -82,8 +82,11 @@ absl::StatusOr<TensorView> TensorView::Slice(int64_t dim, int64_t start,
   }
   TensorView view = *this;
   view.shape_[dim] = length;
-  view.data_ = static_cast<char*>(data_) +
-               start * strides_[dim] * ElementBytes(dtype_);
+  // An empty tensor may have no memory at all: no offset from null.
+  if (data_ != nullptr) {
+    view.data_ = static_cast<char*>(data_) +
+                 start * strides_[dim] * ElementBytes(dtype_);
+  }
   return view;
 }
 

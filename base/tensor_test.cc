@@ -34,6 +34,16 @@ TEST(TensorViewTest, BadSlicesAreErrors) {
             absl::StatusCode::kOutOfRange);
 }
 
+// Found by //fuzz:chunking_fuzz: an empty tensor (no memory, a zero extent
+// elsewhere) sliced past its start offset a null pointer.
+TEST(TensorViewTest, SlicingAnEmptyTensorWithoutMemoryStaysNull) {
+  const TensorView empty(nullptr, DType::kFloat64, {0, 4});
+  absl::StatusOr<TensorView> slice = empty.Slice(1, 2, 2);
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  EXPECT_EQ(slice->data(), nullptr);
+  EXPECT_EQ(slice->numel(), 0);
+}
+
 TEST(TensorViewTest, ElementBytes) {
   EXPECT_EQ(ElementBytes(DType::kBFloat16), 2);
   EXPECT_EQ(ElementBytes(DType::kFloat64), 8);

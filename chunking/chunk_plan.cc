@@ -1,6 +1,7 @@
 #include "chunking/chunk_plan.h"
 
 #include <algorithm>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,12 @@ absl::Status CheckShape(const ProblemShape& shape, bool aligned) {
         ") when align_to_blocks is true"));
   }
   return absl::OkStatus();
+}
+
+// a * b for a message, for factors > 0 whose product may not fit 64 bits.
+std::string ProductString(int64_t a, int64_t b) {
+  if (a > INT64_MAX / b) return absl::StrCat("more than ", INT64_MAX);
+  return absl::StrCat(a * b);
 }
 
 }  // namespace
@@ -82,7 +89,7 @@ absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
       if (budget <= 0 || units == 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "chunking.logits_budget_bytes: must hold one ",
-            unit == 1 ? "row" : "block", " (", unit * row_bytes,
+            unit == 1 ? "row" : "block", " (", ProductString(unit, row_bytes),
             " bytes), got ", budget));
       }
       rows_per_chunk = units > shape.rows / unit ? shape.rows : units * unit;
@@ -100,11 +107,22 @@ absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
         " bytes overflows 64 bits"));
   }
 
+  // The plan lists its chunks; a count past any sensible one (each chunk is
+  // at least one GEMM call) is a mistake to report, not memory to take.
+  const int64_t chunks = shape.rows / rows_per_chunk +
+                         (shape.rows % rows_per_chunk != 0 ? 1 : 0);
+  if (chunks > kMaxChunks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk plan: ", shape.rows, " rows in chunks of ", rows_per_chunk,
+        " make ", chunks, " chunks, more than the ", kMaxChunks,
+        " allowed; use larger chunks"));
+  }
   ChunkPlan plan;
   plan.rows_per_chunk = rows_per_chunk;
-  plan.chunks.reserve((shape.rows + rows_per_chunk - 1) / rows_per_chunk);
-  for (int64_t begin = 0; begin < shape.rows; begin += rows_per_chunk) {
-    const int64_t end = std::min(begin + rows_per_chunk, shape.rows);
+  plan.chunks.reserve(chunks);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * rows_per_chunk;
+    const int64_t end = std::min(shape.rows - begin, rows_per_chunk) + begin;
     plan.chunks.push_back({begin, end, (end - begin) * row_bytes});
   }
   plan.max_chunk_bytes = plan.chunks.front().logits_bytes;

@@ -33,6 +33,9 @@ struct ChunkPlan {
   int64_t max_chunk_bytes = 0;  // Logits bytes of the largest chunk.
 };
 
+// The most chunks a plan may have (PlanChunks reports more as an error).
+inline constexpr int64_t kMaxChunks = int64_t{1} << 20;
+
 // Cuts `shape.rows` into chunks per the policy (fixed rows, fixed blocks, or
 // the largest block-aligned chunk whose logits fit the byte budget); the last
 // chunk is the remainder. Sizes are 64-bit throughout.

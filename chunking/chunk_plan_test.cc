@@ -106,6 +106,27 @@ TEST(ChunkPlanTest, ImpossiblePlansAreErrors) {
                 .message(),
             "chunk plan: one row of 4611686018427387904 logits overflows 64 "
             "bits");
+  // Found by //fuzz:chunking_fuzz: the message for a block whose bytes
+  // overflow 64 bits overflowed itself.
+  budget.set_logits_budget_bytes(1000);
+  EXPECT_EQ(PlanChunks(budget, {.rows = int64_t{1} << 40,
+                                .block_size = int64_t{1} << 40,
+                                .vocab = int64_t{1} << 30})
+                .status()
+                .message(),
+            "chunking.logits_budget_bytes: must hold one block (more than "
+            "9223372036854775807 bytes), got 1000");
+  // A plan of more chunks than any run makes is an error, not a huge list.
+  rows.set_rows_per_chunk(1);
+  EXPECT_EQ(PlanChunks(rows, {.rows = int64_t{1} << 40, .block_size = 1,
+                              .vocab = 10})
+                .status()
+                .message(),
+            "chunk plan: 1099511627776 rows in chunks of 1 make 1099511627776 "
+            "chunks, more than the 1048576 allowed; use larger chunks");
+  EXPECT_TRUE(PlanChunks(rows, {.rows = kMaxChunks, .block_size = 1,
+                                .vocab = 10})
+                  .ok());
 }
 
 }  // namespace
