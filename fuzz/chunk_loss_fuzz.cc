@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "fuzz/fuzz_input.h"
 #include "google/protobuf/text_format.h"
@@ -130,15 +131,21 @@ Outcome Run(const Problem& p) {
   return out;
 }
 
-void CheckFinite(const Outcome& o, const char* type) {
+void CheckFinite(const Problem& p, const Outcome& o, const char* type) {
+  const std::string what = absl::StrCat(
+      type, " ", p.config.ShortDebugString(), ", scale ", p.options.logit_scale,
+      ", softcap ", p.options.logit_softcap, ", K ", p.options.block_size,
+      ", V ", p.vocab, ", rows ", p.rows.size());
   const ChunkTerms& t = *o.terms;
   FUZZ_CHECK(std::isfinite(t.loss_num) && std::isfinite(t.loss_den) &&
                  std::isfinite(t.correct) && std::isfinite(t.accuracy_den),
-             "%s: non-finite terms from finite inputs (num %g, den %g)", type,
-             t.loss_num, t.loss_den);
-  for (double g : o.grad) {
-    FUZZ_CHECK(std::isfinite(g), "%s: non-finite gradient from finite inputs",
-               type);
+             "%s: non-finite terms from finite inputs (num %g, den %g)",
+             what.c_str(), t.loss_num, t.loss_den);
+  for (size_t i = 0; i < o.grad.size(); ++i) {
+    FUZZ_CHECK(std::isfinite(o.grad[i]),
+               "%s: non-finite gradient %g at row %zu, logit %zu (z = %g)",
+               what.c_str(), o.grad[i], i / p.vocab, i % p.vocab,
+               p.logits[i]);
   }
 }
 
@@ -160,9 +167,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool scaled_sanely = std::isfinite(p.options.logit_scale) &&
                              std::abs(p.options.logit_scale) <= 4;
   if (p.finite && scaled_sanely) {
-    if (f64.terms.ok()) CheckFinite(f64, "float64");
-    if (f32.terms.ok()) CheckFinite(f32, "float32");
-    if (bf16.terms.ok()) CheckFinite(bf16, "bfloat16");
+    if (f64.terms.ok()) CheckFinite(p, f64, "float64");
+    if (f32.terms.ok()) CheckFinite(p, f32, "float32");
+    if (bf16.terms.ok()) CheckFinite(p, bf16, "bfloat16");
   }
   if (p.finite && p.moderate && scaled_sanely && f64.terms.ok()) {
     FUZZ_CHECK(f32.terms.ok(), "float32 failed where float64 ran: %s",

@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/tensor.h"
-#include "heads/flatten.h"
+#include "heads/head_plan.h"
 #include "heads/head_backend.h"
 #include "heads/projection.h"
 #include "proto/config.h"
@@ -194,44 +194,16 @@ absl::Status HeadRun<T>::Validate() const {
 
 template <typename T>
 absl::Status HeadRun<T>::Plan() {
-  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
-  const v1::HeadConfig::ExecutionMode mode = head_.mode();
-  const int64_t buffers = teacher_ ? 2 : 1;
-  if (mode == v1::HeadConfig::MATERIALIZE) {
-    plan_.chunks = {
-        {0, rows, rows * vocab_ * buffers * static_cast<int64_t>(sizeof(T))}};
-    plan_.rows_per_chunk = rows;
-    plan_.max_chunk_bytes = plan_.chunks[0].logits_bytes;
-  } else {
-    absl::StatusOr<ChunkPlan> plan = PlanChunks(
-        config_.chunking(), {rows, block_size_, vocab_,
-                             static_cast<int64_t>(sizeof(T)), buffers});
-    if (!plan.ok()) return plan.status();
-    plan_ = *std::move(plan);
-  }
-  active_ = WeightedRows(inputs_.rows,
-                         config_.loss().cross_entropy().ignore_index());
-  chunk_begin_.clear();
-  for (const ChunkRange& chunk : plan_.chunks) {
-    chunk_begin_.push_back(
-        std::lower_bound(active_.begin(), active_.end(), chunk.begin) -
-        active_.begin());
-  }
-  chunk_begin_.push_back(static_cast<int64_t>(active_.size()));
-  for (size_t c = 0; c + 1 < chunk_begin_.size(); ++c) {
-    max_chunk_rows_ =
-        std::max(max_chunk_rows_, chunk_begin_[c + 1] - chunk_begin_[c]);
-  }
-
-  if (mode == v1::HeadConfig::FUSED) return absl::OkStatus();
-  v1::CheckpointPolicy policy = config_.checkpoint();
-  if (mode == v1::HeadConfig::MATERIALIZE ||
-      mode == v1::HeadConfig::SAVE_CHUNKS) {
-    policy = v1::CheckpointPolicy();
-    policy.set_preset(v1::CheckpointPolicy::SAVE_ALL);
-  }
+  absl::StatusOr<HeadPlan> plan =
+      PlanHead(config_, inputs_.rows, static_cast<int64_t>(sizeof(T)));
+  if (!plan.ok()) return plan.status();
+  plan_ = std::move(plan->chunks);
+  active_ = std::move(plan->active);
+  chunk_begin_ = std::move(plan->chunk_begin);
+  max_chunk_rows_ = plan->max_chunk_rows;
+  if (Fused()) return absl::OkStatus();
   absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
-      CheckpointContext::Create(policy, allocator_);
+      CheckpointContext::Create(plan->policy, allocator_);
   if (!context.ok()) return context.status();
   context_ = *std::move(context);
   return absl::OkStatus();

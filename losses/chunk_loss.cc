@@ -123,8 +123,10 @@ class RowSource {
     if (softcap_ > 0) std::copy(z.begin(), z.end(), transformed_copy_.begin());
   }
 
-  // Chains d/dz' in `grad` back to d/dz and stores row r.
-  void StoreGradient(int64_t r, absl::Span<W> grad) {
+  // Chains d/dz' in `grad` back to d/dz and stores row r. A gradient that
+  // overflows the working type (from huge masks, loss weights or logit
+  // transforms) is an error naming the row, never a silent inf.
+  absl::Status StoreGradient(int64_t r, absl::Span<W> grad, double weight) {
     if (softcap_ > 0) {
       // dz'/dz = s * (1 - tanh^2) = s * (1 - (z'/c)^2).
       for (size_t v = 0; v < grad.size(); ++v) {
@@ -134,12 +136,20 @@ class RowSource {
     } else if (scale_ != 1) {
       for (W& g : grad) g = static_cast<W>(g * scale_);
     }
+    if (!AllFinite(grad.data(), static_cast<int64_t>(grad.size()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", r, ": d(loss)/d(logits) overflows ",
+          std::is_same_v<W, float> ? "float32" : "float64",
+          " (row weight ", weight,
+          "); masks and loss weights this large need rescaling"));
+    }
     if constexpr (!std::is_same_v<T, W>) {
       T* __restrict out = inputs_.logits.data() + r * inputs_.vocab;
       const W* __restrict in = grad.data();
       const int64_t vocab = inputs_.vocab;
       for (int64_t v = 0; v < vocab; ++v) out[v] = ToBFloat16(in[v]);
     }
+    return absl::OkStatus();
   }
 
   void StoreZero(int64_t r) {
@@ -148,6 +158,13 @@ class RowSource {
   }
 
  private:
+  // Branch-free so that it vectorises (no FP exceptions are enabled).
+  static bool AllFinite(const W* __restrict x, int64_t count) {
+    int bad = 0;
+    for (int64_t v = 0; v < count; ++v) bad |= !(x[v] - x[v] == 0);
+    return bad == 0;
+  }
+
   // Separate pointers and a local count so that the loop vectorises.
   static void Widen(const BFloat16* __restrict in, float* __restrict out,
                     int64_t count) {
@@ -553,7 +570,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       if (!teacher.ok()) return TeacherError(teacher.status());
       terms.loss_num +=
           w * DistillationRow<W>(config.distillation(), z, s, t, *teacher, w);
-      source.StoreGradient(r, z);
+      if (absl::Status ok = source.StoreGradient(r, z, w); !ok.ok()) return ok;
       continue;
     }
 
@@ -611,7 +628,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     } else {
       WriteSoftmaxGradient<W>(z, meta.target, s, grad);
     }
-    source.StoreGradient(r, z);
+    if (absl::Status ok = source.StoreGradient(r, z, w); !ok.ok()) return ok;
   }
   return terms;
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
@@ -680,6 +681,35 @@ TEST(ChunkLossTest, ConfidenceGradientIsOptional) {
   double norm = 0;
   for (float g : confidence_grad) norm += std::abs(g);
   EXPECT_GT(norm, 0);
+}
+
+// Found by //fuzz:chunk_loss_fuzz: a D-PACE weight of mask^2 from a huge
+// (finite) mask overflowed the float32 gradient into inf, silently. Now it
+// is an error naming the row; float64 still holds it.
+TEST(ChunkLossTest, AGradientThatOverflowsIsAnError) {
+  Problem p = MakeProblem(5, {kK, 1, 0});
+  int64_t row = -1;
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (p.rows[r].mask > 0 && row < 0) row = r;
+  }
+  ASSERT_GE(row, 0);
+  p.rows[row].mask = 1e30f;
+  std::vector<float> logits(p.logits.begin(), p.logits.end());
+  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  const v1::LossConfig dpace = Parse("dpace { alpha: 0.3 }");
+  absl::Status f32 = ChunkLoss<float>(
+      dpace, p.options, {absl::MakeSpan(logits), {}, confidence, p.rows, kV})
+                         .status();
+  EXPECT_EQ(f32.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f32.message().find(absl::StrCat(
+                "row ", row, ": d(loss)/d(logits) overflows float32")),
+            std::string::npos)
+      << f32;
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto f64 = RunDouble(dpace, p, grad, confidence_grad);
+  ASSERT_TRUE(f64.ok()) << f64.status();
+  for (double g : grad) ASSERT_TRUE(std::isfinite(g));
 }
 
 TEST(ChunkLossTest, BlockCoupledLossesNeedEachBlockTogetherInOrder) {

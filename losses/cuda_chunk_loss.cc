@@ -267,6 +267,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
       case cuda::kConfidenceNotFinite:
         return absl::InvalidArgumentError(
             absl::StrCat("row ", row, ": confidence logit is not finite"));
+      case cuda::kGradientNotFinite:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "row ", row,
+            ": d(loss)/d(logits) overflows float32; masks and loss weights "
+            "this large need rescaling"));
       default:
         return absl::InvalidArgumentError(
             absl::StrCat("row ", row, ": a logit is not finite"));

@@ -265,6 +265,15 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   p.rows[2].position = kK;
   EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
             "row 2: block position 5 is outside [0, 5)");
+  // A gradient that overflows float32 is an error, as on the CPU.
+  p = MakeProblem(13, 3);
+  p.rows[6].mask = 1e30f;
+  p.rows[6].target = 1;
+  EXPECT_EQ(RunLoss<float>(Loss("dpace { alpha: 0.3 }"), options, p, gpu.get())
+                .terms.status()
+                .message(),
+            "row 6: d(loss)/d(logits) overflows float32; masks and loss "
+            "weights this large need rescaling");
   // The same messages as the CPU's where both see the problem first.
   p = MakeProblem(13, 3);
   p.rows[2].position = kK;

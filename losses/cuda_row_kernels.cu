@@ -450,6 +450,7 @@ __global__ void __launch_bounds__(kThreads)
     acc = BlockReduce(acc, AddPairs);
     if (threadIdx.x == 0) terms[0] = w * acc.a;
     const float g = static_cast<float>(w * p.inv_temperature);
+    bool bad = false;
     MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
       float ls, lt;
       logs(x, y, ls, lt);
@@ -465,8 +466,11 @@ __global__ void __launch_bounds__(kThreads)
           grad = g * (expf(ls) - expf(lt));
           break;
       }
-      return transform.Chain(grad, transform(x));
+      const float chained = transform.Chain(grad, transform(x));
+      bad |= !isfinite(chained);
+      return chained;
     });
+    if (bad) ReportError(a.error, out, kGradientNotFinite);
     return;
   }
 
@@ -520,6 +524,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) terms[0] = num;
     const float l1c = static_cast<float>(w * p.l1_weight);
     const float signed_mass = acc.b;
+    bool bad = false;
     MapRow(z_row, t_row, v, [&](int64_t i, float x, float y) {
       const float zp = transform(x);
       const float pz = expf(zp - lse_f);
@@ -527,19 +532,26 @@ __global__ void __launch_bounds__(kThreads)
       const float sign = (d > 0) - (d < 0);
       float g = (softmax + l1c * (sign - signed_mass)) * pz - uniform;
       if (i == meta.target) g -= on_target;
-      return transform.Chain(g, zp);
+      const float chained = transform.Chain(g, zp);
+      bad |= !isfinite(chained);
+      return chained;
     });
+    if (bad) ReportError(a.error, out, kGradientNotFinite);
     return;
   }
 
   if (threadIdx.x == 0) terms[0] = num;
+  bool bad = false;
   MapRow(z_row, static_cast<const T*>(nullptr), v,
          [&](int64_t i, float x, float) {
            const float zp = transform(x);
            float g = softmax * expf(zp - lse_f) - uniform;
            if (i == meta.target) g -= on_target;
-           return transform.Chain(g, zp);
+           const float chained = transform.Chain(g, zp);
+           bad |= !isfinite(chained);
+           return chained;
          });
+  if (bad) ReportError(a.error, out, kGradientNotFinite);
 }
 
 // The rows' terms into the totals, in a fixed order.

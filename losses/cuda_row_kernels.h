@@ -70,6 +70,7 @@ enum ErrorKind : int32_t {
   kLogitNotFinite = 0,
   kTeacherNotFinite = 1,
   kConfidenceNotFinite = 2,
+  kGradientNotFinite = 3,
 };
 constexpr unsigned long long kNoError = ~0ull;
 

@@ -1,0 +1,50 @@
+#ifndef DFLASH_HEADS_HEAD_PLAN_H_
+#define DFLASH_HEADS_HEAD_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "chunking/chunk_plan.h"
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// How a head run splits a batch: the chunk plan (one chunk of all rows in
+// MATERIALIZE), the rows it projects (weighted, target not ignore_index,
+// ascending) and each chunk's share of them, and the checkpoint policy its
+// context runs (SAVE_ALL for MATERIALIZE and SAVE_CHUNKS; none in FUSED).
+struct HeadPlan {
+  ChunkPlan chunks;
+  std::vector<int64_t> active;
+  std::vector<int64_t> chunk_begin;  // Chunk c: active[begin[c], begin[c+1]).
+  int64_t max_chunk_rows = 0;        // The most projected rows in a chunk.
+  v1::CheckpointPolicy policy;
+
+  int64_t rows(int64_t chunk) const {
+    return chunk_begin[chunk + 1] - chunk_begin[chunk];
+  }
+};
+
+// `config` validated; `element_bytes` of the head's tensors (4 for FLOAT32).
+absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
+                                  absl::Span<const RowMeta> rows,
+                                  int64_t element_bytes);
+
+// An upper bound on the bytes a head run of `config` over `rows` holds at
+// once, from its plan and checkpoint policy alone, before it runs: the
+// chunk workspaces (logits, teacher logits, gathered rows and their
+// gradient), what the policy keeps (MUST_SAVE always, PREFER_SAVE up to the
+// budget, everything with segment_chunks 0), and what backward recomputes
+// at once (a segment of chunks' dropped intermediates). RunHead's measured
+// peak stays within it; RunCudaHead's also holds the CUDA loss's per-row
+// scratch (about 100 bytes a row) and the projected-row index.
+absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
+                                         absl::Span<const RowMeta> rows,
+                                         int64_t element_bytes);
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_HEAD_PLAN_H_
