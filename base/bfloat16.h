@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace dflash {
 
@@ -28,6 +30,34 @@ inline BFloat16 ToBFloat16(float f) {
   const uint32_t quiet_nan = (bits >> 16) | 0x40u;
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return BFloat16{static_cast<uint16_t>(nan ? quiet_nan : rounded)};
+}
+
+// `x` stored as T (float, double or BFloat16, rounded once), and a stored
+// value read back, for code templated on the storage type.
+template <typename T>
+T FromDouble(double x) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return ToBFloat16(static_cast<float>(x));
+  } else {
+    return static_cast<T>(x);
+  }
+}
+template <typename T>
+double ToDouble(T x) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return ToFloat(x);
+  } else {
+    return static_cast<double>(x);
+  }
+}
+
+// FromDouble of every value.
+template <typename T>
+std::vector<T> FromDoubles(const std::vector<double>& values) {
+  std::vector<T> out;
+  out.reserve(values.size());
+  for (double x : values) out.push_back(FromDouble<T>(x));
+  return out;
 }
 
 }  // namespace dflash

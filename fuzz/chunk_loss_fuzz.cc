@@ -98,21 +98,8 @@ struct Outcome {
 
 template <typename T>
 Outcome Run(const Problem& p) {
-  std::vector<T> logits, teacher;
-  for (double x : p.logits) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      logits.push_back(ToBFloat16(static_cast<float>(x)));
-    } else {
-      logits.push_back(static_cast<T>(x));
-    }
-  }
-  for (double x : p.teacher) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      teacher.push_back(ToBFloat16(static_cast<float>(x)));
-    } else {
-      teacher.push_back(static_cast<T>(x));
-    }
-  }
+  std::vector<T> logits = FromDoubles<T>(p.logits);
+  const std::vector<T> teacher = FromDoubles<T>(p.teacher);
   const size_t n = p.rows.size();
   std::vector<float> confidence_grad(n), neg_log_q(n);
   std::vector<int32_t> argmax(n),
@@ -123,13 +110,7 @@ Outcome Run(const Problem& p) {
       {absl::MakeSpan(logits), teacher, p.confidence, p.rows, p.vocab},
       {absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
        absl::MakeSpan(argmax), absl::MakeSpan(top_k), p.k});
-  for (const T& g : logits) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      out.grad.push_back(ToFloat(g));
-    } else {
-      out.grad.push_back(static_cast<double>(g));
-    }
-  }
+  for (const T& g : logits) out.grad.push_back(ToDouble(g));
   return out;
 }
 

@@ -42,23 +42,6 @@ absl::StatusOr<Gpu> OpenGpu() {
   absl::StatusOr<Gpu> gpu = OpenGpu();                                \
   if (!gpu.ok()) GTEST_SKIP() << "no GPU here: " << gpu.status().message()
 
-template <typename T>
-T FromDouble(double x) {
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    return ToBFloat16(static_cast<float>(x));
-  } else {
-    return static_cast<T>(x);
-  }
-}
-template <typename T>
-double ToDouble(T x) {
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    return ToFloat(x);
-  } else {
-    return static_cast<double>(x);
-  }
-}
-
 // A device copy of host values (empty stays empty).
 template <typename T, typename U>
 TrackedBuffer<T> Upload(const std::vector<U>& host, CudaStream& stream) {

@@ -92,21 +92,8 @@ constexpr int32_t kTopK = 4;
 template <typename T>
 Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
             const Problem& p, CudaStream* gpu) {
-  std::vector<T> logits, teacher;
-  for (double x : p.logits) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      logits.push_back(ToBFloat16(static_cast<float>(x)));
-    } else {
-      logits.push_back(static_cast<T>(x));
-    }
-  }
-  for (double x : p.teacher) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      teacher.push_back(ToBFloat16(static_cast<float>(x)));
-    } else {
-      teacher.push_back(static_cast<T>(x));
-    }
-  }
+  std::vector<T> logits = FromDoubles<T>(p.logits);
+  const std::vector<T> teacher = FromDoubles<T>(p.teacher);
   const bool confidence = config.has_dspark() &&
                           config.dspark().confidence_weight() > 0;
   Outcome out;
@@ -131,13 +118,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
                                                           inputs, outputs, *gpu)
                                : ChunkLoss<T>(config, options, inputs, outputs);
   }
-  for (const T& g : logits) {
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      out.grad.push_back(ToFloat(g));
-    } else {
-      out.grad.push_back(static_cast<double>(g));
-    }
-  }
+  for (const T& g : logits) out.grad.push_back(ToDouble(g));
   return out;
 }
 
