@@ -1,8 +1,7 @@
-#include "bench/cuda_fill.h"
-
 #include <cuda_runtime.h>
 
 #include "base/bfloat16.h"
+#include "bench/cuda_fill.h"
 
 namespace dflash {
 namespace {
@@ -17,7 +16,8 @@ __device__ __forceinline__ uint64_t SplitMix(uint64_t x) {
 __device__ __forceinline__ void Store(float& out, float x) { out = x; }
 __device__ __forceinline__ void Store(BFloat16& out, float f) {
   const uint32_t bits = __float_as_uint(f);
-  out.bits = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  out.bits =
+      static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // Box-Muller on two uniforms from one 64-bit draw.

@@ -48,14 +48,14 @@ absl::StatusOr<double> CudaGemmFloorSeconds(CublasHandle& blas, int64_t rows,
       const int m = static_cast<int>(std::min(chunk, rows - begin));
       const char* xs = x->data() + begin * hidden * element;
       char* gs = grad->data() + begin * hidden * element;
-      cublasStatus_t s = cublasGemmEx(
-          blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, &one, w->data(), type,
-          h, xs, type, h, &zero, logits->data(), type, v, CUBLAS_COMPUTE_32F,
-          CUBLAS_GEMM_DEFAULT);
+      cublasStatus_t s =
+          cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, &one,
+                       w->data(), type, h, xs, type, h, &zero, logits->data(),
+                       type, v, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       if (s == CUBLAS_STATUS_SUCCESS) {
         s = cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, &one,
-                         w->data(), type, h, logits->data(), type, v, &zero,
-                         gs, type, h, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                         w->data(), type, h, logits->data(), type, v, &zero, gs,
+                         type, h, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       }
       if (s != CUBLAS_STATUS_SUCCESS) {
         return absl::InternalError(

@@ -82,7 +82,8 @@ Setup& Shared() {
     auto hidden = TrackedBuffer<BFloat16>::Create(allocator, n * kHidden);
     auto weight = TrackedBuffer<BFloat16>::Create(allocator, kVocab * kHidden);
     auto grad = TrackedBuffer<BFloat16>::Create(allocator, n * kHidden);
-    for (const absl::Status& st : {hidden.status(), weight.status(), grad.status()}) {
+    for (const absl::Status& st :
+         {hidden.status(), weight.status(), grad.status()}) {
       if (!st.ok()) {
         s->status = st;
         return s;
@@ -95,11 +96,12 @@ Setup& Shared() {
                      s->stream->stream());
     LaunchFillNormal(s->weight.data(), s->weight.size(),
                      1.0f / 64 /* 1 / sqrt(H) */, 2, s->stream->stream());
-    const int64_t chunk_rows = s->projected * kBlocksPerChunk / kAnchors / kBatch;
+    const int64_t chunk_rows =
+        s->projected * kBlocksPerChunk / kAnchors / kBatch;
     auto whole = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden, kVocab,
                                       /*bfloat16=*/true);
-    auto chunked = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden,
-                                        kVocab, true, 3, chunk_rows);
+    auto chunked = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden, kVocab,
+                                        true, 3, chunk_rows);
     if (!whole.ok() || !chunked.ok()) {
       s->status = whole.ok() ? chunked.status() : whole.status();
       return s;

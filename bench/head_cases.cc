@@ -27,9 +27,8 @@ absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
   return LoadObjectiveConfigFromString(absl::StrCat(
       "layout { block_size: ", kBlock, " num_anchors: ", shape.anchors,
       " } chunking { blocks_per_chunk: ", shape.blocks_per_chunk, " } ",
-      checkpoint, " head { vocab_size: ", shape.vocab,
-      " hidden_size: ", shape.hidden,
-      " mode: ", v1::HeadConfig::ExecutionMode_Name(mode),
+      checkpoint, " head { vocab_size: ", shape.vocab, " hidden_size: ",
+      shape.hidden, " mode: ", v1::HeadConfig::ExecutionMode_Name(mode),
       " } loss { dflash { gamma: 7 } }"));
 }
 
@@ -37,8 +36,8 @@ absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
     const v1::ObjectiveConfig& config, const HeadShape& shape) {
   // Sequences long enough that every anchor finds a valid position.
   return MakeSyntheticBatch<float>(
-      config, {1, std::max<int64_t>(8192, 4 * kBlock * shape.anchors),
-               shape.anchors},
+      config,
+      {1, std::max<int64_t>(8192, 4 * kBlock * shape.anchors), shape.anchors},
       /*seed=*/1);
 }
 
@@ -46,8 +45,7 @@ absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
                                        const HeadBatch<float>& batch,
                                        TrackingAllocator& allocator) {
   std::vector<float> grad_hidden(batch.hidden.size());
-  const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {},
-                                       {}};
+  const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {}, {}};
   return RunHead<float>(config, batch.Inputs(config), gradients, allocator);
 }
 

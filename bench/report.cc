@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <limits>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -55,7 +55,8 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
   std::ofstream file(path);
   file << text;
   file.close();
-  if (!file) return absl::InvalidArgumentError(absl::StrCat("cannot write ", path));
+  if (!file)
+    return absl::InvalidArgumentError(absl::StrCat("cannot write ", path));
   return absl::OkStatus();
 }
 
@@ -85,7 +86,8 @@ absl::StatusOr<v1::BenchReport> Measure(const HeadShape& shape, int repeats) {
     // on the same caching allocator.
     TrackingAllocator allocator(std::numeric_limits<int64_t>::max(),
                                 /*cache_blocks=*/true);
-    if (absl::StatusOr<HeadResult> warm = RunHeadCase(*config, *batch, allocator);
+    if (absl::StatusOr<HeadResult> warm =
+            RunHeadCase(*config, *batch, allocator);
         !warm.ok()) {
       return warm.status();
     }

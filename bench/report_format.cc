@@ -56,9 +56,8 @@ void DrawPanel(const Panel& panel, const std::vector<std::string>& labels,
   const double base = panel.y + panel.height;
   auto y_of = [&](double v) { return base - v / top * panel.height; };
   absl::StrAppendFormat(
-      &svg,
-      "<text x=\"%.1f\" y=\"%.1f\" class=\"title\">%s</text>\n",
-      panel.x, panel.y - 12, Escape(panel.title));
+      &svg, "<text x=\"%.1f\" y=\"%.1f\" class=\"title\">%s</text>\n", panel.x,
+      panel.y - 12, Escape(panel.title));
   for (double v = 0; v <= top * (1 + 1e-9); v += step) {
     absl::StrAppendFormat(
         &svg,
@@ -119,10 +118,10 @@ std::string ReportMarkdown(const v1::BenchReport& r) {
       "| loss |\n|---|---:|---:|---:|---:|---:|---:|\n";
   for (const v1::ModeReport& mode : r.modes()) {
     const v1::HeadMetrics& m = mode.metrics();
-    absl::StrAppendFormat(&md, "| %s | %.3f | %.2f | %g | %.1f | %.1f | %.6f |\n",
-                          m.mode(), m.seconds(), mode.floor_ratio(), m.gemms(),
-                          mode.effective_gflops(), m.peak_bytes() / kMiB,
-                          m.loss());
+    absl::StrAppendFormat(
+        &md, "| %s | %.3f | %.2f | %g | %.1f | %.1f | %.6f |\n", m.mode(),
+        m.seconds(), mode.floor_ratio(), m.gemms(), mode.effective_gflops(),
+        m.peak_bytes() / kMiB, m.loss());
   }
   return md;
 }
@@ -182,9 +181,9 @@ std::string ReportSvg(const v1::BenchReport& r) {
   DrawPanel({70, 70, 330, 220, "Forward + backward", "s", "time"}, labels,
             seconds, r.floor_seconds(),
             absl::StrFormat("GEMM floor %.3g s", r.floor_seconds()), svg);
-  DrawPanel({510, 70, 330, 220, "Peak memory (tracking allocator)", "MiB",
-             "memory"},
-            labels, mib, -1, "", svg);
+  DrawPanel(
+      {510, 70, 330, 220, "Peak memory (tracking allocator)", "MiB", "memory"},
+      labels, mib, -1, "", svg);
   svg += "</svg>\n";
   return svg;
 }

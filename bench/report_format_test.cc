@@ -27,7 +27,8 @@ v1::BenchReport Sample() {
     const char* mode;
     double seconds, gemms;
     int64_t mib;
-  } modes[] = {{"MATERIALIZE", 2.5, 2, 415}, {"CHECKPOINT", 3.0, 3, 107},
+  } modes[] = {{"MATERIALIZE", 2.5, 2, 415},
+               {"CHECKPOINT", 3.0, 3, 107},
                {"FUSED", 2.2, 2, 107}};
   for (const auto& m : modes) {
     v1::ModeReport& mode = *r.add_modes();
@@ -100,9 +101,9 @@ TEST(ReportFormatTest, SvgBarsAreProportionalToTheValues) {
   }
   std::smatch floor;
   ASSERT_TRUE(std::regex_search(
-      svg, floor, std::regex("y1=\"([0-9.]+)\" y2=\"[0-9.]+\" class=\"floor\"")));
-  const double time_per_unit =
-      height["time"]["FUSED"] / value["time"]["FUSED"];
+      svg, floor,
+      std::regex("y1=\"([0-9.]+)\" y2=\"[0-9.]+\" class=\"floor\"")));
+  const double time_per_unit = height["time"]["FUSED"] / value["time"]["FUSED"];
   EXPECT_NEAR(time_base - std::stod(floor[1]), 2.0 * time_per_unit, 1e-3);
 }
 

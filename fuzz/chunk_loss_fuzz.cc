@@ -48,8 +48,8 @@ struct Problem {
 
 Problem Read(FuzzInput& in) {
   Problem p;
-  const int family = static_cast<int>(
-      in.Int(0, sizeof(kLosses) / sizeof(kLosses[0]) - 1));
+  const int family =
+      static_cast<int>(in.Int(0, sizeof(kLosses) / sizeof(kLosses[0]) - 1));
   google::protobuf::TextFormat::ParseFromString(kLosses[family], &p.config);
   const bool wild = in.Bool();
   p.options.block_size = in.Int(0, 6);
@@ -62,8 +62,8 @@ Problem Read(FuzzInput& in) {
   int64_t block = 0;
   for (int64_t r = 0; r < n; ++r) {
     RowMeta meta;
-    meta.target = wild ? in.Raw<int32_t>()
-                       : static_cast<int32_t>(in.Int(-1, p.vocab));
+    meta.target =
+        wild ? in.Raw<int32_t>() : static_cast<int32_t>(in.Int(-1, p.vocab));
     meta.position = static_cast<int32_t>(in.Int(-1, p.options.block_size));
     const float masks[] = {0, 0.5f, 1, 1};
     meta.mask = wild ? in.Raw<float>() : masks[in.Int(0, 3)];
@@ -127,8 +127,7 @@ void CheckFinite(const Problem& p, const Outcome& o, const char* type) {
   for (size_t i = 0; i < o.grad.size(); ++i) {
     FUZZ_CHECK(std::isfinite(o.grad[i]),
                "%s: non-finite gradient %g at row %zu, logit %zu (z = %g)",
-               what.c_str(), o.grad[i], i / p.vocab, i % p.vocab,
-               p.logits[i]);
+               what.c_str(), o.grad[i], i / p.vocab, i % p.vocab, p.logits[i]);
   }
 }
 
@@ -160,8 +159,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const double num = f64.terms->loss_num;
     FUZZ_CHECK(std::abs(f32.terms->loss_num - num) <=
                    1e-4 * (1 + std::abs(num)) * (1 + p.rows.size()),
-               "float32 loss_num %.9g, float64 %.9g", f32.terms->loss_num,
-               num);
+               "float32 loss_num %.9g, float64 %.9g", f32.terms->loss_num, num);
   }
   return 0;
 }

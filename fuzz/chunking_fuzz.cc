@@ -101,7 +101,8 @@ class SumFirst : public ChunkFunction {
     const int64_t n = t.numel();
     for (int64_t e = 0; e < n; ++e) {
       int64_t offset = 0;
-      for (int64_t d = 0; d < t.rank(); ++d) offset += index[d] * t.strides()[d];
+      for (int64_t d = 0; d < t.rank(); ++d)
+        offset += index[d] * t.strides()[d];
       f(t.data_as<double>()[offset]);
       for (int64_t d = t.rank() - 1; d >= 0; --d) {
         if (++index[d] < t.dim(d)) break;
@@ -142,8 +143,7 @@ void FuzzReduce(FuzzInput& in) {
     }
     storage.emplace_back(numel);
     for (int64_t e = 0; e < numel; ++e) storage.back()[e] = e % 7 - 3;
-    inputs.push_back(
-        TensorView(storage.back().data(), DType::kFloat64, shape));
+    inputs.push_back(TensorView(storage.back().data(), DType::kFloat64, shape));
     if (with_grads) {
       if (in.Bool()) {
         grad_storage.emplace_back(numel, 0.0);

@@ -28,9 +28,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   absl::StatusOr<v1::ObjectiveConfig> again =
       ParseObjectiveConfig(ToTextFormat(config));
-  FUZZ_CHECK(again.ok() && again->SerializeAsString() ==
-                               config.SerializeAsString(),
-             "text round trip changed a valid config");
+  FUZZ_CHECK(
+      again.ok() && again->SerializeAsString() == config.SerializeAsString(),
+      "text round trip changed a valid config");
 
   TrackingAllocator allocator;
   absl::StatusOr<std::unique_ptr<CheckpointContext>> context =

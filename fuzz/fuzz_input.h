@@ -32,7 +32,8 @@ class FuzzInput {
   int64_t Int(int64_t lo, int64_t hi) {
     const uint64_t span = static_cast<uint64_t>(hi - lo) + 1;
     const uint64_t x = Raw<uint64_t>();
-    return span == 0 ? static_cast<int64_t>(x) : lo + static_cast<int64_t>(x % span);
+    return span == 0 ? static_cast<int64_t>(x)
+                     : lo + static_cast<int64_t>(x % span);
   }
   bool Bool() { return Raw<uint8_t>() & 1; }
   size_t remaining() const { return size_; }
@@ -44,14 +45,14 @@ class FuzzInput {
 
 }  // namespace dflash
 
-#define FUZZ_CHECK(condition, ...)                               \
-  do {                                                           \
-    if (!(condition)) {                                          \
+#define FUZZ_CHECK(condition, ...)                                 \
+  do {                                                             \
+    if (!(condition)) {                                            \
       std::fprintf(stderr, "FUZZ_CHECK failed: %s: ", #condition); \
-      std::fprintf(stderr, __VA_ARGS__);                         \
-      std::fprintf(stderr, "\n");                                \
-      std::abort();                                              \
-    }                                                            \
+      std::fprintf(stderr, __VA_ARGS__);                           \
+      std::fprintf(stderr, "\n");                                  \
+      std::abort();                                                \
+    }                                                              \
   } while (0)
 
 #endif  // DFLASH_FUZZ_FUZZ_INPUT_H_

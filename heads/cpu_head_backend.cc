@@ -45,10 +45,9 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
   std::vector<absl::StatusOr<ChunkTerms>> results(groups);
   auto run = [&](int g) {
     const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
-    ChunkLossInputs<T> part{Part(in.logits, b * v, n * v),
-                            Part(in.teacher_logits, b * v, n * v),
-                            Part(in.confidence_logits, b, n),
-                            in.rows.subspan(b, n), v};
+    ChunkLossInputs<T> part{
+        Part(in.logits, b * v, n * v), Part(in.teacher_logits, b * v, n * v),
+        Part(in.confidence_logits, b, n), in.rows.subspan(b, n), v};
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
                               Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
                               Part(out.top_k, b * out.k, n * out.k), out.k};
@@ -110,8 +109,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     return absl::OkStatus();
   }
 
-  void GatherRows(const T* source, int64_t width, int64_t begin,
-                  int64_t count, T* out) override {
+  void GatherRows(const T* source, int64_t width, int64_t begin, int64_t count,
+                  T* out) override {
     dflash::GatherRows(source, width, spec_.active.subspan(begin, count), out);
   }
 
@@ -151,9 +150,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
     loss_seconds_ +=
         std::chrono::duration<double>(Clock::now() - start).count();
     if (!terms.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk ", chunk, " (rows are that chunk's weighted rows): ",
-                       terms.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", chunk, " (rows are that chunk's weighted rows): ",
+          terms.status().message()));
     }
     if (!record) return absl::OkStatus();
     terms_.Add(*terms);

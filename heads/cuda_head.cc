@@ -36,11 +36,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
     if (!projection.ok()) return projection.status();
     projection_ = *std::move(projection);
     absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> loss =
-        CudaChunkLoss<T>::Create(
-            config_.loss(),
-            {config_.layout().block_size(), head.logit_scale(),
-             head.logit_softcap()},
-            stream_);
+        CudaChunkLoss<T>::Create(config_.loss(),
+                                 {config_.layout().block_size(),
+                                  head.logit_scale(), head.logit_softcap()},
+                                 stream_);
     if (!loss.ok()) return loss.status();
     loss_ = *std::move(loss);
     // The active rows on the device: chunks index into them, and the loss
@@ -59,7 +58,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     for (const auto& [data, bytes] :
-         {std::pair<void*, size_t>{g.hidden.data(), g.hidden.size() * sizeof(T)},
+         {std::pair<void*, size_t>{g.hidden.data(),
+                                   g.hidden.size() * sizeof(T)},
           {g.weight.data(), g.weight.size() * sizeof(T)},
           {g.bias.data(), g.bias.size() * sizeof(T)},
           {g.confidence.data(), g.confidence.size() * sizeof(float)},
@@ -71,15 +71,14 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
                           stream_.stream());
-    cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1,
-                          stream_.stream());
+    cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
     return stream_.LaunchStatus("head start");
   }
 
-  void GatherRows(const T* source, int64_t width, int64_t begin,
-                  int64_t count, T* out) override {
-    cuda::LaunchGatherRows<T>(source, width, active_.data() + begin, count,
-                              out, stream_.stream());
+  void GatherRows(const T* source, int64_t width, int64_t begin, int64_t count,
+                  T* out) override {
+    cuda::LaunchGatherRows<T>(source, width, active_.data() + begin, count, out,
+                              stream_.stream());
   }
 
   void ScatterRows(const T* rows, int64_t width, int64_t begin, int64_t count,
@@ -107,12 +106,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const ChunkLossOutputs outputs{
         if_recorded(spec_.gradients->confidence), if_recorded(o.neg_log_q),
         if_recorded(o.argmax), if_recorded(o.top_k), o.k};
-    absl::Status done = loss_->Run(inputs, outputs, active_.data() + begin,
-                                   record);
+    absl::Status done =
+        loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", chunk, " (rows are that chunk's weighted rows): ",
-          done.message()));
+          "chunk ", chunk,
+          " (rows are that chunk's weighted rows): ", done.message()));
     }
     return absl::OkStatus();
   }
@@ -122,10 +121,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
   absl::StatusOr<ChunkTerms> Finish(double upstream) override {
     const HeadGradients<T>& g = *spec_.gradients;
     const double* den = loss_->device_loss_den();
-    cuda::LaunchScaleByUpstreamOverDen<T>(g.hidden.data(), g.hidden.size(),
-                                          den, upstream, stream_.stream());
-    cuda::LaunchScaleByUpstreamOverDen<T>(g.weight.data(), g.weight.size(),
-                                          den, upstream, stream_.stream());
+    cuda::LaunchScaleByUpstreamOverDen<T>(g.hidden.data(), g.hidden.size(), den,
+                                          upstream, stream_.stream());
+    cuda::LaunchScaleByUpstreamOverDen<T>(g.weight.data(), g.weight.size(), den,
+                                          upstream, stream_.stream());
     cuda::LaunchScaleByUpstreamOverDen<T>(g.bias.data(), g.bias.size(), den,
                                           upstream, stream_.stream());
     cuda::LaunchScaleByUpstreamOverDen<float>(g.confidence.data(),
@@ -161,18 +160,17 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        CublasHandle& blas,
                                        const HeadRowOutputs& row_outputs,
                                        const HeadOptions& options) {
-  constexpr v1::HeadConfig::DType kDType =
-      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
-                               : v1::HeadConfig::BFLOAT16;
-  if (absl::Status ok = CheckHeadTarget(config.head(), v1::HeadConfig::CUDA,
-                                       kDType, "RunCudaHead",
-                                       "CUDA heads run FLOAT32 or BFLOAT16");
+  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
+                                               ? v1::HeadConfig::FLOAT32
+                                               : v1::HeadConfig::BFLOAT16;
+  if (absl::Status ok =
+          CheckHeadTarget(config.head(), v1::HeadConfig::CUDA, kDType,
+                          "RunCudaHead", "CUDA heads run FLOAT32 or BFLOAT16");
       !ok.ok()) {
     return ok;
   }
   CudaHeadBackend<T> backend(config, blas);
-  return RunHeadOn<T>(config, inputs, gradients, backend, row_outputs,
-                      options);
+  return RunHeadOn<T>(config, inputs, gradients, backend, row_outputs, options);
 }
 
 template absl::StatusOr<HeadResult> RunCudaHead<float>(

@@ -1,8 +1,7 @@
-#include "heads/cuda_head_kernels.h"
-
 #include <cuda_runtime.h>
 
 #include "base/bfloat16.h"
+#include "heads/cuda_head_kernels.h"
 
 namespace dflash {
 namespace cuda {
@@ -18,9 +17,9 @@ __device__ __forceinline__ void Store(float& out, float x) { out = x; }
 __device__ __forceinline__ void Store(BFloat16& out, float f) {
   const uint32_t bits = __float_as_uint(f);
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  out.bits = static_cast<uint16_t>(
-      nan ? ((bits >> 16) | 0x40u)
-          : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  out.bits =
+      static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u)
+                                : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // One block per row; 16-byte copies when the rows allow them.
@@ -38,7 +37,8 @@ __global__ void CopyRowsKernel(const T* source, int64_t width,
        15) == 0) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int64_t j = threadIdx.x; j < width / kVec; j += blockDim.x) d[j] = s[j];
+    for (int64_t j = threadIdx.x; j < width / kVec; j += blockDim.x)
+      d[j] = s[j];
   } else {
     for (int64_t j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
   }
@@ -100,8 +100,8 @@ void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
                    CUstream_st* stream) {
   const int64_t total = count * vocab;
   if (total == 0) return;
-  AddBiasKernel<T><<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total,
-                                                           vocab);
+  AddBiasKernel<T>
+      <<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total, vocab);
 }
 
 template <typename T>
@@ -109,10 +109,9 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
                                   int64_t vocab, T* grad_bias,
                                   CUstream_st* stream) {
   if (count == 0) return;
-  BiasGradientKernel<T><<<static_cast<unsigned>((vocab + kThreads - 1) /
-                                                kThreads),
-                          kThreads, 0, stream>>>(grad_logits, count, vocab,
-                                                 grad_bias);
+  BiasGradientKernel<T>
+      <<<static_cast<unsigned>((vocab + kThreads - 1) / kThreads), kThreads, 0,
+         stream>>>(grad_logits, count, vocab, grad_bias);
 }
 
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
@@ -121,14 +120,14 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
   FillKernel<<<Blocks(count), kThreads, 0, stream>>>(data, count, value);
 }
 
-#define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                    \
-  template void LaunchGatherRows<T>(const T*, int64_t, const int64_t*,       \
-                                    int64_t, T*, CUstream_st*);              \
-  template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,      \
-                                     int64_t, T*, CUstream_st*);             \
-  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,             \
-                                 CUstream_st*);                              \
-  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t,  \
+#define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                  \
+  template void LaunchGatherRows<T>(const T*, int64_t, const int64_t*,      \
+                                    int64_t, T*, CUstream_st*);             \
+  template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,     \
+                                     int64_t, T*, CUstream_st*);            \
+  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,            \
+                                 CUstream_st*);                             \
+  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t, \
                                                 T*, CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)

@@ -38,8 +38,8 @@ absl::StatusOr<Gpu> OpenGpu() {
   return Gpu{*std::move(stream), *std::move(blas)};
 }
 
-#define OPEN_GPU_OR_SKIP(gpu)                                         \
-  absl::StatusOr<Gpu> gpu = OpenGpu();                                \
+#define OPEN_GPU_OR_SKIP(gpu)          \
+  absl::StatusOr<Gpu> gpu = OpenGpu(); \
   if (!gpu.ok()) GTEST_SKIP() << "no GPU here: " << gpu.status().message()
 
 // A device copy of host values (empty stays empty).
@@ -58,7 +58,8 @@ TrackedBuffer<T> Upload(const std::vector<U>& host, CudaStream& stream) {
 template <typename T>
 std::vector<T> Download(const TrackedBuffer<T>& buffer, CudaStream& stream) {
   std::vector<T> host(buffer.size());
-  EXPECT_TRUE(stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
+  EXPECT_TRUE(
+      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
   return host;
 }
 
@@ -96,10 +97,10 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
         Upload<float>(conf ? b.confidence : std::vector<double>(), stream);
     TrackedBuffer<T> grad_hidden =
         Upload<T>(std::vector<double>(n * kH, 7), stream);
-    TrackedBuffer<T> grad_weight = Upload<T>(
-        std::vector<double>(trainable ? kV * kH : 0, 7), stream);
-    TrackedBuffer<T> grad_bias = Upload<T>(
-        std::vector<double>(trainable && bias ? kV : 0, 7), stream);
+    TrackedBuffer<T> grad_weight =
+        Upload<T>(std::vector<double>(trainable ? kV * kH : 0, 7), stream);
+    TrackedBuffer<T> grad_bias =
+        Upload<T>(std::vector<double>(trainable && bias ? kV : 0, 7), stream);
     TrackedBuffer<float> grad_confidence =
         Upload<float>(std::vector<double>(conf ? n : 0, 7), stream);
     TrackedBuffer<float> neg_log_q =
@@ -108,17 +109,19 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
         Upload<int32_t>(std::vector<int32_t>(n, 7), stream);
     TrackedBuffer<int32_t> top_k =
         Upload<int32_t>(std::vector<int32_t>(n * kTopK, 7), stream);
-    const HeadInputs<T> inputs{Span(hidden), Span(teacher_hidden),
-                               Span(confidence), b.rows, Span(weight),
-                               Span(bias_values)};
+    const HeadInputs<T> inputs{Span(hidden),     Span(teacher_hidden),
+                               Span(confidence), b.rows,
+                               Span(weight),     Span(bias_values)};
     const HeadGradients<T> gradients{Span(grad_hidden), Span(grad_weight),
                                      Span(grad_bias), Span(grad_confidence)};
     const HeadRowOutputs outputs{Span(neg_log_q), Span(argmax), Span(top_k),
                                  kTopK};
     run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
     RunOutputs& o = run.outputs;
-    for (T x : Download(grad_hidden, stream)) o.grad_hidden.push_back(ToDouble(x));
-    for (T x : Download(grad_weight, stream)) o.grad_weight.push_back(ToDouble(x));
+    for (T x : Download(grad_hidden, stream))
+      o.grad_hidden.push_back(ToDouble(x));
+    for (T x : Download(grad_weight, stream))
+      o.grad_weight.push_back(ToDouble(x));
     for (T x : Download(grad_bias, stream)) o.grad_bias.push_back(ToDouble(x));
     o.grad_confidence = Download(grad_confidence, stream);
     o.neg_log_q = Download(neg_log_q, stream);
@@ -154,9 +157,9 @@ TEST_P(CudaHeadParityTest, Float32MatchesTheFloat64Reference) {
         if (!segmented && segment != 1) continue;
         SCOPED_TRACE(absl::StrCat(mode, " chunk ", chunk, " segment ", segment,
                                   " trainable ", trainable));
-        const v1::ObjectiveConfig config = OnCuda(
-            Config(loss, mode, chunk, segment, 1, trainable),
-            v1::HeadConfig::FLOAT32);
+        const v1::ObjectiveConfig config =
+            OnCuda(Config(loss, mode, chunk, segment, 1, trainable),
+                   v1::HeadConfig::FLOAT32);
         const GpuRun run = RunOnGpu<float>(config, b, *gpu);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
         ExpectMatchesReference(*run.result, run.outputs, ref, b, trainable,
@@ -176,7 +179,8 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // sqrt(sum (a - b)^2 / sum b^2).
-double RelativeNorm(const std::vector<double>& a, const std::vector<double>& b) {
+double RelativeNorm(const std::vector<double>& a,
+                    const std::vector<double>& b) {
   double diff = 0, norm = 0;
   for (size_t i = 0; i < b.size(); ++i) {
     diff += (a[i] - b[i]) * (a[i] - b[i]);
@@ -201,8 +205,8 @@ TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
       SCOPED_TRACE(absl::StrCat(loss, " ", mode));
       const v1::ObjectiveConfig config = Config(loss, mode, 2, 1, 1, false);
       const Reference ref = Naive(config, b);
-      const GpuRun run = RunOnGpu<BFloat16>(
-          OnCuda(config, v1::HeadConfig::BFLOAT16), b, *gpu);
+      const GpuRun run =
+          RunOnGpu<BFloat16>(OnCuda(config, v1::HeadConfig::BFLOAT16), b, *gpu);
       ASSERT_TRUE(run.result.ok()) << run.result.status();
       for (int64_t r = 0; r < b.num_rows(); ++r) {
         if (b.rows[r].mask <= 0) continue;
@@ -226,10 +230,10 @@ TEST(CudaHeadMemoryTest, PeakBytesStayWithinChunkBounds) {
   int64_t materialize_small = 0;
   for (int64_t batch : {2, 8}) {
     const Batch b = MakeBatch(6, batch, 3);
-    const GpuRun fused = RunOnGpu<float>(
-        OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
-               v1::HeadConfig::FLOAT32),
-        b, *gpu);
+    const GpuRun fused =
+        RunOnGpu<float>(OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
+                               v1::HeadConfig::FLOAT32),
+                        b, *gpu);
     const GpuRun checkpoint = RunOnGpu<float>(
         OnCuda(Config("dflash {}", "CHECKPOINT", 2, 2, 1, false),
                v1::HeadConfig::FLOAT32),

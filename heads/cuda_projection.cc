@@ -78,12 +78,11 @@ class CudaProjection final : public VocabProjection<T> {
     if (!status_.ok()) return;
     const float alpha = 1.0f;
     status_ = BlasStatus(
-        cublasGemmEx(blas_.get(), op_a, op_b, static_cast<int>(m),
-                     static_cast<int>(n), static_cast<int>(k), &alpha, a,
-                     kType<T>, static_cast<int>(lda), b, kType<T>,
-                     static_cast<int>(ldb), &beta, c, kType<T>,
-                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT),
+        cublasGemmEx(
+            blas_.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
+            static_cast<int>(k), &alpha, a, kType<T>, static_cast<int>(lda), b,
+            kType<T>, static_cast<int>(ldb), &beta, c, kType<T>,
+            static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         what);
   }
 
@@ -102,8 +101,8 @@ absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
       !ok.ok()) {
     return ok;
   }
-  if (absl::Status ok =
-          BlasStatus(cublasSetStream(handle, stream.stream()), "cublasSetStream");
+  if (absl::Status ok = BlasStatus(cublasSetStream(handle, stream.stream()),
+                                   "cublasSetStream");
       !ok.ok()) {
     cublasDestroy(handle);
     return ok;
@@ -122,9 +121,9 @@ absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
       !valid.ok()) {
     return valid;
   }
-  return std::unique_ptr<VocabProjection<T>>(new CudaProjection<T>(
-      weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden,
-      blas));
+  return std::unique_ptr<VocabProjection<T>>(
+      new CudaProjection<T>(weight.data(), bias.empty() ? nullptr : bias.data(),
+                            vocab, hidden, blas));
 }
 
 template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>

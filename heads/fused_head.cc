@@ -10,8 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/tensor.h"
-#include "heads/head_plan.h"
 #include "heads/head_backend.h"
+#include "heads/head_plan.h"
 #include "heads/projection.h"
 #include "proto/config.h"
 

@@ -70,16 +70,18 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
       CheckpointContext::Create(plan->policy, unused);
   if (!context.ok()) return context.status();
   std::vector<IntermediateInfo> offered = {
-      {"logits_gradient", v1::LOGITS_GRADIENT, !config.head().trainable(),
-       true, 0}};
-  if (teacher) offered.push_back({"teacher_logits", v1::PROJECTION, true, false, 0});
+      {"logits_gradient", v1::LOGITS_GRADIENT, !config.head().trainable(), true,
+       0}};
+  if (teacher)
+    offered.push_back({"teacher_logits", v1::PROJECTION, true, false, 0});
   const bool never_recompute = plan->policy.segment_chunks() == 0;
   int64_t must = 0, prefer = 0, dropped_per_chunk = 0;
   const int64_t chunks = static_cast<int64_t>(plan->chunks.chunks.size());
   for (const IntermediateInfo& info : offered) {
     const v1::CheckpointAction action = (*context)->Decide(info);
     int64_t all_chunks = 0;
-    for (int64_t c = 0; c < chunks; ++c) all_chunks += plan->rows(c) * v * element_bytes;
+    for (int64_t c = 0; c < chunks; ++c)
+      all_chunks += plan->rows(c) * v * element_bytes;
     if (never_recompute || action == v1::MUST_SAVE) {
       must += all_chunks;
     } else if (action == v1::PREFER_SAVE) {

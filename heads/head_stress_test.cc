@@ -29,21 +29,29 @@ struct HeadRunResult {
 };
 
 // RunHead<double> of `config` over rows, states and weight given directly.
-HeadRunResult RunDouble(const v1::ObjectiveConfig& config, absl::Span<const RowMeta> rows,
-              const std::vector<double>& hidden,
-              const std::vector<double>& teacher,
-              const std::vector<double>& weight, TrackingAllocator& allocator) {
+HeadRunResult RunDouble(const v1::ObjectiveConfig& config,
+                        absl::Span<const RowMeta> rows,
+                        const std::vector<double>& hidden,
+                        const std::vector<double>& teacher,
+                        const std::vector<double>& weight,
+                        TrackingAllocator& allocator) {
   HeadRunResult run;
   run.grad_hidden.assign(hidden.size(), 0);
   if (config.head().trainable()) run.grad_weight.assign(weight.size(), 0);
-  const HeadInputs<double> inputs{
-      hidden, LossNeedsTeacher(config.loss()) ? absl::MakeConstSpan(teacher)
-                                              : absl::Span<const double>(),
-      {}, rows, weight, {}};
-  run.result = RunHead<double>(
-      config, inputs,
-      {absl::MakeSpan(run.grad_hidden), absl::MakeSpan(run.grad_weight), {}, {}},
-      allocator);
+  const HeadInputs<double> inputs{hidden,
+                                  LossNeedsTeacher(config.loss())
+                                      ? absl::MakeConstSpan(teacher)
+                                      : absl::Span<const double>(),
+                                  {},
+                                  rows,
+                                  weight,
+                                  {}};
+  run.result = RunHead<double>(config, inputs,
+                               {absl::MakeSpan(run.grad_hidden),
+                                absl::MakeSpan(run.grad_weight),
+                                {},
+                                {}},
+                               allocator);
   return run;
 }
 
@@ -83,12 +91,13 @@ TEST(HeadMemoryPredictionTest, PeakNeverExceedsThePrediction) {
             PredictPeakBytes(config, b.rows, sizeof(double));
         ASSERT_TRUE(predicted.ok()) << predicted.status();
         TrackingAllocator allocator;
-        const HeadRunResult run = RunDouble(config, b.rows, b.hidden, b.teacher,
-                                  b.weight, allocator);
+        const HeadRunResult run =
+            RunDouble(config, b.rows, b.hidden, b.teacher, b.weight, allocator);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
         const int64_t peak = run.result->stats.peak_bytes;
         EXPECT_LE(peak, *predicted);
-        absl::StatusOr<HeadPlan> plan = PlanHead(config, b.rows, sizeof(double));
+        absl::StatusOr<HeadPlan> plan =
+            PlanHead(config, b.rows, sizeof(double));
         ASSERT_TRUE(plan.ok());
         EXPECT_GE(peak, plan->max_chunk_rows * kV * int64_t{sizeof(double)});
       }
@@ -132,10 +141,10 @@ EdgeBatch MakeEdgeBatch(int64_t k, int64_t blocks, bool mask_all) {
 v1::ObjectiveConfig EdgeConfig(const std::string& loss, const char* mode,
                                int64_t k, int64_t blocks_per_chunk) {
   auto config = LoadObjectiveConfigFromString(absl::StrCat(
-      "layout { block_size: ", k, " } chunking { blocks_per_chunk: ",
-      blocks_per_chunk, " } head { vocab_size: ", kBigVocab,
-      " hidden_size: ", kSmallHidden, " mode: ", mode,
-      " dtype: FLOAT64 threads: 1 } loss { ", loss, " }"));
+      "layout { block_size: ", k,
+      " } chunking { blocks_per_chunk: ", blocks_per_chunk,
+      " } head { vocab_size: ", kBigVocab, " hidden_size: ", kSmallHidden,
+      " mode: ", mode, " dtype: FLOAT64 threads: 1 } loss { ", loss, " }"));
   EXPECT_TRUE(config.ok()) << config.status();
   return *config;
 }
@@ -215,7 +224,8 @@ TEST(HeadEdgeTest, ExtremeShapesStayFiniteAndExact) {
                       b.rows, b.hidden, b.teacher, b.weight, allocator);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
         EXPECT_TRUE(std::isfinite(run.result->loss));
-        EXPECT_NEAR(run.result->loss, ref.loss, 1e-9 * (1 + std::abs(ref.loss)));
+        EXPECT_NEAR(run.result->loss, ref.loss,
+                    1e-9 * (1 + std::abs(ref.loss)));
         for (size_t i = 0; i < ref.grad_hidden.size(); ++i) {
           ASSERT_TRUE(std::isfinite(run.grad_hidden[i]));
           EXPECT_NEAR(run.grad_hidden[i], ref.grad_hidden[i],
@@ -243,7 +253,8 @@ TEST(HeadSizeTest, ProductsBeyondTwoToThe31AreExactAndRefusedCleanly) {
   auto config = LoadObjectiveConfigFromString(absl::StrCat(
       "layout { block_size: 2 } chunking { blocks_per_chunk: 1 } head { "
       "vocab_size: ",
-      kVocab, " hidden_size: 1 mode: MATERIALIZE dtype: FLOAT64 } loss { "
+      kVocab,
+      " hidden_size: 1 mode: MATERIALIZE dtype: FLOAT64 } loss { "
       "dflash { } }"));
   ASSERT_TRUE(config.ok()) << config.status();
   absl::StatusOr<int64_t> predicted = PredictPeakBytes(*config, rows, 8);
@@ -259,7 +270,8 @@ TEST(HeadSizeTest, ProductsBeyondTwoToThe31AreExactAndRefusedCleanly) {
 
   const std::vector<double> hidden(kRows, 0.5), weight(kVocab, 0.25);
   TrackingAllocator limited(int64_t{1} << 30);
-  const HeadRunResult run = RunDouble(*config, rows, hidden, {}, weight, limited);
+  const HeadRunResult run =
+      RunDouble(*config, rows, hidden, {}, weight, limited);
   EXPECT_EQ(run.result.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(run.result.status().message().find(
                 absl::StrCat("allocating ", logits_bytes, " bytes")),

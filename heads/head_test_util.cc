@@ -41,7 +41,6 @@ Batch MakeBatch(uint32_t seed, int64_t batch, int64_t anchors) {
   return b;
 }
 
-
 namespace {
 
 std::vector<double> NaiveLogits(const std::vector<double>& x, const Batch& b,
@@ -51,7 +50,8 @@ std::vector<double> NaiveLogits(const std::vector<double>& x, const Batch& b,
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t v = 0; v < kV; ++v) {
       double sum = bias ? b.bias[v] : 0.0;
-      for (int64_t h = 0; h < kH; ++h) sum += x[r * kH + h] * b.weight[v * kH + h];
+      for (int64_t h = 0; h < kH; ++h)
+        sum += x[r * kH + h] * b.weight[v * kH + h];
       logits[r * kV + v] = sum;
     }
   }
@@ -71,10 +71,9 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
   ref.neg_log_q.assign(n, 0);
   ref.argmax.assign(n, 0);
   ref.top_k.assign(n * kTopK, 0);
-  ChunkLossOutputs outputs{absl::MakeSpan(ref.grad_confidence),
-                           absl::MakeSpan(ref.neg_log_q),
-                           absl::MakeSpan(ref.argmax), absl::MakeSpan(ref.top_k),
-                           kTopK};
+  ChunkLossOutputs outputs{
+      absl::MakeSpan(ref.grad_confidence), absl::MakeSpan(ref.neg_log_q),
+      absl::MakeSpan(ref.argmax), absl::MakeSpan(ref.top_k), kTopK};
   auto terms = ChunkLoss<double>(
       config.loss(),
       {kK, config.head().logit_scale(), config.head().logit_softcap()},

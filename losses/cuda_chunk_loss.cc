@@ -100,9 +100,9 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
         absl::StrCat("chunk loss: ", valid.message()));
   }
   if (options.block_size <= 0 || options.block_size > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk loss: block_size must lie in [1, 2^20], got ",
-        options.block_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: block_size must lie in [1, 2^20], got ",
+                     options.block_size));
   }
   auto state = std::make_unique<State>();
   state->config = config;
@@ -124,8 +124,8 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
     return ok;
   }
   const unsigned long long none = cuda::kNoError;
-  if (absl::Status ok = stream.CopyToDevice(state->error.data(), &none,
-                                            sizeof(none));
+  if (absl::Status ok =
+          stream.CopyToDevice(state->error.data(), &none, sizeof(none));
       !ok.ok()) {
     return ok;
   }
@@ -168,13 +168,13 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     const RowMeta& meta = inputs.rows[r];
     const float mask = meta.target == ignore ? 0.0f : meta.mask;
     if (mask != 0 && (meta.target < 0 || meta.target >= vocab)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row ", r, ": target id ", meta.target, " is outside [0, ", vocab,
-          ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, ": target id ", meta.target,
+                       " is outside [0, ", vocab, ")"));
     }
-    rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
-               static_cast<float>(
-                   RowLossWeight(s.config, meta.position, mask))};
+    rows[r] = {
+        mask != 0 ? meta.target : 0, meta.position, mask,
+        static_cast<float>(RowLossWeight(s.config, meta.position, mask))};
   }
   std::vector<int32_t> block_begin;
   if (LossCouplesBlocks(s.config)) {
@@ -194,8 +194,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   const int64_t row_bytes = Aligned<double>(n);
   const int64_t terms_bytes = Aligned<double>(4 * n);
   absl::StatusOr<TrackedBuffer<char>> scratch = TrackedBuffer<char>::Create(
-      s.stream->allocator(), meta_bytes + blocks_bytes + stats_bytes +
-                                 2 * row_bytes + terms_bytes);
+      s.stream->allocator(),
+      meta_bytes + blocks_bytes + stats_bytes + 2 * row_bytes + terms_bytes);
   if (!scratch.ok()) return scratch.status();
   char* at = scratch->data();
   auto take = [&](int64_t bytes) {
@@ -212,9 +212,9 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.row_terms = reinterpret_cast<double*>(take(terms_bytes));
   s.rows.push_back(std::move(rows));
   s.block_begins.push_back(std::move(block_begin));
-  if (absl::Status ok = s.stream->CopyToDevice(
-          const_cast<cuda::Row*>(args.meta), s.rows.back().data(),
-          n * sizeof(cuda::Row));
+  if (absl::Status ok =
+          s.stream->CopyToDevice(const_cast<cuda::Row*>(args.meta),
+                                 s.rows.back().data(), n * sizeof(cuda::Row));
       !ok.ok()) {
     return ok;
   }
@@ -233,9 +233,11 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.confidence = inputs.confidence_logits.empty()
                         ? nullptr
                         : inputs.confidence_logits.data();
-  args.confidence_grad =
-      outputs.confidence_grad.empty() ? nullptr : outputs.confidence_grad.data();
-  args.neg_log_q = outputs.neg_log_q.empty() ? nullptr : outputs.neg_log_q.data();
+  args.confidence_grad = outputs.confidence_grad.empty()
+                             ? nullptr
+                             : outputs.confidence_grad.data();
+  args.neg_log_q =
+      outputs.neg_log_q.empty() ? nullptr : outputs.neg_log_q.data();
   args.argmax = outputs.argmax.empty() ? nullptr : outputs.argmax.data();
   args.top_k = outputs.top_k.empty() ? nullptr : outputs.top_k.data();
   args.k = outputs.top_k.empty() ? 0 : outputs.k;
@@ -310,8 +312,8 @@ absl::StatusOr<TrackedBuffer<U>> Upload(absl::Span<const U> host,
   absl::StatusOr<TrackedBuffer<U>> device = TrackedBuffer<U>::Create(
       stream.allocator(), static_cast<int64_t>(host.size()));
   if (!device.ok()) return device.status();
-  if (absl::Status ok = stream.CopyToDevice(device->data(), host.data(),
-                                            device->bytes());
+  if (absl::Status ok =
+          stream.CopyToDevice(device->data(), host.data(), device->bytes());
       !ok.ok()) {
     return ok;
   }

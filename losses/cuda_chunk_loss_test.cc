@@ -30,9 +30,9 @@ std::unique_ptr<CudaStream> StreamOrSkip(std::string& why) {
   return *std::move(stream);
 }
 
-#define SKIP_WITHOUT_GPU(stream)                                   \
-  std::string why;                                                 \
-  std::unique_ptr<CudaStream> stream = StreamOrSkip(why);          \
+#define SKIP_WITHOUT_GPU(stream)                          \
+  std::string why;                                        \
+  std::unique_ptr<CudaStream> stream = StreamOrSkip(why); \
   if (stream == nullptr) GTEST_SKIP() << "no GPU here: " << why
 
 v1::LossConfig Loss(const std::string& text) {
@@ -54,7 +54,8 @@ struct Problem {
 Problem MakeProblem(int64_t vocab, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<double> normal(0, 2);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  std::uniform_int_distribution<int32_t> token(0,
+                                               static_cast<int32_t>(vocab) - 1);
   Problem p;
   p.vocab = vocab;
   for (int64_t r = 0; r < kRows; ++r) {
@@ -91,11 +92,11 @@ constexpr int32_t kTopK = 4;
 // Runs `T` on the CPU (ChunkLoss) or the GPU (CudaChunkLossFromHost).
 template <typename T>
 Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
-            const Problem& p, CudaStream* gpu) {
+                const Problem& p, CudaStream* gpu) {
   std::vector<T> logits = FromDoubles<T>(p.logits);
   const std::vector<T> teacher = FromDoubles<T>(p.teacher);
-  const bool confidence = config.has_dspark() &&
-                          config.dspark().confidence_weight() > 0;
+  const bool confidence =
+      config.has_dspark() && config.dspark().confidence_weight() > 0;
   Outcome out;
   out.confidence_grad.assign(confidence ? kRows : 0, 7);
   out.neg_log_q.assign(kRows, 7);
@@ -112,7 +113,8 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
       absl::MakeSpan(out.confidence_grad), absl::MakeSpan(out.neg_log_q),
       absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), kTopK};
   if constexpr (std::is_same_v<T, double>) {
-    out.terms = ChunkLoss<T>(config, options, inputs, outputs);  // No FP64 on CUDA.
+    out.terms =
+        ChunkLoss<T>(config, options, inputs, outputs);  // No FP64 on CUDA.
   } else {
     out.terms = gpu != nullptr ? CudaChunkLossFromHost<T>(config, options,
                                                           inputs, outputs, *gpu)
@@ -145,7 +147,8 @@ const Case kCases[] = {
      "z_loss_scale: 0.01 }"},
     {"dflash_softcap", "dflash { gamma: 7 }", 0.8, 5},
     {"dpace", "dpace { alpha: 0.3 }"},
-    {"dpace_cumulative", "dpace { alpha: 0.2 variant: CUMULATIVE_CONFIDENCE_ONLY }"},
+    {"dpace_cumulative",
+     "dpace { alpha: 0.2 variant: CUMULATIVE_CONFIDENCE_ONLY }"},
     {"dpace_continuation",
      "dpace { alpha: 0.4 variant: CONTINUATION_VALUE_ONLY }"},
     {"tv", "tv { gamma: 7 }"},
@@ -224,9 +227,11 @@ TEST_P(CudaChunkLossTest, BFloat16MatchesTheCpu) {
   EXPECT_LT(RelativeNormError(got.grad, exact.grad), 5e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Families, CudaChunkLossTest, ::testing::ValuesIn(kCases),
-    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Families, CudaChunkLossTest,
+                         ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   SKIP_WITHOUT_GPU(gpu);
@@ -235,17 +240,20 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   Problem p = MakeProblem(13, 3);
   p.rows[4].target = 13;
   p.rows[4].mask = 1;
-  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
-            "row 4: target id 13 is outside [0, 13)");
+  EXPECT_EQ(
+      RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+      "row 4: target id 13 is outside [0, 13)");
   p = MakeProblem(13, 3);
   p.rows[6].mask = 1;
   p.logits[6 * 13 + 5] = NAN;
-  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
-            "row 6: a logit is not finite");
+  EXPECT_EQ(
+      RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+      "row 6: a logit is not finite");
   p = MakeProblem(13, 3);
   p.rows[2].position = kK;
-  EXPECT_EQ(RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
-            "row 2: block position 5 is outside [0, 5)");
+  EXPECT_EQ(
+      RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
+      "row 2: block position 5 is outside [0, 5)");
   // A gradient that overflows float32 is an error, as on the CPU.
   p = MakeProblem(13, 3);
   p.rows[6].mask = 1e30f;
@@ -258,8 +266,9 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   // The same messages as the CPU's where both see the problem first.
   p = MakeProblem(13, 3);
   p.rows[2].position = kK;
-  EXPECT_EQ(RunLoss<float>(config, options, p, nullptr).terms.status().message(),
-            "row 2: block position 5 is outside [0, 5)");
+  EXPECT_EQ(
+      RunLoss<float>(config, options, p, nullptr).terms.status().message(),
+      "row 2: block position 5 is outside [0, 5)");
 }
 
 // Without a GPU, the stream says why; this runs everywhere.

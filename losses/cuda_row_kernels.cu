@@ -33,7 +33,8 @@ __device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
   const uint32_t bits = __float_as_uint(f);
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  return BFloat16{static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u) : rounded)};
+  return BFloat16{
+      static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u) : rounded)};
 }
 
 // z -> z' (logit scale and tanh softcap) and its chain rule.
@@ -79,9 +80,10 @@ __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
     return;
   }
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned = n % kVec == 0 &&
-                       ((reinterpret_cast<uintptr_t>(z) |
-                         reinterpret_cast<uintptr_t>(t)) & 15) == 0;
+  const bool aligned =
+      n % kVec == 0 &&
+      ((reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(t)) &
+       15) == 0;
   if (aligned) {
     const uint4* zv = reinterpret_cast<const uint4*>(z);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
@@ -104,9 +106,10 @@ __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
 template <typename T, typename G>
 __device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n, G&& g) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned = n % kVec == 0 &&
-                       ((reinterpret_cast<uintptr_t>(row) |
-                         reinterpret_cast<uintptr_t>(t)) & 15) == 0;
+  const bool aligned =
+      n % kVec == 0 &&
+      ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(t)) &
+       15) == 0;
   if (aligned) {
     uint4* zv = reinterpret_cast<uint4*>(row);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
@@ -143,7 +146,8 @@ __device__ S BlockReduce(S value, Op op) {
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
     if (threadIdx.x < stride) {
-      buffer[threadIdx.x] = op(buffer[threadIdx.x], buffer[threadIdx.x + stride]);
+      buffer[threadIdx.x] =
+          op(buffer[threadIdx.x], buffer[threadIdx.x + stride]);
     }
     __syncthreads();
   }
@@ -247,9 +251,8 @@ __global__ void __launch_bounds__(kThreads)
     Add(s, i, z, inv_t, distill);
     if (i == meta.target) target = z;
   });
-  s = BlockReduce(s, [&](Online x, Online y) {
-    return Merge(x, y, inv_t, distill);
-  });
+  s = BlockReduce(
+      s, [&](Online x, Online y) { return Merge(x, y, inv_t, distill); });
   Online t;
   if (a.teacher != nullptr) {
     const float teacher_inv_t = distill ? inv_t : 1.0f;
@@ -303,8 +306,7 @@ __global__ void __launch_bounds__(kThreads)
     Pick best{-FLT_MAX, INT32_MAX};
     ForRow(a.logits + r * p.vocab, p.vocab, [&](int64_t i, float x) {
       const float z = transform(x);
-      const bool after =
-          z < last.value || (z == last.value && i > last.index);
+      const bool after = z < last.value || (z == last.value && i > last.index);
       if (after) best = better(best, Pick{z, static_cast<int32_t>(i)});
     });
     best = BlockReduce(best, better);
@@ -322,9 +324,9 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   if (b >= blocks) return;
   const int32_t begin = block_begin[b], end = block_begin[b + 1];
   auto q = [&](int32_t r) {
-    return meta[r].mask > 0 ? exp(static_cast<double>(stats[r].target) -
-                                  stats[r].lse)
-                            : 0.0;
+    return meta[r].mask > 0
+               ? exp(static_cast<double>(stats[r].target) - stats[r].lse)
+               : 0.0;
   };
   if (p.coupling == Coupling::kLkLambda) {
     double hits = 0, mass = 0;
@@ -401,7 +403,8 @@ __global__ void __launch_bounds__(kThreads)
     terms[1] = w;
     terms[2] = hit;
     terms[3] = meta.mask;
-    if (a.neg_log_q != nullptr) a.neg_log_q[out] = static_cast<float>(neg_log_q);
+    if (a.neg_log_q != nullptr)
+      a.neg_log_q[out] = static_cast<float>(neg_log_q);
     if (a.argmax != nullptr) a.argmax[out] = s.argmax;
     if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
   }
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(kThreads)
   const double q = exp(-neg_log_q);
   const double eps = p.label_smoothing;
   const double ce_w = p.tv ? 0 : w * ce_share;
-  const double tv_w = p.tv ? w
+  const double tv_w = p.tv                                ? w
                       : p.coupling == Coupling::kLkLambda ? w * (1 - ce_share)
                                                           : 0;
   const double z_w = w * p.z_loss_scale;
@@ -624,12 +627,12 @@ void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
   if (count == 0) return;
   constexpr int kBlock = 256;
   const int64_t blocks = (count + kBlock - 1) / kBlock;
-  ScaleKernel<T><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096),
-                   kBlock, 0, stream>>>(data, count, den, upstream);
+  ScaleKernel<T><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
+                   0, stream>>>(data, count, den, upstream);
 }
 
-template void LaunchChunkLoss<float>(const LossParams&,
-                                     const ChunkArgs<float>&, CUstream_st*);
+template void LaunchChunkLoss<float>(const LossParams&, const ChunkArgs<float>&,
+                                     CUstream_st*);
 template void LaunchChunkLoss<BFloat16>(const LossParams&,
                                         const ChunkArgs<BFloat16>&,
                                         CUstream_st*);

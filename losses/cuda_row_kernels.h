@@ -16,7 +16,11 @@ namespace cuda {
 enum class Family : int32_t { kSoftmax = 0, kDSpark = 1, kDistillation = 2 };
 enum class Coupling : int32_t { kNone = 0, kDPace = 1, kLkLambda = 2 };
 // DPaceLoss.Variant and DistillationLoss.Divergence (mapped on the host).
-enum class DPaceVariant : int32_t { kDPace = 0, kCumulative = 1, kContinuation = 2 };
+enum class DPaceVariant : int32_t {
+  kDPace = 0,
+  kCumulative = 1,
+  kContinuation = 2
+};
 enum class Divergence : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
 
 // One LossConfig and ChunkLossOptions, resolved (see chunk_loss.h).
@@ -25,7 +29,7 @@ struct LossParams {
   Coupling coupling = Coupling::kNone;
   bool tv = false;  // tv's (1 - q) instead of CE.
   DPaceVariant dpace_variant = DPaceVariant::kDPace;
-  double alpha = 0;  // D-PACE smoothing.
+  double alpha = 0;                   // D-PACE smoothing.
   double kl_scale = 0, kl_decay = 0;  // lk-lambda.
   double label_smoothing = 0, z_loss_scale = 0;
   double logit_scale = 1, logit_softcap = 0;
@@ -48,11 +52,11 @@ struct Row {
 // What the stats pass leaves per row (of the transformed logits z').
 struct RowStats {
   float max = 0;
-  float lse = 0;      // logsumexp(z').
-  float lse_t = 0;    // logsumexp(z' / T), distillation.
-  float target = 0;   // z'[target].
-  float sum = 0;      // sum(z'), label smoothing.
-  float t_lse = 0;    // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
+  float lse = 0;     // logsumexp(z').
+  float lse_t = 0;   // logsumexp(z' / T), distillation.
+  float target = 0;  // z'[target].
+  float sum = 0;     // sum(z'), label smoothing.
+  float t_lse = 0;   // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
   int32_t argmax = 0;
   int32_t pad = 0;
 };
@@ -79,18 +83,18 @@ constexpr unsigned long long kNoError = ~0ull;
 // out_rows is null. Optional buffers are null when not wanted.
 template <typename T>
 struct ChunkArgs {
-  T* logits = nullptr;           // [rows, V]; overwritten with the gradient.
-  const T* teacher = nullptr;    // [rows, V], dspark and distillation.
+  T* logits = nullptr;         // [rows, V]; overwritten with the gradient.
+  const T* teacher = nullptr;  // [rows, V], dspark and distillation.
   int64_t rows = 0;
-  const Row* meta = nullptr;     // [rows]
+  const Row* meta = nullptr;             // [rows]
   const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
   int32_t blocks = 0;
   const int64_t* out_rows = nullptr;
-  const float* confidence = nullptr;     // By out row, DSpark.
-  float* confidence_grad = nullptr;      // By out row.
-  float* neg_log_q = nullptr;            // By out row.
-  int32_t* argmax = nullptr;             // By out row.
-  int32_t* top_k = nullptr;              // [out row, k].
+  const float* confidence = nullptr;  // By out row, DSpark.
+  float* confidence_grad = nullptr;   // By out row.
+  float* neg_log_q = nullptr;         // By out row.
+  int32_t* argmax = nullptr;          // By out row.
+  int32_t* top_k = nullptr;           // [out row, k].
   int32_t k = 0;
   // Scratch, [rows] each (row_terms [rows, 4]).
   RowStats* stats = nullptr;
