@@ -125,8 +125,12 @@ class RowSource {
 
   // Chains d/dz' in `grad` back to d/dz and stores row r. A gradient that
   // overflows the working type (from huge masks, loss weights or logit
-  // transforms) is an error naming the row, never a silent inf.
-  absl::Status StoreGradient(int64_t r, absl::Span<W> grad, double weight) {
+  // transforms) is an error naming the row, never a silent inf. `bound` is
+  // an upper bound on |d/dz'| over the row, from its coefficients, or
+  // infinity where none is cheap: the row is scanned only when the bound
+  // (times the chain's factor, at most the logit scale) might not fit.
+  absl::Status StoreGradient(int64_t r, absl::Span<W> grad, double weight,
+                             double bound) {
     if (softcap_ > 0) {
       // dz'/dz = s * (1 - tanh^2) = s * (1 - (z'/c)^2).
       for (size_t v = 0; v < grad.size(); ++v) {
@@ -136,7 +140,10 @@ class RowSource {
     } else if (scale_ != 1) {
       for (W& g : grad) g = static_cast<W>(g * scale_);
     }
-    if (!AllFinite(grad.data(), static_cast<int64_t>(grad.size()))) {
+    const double fits = std::numeric_limits<W>::max() / 2;
+    const bool may_overflow = !(bound < fits && bound * scale_ < fits);
+    if (may_overflow &&
+        !AllFinite(grad.data(), static_cast<int64_t>(grad.size()))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", r, ": d(loss)/d(logits) overflows ",
           std::is_same_v<W, float> ? "float32" : "float64",
@@ -570,7 +577,12 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       if (!teacher.ok()) return TeacherError(teacher.status());
       terms.loss_num +=
           w * DistillationRow<W>(config.distillation(), z, s, t, *teacher, w);
-      if (absl::Status ok = source.StoreGradient(r, z, w); !ok.ok()) return ok;
+      // Log-probability differences make no cheap bound here.
+      if (absl::Status ok = source.StoreGradient(
+              r, z, w, std::numeric_limits<double>::infinity());
+          !ok.ok()) {
+        return ok;
+      }
       continue;
     }
 
@@ -594,6 +606,9 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
         ce_weight + tv_weight * q_row + 2 * z_weight * s.logsumexp,
         ce_weight * (1 - smoothing) + tv_weight * q_row,
         ce_weight * smoothing};
+    // |softmax * p - target * onehot - uniform / V| with p <= 1.
+    double bound = std::abs(grad.softmax) + std::abs(grad.target) +
+                   std::abs(grad.uniform);
 
     if (config.has_dspark()) {
       const v1::DSparkLoss& dspark = config.dspark();
@@ -602,6 +617,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       if (!teacher.ok()) return TeacherError(teacher.status());
       const double l1 = DSparkL1Row<W>(z, meta.target, s, t, *teacher, grad,
                                        w * dspark.l1_weight());
+      bound += 2 * std::abs(w * dspark.l1_weight());  // |sign - mass| <= 2.
       terms.loss_num += w * dspark.l1_weight() * l1;
       if (dspark.confidence_weight() > 0) {
         const double accept = std::clamp(1 - 0.5 * l1, 0.0, 1.0);
@@ -628,7 +644,9 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     } else {
       WriteSoftmaxGradient<W>(z, meta.target, s, grad);
     }
-    if (absl::Status ok = source.StoreGradient(r, z, w); !ok.ok()) return ok;
+    if (absl::Status ok = source.StoreGradient(r, z, w, bound); !ok.ok()) {
+      return ok;
+    }
   }
   return terms;
 }
