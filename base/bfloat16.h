@@ -43,7 +43,7 @@ T FromDouble(double x) {
   }
 }
 template <typename T>
-double ToDouble(T x) {
+double AsDouble(T x) {
   if constexpr (std::is_same_v<T, BFloat16>) {
     return ToFloat(x);
   } else {
@@ -51,12 +51,19 @@ double ToDouble(T x) {
   }
 }
 
-// FromDouble of every value.
+// FromDouble and AsDouble of every value.
 template <typename T>
 std::vector<T> FromDoubles(const std::vector<double>& values) {
   std::vector<T> out;
   out.reserve(values.size());
   for (double x : values) out.push_back(FromDouble<T>(x));
+  return out;
+}
+template <typename T>
+std::vector<double> AsDoubles(const std::vector<T>& values) {
+  std::vector<double> out;
+  out.reserve(values.size());
+  for (const T& x : values) out.push_back(AsDouble(x));
   return out;
 }
 

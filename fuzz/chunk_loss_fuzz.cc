@@ -110,7 +110,7 @@ Outcome Run(const Problem& p) {
       {absl::MakeSpan(logits), teacher, p.confidence, p.rows, p.vocab},
       {absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
        absl::MakeSpan(argmax), absl::MakeSpan(top_k), p.k});
-  for (const T& g : logits) out.grad.push_back(ToDouble(g));
+  out.grad = AsDoubles(logits);
   return out;
 }
 

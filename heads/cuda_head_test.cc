@@ -118,11 +118,9 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
                                  kTopK};
     run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
     RunOutputs& o = run.outputs;
-    for (T x : Download(grad_hidden, stream))
-      o.grad_hidden.push_back(ToDouble(x));
-    for (T x : Download(grad_weight, stream))
-      o.grad_weight.push_back(ToDouble(x));
-    for (T x : Download(grad_bias, stream)) o.grad_bias.push_back(ToDouble(x));
+    o.grad_hidden = AsDoubles(Download(grad_hidden, stream));
+    o.grad_weight = AsDoubles(Download(grad_weight, stream));
+    o.grad_bias = AsDoubles(Download(grad_bias, stream));
     o.grad_confidence = Download(grad_confidence, stream);
     o.neg_log_q = Download(neg_log_q, stream);
     o.argmax = Download(argmax, stream);

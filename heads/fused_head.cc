@@ -20,9 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kLogitsGradient[] = "logits_gradient";
-constexpr char kTeacherLogits[] = "teacher_logits";
-
 double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -250,7 +247,7 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
   const T* teacher = nullptr;
   if (teacher_) {
     // Offered before the logits gradient, so kept or already recomputed.
-    absl::StatusOr<TensorView> kept = context_->Fetch(c, kTeacherLogits);
+    absl::StatusOr<TensorView> kept = context_->Fetch(c, kTeacherLogitsTag);
     if (!kept.ok()) return kept.status();
     teacher = kept->data_as<T>();
   }
@@ -279,14 +276,9 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
       return done;
     }
     if (context_ != nullptr) {
-      // No gradient flows through the teacher logits, into the weight or the
-      // input, even when the head trains: for them the weight is frozen.
-      IntermediateInfo info{kTeacherLogits, v1::PROJECTION,
-                            /*weight_frozen=*/true,
-                            /*input_requires_grad=*/false,
-                            static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
       absl::StatusOr<bool> kept = context_->Offer(
-          c, info, View(teacher, m), [this, c](const TensorView& out) {
+          c, TeacherLogitsInfo(head_, m), View(teacher, m),
+          [this, c](const TensorView& out) {
             return TeacherLogits(c, out.data_as<T>());
           });
       if (!kept.ok()) return kept.status();
@@ -298,12 +290,8 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
     return done;
   }
   if (Fused()) return ProjectionGradients(c, *logits);
-  IntermediateInfo info{kLogitsGradient, v1::LOGITS_GRADIENT,
-                        /*weight_frozen=*/!head_.trainable(),
-                        /*input_requires_grad=*/true,
-                        static_cast<int64_t>(2.0 * m * hidden_ * vocab_)};
   return context_
-      ->Offer(c, info, View(*logits, m),
+      ->Offer(c, LogitsGradientInfo(head_, m), View(*logits, m),
               [this, c](const TensorView& out) {
                 return RecomputeLogitsGradient(c, out);
               })
@@ -313,7 +301,7 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
 template <typename T>
 absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
   if (Rows(c) == 0) return absl::OkStatus();
-  absl::StatusOr<TensorView> grad = context_->Fetch(c, kLogitsGradient);
+  absl::StatusOr<TensorView> grad = context_->Fetch(c, kLogitsGradientTag);
   if (!grad.ok()) return grad.status();
   absl::Status done = ProjectionGradients(c, grad->data_as<T>());
   context_->Release(c);

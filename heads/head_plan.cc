@@ -12,6 +12,28 @@
 
 namespace dflash {
 
+namespace {
+
+int64_t ProjectionFlops(const v1::HeadConfig& head, int64_t rows) {
+  return static_cast<int64_t>(2.0 * rows * head.hidden_size() *
+                              head.vocab_size());
+}
+
+}  // namespace
+
+IntermediateInfo LogitsGradientInfo(const v1::HeadConfig& head, int64_t rows) {
+  return {kLogitsGradientTag, v1::LOGITS_GRADIENT,
+          /*weight_frozen=*/!head.trainable(), /*input_requires_grad=*/true,
+          ProjectionFlops(head, rows)};
+}
+
+IntermediateInfo TeacherLogitsInfo(const v1::HeadConfig& head, int64_t rows) {
+  // No gradient flows through the teacher logits, into the weight or the
+  // input, even when the head trains: for them the weight is frozen.
+  return {kTeacherLogitsTag, v1::PROJECTION, /*weight_frozen=*/true,
+          /*input_requires_grad=*/false, ProjectionFlops(head, rows)};
+}
+
 absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                                   absl::Span<const RowMeta> rows,
                                   int64_t element_bytes) {
@@ -63,17 +85,14 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
   const int64_t workspace = chunk_logits * (teacher ? 2 : 1) + row_buffers;
   if (config.head().mode() == v1::HeadConfig::FUSED) return workspace;
 
-  // What the policy does with each intermediate the head offers (the same
-  // tags and properties as RunHead's).
+  // What the policy does with each intermediate the head offers.
   TrackingAllocator unused;
   absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
       CheckpointContext::Create(plan->policy, unused);
   if (!context.ok()) return context.status();
   std::vector<IntermediateInfo> offered = {
-      {"logits_gradient", v1::LOGITS_GRADIENT, !config.head().trainable(), true,
-       0}};
-  if (teacher)
-    offered.push_back({"teacher_logits", v1::PROJECTION, true, false, 0});
+      LogitsGradientInfo(config.head(), m)};
+  if (teacher) offered.push_back(TeacherLogitsInfo(config.head(), m));
   const bool never_recompute = plan->policy.segment_chunks() == 0;
   int64_t must = 0, prefer = 0, dropped_per_chunk = 0;
   const int64_t chunks = static_cast<int64_t>(plan->chunks.chunks.size());

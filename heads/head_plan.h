@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "checkpoint/checkpoint_context.h"
 #include "chunking/chunk_plan.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
@@ -27,6 +28,15 @@ struct HeadPlan {
     return chunk_begin[chunk + 1] - chunk_begin[chunk];
   }
 };
+
+// What a head run tells its checkpoint context about a chunk of `rows`
+// projected rows: its logits gradient (what backward needs; frozen when the
+// head is) and its teacher logits (a frozen projection of an input without
+// gradient). Recompute flops are one projection of the rows.
+inline constexpr char kLogitsGradientTag[] = "logits_gradient";
+inline constexpr char kTeacherLogitsTag[] = "teacher_logits";
+IntermediateInfo LogitsGradientInfo(const v1::HeadConfig& head, int64_t rows);
+IntermediateInfo TeacherLogitsInfo(const v1::HeadConfig& head, int64_t rows);
 
 // `config` validated; `element_bytes` of the head's tensors (4 for FLOAT32).
 absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,

@@ -120,7 +120,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
                                                           inputs, outputs, *gpu)
                                : ChunkLoss<T>(config, options, inputs, outputs);
   }
-  for (const T& g : logits) out.grad.push_back(ToDouble(g));
+  out.grad = AsDoubles(logits);
   return out;
 }
 
