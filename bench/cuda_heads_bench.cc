@@ -98,15 +98,13 @@ Setup& Shared() {
                      1.0f / 64 /* 1 / sqrt(H) */, 2, s->stream->stream());
     const int64_t chunk_rows =
         s->projected * kBlocksPerChunk / kAnchors / kBatch;
-    auto whole = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden, kVocab,
-                                      /*bfloat16=*/true);
-    auto chunked = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden, kVocab,
-                                        true, 3, chunk_rows);
-    if (!whole.ok() || !chunked.ok()) {
-      s->status = whole.ok() ? chunked.status() : whole.status();
+    auto floor = CudaGemmFloorSeconds(*s->blas, s->projected, kHidden,
+                                      kVocab, /*bfloat16=*/true, chunk_rows);
+    if (!floor.ok()) {
+      s->status = floor.status();
       return s;
     }
-    s->floor_seconds = std::min(*whole, *chunked);
+    s->floor_seconds = *floor;
     s->status = s->stream->Synchronize();
     return s;
   }();

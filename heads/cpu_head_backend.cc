@@ -91,7 +91,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
-    const HeadConfig& head = config_.head();
+    const v1::HeadConfig& head = config_.head();
     absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
         CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                head.vocab_size(), head.hidden_size());
@@ -191,8 +191,6 @@ class CpuHeadBackend final : public HeadBackend<T> {
   double loss_seconds() const override { return loss_seconds_; }
 
  private:
-  using HeadConfig = v1::HeadConfig;
-
   const v1::ObjectiveConfig& config_;
   TrackingAllocator& allocator_;
   const ChunkLossOptions options_;
