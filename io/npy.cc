@@ -1,9 +1,15 @@
 #include "io/npy.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <limits>
+#include <optional>
 #include <type_traits>
+#include <utility>
+
+#include "base/checked_math.h"
+#include "base/file.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -81,21 +87,29 @@ std::string NpyArray::ShapeString() const {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
-                                  absl::string_view name) {
+namespace {
+
+// Bytes before the header text and the header's length, from the first
+// kPrefixSize bytes (or fewer, for a truncated file).
+constexpr size_t kPrefixSize = 12;
+// NumPy writes headers of a few hundred bytes; anything near this is not
+// one of its files, and is refused before it is read.
+constexpr size_t kMaxHeaderSize = size_t{1} << 20;
+
+absl::StatusOr<std::pair<size_t, size_t>> HeaderSpan(absl::string_view bytes,
+                                                     absl::string_view name) {
   if (bytes.size() < kMagicSize + 4 ||
       bytes.substr(0, kMagicSize) != absl::string_view(kMagic, kMagicSize)) {
     return Error(name, "not a .npy file (no \\x93NUMPY magic)");
   }
   const int major = static_cast<unsigned char>(bytes[6]);
-  size_t header_len, offset;
+  size_t header_len = 0, offset;
   if (major == 1) {
     header_len = static_cast<unsigned char>(bytes[8]) |
                  static_cast<unsigned char>(bytes[9]) << 8;
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return Error(name, "truncated .npy header");
-    header_len = 0;
     for (int i = 0; i < 4; ++i) {
       header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i]))
                     << (8 * i);
@@ -105,17 +119,25 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
     return Error(name, absl::StrCat(".npy format version ", major,
                                     " is not supported (1, 2 or 3)"));
   }
-  if (bytes.size() < offset + header_len) {
-    return Error(name, "truncated .npy header");
+  if (header_len > kMaxHeaderSize) {
+    return Error(name, absl::StrCat("a .npy header of ", header_len,
+                                    " bytes is larger than the ",
+                                    kMaxHeaderSize, " accepted"));
   }
-  const absl::string_view header = bytes.substr(offset, header_len);
+  return std::make_pair(offset, header_len);
+}
+
+// The header dict (bytes[offset, offset + header_len)) as type and shape.
+absl::StatusOr<NpyHeader> ParseHeaderText(absl::string_view header,
+                                          size_t offset,
+                                          absl::string_view name) {
   absl::StatusOr<std::string> descr = Field(header, "descr", name);
   absl::StatusOr<std::string> fortran = Field(header, "fortran_order", name);
   absl::StatusOr<std::string> shape = Field(header, "shape", name);
   for (const auto* field : {&descr, &fortran, &shape}) {
     if (!field->ok()) return field->status();
   }
-  NpyArray array;
+  NpyHeader out;
   absl::string_view d = *descr;
   if (!absl::ConsumePrefix(&d, "'") || !absl::ConsumeSuffix(&d, "'")) {
     return Error(name, absl::StrCat("malformed descr ", *descr));
@@ -131,7 +153,7 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
     std::string native = info.descr;
     if (native[0] == '<') native[0] = '=';
     if (d == info.descr || d == native) {
-      array.type = info.type;
+      out.type = info.type;
       known = true;
     }
   }
@@ -157,30 +179,119 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
         extent < 0 || extent > (int64_t{1} << 40)) {
       return Error(name, absl::StrCat("malformed shape ", *shape));
     }
-    array.shape.push_back(extent);
+    out.shape.push_back(extent);
   }
-  const int64_t elements = array.elements();
-  const int64_t item = Info(array.type).size;
-  const absl::string_view data = bytes.substr(offset + header_len);
-  if (elements > static_cast<int64_t>(data.size()) / item ||
-      static_cast<int64_t>(data.size()) != elements * item) {
-    return Error(name, absl::StrCat("data holds ", data.size(),
-                                    " bytes, shape ", array.ShapeString(),
-                                    " of ", d, " needs ", elements * item,
-                                    " (truncated or padded file)"));
+  // Each extent is bounded, their product is not: (2^32, 2^32, 4, 16).
+  const std::optional<int64_t> elements = CheckedProduct(out.shape);
+  const std::optional<int64_t> bytes =
+      elements ? CheckedMul(*elements, Info(out.type).size) : std::nullopt;
+  if (!bytes) {
+    return Error(name, absl::StrCat("shape [", absl::StrJoin(out.shape, ", "),
+                                    "] of ", d,
+                                    " holds more than 2^63 bytes"));
   }
+  out.elements = *elements;
+  out.data_bytes = *bytes;
+  out.data_offset = static_cast<int64_t>(offset + header.size());
+  return out;
+}
+
+absl::Status CheckDataSize(const NpyHeader& header, int64_t data_size,
+                           absl::string_view name) {
+  if (data_size == header.data_bytes) return absl::OkStatus();
+  return Error(name, absl::StrCat(
+                         "data holds ", data_size, " bytes, shape [",
+                         absl::StrJoin(header.shape, ", "), "] of ",
+                         NpyDescr(header.type), " needs ", header.data_bytes,
+                         " (truncated or padded file)"));
+}
+
+}  // namespace
+
+int64_t NpyItemSize(NpyType type) { return Info(type).size; }
+
+absl::StatusOr<NpyHeader> ParseNpyHeader(absl::string_view bytes,
+                                         absl::string_view name) {
+  absl::StatusOr<std::pair<size_t, size_t>> span = HeaderSpan(bytes, name);
+  if (!span.ok()) return span.status();
+  const auto [offset, header_len] = *span;
+  if (bytes.size() < offset + header_len) {
+    return Error(name, "truncated .npy header");
+  }
+  return ParseHeaderText(bytes.substr(offset, header_len), offset, name);
+}
+
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
+                                  absl::string_view name) {
+  absl::StatusOr<NpyHeader> header = ParseNpyHeader(bytes, name);
+  if (!header.ok()) return header.status();
+  const absl::string_view data = bytes.substr(header->data_offset);
+  if (absl::Status size =
+          CheckDataSize(*header, static_cast<int64_t>(data.size()), name);
+      !size.ok()) {
+    return size;
+  }
+  NpyArray array;
+  array.type = header->type;
+  array.shape = std::move(header->shape);
   array.data = std::string(data);
   return array;
 }
 
-absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+namespace {
+
+// The header of an open file, its data size checked against the file's.
+absl::StatusOr<NpyHeader> ReadHeader(const ReadableFile& file) {
+  std::string prefix(std::min<int64_t>(file.size(), kPrefixSize), '\0');
+  if (absl::Status read = file.ReadAt(0, absl::MakeSpan(prefix)); !read.ok()) {
+    return read;
   }
-  std::ostringstream bytes;
-  bytes << file.rdbuf();
-  return ParseNpy(bytes.str(), path);
+  absl::StatusOr<std::pair<size_t, size_t>> span =
+      HeaderSpan(prefix, file.path());
+  if (!span.ok()) return span.status();
+  const auto [offset, header_len] = *span;
+  if (file.size() < static_cast<int64_t>(offset + header_len)) {
+    return Error(file.path(), "truncated .npy header");
+  }
+  std::string header(header_len, '\0');
+  if (absl::Status read = file.ReadAt(offset, absl::MakeSpan(header));
+      !read.ok()) {
+    return read;
+  }
+  absl::StatusOr<NpyHeader> parsed =
+      ParseHeaderText(header, offset, file.path());
+  if (!parsed.ok()) return parsed.status();
+  if (absl::Status size = CheckDataSize(
+          *parsed, file.size() - parsed->data_offset, file.path());
+      !size.ok()) {
+    return size;
+  }
+  return parsed;
+}
+
+}  // namespace
+
+absl::StatusOr<NpyHeader> ReadNpyHeader(const std::string& path) {
+  absl::StatusOr<ReadableFile> file = ReadableFile::Open(path);
+  if (!file.ok()) return file.status();
+  return ReadHeader(*file);
+}
+
+absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
+  absl::StatusOr<ReadableFile> file = ReadableFile::Open(path);
+  if (!file.ok()) return file.status();
+  absl::StatusOr<NpyHeader> header = ReadHeader(*file);
+  if (!header.ok()) return header.status();
+  NpyArray array;
+  array.type = header->type;
+  array.shape = std::move(header->shape);
+  array.data.resize(static_cast<size_t>(header->data_bytes));
+  if (absl::Status read =
+          file->ReadAt(header->data_offset, absl::MakeSpan(array.data));
+      !read.ok()) {
+    return read;
+  }
+  return array;
 }
 
 std::string SerializeNpy(const NpyArray& array) {
@@ -206,13 +317,7 @@ std::string SerializeNpy(const NpyArray& array) {
 }
 
 absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  const std::string bytes = SerializeNpy(array);
-  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!file) {
-    return absl::InternalError(absl::StrCat(path, ": cannot write"));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, SerializeNpy(array));
 }
 
 absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
@@ -250,6 +355,51 @@ std::vector<To> Convert(const NpyArray& array) {
 std::vector<float> NpyToFloat(const NpyArray& array) {
   if (array.type == NpyType::kFloat64) return Convert<double, float>(array);
   return Convert<float, float>(array);
+}
+
+std::vector<double> NpyToDouble(const NpyArray& array) {
+  if (array.type == NpyType::kFloat64) return Convert<double, double>(array);
+  return Convert<float, double>(array);
+}
+
+namespace {
+
+// The C-order index of element `flat` of `shape`.
+std::vector<int64_t> Unflatten(int64_t flat, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return index;
+}
+
+template <typename T, typename Bad>
+std::optional<NpyElement> FirstWhere(const NpyArray& array, Bad bad) {
+  for (int64_t i = 0; i < array.elements(); ++i) {
+    T value;
+    std::memcpy(&value, array.data.data() + i * sizeof(T), sizeof(T));
+    if (bad(value)) {
+      return NpyElement{Unflatten(i, array.shape), static_cast<double>(value)};
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<NpyElement> FirstNonFinite(const NpyArray& array) {
+  auto bad = [](auto x) { return !std::isfinite(x); };
+  if (array.type == NpyType::kFloat64) return FirstWhere<double>(array, bad);
+  if (array.type == NpyType::kFloat32) return FirstWhere<float>(array, bad);
+  return std::nullopt;
+}
+
+std::optional<NpyElement> FirstFloat32Overflow(const NpyArray& array) {
+  if (array.type != NpyType::kFloat64) return std::nullopt;
+  return FirstWhere<double>(array, [](double x) {
+    return std::isfinite(x) && !std::isfinite(static_cast<float>(x));
+  });
 }
 
 std::vector<int64_t> NpyToInt64(const NpyArray& array) {

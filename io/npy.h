@@ -2,6 +2,7 @@
 #define DFLASH_IO_NPY_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,15 +29,37 @@ struct NpyArray {
   std::string ShapeString() const;  // "[2, 3]"
 };
 
+// Bytes per element of `type`.
+int64_t NpyItemSize(NpyType type);
+
+// What a .npy header says, with sizes computed overflow-checked.
+struct NpyHeader {
+  NpyType type = NpyType::kFloat32;
+  std::vector<int64_t> shape;
+  int64_t elements = 0;
+  int64_t data_offset = 0;  // Where the data starts in the file.
+  int64_t data_bytes = 0;   // elements x item size.
+};
+
 // Parses the bytes of a .npy file (format versions 1, 2 and 3). Big-endian
-// data, Fortran order, other dtypes, malformed headers and truncated data
-// are errors that start with `name`.
+// data, Fortran order, other dtypes, malformed headers, shapes whose bytes
+// overflow 64 bits, and data of another size than the shape's are errors
+// that start with `name`. ParseNpyHeader needs only the header's bytes.
+absl::StatusOr<NpyHeader> ParseNpyHeader(absl::string_view bytes,
+                                         absl::string_view name);
 absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
                                   absl::string_view name);
+
+// The same from a file, which must be a regular file (see //base:file); the
+// data's size is checked against the file's before anything is allocated
+// for it. ReadNpyHeader reads the header alone, so a caller can add up what
+// several files will need first.
+absl::StatusOr<NpyHeader> ReadNpyHeader(const std::string& path);
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 
 // Version 1.0 bytes of `array` (2.0 if the header needs it).
 std::string SerializeNpy(const NpyArray& array);
+// Writes all-or-nothing (a temporary renamed into place; see //base:file).
 absl::Status WriteNpy(const std::string& path, const NpyArray& array);
 
 // Typed views and conversions; a wrong type or shape is an error naming
@@ -47,6 +70,18 @@ absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
                       absl::Span<const NpyType> types);
 // float32 data as floats (float64 is rounded).
 std::vector<float> NpyToFloat(const NpyArray& array);
+// float32 or float64 data as doubles.
+std::vector<double> NpyToDouble(const NpyArray& array);
+
+// An element of an array: its index and value.
+struct NpyElement {
+  std::vector<int64_t> index;
+  double value = 0;
+};
+// The first NaN or infinity of float data (in C order); nullopt if none.
+std::optional<NpyElement> FirstNonFinite(const NpyArray& array);
+// The first finite float64 value that rounds to infinity as float32.
+std::optional<NpyElement> FirstFloat32Overflow(const NpyArray& array);
 // Integer or bool data as int64.
 std::vector<int64_t> NpyToInt64(const NpyArray& array);
 

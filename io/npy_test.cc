@@ -6,6 +6,11 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
+#include <cstdlib>
+
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace dflash {
@@ -140,6 +145,101 @@ TEST(NpyTest, CheckNamesTheFileShapeAndExpectation) {
                      {NpyType::kInt32, NpyType::kInt64})
                 .message(),
             "ids.npy: expected shape [*, 3] of <i4 or <i8, got [2, 3] of <f4");
+}
+
+std::string TestDir(const std::string& name) {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(root ? root : "/tmp") + "/" + name;
+  ::mkdir(dir.c_str(), 0777);
+  return dir;
+}
+
+// A header whose extents are each in range but whose product overflows 64
+// bits, and no data: refused from the header, before any allocation.
+TEST(NpyTest, ShapesWhoseBytesOverflowAreRefused) {
+  std::string header =
+      "{'descr': '<f4', 'fortran_order': False, "
+      "'shape': (4294967296, 4294967296, 4, 16), }";
+  header.append(118 - header.size(), ' ');
+  header.push_back('\n');
+  const std::string bytes =
+      std::string("\x93NUMPY\x01\x00", 8) + std::string(1, char(118)) +
+      std::string(1, '\0') + header;
+  const std::string expected =
+      ": shape [4294967296, 4294967296, 4, 16] of <f4 holds more than 2^63 "
+      "bytes";
+  EXPECT_EQ(ParseNpy(bytes, "huge").status().message(), "huge" + expected);
+  const std::string path = TestDir("overflow") + "/hidden.npy";
+  std::ofstream(path, std::ios::binary) << bytes;
+  EXPECT_EQ(ReadNpy(path).status().message(), path + expected);
+  EXPECT_EQ(ReadNpyHeader(path).status().message(), path + expected);
+}
+
+TEST(NpyTest, FileSizeIsCheckedBeforeTheDataIsRead) {
+  const std::string dir = TestDir("sizes");
+  const std::string good = Fixture("float32_2x3.npy");
+  auto header = ReadNpyHeader("io/testdata/float32_2x3.npy");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(header->elements, 6);
+  EXPECT_EQ(header->data_bytes, 24);
+  EXPECT_EQ(header->data_offset, static_cast<int64_t>(good.size()) - 24);
+  std::ofstream(dir + "/padded.npy", std::ios::binary) << good << "extra";
+  EXPECT_EQ(ReadNpy(dir + "/padded.npy").status().message(),
+            dir + "/padded.npy: data holds 29 bytes, shape [2, 3] of <f4 "
+                  "needs 24 (truncated or padded file)");
+  std::ofstream(dir + "/cut.npy", std::ios::binary) << good.substr(0, 9);
+  EXPECT_EQ(ReadNpy(dir + "/cut.npy").status().message(),
+            dir + "/cut.npy: not a .npy file (no \\x93NUMPY magic)");
+  std::string long_header = good.substr(0, 12);
+  long_header[6] = 2;
+  long_header[8] = 0;
+  long_header[9] = 0;
+  long_header[10] = 0x20;  // 2 MiB.
+  long_header[11] = 0;
+  std::ofstream(dir + "/long.npy", std::ios::binary) << long_header;
+  EXPECT_EQ(ReadNpy(dir + "/long.npy").status().message(),
+            dir + "/long.npy: a .npy header of 2097152 bytes is larger than "
+                  "the 1048576 accepted");
+}
+
+TEST(NpyTest, OnlyRegularFilesAreRead) {
+  const std::string dir = TestDir("kinds");
+  ::mkdir((dir + "/hidden.npy").c_str(), 0777);
+  EXPECT_EQ(ReadNpy(dir + "/hidden.npy").status().message(),
+            dir + "/hidden.npy: is a directory, expected a regular file");
+  ASSERT_EQ(::mkfifo((dir + "/keep.npy").c_str(), 0600), 0);
+  EXPECT_EQ(ReadNpy(dir + "/keep.npy").status().message(),
+            dir + "/keep.npy: is a FIFO (named pipe), expected a regular file");
+  EXPECT_EQ(ReadNpy("/dev/zero").status().message(),
+            "/dev/zero: is a character device, expected a regular file");
+  EXPECT_EQ(ReadNpy(dir + "/none.npy").status().message(),
+            dir + "/none.npy: cannot open: No such file or directory");
+  EXPECT_THAT(
+      WriteNpy(dir + "/no/such/dir.npy", MakeNpy<float>({}, {0})).message(),
+      ::testing::HasSubstr("dir.npy: cannot create a temporary file: No such "
+                           "file or directory"));
+}
+
+TEST(NpyTest, FindsNonFiniteValuesAndFloat32Overflow) {
+  const float inf = INFINITY;
+  const std::vector<float> f = {1, 2, 3, 4, 5, inf};
+  auto at = FirstNonFinite(MakeNpy<float>(f, {2, 3}));
+  ASSERT_TRUE(at.has_value());
+  EXPECT_EQ(at->index, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(at->value, inf);
+  const std::vector<double> d = {1, 1e300, NAN, 1e-300};
+  auto nan = FirstNonFinite(MakeNpy<double>(d, {2, 2}));
+  ASSERT_TRUE(nan.has_value());
+  EXPECT_EQ(nan->index, (std::vector<int64_t>{1, 0}));
+  auto big = FirstFloat32Overflow(MakeNpy<double>(d, {4}));
+  ASSERT_TRUE(big.has_value());
+  EXPECT_EQ(big->index, (std::vector<int64_t>{1}));
+  EXPECT_EQ(big->value, 1e300);
+  const std::vector<double> fine = {1, -3.4e38, 1e-300};
+  EXPECT_FALSE(FirstNonFinite(MakeNpy<double>(fine, {3})).has_value());
+  EXPECT_FALSE(FirstFloat32Overflow(MakeNpy<double>(fine, {3})).has_value());
+  EXPECT_EQ(NpyToDouble(MakeNpy<double>(fine, {3})), fine);
 }
 
 }  // namespace
