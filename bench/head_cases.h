@@ -22,7 +22,8 @@ struct HeadShape {
   int64_t blocks_per_chunk = 64;
 };
 
-// The execution modes, in the order of ARCHITECTURE.md's cost table.
+// The execution modes, in the order of the cost table in docs/semantics.md
+// section 8.
 const std::vector<v1::HeadConfig::ExecutionMode>& BenchModes();
 
 // The objective of `shape` in `mode` (SELECTIVE with the frozen-projection

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "heads/flatten.h"
 #include "heads/head_backend.h"
+#include "losses/row_error.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -52,6 +54,10 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
                               Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
                               Part(out.top_k, b * out.k, n * out.k), out.k};
     results[g] = ChunkLoss<T>(config, options, part, part_out);
+    // Rows of a group's errors count from the group's first row.
+    if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
+      results[g] = RowError(b + row->row, row->detail);
+    }
   };
   std::vector<std::thread> workers;
   for (int g = 1; g < groups; ++g) workers.emplace_back(run, g);
@@ -150,9 +156,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     loss_seconds_ +=
         std::chrono::duration<double>(Clock::now() - start).count();
     if (!terms.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", chunk, " (rows are that chunk's weighted rows): ",
-          terms.status().message()));
+      return NameChunkLossError(terms.status(), config_.layout(), chunk, rows);
     }
     if (!record) return absl::OkStatus();
     terms_.Add(*terms);

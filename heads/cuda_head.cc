@@ -109,9 +109,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", chunk,
-          " (rows are that chunk's weighted rows): ", done.message()));
+      return NameChunkLossError(done, config_.layout(), chunk,
+                                absl::MakeConstSpan(host_active_).subspan(begin, m));
     }
     return absl::OkStatus();
   }

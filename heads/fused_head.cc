@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -13,6 +15,7 @@
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
+#include "losses/row_error.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -385,6 +388,27 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
 }
 
 }  // namespace
+
+absl::Status NameChunkLossError(const absl::Status& error,
+                                const v1::BatchLayout& layout, int64_t chunk,
+                                absl::Span<const int64_t> chunk_rows) {
+  const std::optional<RowErrorInfo> row = GetRowError(error);
+  if (!row || row->row < 0 ||
+      row->row >= static_cast<int64_t>(chunk_rows.size())) {
+    return absl::Status(error.code(),
+                        absl::StrCat("chunk ", chunk, ": ", error.message()));
+  }
+  const int64_t r = chunk_rows[row->row];
+  const int64_t k_size = std::max<int64_t>(layout.block_size(), 1);
+  const int64_t n_size = layout.num_anchors();
+  const int64_t block = r / k_size, k = r % k_size;
+  const std::string name =
+      n_size > 0
+          ? absl::StrCat("row (b, n, k) = (", block / n_size, ", ",
+                         block % n_size, ", ", k, ")")
+          : absl::StrCat("row (block, k) = (", block, ", ", k, ")");
+  return RowError(r, row->detail, name);
+}
 
 absl::Status CheckHeadTarget(const v1::HeadConfig& head,
                              v1::HeadConfig::Backend backend,

@@ -51,7 +51,8 @@ struct HeadStats {
   int64_t gemm_calls = 0;
   double gemm_flops = 0;
   // gemm_flops in units of one projection of the projected rows
-  // (2 * projected_rows * H * V): the ARCHITECTURE.md cost table's count.
+  // (2 * projected_rows * H * V): the count in the cost table of
+  // docs/semantics.md section 8.
   double gemm_passes = 0;
   int64_t segment_recomputes = 0;
   int64_t peak_bytes = 0;  // Tracking allocator, above its level at entry.

@@ -145,7 +145,8 @@ INSTANTIATE_TEST_SUITE_P(
                           std::get<1>(info.param));
     });
 
-// ARCHITECTURE.md's cost table, in units of one projection of the rows.
+// The cost table of docs/semantics.md section 8, in units of one projection
+// of the rows.
 TEST(HeadCostTest, GemmCountsMatchTheCostTable) {
   const Batch b = MakeBatch(4);
   struct Row {
@@ -294,6 +295,26 @@ TEST(HeadTest, NothingWeightedGivesAFiniteZero) {
   EXPECT_EQ(run.result->stats.gemm_calls, 0);
   for (double g : run.grad_hidden) ASSERT_EQ(g, 0.0);
   for (double g : run.grad_weight) ASSERT_EQ(g, 0.0);
+}
+
+// A loss error names the row by its place in the batch, (b, n, k), whatever
+// chunk, compaction and thread split the row went through.
+TEST(HeadTest, LossErrorsNameTheRowsBatchPosition) {
+  Batch b = MakeBatch(10);
+  const int64_t row = (1 * 3 + 2) * kK + 1;  // b 1, n 2, k 1.
+  b.hidden[row * kH + 1] = NAN;
+  b.rows[row].mask = 1;
+  b.rows[row].target = 0;
+  TrackingAllocator allocator;
+  for (const char* mode : {"MATERIALIZE", "CHECKPOINT", "FUSED"}) {
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat(mode, " threads ", threads));
+      const v1::ObjectiveConfig config =
+          Config("dflash {}", mode, 2, 1, threads, false);
+      EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
+                "row (b, n, k) = (1, 2, 1): logit 0 is not finite (nan)");
+    }
+  }
 }
 
 TEST(HeadTest, BadInputsAreClearErrors) {

@@ -73,6 +73,14 @@ class HeadBackend {
   virtual double loss_seconds() const = 0;
 };
 
+// A loss error of chunk `chunk` as the caller should read it: an error
+// about the chunk's row i (losses/row_error.h) names batch row
+// chunk_rows[i] by its (b, n, k) (or (block, k) when layout.num_anchors is
+// unset); other errors are prefixed with the chunk.
+absl::Status NameChunkLossError(const absl::Status& error,
+                                const v1::BatchLayout& layout, int64_t chunk,
+                                absl::Span<const int64_t> chunk_rows);
+
 // The config's head.backend and head.dtype against what `call` runs, e.g.
 // "head.dtype: this call takes FLOAT32 tensors (CPU heads run FLOAT32 or
 // FLOAT64), got BFLOAT16".

@@ -28,11 +28,12 @@ struct Anchors {
 
 // How block position k maps to a label and a weight mask.
 enum class Labeling {
-  // SEMANTICS.md section 2: k predicts anchor + k, m = keep * (anchor + k <
-  // S) * (k > 0) * loss_mask[anchor + k].
+  // docs/semantics.md section 2.3: k predicts anchor + k,
+  // m = keep * (anchor + k < S) * (k > 0) * loss_mask[anchor + k].
   kDFlash,
-  // SEMANTICS.md section 5 (DSpark): k predicts anchor + 1 + k, the mask is
-  // contiguous (it stops at the first unsupervised or out-of-range token).
+  // docs/semantics.md section 2.4 (DSpark): k predicts anchor + 1 + k, the
+  // mask is contiguous (it stops at the first unsupervised or out-of-range
+  // token).
   kDSpark,
 };
 

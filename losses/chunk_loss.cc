@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "proto/config.h"
 
@@ -16,7 +18,7 @@ namespace {
 template <typename T>
 using Work = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// D-PACE block weights (SEMANTICS.md section 3), without gradient:
+// D-PACE block weights (docs/semantics.md section 5.2), without gradient:
 // smooth = m > 0 ? (1-alpha)*q + alpha : 1, prefix = cumprod(smooth),
 // suffix = reverse-cumsum(prefix * m).
 void DPaceWeights(const v1::DPaceLoss& config, absl::Span<const double> q,
@@ -144,8 +146,8 @@ class RowSource {
     const bool may_overflow = !(bound < fits && bound * scale_ < fits);
     if (may_overflow &&
         !AllFinite(grad.data(), static_cast<int64_t>(grad.size()))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row ", r, ": d(loss)/d(logits) overflows ",
+      return RowError(r, absl::StrCat(
+          "d(loss)/d(logits) overflows ",
           std::is_same_v<W, float> ? "float32" : "float64",
           " (row weight ", weight,
           "); masks and loss weights this large need rescaling"));
@@ -355,9 +357,8 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
     if (meta.position < 0 || meta.position >= block_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("row ", r, ": block position ", meta.position,
-                       " is outside [0, ", block_size, ")"));
+      return RowError(r, absl::StrCat("block position ", meta.position,
+                                      " is outside [0, ", block_size, ")"));
     }
     if (coupled && r > 0) {
       const RowMeta& prev = inputs.rows[r - 1];
@@ -365,16 +366,16 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
                                ? meta.position > prev.position
                                : meta.block > prev.block;
       if (!follows) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "row ", r, ": block ", meta.block, " position ", meta.position,
+        return RowError(r, absl::StrCat(
+            "block ", meta.block, " position ", meta.position,
             " does not follow block ", prev.block, " position ", prev.position,
             " (block-level weights need each block's rows together, in "
             "position order)"));
       }
     }
     if (!(meta.mask >= 0) || !std::isfinite(meta.mask)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row ", r, ": mask must be finite and >= 0, got ", meta.mask));
+      return RowError(
+          r, absl::StrCat("mask must be finite and >= 0, got ", meta.mask));
     }
   }
   return absl::OkStatus();
@@ -383,6 +384,9 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
 namespace {
 
 absl::Status TeacherError(const absl::Status& status) {
+  if (std::optional<RowErrorInfo> row = GetRowError(status)) {
+    return RowError(row->row, absl::StrCat("teacher logits: ", row->detail));
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("teacher logits: ", status.message()));
 }
@@ -623,8 +627,8 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
         const double accept = std::clamp(1 - 0.5 * l1, 0.0, 1.0);
         const double c = inputs.confidence_logits[r];
         if (!std::isfinite(c)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "row ", r, ": confidence logit is not finite (", c, ")"));
+          return RowError(
+              r, absl::StrCat("confidence logit is not finite (", c, ")"));
         }
         const double bce =
             std::max(c, 0.0) - c * accept + std::log1p(std::exp(-std::abs(c)));

@@ -15,7 +15,7 @@ namespace dflash {
 struct RowMeta {
   int32_t target = 0;    // Token id the row predicts.
   int32_t position = 0;  // k in [0, K): position inside its anchor block.
-  float mask = 0;        // Weight mask m (SEMANTICS.md section 2).
+  float mask = 0;        // Weight mask m (docs/semantics.md section 2).
   int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
 };
 
@@ -83,8 +83,8 @@ struct ChunkLossOutputs {
   int32_t k = 0;
 };
 
-// The loss terms of one chunk for any LossConfig family (SEMANTICS.md
-// sections 3 and 5), with the cross-entropy options:
+// The loss terms of one chunk for any LossConfig family (docs/semantics.md
+// sections 3 to 6), with the cross-entropy options:
 // - dflash: CE weighted by DFlashWeight.
 // - dpace and its variants: block-level weights from q without gradient.
 // - tv: (1 - q) weighted by DFlashWeight.

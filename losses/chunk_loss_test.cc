@@ -60,8 +60,8 @@ Problem MakeProblem(uint32_t seed, const ChunkLossOptions& options) {
   return p;
 }
 
-// The quantities SEMANTICS.md takes without gradient; finite differences
-// hold them fixed.
+// The quantities taken without gradient (docs/semantics.md section 4);
+// finite differences hold them fixed.
 struct Detached {
   std::vector<double> weights, ce_share, accept;
 };
@@ -101,8 +101,8 @@ double Kl(const std::vector<double>& a, const std::vector<double>& b) {
   return kl;
 }
 
-// Independent float64 reference, written from SEMANTICS.md sections 3 and 5
-// in the plainest form.
+// Independent float64 reference, written from docs/semantics.md sections 3
+// to 6 in the plainest form.
 Reference Naive(const v1::LossConfig& c, const Problem& p,
                 const Detached* fixed = nullptr) {
   Reference ref;
@@ -616,7 +616,7 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
   p = good;
   p.teacher[6 * kV + 1] = INFINITY;
   EXPECT_EQ(RunLoss("distillation {}", p).message(),
-            "teacher logits: row 6: logit 1 is not finite (inf)");
+            "row 6: teacher logits: logit 1 is not finite (inf)");
   p = good;
   p.confidence[1] = NAN;
   EXPECT_EQ(RunLoss("dspark {}", p).message(),

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/row_error.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -168,9 +169,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     const RowMeta& meta = inputs.rows[r];
     const float mask = meta.target == ignore ? 0.0f : meta.mask;
     if (mask != 0 && (meta.target < 0 || meta.target >= vocab)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("row ", r, ": target id ", meta.target,
-                       " is outside [0, ", vocab, ")"));
+      return RowError(r, absl::StrCat("target id ", meta.target,
+                                      " is outside [0, ", vocab, ")"));
     }
     rows[r] = {
         mask != 0 ? meta.target : 0, meta.position, mask,
@@ -264,19 +264,15 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
     const int64_t row = static_cast<int64_t>(error / 4);
     switch (static_cast<int>(error % 4)) {
       case cuda::kTeacherNotFinite:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "teacher logits: row ", row, ": a logit is not finite"));
+        return RowError(row, "a teacher logit is not finite");
       case cuda::kConfidenceNotFinite:
-        return absl::InvalidArgumentError(
-            absl::StrCat("row ", row, ": confidence logit is not finite"));
+        return RowError(row, "confidence logit is not finite");
       case cuda::kGradientNotFinite:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "row ", row,
-            ": d(loss)/d(logits) overflows float32; masks and loss weights "
-            "this large need rescaling"));
+        return RowError(row,
+                        "d(loss)/d(logits) overflows float32; masks and loss "
+                        "weights this large need rescaling");
       default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("row ", row, ": a logit is not finite"));
+        return RowError(row, "a logit is not finite");
     }
   }
   std::vector<double> totals(s.totals.size());

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "losses/row_error.h"
 
 namespace dflash {
 namespace {
@@ -90,8 +91,8 @@ absl::StatusOr<RowStats> FloatRowStats(
   if (bad) {
     for (int64_t v = 0; v < vocab; ++v) {
       if (!std::isfinite(x[v])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "row ", row, ": logit ", v, " is not finite (", x[v], ")"));
+        return RowError(row,
+                        absl::StrCat("logit ", v, " is not finite (", x[v], ")"));
       }
     }
   }
@@ -125,12 +126,11 @@ absl::StatusOr<RowStats> FloatRowStats(
 
 absl::Status CheckRow(int64_t vocab, int32_t target, int64_t row) {
   if (vocab == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("row ", row, ": empty vocabulary"));
+    return RowError(row, "empty vocabulary");
   }
   if (target < 0 || target >= vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "row ", row, ": target id ", target, " is outside [0, ", vocab, ")"));
+    return RowError(row, absl::StrCat("target id ", target, " is outside [0, ",
+                                      vocab, ")"));
   }
   return absl::OkStatus();
 }
@@ -146,8 +146,8 @@ absl::StatusOr<RowStats> DoubleRowStats(absl::Span<const double> logits,
   for (int64_t v = 0; v < vocab; ++v) {
     const double x = logits[v];
     if (!std::isfinite(x)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row ", row, ": logit ", v, " is not finite (", x, ")"));
+      return RowError(row,
+                      absl::StrCat("logit ", v, " is not finite (", x, ")"));
     }
     if (x > max) {
       sum = sum * std::exp(max - x) + 1.0;

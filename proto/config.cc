@@ -2,15 +2,14 @@
 
 #include <cmath>
 #include <cstdint>
-#include <fstream>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/file.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -298,6 +297,12 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
                  "FLOAT64 is not supported on the CUDA backend (FLOAT32 or "
                  "BFLOAT16), got FLOAT64");
   }
+  if (head.backend() == v1::HeadConfig::CPU &&
+      head.dtype() == v1::HeadConfig::BFLOAT16) {
+    problems.Add("head.dtype",
+                 "BFLOAT16 is not supported on the CPU backend (FLOAT32 or "
+                 "FLOAT64), got BFLOAT16");
+  }
   const v1::CheckpointPolicy& checkpoint = config.checkpoint();
   if (head.mode() == v1::HeadConfig::SELECTIVE && !checkpoint.has_preset() &&
       checkpoint.rules_size() == 0) {
@@ -454,14 +459,14 @@ absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
 
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
     const std::string& path) {
-  std::ifstream file(path);
-  if (!file) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot open config file \"", path, "\""));
+  // Configs are a few hundred bytes; a huge file is a mistake, not a policy.
+  constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
+  absl::StatusOr<std::string> text = ReadFileToString(path, kMaxConfigBytes);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("config file ", text.status().message()));
   }
-  std::stringstream text;
-  text << file.rdbuf();
-  return LoadObjectiveConfigFromString(text.str(), path);
+  return LoadObjectiveConfigFromString(*text, path);
 }
 
 std::vector<v1::CheckpointRule> PresetRules(

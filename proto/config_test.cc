@@ -105,7 +105,19 @@ TEST(ConfigTest, MissingFileIsNotFound) {
   absl::StatusOr<v1::ObjectiveConfig> config =
       LoadObjectiveConfigFromFile("configs/no_such_file.textproto");
   EXPECT_EQ(config.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(config.status().message(), HasSubstr("no_such_file.textproto"));
+  EXPECT_EQ(config.status().message(),
+            "config file configs/no_such_file.textproto: cannot open: No such "
+            "file or directory");
+}
+
+// A directory, FIFO or device is refused before it is read (a FIFO would
+// block the reader forever).
+TEST(ConfigTest, OnlyRegularFilesAreLoaded) {
+  EXPECT_EQ(LoadObjectiveConfigFromFile("configs").status().message(),
+            "config file configs: is a directory, expected a regular file");
+  EXPECT_EQ(LoadObjectiveConfigFromFile("/dev/zero").status().message(),
+            "config file /dev/zero: is a character device, expected a regular "
+            "file");
 }
 
 TEST(ConfigTest, ProblemsAreAllReported) {
@@ -212,6 +224,11 @@ INSTANTIATE_TEST_SUITE_P(
                   "head { vocab_size: 100 hidden_size: 8 backend: CUDA dtype: "
                   "FLOAT64 } " + kLoss,
                   "head.dtype: FLOAT64 is not supported on the CUDA backend"},
+        BadConfig{"BFloat16OnCpu",
+                  "head { vocab_size: 100 hidden_size: 8 dtype: BFLOAT16 } " +
+                      kLoss,
+                  "head.dtype: BFLOAT16 is not supported on the CPU backend "
+                  "(FLOAT32 or FLOAT64), got BFLOAT16"},
         BadConfig{"SelectiveWithoutPolicy",
                   "head { vocab_size: 100 hidden_size: 8 mode: SELECTIVE } " +
                       kLoss,
