@@ -151,8 +151,8 @@ absl::Status PrepareOutputDirectory(const std::string& dir) {
     if (::stat(prefix.c_str(), &st) == 0) {
       if (!S_ISDIR(st.st_mode)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            dir, ": ", prefix, " is ", FileKind(st.st_mode),
-            ", expected a directory"));
+            dir, ": ", prefix == dir ? "" : absl::StrCat(prefix, " "), "is ",
+            FileKind(st.st_mode), ", expected a directory"));
       }
     } else if (errno != ENOENT) {
       return OsError(errno, dir, absl::StrCat("cannot inspect ", prefix));
@@ -179,11 +179,19 @@ OutputFileSet::~OutputFileSet() {
 
 absl::Status OutputFileSet::Stage(const std::string& path,
                                   absl::string_view bytes) {
+  return Stage(path, absl::MakeConstSpan(&bytes, 1));
+}
+
+absl::Status OutputFileSet::Stage(const std::string& path,
+                                  absl::Span<const absl::string_view> pieces) {
   std::string temp =
       absl::StrCat(DirectoryOf(path), "/.", BaseName(path), ".tmp-XXXXXX");
   const int fd = ::mkstemp(temp.data());
   if (fd < 0) return OsError(errno, path, "cannot create a temporary file");
-  absl::Status written = WriteAll(fd, bytes, path);
+  absl::Status written;
+  for (absl::string_view piece : pieces) {
+    if (written.ok()) written = WriteAll(fd, piece, path);
+  }
   if (written.ok() && ::fchmod(fd, 0666 & ~CurrentUmask()) != 0) {
     written = OsError(errno, path, "cannot set permissions");
   }

@@ -74,6 +74,9 @@ class OutputFileSet {
   ~OutputFileSet();
 
   absl::Status Stage(const std::string& path, absl::string_view bytes);
+  // The file's bytes as consecutive pieces (a header and a data view).
+  absl::Status Stage(const std::string& path,
+                     absl::Span<const absl::string_view> pieces);
   void StageRemoval(const std::string& path);
   absl::Status Commit();
 

@@ -96,8 +96,7 @@ TEST(PrepareOutputDirectoryTest, AFileInThePathIsAnError) {
   const std::string root = TestDir("prepare_file");
   Put(root + "/plain", "x");
   EXPECT_EQ(PrepareOutputDirectory(root + "/plain").message(),
-            root + "/plain: " + root +
-                "/plain is a regular file, expected a directory");
+            root + "/plain: is a regular file, expected a directory");
   EXPECT_EQ(PrepareOutputDirectory(root + "/plain/sub").message(),
             root + "/plain/sub: " + root +
                 "/plain is a regular file, expected a directory");

@@ -2,16 +2,25 @@
 // on a synthetic batch or on .npy tensors; see the README.
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
 #include <iostream>
+#include <new>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cli/head_job.h"
 
@@ -25,23 +34,36 @@ ABSL_FLAG(std::string, loss, "",
 ABSL_FLAG(std::optional<double>, gamma, std::nullopt, "Loss decay gamma.");
 ABSL_FLAG(std::string, mode, "",
           "materialize, save, checkpoint, selective or fused.");
-ABSL_FLAG(int64_t, chunk_blocks, 0, "Anchor blocks per chunk.");
+ABSL_FLAG(std::optional<int64_t>, chunk_blocks, std::nullopt,
+          "Anchor blocks per chunk (default: the config's).");
 ABSL_FLAG(std::optional<int32_t>, threads, std::nullopt,
           "Threads for the row kernels (0: all cores).");
-ABSL_FLAG(uint64_t, seed, 1, "Seed of the synthetic batch.");
-ABSL_FLAG(int64_t, batch, 1, "Synthetic batch: sequences.");
-ABSL_FLAG(int64_t, seq, 4096, "Synthetic batch: tokens per sequence.");
-ABSL_FLAG(int64_t, anchors, 128, "Synthetic batch: anchor blocks per sequence.");
-ABSL_FLAG(int64_t, block, 0, "Block size K (0: the config's).");
-ABSL_FLAG(int64_t, hidden, 0, "Hidden size H (0: the config's).");
-ABSL_FLAG(int64_t, vocab, 0, "Vocabulary size V (0: the config's).");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
+          "Seed of the synthetic batch (default 1).");
+ABSL_FLAG(std::optional<int64_t>, batch, std::nullopt,
+          "Synthetic batch: sequences (default 1).");
+ABSL_FLAG(std::optional<int64_t>, seq, std::nullopt,
+          "Synthetic batch: tokens per sequence (default 4096).");
+ABSL_FLAG(std::optional<int64_t>, anchors, std::nullopt,
+          "Synthetic batch: anchor blocks per sequence (default 128).");
+ABSL_FLAG(std::optional<int64_t>, block, std::nullopt,
+          "Synthetic batch: block size K (default: the config's).");
+ABSL_FLAG(std::optional<int64_t>, hidden, std::nullopt,
+          "Synthetic batch: hidden size H (default: the config's).");
+ABSL_FLAG(std::optional<int64_t>, vocab, std::nullopt,
+          "Synthetic batch: vocabulary size V (default: the config's).");
 ABSL_FLAG(std::string, inputs, "",
           "Directory of .npy tensors (hidden, lm_head, input_ids, loss_mask, "
-          "anchors, keep[, teacher_hidden, confidence_logits]).");
+          "anchors, keep[, lm_head_bias, teacher_hidden, confidence_logits]) "
+          "instead of the synthetic batch.");
 ABSL_FLAG(std::string, out, "",
-          "Directory for metrics.json, grad_hidden.npy[, grad_lm_head.npy].");
+          "Directory for metrics.json, grad_hidden.npy[, grad_lm_head.npy]; "
+          "created if missing, its files replaced together.");
 ABSL_FLAG(bool, compare_modes, false,
           "Also run every mode on the batch and print a table.");
+ABSL_FLAG(std::string, memory_limit, "",
+          "Bytes the run may hold, e.g. 8G, 512M or 1000000 (default: the "
+          "memory available to this process).");
 
 namespace {
 
@@ -52,13 +74,49 @@ std::string UserPath(const std::string& path) {
   return std::string(cwd) + "/" + path;
 }
 
-}  // namespace
+// An optional flag given an empty value (--gamma=) parses as unset; say so
+// instead of running without it. Read from argv: absl keeps whether a flag
+// was given to itself.
+absl::Status CheckNotEmpty(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    for (const char* name : {"gamma", "chunk_blocks", "threads", "seed",
+                             "batch", "seq", "anchors", "block", "hidden",
+                             "vocab", "memory_limit"}) {
+      if (arg == absl::StrCat("--", name, "=") ||
+          arg == absl::StrCat("-", name, "=")) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, ": needs a value, got ''"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Runs forward and backward of a DFlash-family objective through the "
-      "fused head and reports loss, accuracy, GEMMs, time and peak memory.");
-  absl::ParseCommandLine(argc, argv);
+// "8G", "512M", "64K" (powers of 1024) or plain bytes.
+absl::StatusOr<std::optional<int64_t>> MemoryLimit(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  int64_t scale = 1;
+  std::string digits = text;
+  const char unit = digits.back();
+  const std::string units = "KMGT";
+  if (const size_t at = units.find(unit); at != std::string::npos) {
+    scale = int64_t{1} << (10 * (at + 1));
+    digits.pop_back();
+  }
+  int64_t value;
+  if (!absl::SimpleAtoi(digits, &value) || value <= 0 ||
+      value > std::numeric_limits<int64_t>::max() / scale) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--memory_limit: must be a positive number of bytes, optionally with "
+        "K, M, G or T, got '",
+        text, "'"));
+  }
+  return value * scale;
+}
+
+absl::StatusOr<dflash::HeadJobOptions> OptionsFromFlags() {
   dflash::HeadJobOptions options;
   options.config_path = UserPath(absl::GetFlag(FLAGS_config));
   options.loss = absl::GetFlag(FLAGS_loss);
@@ -67,14 +125,38 @@ int main(int argc, char** argv) {
   options.chunk_blocks = absl::GetFlag(FLAGS_chunk_blocks);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.seed = absl::GetFlag(FLAGS_seed);
-  options.shape = {absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_seq),
-                   absl::GetFlag(FLAGS_anchors)};
+  options.batch = absl::GetFlag(FLAGS_batch);
+  options.seq = absl::GetFlag(FLAGS_seq);
+  options.anchors = absl::GetFlag(FLAGS_anchors);
   options.block = absl::GetFlag(FLAGS_block);
   options.hidden = absl::GetFlag(FLAGS_hidden);
   options.vocab = absl::GetFlag(FLAGS_vocab);
   options.inputs_dir = UserPath(absl::GetFlag(FLAGS_inputs));
   options.out_dir = UserPath(absl::GetFlag(FLAGS_out));
   options.compare_modes = absl::GetFlag(FLAGS_compare_modes);
+  absl::StatusOr<std::optional<int64_t>> limit =
+      MemoryLimit(absl::GetFlag(FLAGS_memory_limit));
+  if (!limit.ok()) return limit.status();
+  options.memory_limit = *limit;
+  return options;
+}
+
+int Fail(const std::string& message) {
+  std::cerr << "dflash_head: " << message << "\n";
+  return 1;
+}
+
+int Run(int argc, char** argv) {
+  if (absl::Status ok = CheckNotEmpty(argc, argv); !ok.ok()) {
+    return Fail(std::string(ok.message()));
+  }
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    return Fail(absl::StrCat("unexpected argument '", positional[1],
+                             "'; every option is a --flag (see --help)"));
+  }
+  absl::StatusOr<dflash::HeadJobOptions> options = OptionsFromFlags();
+  if (!options.ok()) return Fail(std::string(options.status().message()));
 
   // A progress line, only on a terminal and once a run passes one second.
   const auto start = std::chrono::steady_clock::now();
@@ -92,11 +174,37 @@ int main(int argc, char** argv) {
     printed = true;
     if (done == total) std::fputc('\n', stderr);
   };
-  auto job = dflash::RunHeadJob(options, std::cout, progress);
+  auto job = dflash::RunHeadJob(*options, std::cout, progress);
   if (printed) std::fflush(stderr);
-  if (!job.ok()) {
-    std::cerr << "dflash_head: " << job.status().message() << "\n";
-    return 1;
+  if (!job.ok()) return Fail(std::string(job.status().message()));
+  for (const std::string& note : job->notes) {
+    std::cerr << "dflash_head: note: " << note << "\n";
+  }
+  errno = 0;
+  std::cout.flush();
+  if (!std::cout || std::fflush(stdout) != 0) {
+    return Fail(absl::StrCat("cannot write standard output",
+                             errno != 0 ? absl::StrCat(": ", std::strerror(errno))
+                                        : std::string()));
   }
   return 0;
 }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Runs forward and backward of a DFlash-family objective through the "
+      "fused head and reports loss, accuracy, GEMMs, time and peak memory.");
+  // Sizes are checked before they are allocated; anything that still
+  // escapes is reported, not an abort.
+  try {
+    return Run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    return Fail("out of memory (a size passed the checks but could not be "
+                "allocated); lower the sizes or set --memory_limit");
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()));
+  }
+}
+

@@ -1,13 +1,22 @@
 #include "cli/head_job.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <map>
+#include <type_traits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/checked_math.h"
+#include "base/file.h"
+#include "base/system_memory.h"
 #include "base/tracking_allocator.h"
 #include "google/protobuf/util/json_util.h"
+#include "heads/head_plan.h"
 #include "heads/projection.h"
 #include "io/npy.h"
 #include "proto/config.h"
@@ -133,23 +142,297 @@ std::string LossFamily(const v1::LossConfig& loss) {
   }
 }
 
-absl::StatusOr<NpyArray> ReadChecked(const std::string& dir,
-                                     const std::string& name,
-                                     std::vector<int64_t> shape,
-                                     std::vector<NpyType> types) {
-  absl::StatusOr<NpyArray> array = ReadNpy(Join(dir, name));
-  if (!array.ok()) return array.status();
-  if (absl::Status ok = CheckNpy(*array, Join(dir, name), shape, types);
-      !ok.ok()) {
-    return ok;
-  }
-  return array;
-}
-
 const std::vector<NpyType> kFloats = {NpyType::kFloat32, NpyType::kFloat64};
 const std::vector<NpyType> kInts = {NpyType::kInt32, NpyType::kInt64};
 const std::vector<NpyType> kFlags = {NpyType::kBool, NpyType::kUint8,
                                      NpyType::kInt32, NpyType::kInt64};
+
+// Outputs of ours in --out; a run removes those it does not write.
+constexpr char kMetricsFile[] = "metrics.json";
+constexpr char kGradHiddenFile[] = "grad_hidden.npy";
+constexpr char kGradWeightFile[] = "grad_lm_head.npy";
+
+int64_t ElementBytes(const v1::ObjectiveConfig& config) {
+  return config.head().dtype() == v1::HeadConfig::FLOAT64 ? 8 : 4;
+}
+
+bool NeedsConfidence(const v1::ObjectiveConfig& config) {
+  return config.loss().has_dspark() &&
+         config.loss().dspark().confidence_weight() > 0;
+}
+
+absl::Status CheckSyntheticFlags(const HeadJobOptions& options) {
+  if (options.inputs_dir.empty()) return absl::OkStatus();
+  const std::pair<const char*, std::optional<int64_t>> flags[] = {
+      {"--batch", options.batch},   {"--seq", options.seq},
+      {"--anchors", options.anchors}, {"--block", options.block},
+      {"--hidden", options.hidden}, {"--vocab", options.vocab}};
+  for (const auto& [flag, value] : flags) {
+    if (value.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": shapes the synthetic batch, which --inputs replaces (the "
+                "files give the shapes), got ", *value));
+    }
+  }
+  if (options.seed.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--seed: seeds the synthetic batch, which --inputs replaces, got ",
+        *options.seed));
+  }
+  return absl::OkStatus();
+}
+
+// One .npy file of --inputs: its expected shape (-1: any extent) and types.
+struct InputSpec {
+  const char* name;
+  std::vector<int64_t> shape;
+  const std::vector<NpyType>* types;
+  // How its indices read in messages.
+  const char* axes;
+};
+
+// The files a config reads, their headers checked against each other.
+struct InputHeaders {
+  int64_t batch = 0, seq = 0, anchors = 0, block = 0, hidden = 0, vocab = 0;
+  std::map<std::string, NpyHeader> headers;
+  std::vector<InputSpec> specs;  // In reading order.
+  int64_t largest_file_bytes = 0;
+};
+
+absl::Status CheckHeader(const NpyHeader& header, const std::string& path,
+                         const std::vector<int64_t>& shape,
+                         const std::vector<NpyType>& types) {
+  NpyArray described;
+  described.type = header.type;
+  described.shape = header.shape;
+  return CheckNpy(described, path, shape, types);
+}
+
+// Reads the headers of every file `config`'s objective needs; shapes are
+// checked as each file's extents become known (hidden.npy gives B, N, K, H).
+absl::StatusOr<InputHeaders> ReadInputHeaders(
+    const std::string& dir, const v1::ObjectiveConfig& config) {
+  InputHeaders in;
+  auto read = [&](InputSpec spec) -> absl::StatusOr<const NpyHeader*> {
+    const std::string path = Join(dir, spec.name);
+    absl::StatusOr<NpyHeader> header = ReadNpyHeader(path);
+    if (!header.ok()) return header.status();
+    if (absl::Status ok = CheckHeader(*header, path, spec.shape, *spec.types);
+        !ok.ok()) {
+      return ok;
+    }
+    in.largest_file_bytes = std::max(in.largest_file_bytes, header->data_bytes);
+    in.specs.push_back(spec);
+    return &(in.headers[spec.name] = *std::move(header));
+  };
+  absl::StatusOr<const NpyHeader*> hidden =
+      read({"hidden.npy", {-1, -1, -1, -1}, &kFloats, "(b, n, k, h)"});
+  if (!hidden.ok()) return hidden.status();
+  in.batch = (*hidden)->shape[0];
+  in.anchors = (*hidden)->shape[1];
+  in.block = (*hidden)->shape[2];
+  in.hidden = (*hidden)->shape[3];
+  const int64_t b = in.batch, n = in.anchors, k = in.block, h = in.hidden;
+  absl::StatusOr<const NpyHeader*> weight =
+      read({"lm_head.npy", {-1, h}, &kFloats, "(v, h)"});
+  if (!weight.ok()) return weight.status();
+  in.vocab = (*weight)->shape[0];
+  absl::StatusOr<const NpyHeader*> ids =
+      read({"input_ids.npy", {b, -1}, &kInts, "(b, s)"});
+  if (!ids.ok()) return ids.status();
+  in.seq = (*ids)->shape[1];
+  std::vector<InputSpec> rest = {
+      {"loss_mask.npy", {b, in.seq}, &kFlags, "(b, s)"},
+      {"anchors.npy", {b, n}, &kInts, "(b, n)"},
+      {"keep.npy", {b, n}, &kFlags, "(b, n)"}};
+  if (config.head().bias()) {
+    rest.push_back({"lm_head_bias.npy", {in.vocab}, &kFloats, "(v)"});
+  }
+  if (LossNeedsTeacher(config.loss())) {
+    rest.push_back({"teacher_hidden.npy", {b, n, k, h}, &kFloats,
+                    "(b, n, k, h)"});
+  }
+  if (NeedsConfidence(config)) {
+    rest.push_back({"confidence_logits.npy", {b, n, k}, &kFloats,
+                    "(b, n, k)"});
+  }
+  for (const InputSpec& spec : rest) {
+    if (absl::StatusOr<const NpyHeader*> ok = read(spec); !ok.ok()) {
+      return ok.status();
+    }
+  }
+  return in;
+}
+
+// A float tensor of --inputs in the head's type; non-finite values and,
+// for float, float64 values beyond float32 are errors naming the element.
+template <typename T>
+absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
+                                          const InputSpec& spec,
+                                          const v1::ObjectiveConfig& config) {
+  const std::string path = Join(dir, spec.name);
+  absl::StatusOr<NpyArray> array = ReadNpy(path);
+  if (!array.ok()) return array.status();
+  if (absl::Status ok = CheckNpy(*array, path, spec.shape, *spec.types);
+      !ok.ok()) {
+    return ok;
+  }
+  auto where = [&](const NpyElement& e) {
+    return absl::StrCat(spec.axes, " = (", absl::StrJoin(e.index, ", "), ")");
+  };
+  if (std::optional<NpyElement> bad = FirstNonFinite(*array)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": value ", bad->value, " at ", where(*bad),
+        " is not finite; inputs must be finite"));
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (std::optional<NpyElement> big = FirstFloat32Overflow(*array)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": value ", big->value, " at ", where(*big),
+          " overflows float32, the head's dtype (",
+          v1::HeadConfig::DType_Name(config.head().dtype()),
+          "); rescale it or use head.dtype FLOAT64"));
+    }
+    return NpyToFloat(*array);
+  } else {
+    return NpyToDouble(*array);
+  }
+}
+
+absl::StatusOr<std::vector<int64_t>> ReadInts(const std::string& dir,
+                                              const InputSpec& spec) {
+  const std::string path = Join(dir, spec.name);
+  absl::StatusOr<NpyArray> array = ReadNpy(path);
+  if (!array.ok()) return array.status();
+  if (absl::Status ok = CheckNpy(*array, path, spec.shape, *spec.types);
+      !ok.ok()) {
+    return ok;
+  }
+  return NpyToInt64(*array);
+}
+
+const InputSpec* FindSpec(const InputHeaders& in, absl::string_view name) {
+  for (const InputSpec& spec : in.specs) {
+    if (spec.name == name) return &spec;
+  }
+  return nullptr;
+}
+
+// How much the job holds, and how much it may hold.
+struct MemoryBudget {
+  int64_t bytes = 0;
+  std::string source;
+};
+
+std::optional<MemoryBudget> Budget(const HeadJobOptions& options) {
+  if (options.memory_limit.has_value()) {
+    return MemoryBudget{*options.memory_limit, "--memory_limit"};
+  }
+  if (std::optional<AvailableMemory> system = SystemAvailableMemory()) {
+    return MemoryBudget{system->bytes, system->source};
+  }
+  return std::nullopt;
+}
+
+std::string Bytes(int64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  if (bytes < (int64_t{1} << 20)) return absl::StrFormat("%.1f KiB", bytes / 1024.0);
+  if (bytes < (int64_t{1} << 30)) {
+    return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
+  }
+  return absl::StrFormat("%.1f GiB", bytes / 1073741824.0);
+}
+
+absl::Status TooBig(const std::string& what) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, "; use a smaller batch, sequence, hidden size or vocabulary"));
+}
+
+// The batch's host tensors and the gradients of `sets` runs held at once,
+// overflow-checked: B sequences of S tokens, N anchors.
+absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
+    const v1::ObjectiveConfig& config, int64_t b, int64_t s, int64_t n,
+    int64_t transient, int64_t sets) {
+  const int64_t k = config.layout().block_size(), h = config.head().hidden_size(),
+                v = config.head().vocab_size(), e = ElementBytes(config);
+  const bool teacher = LossNeedsTeacher(config.loss());
+  const bool trainable = config.head().trainable();
+  const std::optional<int64_t> rows = CheckedProduct({b, n, k});
+  const std::optional<int64_t> tokens = CheckedMul(b, s);
+  const std::optional<int64_t> blocks = CheckedMul(b, n);
+  const std::optional<int64_t> row_values =
+      rows ? CheckedMul(*rows, h) : std::nullopt;
+  const std::optional<int64_t> weight = CheckedProduct({v, h, e});
+  if (!rows || !tokens || !blocks || !row_values || !weight) {
+    return TooBig(absl::StrCat("the batch's sizes (", b, " x ", n, " x ", k,
+                               " rows of ", h, ", ", b, " x ", s,
+                               " tokens, V ", v, ") overflow 64 bits"));
+  }
+  const std::optional<int64_t> hidden = CheckedMul(*row_values, e);
+  const std::optional<int64_t> tokens_bytes = CheckedMul(*tokens, 17);
+  const std::optional<int64_t> rows_bytes =
+      CheckedMul(*rows, static_cast<int64_t>(sizeof(RowMeta)) + 4);
+  const std::optional<int64_t> batch =
+      hidden && tokens_bytes && rows_bytes
+          ? CheckedSum({*tokens_bytes, *blocks * 9, *rows_bytes, *hidden,
+                        teacher ? *hidden : 0, *weight, v * e, transient})
+          : std::nullopt;
+  const std::optional<int64_t> grads =
+      hidden ? CheckedSum({*hidden, trainable ? *weight : 0,
+                           trainable ? v * e : 0, *rows * 4})
+             : std::nullopt;
+  const std::optional<int64_t> all_grads =
+      grads ? CheckedMul(*grads, sets) : std::nullopt;
+  if (!batch || !all_grads) {
+    return TooBig(absl::StrCat("the batch's bytes (", b, " x ", n, " x ", k,
+                               " rows of ", h, ", V ", v,
+                               ") overflow 64 bits"));
+  }
+  return std::make_pair(*batch, *all_grads);
+}
+
+absl::Status CheckFits(const std::optional<MemoryBudget>& budget,
+                       int64_t batch, int64_t grads, int64_t head) {
+  const std::optional<int64_t> total = CheckedSum({batch, grads, head});
+  if (budget && total && *total <= budget->bytes) return absl::OkStatus();
+  if (!budget && total) return absl::OkStatus();
+  const std::string needs =
+      total ? absl::StrCat(*total, " bytes (", Bytes(*total), ")")
+            : std::string("more than 2^63 bytes");
+  return TooBig(absl::StrCat(
+      "this run needs ", needs, ": batch ", Bytes(batch), ", gradients ",
+      Bytes(grads), ", head buffers ", Bytes(head), "; ",
+      budget ? absl::StrCat(budget->bytes, " bytes (", Bytes(budget->bytes),
+                            ") are available (", budget->source, ")")
+             : std::string("")));
+}
+
+template <typename T>
+std::vector<T>& Values(JobTensor& tensor) {
+  if (!std::holds_alternative<std::vector<T>>(tensor)) {
+    tensor = std::vector<T>();
+  }
+  return std::get<std::vector<T>>(tensor);
+}
+
+absl::string_view Data(const JobTensor& tensor) {
+  return std::visit(
+      [](const auto& values) {
+        return absl::string_view(reinterpret_cast<const char*>(values.data()),
+                                 values.size() * sizeof(values[0]));
+      },
+      tensor);
+}
+
+NpyType TypeOf(const JobTensor& tensor) {
+  return std::holds_alternative<std::vector<float>>(tensor)
+             ? NpyType::kFloat32
+             : NpyType::kFloat64;
+}
+
+bool Empty(const JobTensor& tensor) {
+  return std::visit([](const auto& values) { return values.empty(); }, tensor);
+}
 
 }  // namespace
 
@@ -173,38 +456,40 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
   m.set_chunks(r.stats.chunks);
   m.set_rows(r.plan.chunks.empty() ? 0 : r.plan.chunks.back().end);
   m.set_projected_rows(r.stats.projected_rows);
+  m.set_weighted_rows(r.stats.projected_rows);
   m.set_segment_recomputes(r.stats.segment_recomputes);
   return m;
 }
 
 namespace {
 
+template <typename T>
 absl::StatusOr<HeadJobResult> RunOnce(
-    const v1::ObjectiveConfig& config, const HeadBatch<float>& batch,
-    std::function<void(int64_t, int64_t)> progress) {
+    const v1::ObjectiveConfig& config, const HeadBatch<T>& batch,
+    int64_t limit_bytes, std::function<void(int64_t, int64_t)> progress) {
   HeadJobResult job;
   job.config = config;
   const int64_t rows = static_cast<int64_t>(batch.rows.size());
   const int64_t hidden = config.head().hidden_size();
-  job.grad_hidden.assign(rows * hidden, 0);
+  std::vector<T>& grad_hidden = Values<T>(job.grad_hidden);
+  std::vector<T>& grad_weight = Values<T>(job.grad_weight);
+  grad_hidden.assign(rows * hidden, 0);
   if (config.head().trainable()) {
-    job.grad_weight.assign(config.head().vocab_size() * hidden, 0);
+    grad_weight.assign(config.head().vocab_size() * hidden, 0);
   }
-  std::vector<float> grad_bias(
-      config.head().trainable() && config.head().bias()
-          ? config.head().vocab_size()
-          : 0);
-  std::vector<float> grad_confidence(rows);
-  const bool confidence = config.loss().has_dspark() &&
-                          config.loss().dspark().confidence_weight() > 0;
-  HeadGradients<float> gradients{
-      absl::MakeSpan(job.grad_hidden), absl::MakeSpan(job.grad_weight),
-      absl::MakeSpan(grad_bias),
-      confidence ? absl::MakeSpan(grad_confidence) : absl::Span<float>()};
-  TrackingAllocator allocator;
+  std::vector<T> grad_bias(config.head().trainable() && config.head().bias()
+                               ? config.head().vocab_size()
+                               : 0);
+  const bool confidence = NeedsConfidence(config);
+  std::vector<float> grad_confidence(confidence ? rows : 0);
+  HeadGradients<T> gradients{absl::MakeSpan(grad_hidden),
+                             absl::MakeSpan(grad_weight),
+                             absl::MakeSpan(grad_bias),
+                             absl::MakeSpan(grad_confidence)};
+  TrackingAllocator allocator(limit_bytes);
   HeadOptions options;
   options.progress = std::move(progress);
-  absl::StatusOr<HeadResult> result = RunHead<float>(
+  absl::StatusOr<HeadResult> result = RunHead<T>(
       config, batch.Inputs(config), gradients, allocator, {}, options);
   if (!result.ok()) return result.status();
   job.result = *std::move(result);
@@ -221,9 +506,9 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
   const int64_t rows = job.metrics.rows();
   const double seconds = job.metrics.seconds();
   out << absl::StrFormat(
-      "dflash_head: %s head, %s loss, %s\n",
+      "dflash_head: %s head, %s loss, %s, %s\n",
       v1::HeadConfig::ExecutionMode_Name(r.mode), job.metrics.loss_family(),
-      source);
+      v1::HeadConfig::DType_Name(c.head().dtype()), source);
   out << absl::StrFormat(
       "  batch        %d rows = %d blocks x %d positions (%d projected), "
       "H %d, V %d\n",
@@ -240,7 +525,8 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
     per_k.push_back(absl::StrFormat("k%d %.3f", k, r.accuracy_per_position[k]));
   }
   out << absl::StrFormat("  accuracy     %.4f; per position: %s\n", r.accuracy,
-                         absl::StrJoin(per_k, "  "));
+                         per_k.empty() ? "none supervised"
+                                       : absl::StrJoin(per_k, "  "));
   out << absl::StrFormat("  GEMMs        %.3g passes (%d calls), %.3f TFLOP\n",
                          s.gemm_passes, s.gemm_calls, s.gemm_flops / 1e12);
   out << absl::StrFormat(
@@ -257,8 +543,10 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
   }
 }
 
-absl::Status WriteOutputs(const HeadJobResult& job, const HeadBatch<float>& b,
-                          const std::string& dir) {
+// Stages every output of the run in `files` and the removal of a previous
+// run's grad_lm_head.npy that this run does not write.
+absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
+                          const std::string& dir, OutputFileSet& files) {
   google::protobuf::util::JsonPrintOptions json;
   json.add_whitespace = true;
   json.always_print_primitive_fields = true;
@@ -269,39 +557,182 @@ absl::Status WriteOutputs(const HeadJobResult& job, const HeadBatch<float>& b,
       !ok.ok()) {
     return absl::InternalError(std::string(ok.message()));
   }
-  const std::string path = Join(dir, "metrics.json");
-  FILE* file = std::fopen(path.c_str(), "w");
-  if (file == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--out: cannot write ", path, " (does the directory exist?)"));
+  if (absl::Status ok = files.Stage(Join(dir, kMetricsFile), text); !ok.ok()) {
+    return ok;
   }
-  std::fputs(text.c_str(), file);
-  std::fclose(file);
   const v1::ObjectiveConfig& c = job.config;
-  const int64_t k_size = c.layout().block_size();
-  const int64_t blocks = static_cast<int64_t>(b.rows.size()) / k_size;
-  const int64_t n = b.anchors.num_anchors;
-  if (absl::Status ok = WriteNpy(
-          Join(dir, "grad_hidden.npy"),
-          MakeNpy<float>(job.grad_hidden, {blocks / n, n, k_size,
-                                           c.head().hidden_size()}));
+  const int64_t n = c.layout().num_anchors(), k = c.layout().block_size();
+  const int64_t h = c.head().hidden_size(), v = c.head().vocab_size();
+  if (absl::Status ok =
+          StageNpy(files, Join(dir, kGradHiddenFile), TypeOf(job.grad_hidden),
+                   {batch_size, n, k, h}, Data(job.grad_hidden));
       !ok.ok()) {
     return ok;
   }
-  if (!job.grad_weight.empty()) {
-    return WriteNpy(Join(dir, "grad_lm_head.npy"),
-                    MakeNpy<float>(job.grad_weight, {c.head().vocab_size(),
-                                                     c.head().hidden_size()}));
+  if (Empty(job.grad_weight)) {
+    files.StageRemoval(Join(dir, kGradWeightFile));
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  return StageNpy(files, Join(dir, kGradWeightFile), TypeOf(job.grad_weight),
+                  {v, h}, Data(job.grad_weight));
 }
 
-double MaxDifference(const std::vector<float>& a, const std::vector<float>& b) {
-  double most = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    most = std::max(most, static_cast<double>(std::abs(a[i] - b[i])));
+double MaxDifference(const JobTensor& a, const JobTensor& b) {
+  return std::visit(
+      [&](const auto& x) {
+        using V = std::decay_t<decltype(x)>;
+        const V& y = std::get<V>(b);
+        double most = 0;
+        for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+          most = std::max(most, std::abs(static_cast<double>(x[i]) - y[i]));
+        }
+        return most;
+      },
+      a);
+}
+
+constexpr const char* kModes[] = {"materialize", "save", "checkpoint",
+                                  "selective", "fused"};
+
+// The configs --compare_modes runs: the job's in each mode.
+absl::StatusOr<std::vector<v1::ObjectiveConfig>> ModeConfigs(
+    const v1::ObjectiveConfig& config) {
+  std::vector<v1::ObjectiveConfig> configs;
+  for (const char* mode : kModes) {
+    v1::ObjectiveConfig mode_config = config;
+    if (std::string(mode) == "checkpoint") mode_config.clear_checkpoint();
+    if (absl::Status ok = SetMode(mode, mode_config); !ok.ok()) return ok;
+    configs.push_back(ResolveDefaults(std::move(mode_config)));
   }
-  return most;
+  return configs;
+}
+
+absl::Status CheckStream(std::ostream& report) {
+  const int error = errno;
+  report.flush();
+  if (report) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "standard output: cannot write the report",
+      errno != error && errno != 0 ? absl::StrCat(": ", std::strerror(errno))
+                                   : std::string()));
+}
+
+template <typename T>
+absl::StatusOr<HeadJobResult> RunJob(const HeadJobOptions& options,
+                                     const v1::ObjectiveConfig& config,
+                                     std::ostream& report,
+                                     std::function<void(int64_t, int64_t)> progress) {
+  // Sizes first: the batch and the gradients the run holds, checked against
+  // the memory available before anything is allocated.
+  const std::optional<MemoryBudget> budget = Budget(options);
+  int64_t b, s, n = config.layout().num_anchors(), transient = 0;
+  InputHeaders headers;
+  if (options.inputs_dir.empty()) {
+    b = options.batch.value_or(kDefaultSyntheticShape.batch);
+    s = options.seq.value_or(kDefaultSyntheticShape.seq_len);
+  } else {
+    absl::StatusOr<InputHeaders> read =
+        ReadInputHeaders(options.inputs_dir, config);
+    if (!read.ok()) return read.status();
+    headers = *std::move(read);
+    b = headers.batch;
+    s = headers.seq;
+    transient = headers.largest_file_bytes;
+  }
+  const int64_t sets = options.compare_modes ? 3 : 1;
+  absl::StatusOr<std::pair<int64_t, int64_t>> host =
+      HostBytes(config, b, s, n, transient, sets);
+  if (!host.ok()) return host.status();
+  const auto [batch_bytes, grad_bytes] = *host;
+  if (absl::Status fits = CheckFits(budget, batch_bytes, grad_bytes, 0);
+      !fits.ok()) {
+    return fits;
+  }
+
+  const uint64_t seed = options.seed.value_or(kDefaultSeed);
+  absl::StatusOr<HeadBatch<T>> batch =
+      options.inputs_dir.empty()
+          ? MakeSyntheticBatch<T>(config, {b, s, n}, seed)
+          : LoadInputs<T>(options.inputs_dir, config);
+  if (!batch.ok()) return batch.status();
+
+  // The head's buffers, from its plan, in every mode the job runs.
+  std::vector<v1::ObjectiveConfig> mode_configs;
+  if (options.compare_modes) {
+    absl::StatusOr<std::vector<v1::ObjectiveConfig>> configs =
+        ModeConfigs(config);
+    if (!configs.ok()) return configs.status();
+    mode_configs = *std::move(configs);
+  }
+  int64_t head_bytes = 0;
+  for (const v1::ObjectiveConfig* c : {&config}) {
+    absl::StatusOr<int64_t> peak =
+        PredictPeakBytes(*c, batch->rows, ElementBytes(config));
+    if (!peak.ok()) return peak.status();
+    head_bytes = std::max(head_bytes, *peak);
+  }
+  for (const v1::ObjectiveConfig& c : mode_configs) {
+    absl::StatusOr<int64_t> peak =
+        PredictPeakBytes(c, batch->rows, ElementBytes(config));
+    if (!peak.ok()) return peak.status();
+    head_bytes = std::max(head_bytes, *peak);
+  }
+  if (absl::Status fits = CheckFits(budget, batch_bytes, grad_bytes, head_bytes);
+      !fits.ok()) {
+    return fits;
+  }
+  // The head's allocator refuses what the prediction missed, rather than
+  // the system failing later.
+  const int64_t head_limit =
+      budget ? std::max<int64_t>(budget->bytes - batch_bytes - grad_bytes, 0)
+             : std::numeric_limits<int64_t>::max();
+
+  const std::string source =
+      options.inputs_dir.empty()
+          ? absl::StrCat("synthetic batch (seed ", seed, ")")
+          : absl::StrCat("inputs from ", options.inputs_dir);
+  absl::StatusOr<HeadJobResult> job =
+      RunOnce<T>(config, *batch, head_limit, progress);
+  if (!job.ok()) return job.status();
+  if (job->result.stats.projected_rows == 0) {
+    job->notes.push_back(
+        "no row of the batch carries weight (every position is unsupervised, "
+        "dropped or ignored): loss and accuracy are 0, gradients are 0");
+  }
+  PrintReport(*job, source, report);
+  if (options.compare_modes) {
+    v1::ObjectiveConfig fused_config = config;
+    fused_config.mutable_head()->set_mode(v1::HeadConfig::FUSED);
+    absl::StatusOr<HeadJobResult> fused =
+        RunOnce<T>(fused_config, *batch, head_limit, nullptr);
+    if (!fused.ok()) return fused.status();
+    report << "\n  mode          seconds   GEMMs   peak MiB   max |grad - "
+              "fused|\n";
+    for (size_t i = 0; i < mode_configs.size(); ++i) {
+      absl::StatusOr<HeadJobResult> run =
+          RunOnce<T>(mode_configs[i], *batch, head_limit, nullptr);
+      if (!run.ok()) return run.status();
+      report << absl::StrFormat(
+          "  %-12s %8.3f %7.3g %10.1f   %.3g\n", kModes[i],
+          run->metrics.seconds(), run->metrics.gemms(),
+          run->metrics.peak_bytes() / 1048576.0,
+          MaxDifference(run->grad_hidden, fused->grad_hidden));
+    }
+  }
+  if (absl::Status ok = CheckStream(report); !ok.ok()) return ok;
+  if (!options.out_dir.empty()) {
+    OutputFileSet files;
+    if (absl::Status ok = StageOutputs(*job, b, options.out_dir, files);
+        !ok.ok()) {
+      return ok;
+    }
+    if (absl::Status ok = files.Commit(); !ok.ok()) return ok;
+    report << "  wrote        " << Join(options.out_dir, kMetricsFile) << ", "
+           << kGradHiddenFile
+           << (Empty(job->grad_weight) ? "" : absl::StrCat(", ", kGradWeightFile))
+           << "\n";
+  }
+  return job;
 }
 
 }  // namespace
@@ -312,12 +743,23 @@ absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig() {
 }
 
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
-  absl::StatusOr<v1::ObjectiveConfig> loaded =
-      options.config_path.empty()
-          ? DefaultObjectiveConfig()
-          : LoadObjectiveConfigFromFile(options.config_path);
-  if (!loaded.ok()) return loaded.status();
-  v1::ObjectiveConfig config = *std::move(loaded);
+  if (absl::Status ok = CheckSyntheticFlags(options); !ok.ok()) return ok;
+  absl::StatusOr<v1::ObjectiveConfig> parsed;
+  if (options.config_path.empty()) {
+    parsed = ParseObjectiveConfig(kDefaultConfig,
+                                  "configs/dflash_default.textproto");
+  } else {
+    constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
+    absl::StatusOr<std::string> text =
+        ReadFileToString(options.config_path, kMaxConfigBytes);
+    if (!text.ok()) {
+      return absl::Status(text.status().code(),
+                          absl::StrCat("--config: ", text.status().message()));
+    }
+    parsed = ParseObjectiveConfig(*text, options.config_path);
+  }
+  if (!parsed.ok()) return parsed.status();
+  v1::ObjectiveConfig config = *std::move(parsed);
   if (!options.loss.empty()) {
     if (absl::Status ok = SetLoss(options.loss, *config.mutable_loss());
         !ok.ok()) {
@@ -333,57 +775,71 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   if (!options.mode.empty()) {
     if (absl::Status ok = SetMode(options.mode, config); !ok.ok()) return ok;
   }
-  if (options.chunk_blocks != 0) {
-    config.mutable_chunking()->set_blocks_per_chunk(options.chunk_blocks);
+  if (options.chunk_blocks.has_value()) {
+    config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);
   }
   if (options.threads.has_value()) {
     config.mutable_head()->set_threads(*options.threads);
   }
-  if (options.block != 0) config.mutable_layout()->set_block_size(options.block);
-  if (options.hidden != 0) {
-    config.mutable_head()->set_hidden_size(options.hidden);
+  // The shapes the run will use, before the one validation.
+  if (options.inputs_dir.empty()) {
+    if (options.block) config.mutable_layout()->set_block_size(*options.block);
+    if (options.hidden) config.mutable_head()->set_hidden_size(*options.hidden);
+    if (options.vocab) config.mutable_head()->set_vocab_size(*options.vocab);
+    config.mutable_layout()->set_num_anchors(
+        options.anchors.value_or(kDefaultSyntheticShape.num_anchors));
+  } else {
+    absl::StatusOr<InputHeaders> in =
+        ReadInputHeaders(options.inputs_dir, config);
+    if (!in.ok()) return in.status();
+    config.mutable_layout()->set_block_size(in->block);
+    config.mutable_layout()->set_num_anchors(in->anchors);
+    config.mutable_head()->set_hidden_size(in->hidden);
+    config.mutable_head()->set_vocab_size(in->vocab);
   }
-  if (options.vocab != 0) config.mutable_head()->set_vocab_size(options.vocab);
-  config.mutable_layout()->set_num_anchors(options.shape.num_anchors);
   config = ResolveDefaults(std::move(config));
   if (absl::Status ok = ValidateObjectiveConfig(config); !ok.ok()) return ok;
+  if (config.head().backend() != v1::HeadConfig::CPU) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.backend: dflash_head runs the CPU backend; CUDA heads run from "
+        "C++ (RunCudaHead), got ",
+        v1::HeadConfig::Backend_Name(config.head().backend())));
+  }
   return config;
 }
 
-absl::StatusOr<HeadBatch<float>> LoadInputs(const std::string& dir,
-                                            v1::ObjectiveConfig& config) {
-  absl::StatusOr<NpyArray> hidden =
-      ReadChecked(dir, "hidden.npy", {-1, -1, -1, -1}, kFloats);
-  if (!hidden.ok()) return hidden.status();
-  const int64_t b = hidden->shape[0], n = hidden->shape[1],
-                k = hidden->shape[2], h = hidden->shape[3];
-  absl::StatusOr<NpyArray> weight =
-      ReadChecked(dir, "lm_head.npy", {-1, h}, kFloats);
-  if (!weight.ok()) return weight.status();
-  const int64_t v = weight->shape[0];
-  absl::StatusOr<NpyArray> ids = ReadChecked(dir, "input_ids.npy", {b, -1}, kInts);
-  if (!ids.ok()) return ids.status();
-  const int64_t s = ids->shape[1];
-  absl::StatusOr<NpyArray> mask =
-      ReadChecked(dir, "loss_mask.npy", {b, s}, kFlags);
-  absl::StatusOr<NpyArray> anchors =
-      ReadChecked(dir, "anchors.npy", {b, n}, kInts);
-  absl::StatusOr<NpyArray> keep = ReadChecked(dir, "keep.npy", {b, n}, kFlags);
-  for (const auto* array : {&mask, &anchors, &keep}) {
-    if (!array->ok()) return array->status();
+template <typename T>
+absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
+                                        const v1::ObjectiveConfig& config) {
+  absl::StatusOr<InputHeaders> in = ReadInputHeaders(dir, config);
+  if (!in.ok()) return in.status();
+  const int64_t b = in->batch, s = in->seq, n = in->anchors, k = in->block,
+                v = in->vocab;
+  if (k != config.layout().block_size() || n != config.layout().num_anchors() ||
+      in->hidden != config.head().hidden_size() ||
+      v != config.head().vocab_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, ": the files' shapes changed after the config was made from "
+             "them"));
   }
-  config.mutable_layout()->set_block_size(k);
-  config.mutable_layout()->set_num_anchors(n);
-  config.mutable_head()->set_hidden_size(h);
-  config.mutable_head()->set_vocab_size(v);
-  if (absl::Status ok = ValidateObjectiveConfig(config); !ok.ok()) return ok;
-
-  HeadBatch<float> batch;
-  batch.input_ids = NpyToInt64(*ids);
-  for (int64_t x : NpyToInt64(*mask)) batch.loss_mask.push_back(x != 0);
+  HeadBatch<T> batch;
+  absl::StatusOr<std::vector<int64_t>> ids =
+      ReadInts(dir, *FindSpec(*in, "input_ids.npy"));
+  if (!ids.ok()) return ids.status();
+  batch.input_ids = *std::move(ids);
+  absl::StatusOr<std::vector<int64_t>> mask =
+      ReadInts(dir, *FindSpec(*in, "loss_mask.npy"));
+  if (!mask.ok()) return mask.status();
+  for (int64_t x : *mask) batch.loss_mask.push_back(x != 0);
+  absl::StatusOr<std::vector<int64_t>> anchors =
+      ReadInts(dir, *FindSpec(*in, "anchors.npy"));
+  if (!anchors.ok()) return anchors.status();
+  absl::StatusOr<std::vector<int64_t>> keep =
+      ReadInts(dir, *FindSpec(*in, "keep.npy"));
+  if (!keep.ok()) return keep.status();
   batch.anchors.num_anchors = n;
-  batch.anchors.positions = NpyToInt64(*anchors);
-  for (int64_t x : NpyToInt64(*keep)) batch.anchors.keep.push_back(x != 0);
+  batch.anchors.positions = *std::move(anchors);
+  for (int64_t x : *keep) batch.anchors.keep.push_back(x != 0);
   absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
       {b, s, batch.input_ids, batch.loss_mask}, batch.anchors.positions,
       batch.anchors.keep, n, k, v,
@@ -393,96 +849,86 @@ absl::StatusOr<HeadBatch<float>> LoadInputs(const std::string& dir,
         absl::StrCat(dir, ": ", rows.status().message()));
   }
   batch.rows = *std::move(rows);
-  batch.hidden = NpyToFloat(*hidden);
-  batch.weight = NpyToFloat(*weight);
-  if (LossNeedsTeacher(config.loss())) {
-    absl::StatusOr<NpyArray> teacher =
-        ReadChecked(dir, "teacher_hidden.npy", {b, n, k, h}, kFloats);
-    if (!teacher.ok()) return teacher.status();
-    batch.teacher_hidden = NpyToFloat(*teacher);
+  const std::pair<const char*, std::vector<T>*> floats[] = {
+      {"hidden.npy", &batch.hidden},
+      {"lm_head.npy", &batch.weight},
+      {"lm_head_bias.npy", &batch.bias},
+      {"teacher_hidden.npy", &batch.teacher_hidden}};
+  for (const auto& [name, out] : floats) {
+    const InputSpec* spec = FindSpec(*in, name);
+    if (spec == nullptr) continue;
+    absl::StatusOr<std::vector<T>> values = ReadFloats<T>(dir, *spec, config);
+    if (!values.ok()) return values.status();
+    *out = *std::move(values);
   }
-  if (config.loss().has_dspark() &&
-      config.loss().dspark().confidence_weight() > 0) {
-    absl::StatusOr<NpyArray> confidence =
-        ReadChecked(dir, "confidence_logits.npy", {b, n, k}, kFloats);
-    if (!confidence.ok()) return confidence.status();
-    batch.confidence_logits = NpyToFloat(*confidence);
+  if (const InputSpec* spec = FindSpec(*in, "confidence_logits.npy")) {
+    v1::ObjectiveConfig as_float = config;
+    as_float.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+    absl::StatusOr<std::vector<float>> values =
+        ReadFloats<float>(dir, *spec, as_float);
+    if (!values.ok()) return values.status();
+    batch.confidence_logits = *std::move(values);
   }
   return batch;
 }
 
-absl::Status SaveInputs(const HeadBatch<float>& batch,
+template <typename T>
+absl::Status SaveInputs(const HeadBatch<T>& batch,
                         const v1::ObjectiveConfig& config, int64_t batch_size,
                         int64_t seq_len, const std::string& dir) {
   const int64_t n = batch.anchors.num_anchors, k = config.layout().block_size();
   const int64_t h = config.head().hidden_size(), v = config.head().vocab_size();
   const std::vector<std::pair<std::string, NpyArray>> files = {
-      {"hidden.npy", MakeNpy<float>(batch.hidden, {batch_size, n, k, h})},
-      {"lm_head.npy", MakeNpy<float>(batch.weight, {v, h})},
+      {"hidden.npy", MakeNpy<T>(batch.hidden, {batch_size, n, k, h})},
+      {"lm_head.npy", MakeNpy<T>(batch.weight, {v, h})},
+      {"lm_head_bias.npy", MakeNpy<T>(batch.bias, {v})},
       {"input_ids.npy", MakeNpy<int64_t>(batch.input_ids, {batch_size, seq_len})},
       {"loss_mask.npy", MakeNpy<uint8_t>(batch.loss_mask, {batch_size, seq_len})},
       {"anchors.npy", MakeNpy<int64_t>(batch.anchors.positions, {batch_size, n})},
       {"keep.npy", MakeNpy<uint8_t>(batch.anchors.keep, {batch_size, n})},
       {"teacher_hidden.npy",
-       MakeNpy<float>(batch.teacher_hidden, {batch_size, n, k, h})},
+       MakeNpy<T>(batch.teacher_hidden, {batch_size, n, k, h})},
       {"confidence_logits.npy",
        MakeNpy<float>(batch.confidence_logits, {batch_size, n, k})},
   };
+  OutputFileSet out;
   for (const auto& [name, array] : files) {
     if (array.data.empty() && name != "hidden.npy") continue;
-    if (absl::Status ok = WriteNpy(Join(dir, name), array); !ok.ok()) return ok;
+    if (absl::Status ok = StageNpy(out, Join(dir, name), array.type,
+                                   array.shape, array.data);
+        !ok.ok()) {
+      return ok;
+    }
   }
-  return absl::OkStatus();
+  return out.Commit();
 }
+
+template absl::StatusOr<HeadBatch<float>> LoadInputs<float>(
+    const std::string&, const v1::ObjectiveConfig&);
+template absl::StatusOr<HeadBatch<double>> LoadInputs<double>(
+    const std::string&, const v1::ObjectiveConfig&);
+template absl::Status SaveInputs<float>(const HeadBatch<float>&,
+                                        const v1::ObjectiveConfig&, int64_t,
+                                        int64_t, const std::string&);
+template absl::Status SaveInputs<double>(const HeadBatch<double>&,
+                                         const v1::ObjectiveConfig&, int64_t,
+                                         int64_t, const std::string&);
 
 absl::StatusOr<HeadJobResult> RunHeadJob(
     const HeadJobOptions& options, std::ostream& report,
     std::function<void(int64_t, int64_t)> progress) {
+  // --out is made and proven writable before any work.
+  if (!options.out_dir.empty()) {
+    if (absl::Status ok = PrepareOutputDirectory(options.out_dir); !ok.ok()) {
+      return absl::Status(ok.code(), absl::StrCat("--out: ", ok.message()));
+    }
+  }
   absl::StatusOr<v1::ObjectiveConfig> config = JobConfig(options);
   if (!config.ok()) return config.status();
-  absl::StatusOr<HeadBatch<float>> batch =
-      options.inputs_dir.empty()
-          ? MakeSyntheticBatch<float>(*config, options.shape, options.seed)
-          : LoadInputs(options.inputs_dir, *config);
-  if (!batch.ok()) return batch.status();
-  const std::string source =
-      options.inputs_dir.empty()
-          ? absl::StrCat("synthetic batch (seed ", options.seed, ")")
-          : absl::StrCat("inputs from ", options.inputs_dir);
-  absl::StatusOr<HeadJobResult> job = RunOnce(*config, *batch, progress);
-  if (!job.ok()) return job.status();
-  PrintReport(*job, source, report);
-  if (!options.out_dir.empty()) {
-    if (absl::Status ok = WriteOutputs(*job, *batch, options.out_dir);
-        !ok.ok()) {
-      return ok;
-    }
-    report << "  wrote        " << Join(options.out_dir, "metrics.json")
-           << ", grad_hidden.npy"
-           << (job->grad_weight.empty() ? "" : ", grad_lm_head.npy") << "\n";
+  if (config->head().dtype() == v1::HeadConfig::FLOAT64) {
+    return RunJob<double>(options, *config, report, std::move(progress));
   }
-  if (options.compare_modes) {
-    v1::ObjectiveConfig fused_config = *config;
-    fused_config.mutable_head()->set_mode(v1::HeadConfig::FUSED);
-    absl::StatusOr<HeadJobResult> fused = RunOnce(fused_config, *batch, nullptr);
-    if (!fused.ok()) return fused.status();
-    report << "\n  mode          seconds   GEMMs   peak MiB   max |grad - "
-              "fused|\n";
-    for (const char* mode :
-         {"materialize", "save", "checkpoint", "selective", "fused"}) {
-      v1::ObjectiveConfig mode_config = *config;
-      if (std::string(mode) == "checkpoint") mode_config.clear_checkpoint();
-      if (absl::Status ok = SetMode(mode, mode_config); !ok.ok()) return ok;
-      mode_config = ResolveDefaults(std::move(mode_config));
-      absl::StatusOr<HeadJobResult> run = RunOnce(mode_config, *batch, nullptr);
-      if (!run.ok()) return run.status();
-      report << absl::StrFormat(
-          "  %-12s %8.3f %7.3g %10.1f   %.3g\n", mode, run->metrics.seconds(),
-          run->metrics.gemms(), run->metrics.peak_bytes() / 1048576.0,
-          MaxDifference(run->grad_hidden, fused->grad_hidden));
-    }
-  }
-  return job;
+  return RunJob<float>(options, *config, report, std::move(progress));
 }
 
 }  // namespace dflash

@@ -1,11 +1,19 @@
 #ifndef DFLASH_CLI_HEAD_JOB_H_
 #define DFLASH_CLI_HEAD_JOB_H_
 
+// The dflash_head command as a library: one objective through the head on
+// a synthetic batch or on .npy tensors, with its report and output files.
+// Every failure is a Status naming the flag or file, the value and what was
+// expected; sizes are checked against the memory available before they are
+// allocated, and output files are replaced all together or not at all.
+
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <variant>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "heads/fused_head.h"
@@ -15,37 +23,49 @@
 
 namespace dflash {
 
-// What the dflash_head command was asked to do. Empty / unset fields keep
-// the config's value.
+// What the dflash_head command was asked to do. Unset fields keep the
+// config's (or the synthetic batch's default) value.
 struct HeadJobOptions {
   std::string config_path;  // Empty: the built-in configs/dflash_default.
   std::string loss;         // dflash, dpace, ..., kl, reverse-kl, jsd.
   std::optional<double> gamma;
   std::string mode;  // materialize, save, checkpoint, selective, fused.
-  int64_t chunk_blocks = 0;
+  std::optional<int64_t> chunk_blocks;
   std::optional<int32_t> threads;
-  uint64_t seed = 1;
-  SyntheticShape shape;  // The synthetic batch, without --inputs.
-  int64_t block = 0, hidden = 0, vocab = 0;
+  // The synthetic batch; each of these with inputs_dir is an error, since
+  // the files give the shapes.
+  std::optional<uint64_t> seed;
+  std::optional<int64_t> batch, seq, anchors, block, hidden, vocab;
   std::string inputs_dir;  // .npy tensors instead of a synthetic batch.
   std::string out_dir;     // metrics.json, grad_hidden.npy, grad_lm_head.npy.
   bool compare_modes = false;
+  // Bytes the job may hold; unset: what the system has available.
+  std::optional<int64_t> memory_limit;
 };
+
+// The synthetic batch's shape when no flag changes it.
+inline constexpr SyntheticShape kDefaultSyntheticShape = {1, 4096, 128};
+inline constexpr uint64_t kDefaultSeed = 1;
 
 // The built-in default objective (configs/dflash_default.textproto).
 absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig();
 
-// The config the job runs: file or built-in, flags applied, defaults
-// resolved, validated. With --inputs, the shapes come from the files.
+// The config the job runs: file or built-in, flags applied, the shapes of
+// the batch actually used (the synthetic flags, or the headers of the
+// --inputs files), defaults resolved, validated once.
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options);
 
-// The tensors of --inputs=DIR (SEMANTICS.md section 2 derives the rows),
-// with `config`'s block size, hidden and vocabulary sizes set from them.
-absl::StatusOr<HeadBatch<float>> LoadInputs(const std::string& dir,
-                                            v1::ObjectiveConfig& config);
+// The tensors of --inputs=DIR (docs/semantics.md section 2 derives the
+// rows) for `config` = JobConfig(...): T is float for FLOAT32, double for
+// FLOAT64. Non-finite values, and float64 values that overflow float32 when
+// T is float, are errors naming the file and the element's index.
+template <typename T>
+absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
+                                        const v1::ObjectiveConfig& config);
 
 // Writes `batch` as the .npy files LoadInputs reads.
-absl::Status SaveInputs(const HeadBatch<float>& batch,
+template <typename T>
+absl::Status SaveInputs(const HeadBatch<T>& batch,
                         const v1::ObjectiveConfig& config, int64_t batch_size,
                         int64_t seq_len, const std::string& dir);
 
@@ -53,15 +73,23 @@ absl::Status SaveInputs(const HeadBatch<float>& batch,
 v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
                               const HeadResult& result);
 
+// A gradient in the head's storage type: float (FLOAT32) or double.
+using JobTensor = std::variant<std::vector<float>, std::vector<double>>;
+
 struct HeadJobResult {
   v1::ObjectiveConfig config;
   HeadResult result;
   v1::HeadMetrics metrics;
-  std::vector<float> grad_hidden, grad_weight;
+  JobTensor grad_hidden, grad_weight;  // grad_weight empty when frozen.
+  // Things a user should know that are not errors (printed on stderr).
+  std::vector<std::string> notes;
 };
 
 // Runs the job, printing the readable report (and the --compare_modes
 // table) to `report`; `progress` gets (steps done, steps) per chunk step.
+// With out_dir, the directory is created and checked before any work, and
+// the run's files replace the previous run's together once complete (a
+// frozen run removes a trainable run's grad_lm_head.npy).
 absl::StatusOr<HeadJobResult> RunHeadJob(
     const HeadJobOptions& options, std::ostream& report,
     std::function<void(int64_t, int64_t)> progress = nullptr);

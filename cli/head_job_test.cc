@@ -1,5 +1,10 @@
 #include "cli/head_job.h"
 
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -7,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "io/npy.h"
@@ -15,18 +21,44 @@
 namespace dflash {
 namespace {
 
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
 std::string TempDir(const std::string& name) {
   const char* root = std::getenv("TEST_TMPDIR");
   const std::string dir = std::string(root ? root : "/tmp") + "/" + name;
-  std::string command = "mkdir -p " + dir;
+  std::string command = "rm -rf " + dir + " && mkdir -p " + dir;
   EXPECT_EQ(std::system(command.c_str()), 0);
   return dir;
+}
+
+std::string Contents(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << file.rdbuf();
+  return bytes.str();
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// Names in `dir` starting with '.': temporaries left behind.
+int HiddenEntries(const std::string& dir) {
+  const std::string list = dir + ".hidden";
+  const std::string command =
+      "ls -A " + dir + " | grep -c '^\\.' > " + list + "; true";
+  EXPECT_EQ(std::system(command.c_str()), 0);
+  return std::atoi(Contents(list).c_str());
 }
 
 HeadJobOptions Small(const std::string& loss) {
   HeadJobOptions options;
   options.loss = loss;
-  options.shape = {2, 64, 5};
+  options.batch = 2;
+  options.seq = 64;
+  options.anchors = 5;
   options.block = 4;
   options.hidden = 16;
   options.vocab = 97;
@@ -36,48 +68,65 @@ HeadJobOptions Small(const std::string& loss) {
   return options;
 }
 
+// The same job reading the synthetic batch from `dir` (written there).
+HeadJobOptions FromFiles(const HeadJobOptions& synthetic,
+                         const std::string& dir) {
+  auto config = JobConfig(synthetic);
+  EXPECT_TRUE(config.ok()) << config.status();
+  auto batch = MakeSyntheticBatch<float>(
+      *config, {*synthetic.batch, *synthetic.seq, *synthetic.anchors},
+      *synthetic.seed);
+  EXPECT_TRUE(batch.ok()) << batch.status();
+  EXPECT_TRUE(
+      SaveInputs(*batch, *config, *synthetic.batch, *synthetic.seq, dir).ok());
+  HeadJobOptions options;
+  options.loss = synthetic.loss;
+  options.chunk_blocks = synthetic.chunk_blocks;
+  options.threads = synthetic.threads;
+  options.inputs_dir = dir;
+  return options;
+}
+
+const std::vector<float>& Floats(const JobTensor& tensor) {
+  return std::get<std::vector<float>>(tensor);
+}
+
 // The --inputs path reproduces the in-process run of the same batch, and
 // the outputs are what the report says.
 TEST(HeadJobTest, InputsFromNpyReproduceTheInProcessRun) {
   for (const char* loss : {"dflash", "dspark", "jsd"}) {
     SCOPED_TRACE(loss);
     const HeadJobOptions options = Small(loss);
-    auto config = JobConfig(options);
-    ASSERT_TRUE(config.ok()) << config.status();
-    auto batch = MakeSyntheticBatch<float>(*config, options.shape, options.seed);
-    ASSERT_TRUE(batch.ok());
-    const std::string dir = TempDir(std::string("inputs_") + loss);
-    ASSERT_TRUE(SaveInputs(*batch, *config, 2, 64, dir).ok());
+    HeadJobOptions from_files =
+        FromFiles(options, TempDir(std::string("inputs_") + loss));
+    from_files.out_dir = TempDir(std::string("out_") + loss);
 
     std::ostringstream report;
     auto direct = RunHeadJob(options, report);
     ASSERT_TRUE(direct.ok()) << direct.status();
-    HeadJobOptions from_files = options;
-    from_files.inputs_dir = dir;
-    from_files.out_dir = TempDir(std::string("out_") + loss);
     auto loaded = RunHeadJob(from_files, report);
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     EXPECT_EQ(loaded->metrics.loss(), direct->metrics.loss());
     EXPECT_EQ(loaded->metrics.accuracy(), direct->metrics.accuracy());
-    EXPECT_EQ(loaded->grad_hidden, direct->grad_hidden);
+    EXPECT_EQ(Floats(loaded->grad_hidden), Floats(direct->grad_hidden));
     EXPECT_GT(direct->metrics.loss(), 0);
+    EXPECT_TRUE(loaded->notes.empty());
 
-    std::ifstream json_file(from_files.out_dir + "/metrics.json");
-    std::stringstream json;
-    json << json_file.rdbuf();
     v1::HeadMetrics parsed;
-    ASSERT_TRUE(
-        google::protobuf::util::JsonStringToMessage(json.str(), &parsed).ok())
-        << json.str();
+    const std::string json = Contents(from_files.out_dir + "/metrics.json");
+    ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &parsed).ok())
+        << json;
     EXPECT_EQ(parsed.loss(), loaded->metrics.loss());
     EXPECT_EQ(parsed.mode(), "FUSED");
     EXPECT_EQ(parsed.accuracy_per_position_size(), 4);
     EXPECT_GT(parsed.peak_bytes(), 0);
+    EXPECT_GT(parsed.weighted_rows(), 0);
     EXPECT_DOUBLE_EQ(parsed.gemms(), std::string(loss) == "dflash" ? 2 : 3);
     auto grad = ReadNpy(from_files.out_dir + "/grad_hidden.npy");
     ASSERT_TRUE(grad.ok()) << grad.status();
     EXPECT_EQ(grad->shape, (std::vector<int64_t>{2, 5, 4, 16}));
-    EXPECT_EQ(NpyToFloat(*grad), loaded->grad_hidden);
+    EXPECT_EQ(NpyToFloat(*grad), Floats(loaded->grad_hidden));
+    EXPECT_EQ(HiddenEntries(from_files.out_dir), 0);
   }
 }
 
@@ -95,6 +144,7 @@ TEST(HeadJobTest, DefaultsComeFromTheBuiltInConfig) {
             v1::DPaceLoss::CONTINUATION_VALUE_ONLY);
   EXPECT_EQ(changed->checkpoint().preset(),
             v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
+  EXPECT_EQ(changed->layout().num_anchors(), 128);
 }
 
 TEST(HeadJobTest, CompareModesPrintsEveryMode) {
@@ -109,35 +159,89 @@ TEST(HeadJobTest, CompareModesPrintsEveryMode) {
   }
 }
 
+std::string WriteConfig(const std::string& dir, const std::string& text) {
+  const std::string path = dir + "/config.textproto";
+  std::ofstream(path) << text;
+  return path;
+}
+
 // A trainable head with a bias, from a config file: the job sizes the bias
 // gradient and writes the weight gradient as grad_lm_head.npy (its values
-// are checked against the reference in //heads:fused_head_test).
+// are checked against the reference in //heads:fused_head_test); a frozen
+// run into the same directory then removes it.
 TEST(HeadJobTest, TrainableHeadWritesTheWeightGradient) {
   const std::string dir = TempDir("trainable");
-  {
-    std::ofstream file(dir + "/trainable.textproto");
-    file << "layout { block_size: 4 } chunking { blocks_per_chunk: 2 } "
-            "head { vocab_size: 31 hidden_size: 8 trainable: true bias: true "
-            "mode: CHECKPOINT threads: 1 } loss { dflash { gamma: 7 } }";
-  }
   HeadJobOptions options;
-  options.config_path = dir + "/trainable.textproto";
-  options.shape = {1, 40, 4};
-  options.out_dir = dir;
+  options.config_path = WriteConfig(
+      dir,
+      "layout { block_size: 4 } chunking { blocks_per_chunk: 2 } "
+      "head { vocab_size: 31 hidden_size: 8 trainable: true bias: true "
+      "mode: CHECKPOINT threads: 1 } loss { dflash { gamma: 7 } }");
+  options.batch = 1;
+  options.seq = 40;
+  options.anchors = 4;
+  options.out_dir = dir + "/out";
   std::ostringstream report;
   auto job = RunHeadJob(options, report);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_DOUBLE_EQ(job->metrics.gemms(), 4);  // Checkpoint 3 + grad W.
-  auto grad = ReadNpy(dir + "/grad_lm_head.npy");
+  auto grad = ReadNpy(options.out_dir + "/grad_lm_head.npy");
   ASSERT_TRUE(grad.ok()) << grad.status();
   EXPECT_EQ(grad->shape, (std::vector<int64_t>{31, 8}));
-  EXPECT_EQ(NpyToFloat(*grad), job->grad_weight);
+  EXPECT_EQ(NpyToFloat(*grad), Floats(job->grad_weight));
   double norm = 0;
-  for (float g : job->grad_weight) norm += std::abs(g);
+  for (float g : Floats(job->grad_weight)) norm += std::abs(g);
   EXPECT_GT(norm, 0);
+
+  options.config_path = WriteConfig(
+      dir,
+      "layout { block_size: 4 } chunking { blocks_per_chunk: 2 } "
+      "head { vocab_size: 31 hidden_size: 8 } loss { dflash { gamma: 7 } }");
+  ASSERT_TRUE(RunHeadJob(options, report).ok());
+  EXPECT_FALSE(Exists(options.out_dir + "/grad_lm_head.npy"));
+  EXPECT_TRUE(Exists(options.out_dir + "/grad_hidden.npy"));
 }
 
-TEST(HeadJobTest, BadFlagsAndFilesAreClearErrors) {
+// A FLOAT64 head runs in double from float64 files, and a bias comes from
+// lm_head_bias.npy: what check_config accepts, dflash_head runs.
+TEST(HeadJobTest, Float64HeadsAndBiasesRunFromFiles) {
+  const std::string dir = TempDir("float64");
+  const std::string config_path = WriteConfig(
+      dir,
+      "layout { block_size: 4 } chunking { blocks_per_chunk: 2 } "
+      "head { vocab_size: 31 hidden_size: 8 bias: true dtype: FLOAT64 "
+      "threads: 1 } loss { dflash { gamma: 7 } }");
+  HeadJobOptions synthetic;
+  synthetic.config_path = config_path;
+  synthetic.batch = 1;
+  synthetic.seq = 40;
+  synthetic.anchors = 4;
+  auto config = JobConfig(synthetic);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto batch = MakeSyntheticBatch<double>(*config, {1, 40, 4}, 3);
+  ASSERT_TRUE(batch.ok());
+  ASSERT_EQ(batch->bias.size(), 31u);
+  ASSERT_TRUE(SaveInputs(*batch, *config, 1, 40, dir).ok());
+  HeadJobOptions options;
+  options.config_path = config_path;
+  options.inputs_dir = dir;
+  std::ostringstream report;
+  auto job = RunHeadJob(options, report);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(std::holds_alternative<std::vector<double>>(job->grad_hidden));
+  synthetic.seed = 3;
+  auto direct = RunHeadJob(synthetic, report);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  EXPECT_EQ(job->metrics.loss(), direct->metrics.loss());
+  EXPECT_EQ(std::get<std::vector<double>>(job->grad_hidden),
+            std::get<std::vector<double>>(direct->grad_hidden));
+  // Without the bias file the run says which file it needs.
+  std::remove((dir + "/lm_head_bias.npy").c_str());
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/lm_head_bias.npy: cannot open: No such file or directory");
+}
+
+TEST(HeadJobTest, BadFlagsAreClearErrors) {
   HeadJobOptions options = Small("focal");
   EXPECT_EQ(JobConfig(options).status().message(),
             "--loss: must be one of dflash, dpace, "
@@ -149,31 +253,216 @@ TEST(HeadJobTest, BadFlagsAndFilesAreClearErrors) {
             "--gamma: D-PACE has no decay, got 7");
   options = Small("dflash");
   options.mode = "lazy";
-  EXPECT_NE(JobConfig(options).status().message().find("--mode: must be one"),
-            std::string::npos);
-
-  // A directory with a mis-shaped lm_head.
+  EXPECT_THAT(std::string(JobConfig(options).status().message()),
+              StartsWith("--mode: must be one"));
   options = Small("dflash");
+  options.config_path = TempDir("config_dir");
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--config: " + options.config_path +
+                ": is a directory, expected a regular file");
+  options = Small("dflash");
+  options.block = 0;
+  EXPECT_THAT(JobConfig(options).status().message(),
+              HasSubstr("layout.block_size: must be > 0, got 0"));
+}
+
+// With --inputs the files give the shapes: the synthetic batch's flags are
+// errors, and the config is validated against the files' V and H.
+TEST(HeadJobTest, InputsReplaceTheSyntheticShapes) {
+  const std::string dir = TempDir("shapes");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  options.vocab = 1000;
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--vocab: shapes the synthetic batch, which --inputs replaces "
+            "(the files give the shapes), got 1000");
+  options.vocab.reset();
+  options.seed = 9;
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--seed: seeds the synthetic batch, which --inputs replaces, got "
+            "9");
+  options.seed.reset();
+  // A logits budget that holds a block of the files' V = 97, not of the
+  // config's own 1000000.
+  options.config_path = WriteConfig(
+      TempDir("shapes_config"),
+      "layout { block_size: 4 } chunking { logits_budget_bytes: 4000 } "
+      "head { vocab_size: 1000000 hidden_size: 3 threads: 1 } "
+      "loss { dflash { gamma: 7 } }");
+  options.chunk_blocks.reset();
   auto config = JobConfig(options);
-  ASSERT_TRUE(config.ok());
-  auto batch = MakeSyntheticBatch<float>(*config, options.shape, options.seed);
-  ASSERT_TRUE(batch.ok());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->head().vocab_size(), 97);
+  EXPECT_EQ(config->head().hidden_size(), 16);
+  std::ostringstream report;
+  EXPECT_TRUE(RunHeadJob(options, report).ok());
+}
+
+TEST(HeadJobTest, BadFilesAreClearErrors) {
   const std::string dir = TempDir("bad_inputs");
-  ASSERT_TRUE(SaveInputs(*batch, *config, 2, 64, dir).ok());
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  std::ostringstream report;
   const std::vector<float> wrong(97 * 15, 0.0f);
   ASSERT_TRUE(
       WriteNpy(dir + "/lm_head.npy", MakeNpy<float>(wrong, {97, 15})).ok());
-  options.inputs_dir = dir;
-  std::ostringstream report;
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
             dir + "/lm_head.npy: expected shape [*, 16] of <f4 or <f8, got "
                   "[97, 15] of <f4");
-  std::remove((dir + "/keep.npy").c_str());
-  ASSERT_TRUE(
-      WriteNpy(dir + "/lm_head.npy", MakeNpy<float>(batch->weight, {97, 16}))
-          .ok());
+  std::remove((dir + "/lm_head.npy").c_str());
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            dir + "/keep.npy: cannot open");
+            dir + "/lm_head.npy: cannot open: No such file or directory");
+  ASSERT_EQ(::mkdir((dir + "/lm_head.npy").c_str(), 0777), 0);
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/lm_head.npy: is a directory, expected a regular file");
+}
+
+// A FIFO would block a plain open forever.
+TEST(HeadJobTest, AFifoIsRefusedWithoutWaiting) {
+  const std::string dir = TempDir("fifo");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  std::remove((dir + "/keep.npy").c_str());
+  ASSERT_EQ(::mkfifo((dir + "/keep.npy").c_str(), 0600), 0);
+  std::ostringstream report;
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/keep.npy: is a FIFO (named pipe), expected a regular file");
+}
+
+// Each extent in range, the element count beyond 64 bits, no data: refused
+// from the header, before the batch layout sees it.
+TEST(HeadJobTest, AnOverflowingShapeIsRefusedFromTheHeader) {
+  const std::string dir = TempDir("overflow");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  std::string header =
+      "{'descr': '<f4', 'fortran_order': False, "
+      "'shape': (4294967296, 4294967296, 4, 16), }";
+  header.append(118 - header.size(), ' ');
+  header.push_back('\n');
+  std::ofstream(dir + "/hidden.npy", std::ios::binary)
+      << std::string("\x93NUMPY\x01\x00", 8) << char(118) << '\0' << header;
+  std::ostringstream report;
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/hidden.npy: shape [4294967296, 4294967296, 4, 16] of <f4 "
+                  "holds more than 2^63 bytes");
+}
+
+// Non-finite inputs are found when loading and named by file and index.
+TEST(HeadJobTest, NonFiniteInputsNameTheirElement) {
+  const std::string dir = TempDir("nan");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  auto hidden = ReadNpy(dir + "/hidden.npy");
+  ASSERT_TRUE(hidden.ok());
+  std::vector<float> values = NpyToFloat(*hidden);
+  values[((1 * 5 + 3) * 4 + 2) * 16 + 7] = NAN;  // b 1, n 3, k 2, h 7.
+  ASSERT_TRUE(WriteNpy(dir + "/hidden.npy",
+                       MakeNpy<float>(values, {2, 5, 4, 16}))
+                  .ok());
+  std::ostringstream report;
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/hidden.npy: value nan at (b, n, k, h) = (1, 3, 2, 7) is "
+                  "not finite; inputs must be finite");
+  // float64 beyond float32's range, for a FLOAT32 head.
+  std::vector<double> wide(values.begin(), values.end());
+  wide[((1 * 5 + 3) * 4 + 2) * 16 + 7] = 1e300;
+  ASSERT_TRUE(WriteNpy(dir + "/hidden.npy",
+                       MakeNpy<double>(wide, {2, 5, 4, 16}))
+                  .ok());
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/hidden.npy: value 1e+300 at (b, n, k, h) = (1, 3, 2, 7) "
+                  "overflows float32, the head's dtype (FLOAT32); rescale it "
+                  "or use head.dtype FLOAT64");
+}
+
+// Sizes beyond the memory available are refused before allocation.
+TEST(HeadJobTest, RunsThatCannotFitAreRefusedBeforeAllocating) {
+  HeadJobOptions options = Small("dflash");
+  options.vocab = 1000000;
+  options.hidden = 8192;
+  options.memory_limit = int64_t{8} << 30;
+  std::ostringstream report;
+  absl::Status status = RunHeadJob(options, report).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(),
+              HasSubstr("8589934592 bytes (8.0 GiB) are available "
+                        "(--memory_limit)"));
+  options = Small("dflash");
+  options.batch = 1000000000;
+  options.seq = 1099511627776;
+  status = RunHeadJob(options, report).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  // The batch fits a tight limit, the head's buffers do not.
+  options = Small("dflash");
+  options.memory_limit = 40000;
+  options.mode = "materialize";
+  status = RunHeadJob(options, report).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(), HasSubstr("head buffers"));
+}
+
+TEST(HeadJobTest, TheOutputDirectoryIsMadeAndCheckedFirst) {
+  const std::string dir = TempDir("out_checks");
+  HeadJobOptions options = Small("dflash");
+  options.out_dir = dir + "/made/for/us";
+  std::ostringstream report;
+  ASSERT_TRUE(RunHeadJob(options, report).ok());
+  EXPECT_TRUE(Exists(options.out_dir + "/metrics.json"));
+  std::ofstream(dir + "/plain") << "x";
+  options.out_dir = dir + "/plain";
+  options.vocab = 1000000;  // Would be refused later: the check comes first.
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            "--out: " + dir + "/plain: is a regular file, expected a directory");
+}
+
+// A directory where metrics.json goes, and a disk that fills up: the run
+// fails naming the file, and the previous run's outputs stay as they were.
+TEST(HeadJobTest, OutputsAreAllOrNothing) {
+  const std::string dir = TempDir("all_or_nothing");
+  HeadJobOptions options = Small("dflash");
+  options.hidden = 64;  // grad_hidden.npy of 40 KiB.
+  options.out_dir = dir;
+  std::ostringstream report;
+  ASSERT_TRUE(RunHeadJob(options, report).ok());
+  const std::string metrics = Contents(dir + "/metrics.json");
+  const std::string grad = Contents(dir + "/grad_hidden.npy");
+  options.seed = 6;  // Different outputs.
+
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = saved;
+  small.rlim_cur = 4096;  // metrics.json fits, grad_hidden.npy does not.
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const absl::Status full = RunHeadJob(options, report).status();
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &saved), 0);
+  EXPECT_EQ(full.message(),
+            dir + "/grad_hidden.npy: cannot write: File too large");
+  EXPECT_TRUE(Contents(dir + "/metrics.json") == metrics);
+  EXPECT_TRUE(Contents(dir + "/grad_hidden.npy") == grad);
+  EXPECT_EQ(HiddenEntries(dir), 0);
+
+  std::remove((dir + "/metrics.json").c_str());
+  ASSERT_EQ(::mkdir((dir + "/metrics.json").c_str(), 0777), 0);
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/metrics.json: is a directory, cannot replace it");
+  EXPECT_TRUE(Contents(dir + "/grad_hidden.npy") == grad);
+  EXPECT_EQ(HiddenEntries(dir), 0);
+}
+
+// A batch where nothing carries weight is valid: exit 0, but said.
+TEST(HeadJobTest, ABatchWithoutWeightIsReported) {
+  const std::string dir = TempDir("no_weight");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  const std::vector<uint8_t> none(2 * 64, 0);
+  ASSERT_TRUE(
+      WriteNpy(dir + "/loss_mask.npy", MakeNpy<uint8_t>(none, {2, 64})).ok());
+  options.out_dir = TempDir("no_weight_out");
+  std::ostringstream report;
+  auto job = RunHeadJob(options, report);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->metrics.weighted_rows(), 0);
+  EXPECT_EQ(job->metrics.loss(), 0);
+  ASSERT_EQ(job->notes.size(), 1u);
+  EXPECT_THAT(job->notes[0], HasSubstr("no row of the batch carries weight"));
+  EXPECT_THAT(Contents(options.out_dir + "/metrics.json"),
+              HasSubstr("\"weighted_rows\": \"0\""));
 }
 
 }  // namespace

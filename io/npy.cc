@@ -294,12 +294,12 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   return array;
 }
 
-std::string SerializeNpy(const NpyArray& array) {
-  std::string shape = absl::StrJoin(array.shape, ", ");
-  if (array.shape.size() == 1) shape += ",";
+std::string SerializeNpyHeader(NpyType type, absl::Span<const int64_t> shape) {
+  std::string extents = absl::StrJoin(shape, ", ");
+  if (shape.size() == 1) extents += ",";
   std::string header =
-      absl::StrCat("{'descr': '", NpyDescr(array.type),
-                   "', 'fortran_order': False, 'shape': (", shape, "), }");
+      absl::StrCat("{'descr': '", NpyDescr(type),
+                   "', 'fortran_order': False, 'shape': (", extents, "), }");
   // Pad with spaces so that the data starts 64-byte aligned; end with \n.
   const bool v2 = header.size() + 11 > 65535;
   const size_t prefix = v2 ? 12 : 10;
@@ -313,11 +313,36 @@ std::string SerializeNpy(const NpyArray& array) {
   for (size_t i = 0; i < (v2 ? 4u : 2u); ++i) {
     out.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
   }
-  return absl::StrCat(out, header, array.data);
+  return absl::StrCat(out, header);
+}
+
+std::string SerializeNpy(const NpyArray& array) {
+  return absl::StrCat(SerializeNpyHeader(array.type, array.shape), array.data);
 }
 
 absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
-  return WriteFileAtomically(path, SerializeNpy(array));
+  OutputFileSet files;
+  if (absl::Status staged = StageNpy(files, path, array.type, array.shape,
+                                     array.data);
+      !staged.ok()) {
+    return staged;
+  }
+  return files.Commit();
+}
+
+absl::Status StageNpy(OutputFileSet& files, const std::string& path,
+                      NpyType type, absl::Span<const int64_t> shape,
+                      absl::string_view data) {
+  const std::optional<int64_t> elements = CheckedProduct(shape);
+  if (!elements || *elements * NpyItemSize(type) !=
+                       static_cast<int64_t>(data.size())) {
+    return absl::InternalError(absl::StrCat(
+        path, ": ", data.size(), " bytes do not make shape [",
+        absl::StrJoin(shape, ", "), "] of ", NpyDescr(type)));
+  }
+  const std::string header = SerializeNpyHeader(type, shape);
+  const absl::string_view pieces[] = {header, data};
+  return files.Stage(path, pieces);
 }
 
 absl::Status CheckNpy(const NpyArray& array, absl::string_view name,

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "base/file.h"
 
 namespace dflash {
 
@@ -57,10 +58,17 @@ absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
 absl::StatusOr<NpyHeader> ReadNpyHeader(const std::string& path);
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 
-// Version 1.0 bytes of `array` (2.0 if the header needs it).
+// Version 1.0 bytes of `array` (2.0 if the header needs it); the header
+// alone, for data kept elsewhere.
 std::string SerializeNpy(const NpyArray& array);
+std::string SerializeNpyHeader(NpyType type, absl::Span<const int64_t> shape);
 // Writes all-or-nothing (a temporary renamed into place; see //base:file).
 absl::Status WriteNpy(const std::string& path, const NpyArray& array);
+// Stages `data` (raw little-endian values) as a .npy file in `files`,
+// without copying it; a size that does not match the shape is an error.
+absl::Status StageNpy(OutputFileSet& files, const std::string& path,
+                      NpyType type, absl::Span<const int64_t> shape,
+                      absl::string_view data);
 
 // Typed views and conversions; a wrong type or shape is an error naming
 // `name`, its shape and type and what was expected. A -1 in `shape` matches
