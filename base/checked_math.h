@@ -26,7 +26,8 @@ inline std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
 }
 
 // The product of `factors`; nullopt on overflow.
-inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> factors) {
+inline std::optional<int64_t> CheckedProduct(
+    absl::Span<const int64_t> factors) {
   int64_t out = 1;
   for (int64_t f : factors) {
     if (__builtin_mul_overflow(out, f, &out)) return std::nullopt;
@@ -36,8 +37,8 @@ inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> factors) 
 
 inline std::optional<int64_t> CheckedProduct(
     std::initializer_list<int64_t> factors) {
-  return CheckedProduct(absl::Span<const int64_t>(factors.begin(),
-                                                  factors.size()));
+  return CheckedProduct(
+      absl::Span<const int64_t>(factors.begin(), factors.size()));
 }
 
 // The sum of `terms`; nullopt on overflow.

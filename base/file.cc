@@ -65,8 +65,8 @@ mode_t CurrentUmask() {
 
 absl::StatusOr<ReadableFile> ReadableFile::Open(const std::string& path) {
   // O_NONBLOCK: opening a FIFO for reading must not wait for a writer.
-  const int fd = ::open(path.c_str(),
-                        O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  const int fd =
+      ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) return OsError(errno, path, "cannot open");
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -130,8 +130,8 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path,
   if (!file.ok()) return file.status();
   if (file->size() > max_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": holds ", file->size(),
-                     " bytes, more than the ", max_bytes, " expected at most"));
+        absl::StrCat(path, ": holds ", file->size(), " bytes, more than the ",
+                     max_bytes, " expected at most"));
   }
   std::string bytes(static_cast<size_t>(file->size()), '\0');
   if (absl::Status read = file->ReadAt(0, absl::MakeSpan(bytes)); !read.ok()) {

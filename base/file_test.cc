@@ -38,8 +38,8 @@ void Put(const std::string& path, const std::string& bytes) {
 
 // Entries of `dir` whose names start with '.' (temporaries and probes).
 int HiddenEntries(const std::string& dir) {
-  const std::string command = "ls -A " + dir + " | grep -c '^\\.' > " + dir +
-                              ".count; true";
+  const std::string command =
+      "ls -A " + dir + " | grep -c '^\\.' > " + dir + ".count; true";
   EXPECT_EQ(std::system(command.c_str()), 0);
   return std::atoi(Contents(dir + ".count").c_str());
 }
@@ -88,7 +88,7 @@ TEST(PrepareOutputDirectoryTest, CreatesMissingParents) {
   struct stat st;
   ASSERT_EQ(::stat(dir.c_str(), &st), 0);
   EXPECT_TRUE(S_ISDIR(st.st_mode));
-  EXPECT_EQ(HiddenEntries(dir), 0);  // The probe file is gone.
+  EXPECT_EQ(HiddenEntries(dir), 0);               // The probe file is gone.
   EXPECT_TRUE(PrepareOutputDirectory(dir).ok());  // Existing: fine.
 }
 

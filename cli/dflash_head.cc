@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <limits>
 #include <iostream>
+#include <limits>
 #include <new>
 #include <optional>
 #include <string>
@@ -81,9 +81,9 @@ absl::Status CheckNotEmpty(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;
-    for (const char* name : {"gamma", "chunk_blocks", "threads", "seed",
-                             "batch", "seq", "anchors", "block", "hidden",
-                             "vocab", "memory_limit"}) {
+    for (const char* name :
+         {"gamma", "chunk_blocks", "threads", "seed", "batch", "seq", "anchors",
+          "block", "hidden", "vocab", "memory_limit"}) {
       if (arg == absl::StrCat("--", name, "=") ||
           arg == absl::StrCat("-", name, "=")) {
         return absl::InvalidArgumentError(
@@ -183,9 +183,9 @@ int Run(int argc, char** argv) {
   errno = 0;
   std::cout.flush();
   if (!std::cout || std::fflush(stdout) != 0) {
-    return Fail(absl::StrCat("cannot write standard output",
-                             errno != 0 ? absl::StrCat(": ", std::strerror(errno))
-                                        : std::string()));
+    return Fail(absl::StrCat(
+        "cannot write standard output",
+        errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : std::string()));
   }
   return 0;
 }
@@ -201,10 +201,10 @@ int main(int argc, char** argv) {
   try {
     return Run(argc, argv);
   } catch (const std::bad_alloc&) {
-    return Fail("out of memory (a size passed the checks but could not be "
-                "allocated); lower the sizes or set --memory_limit");
+    return Fail(
+        "out of memory (a size passed the checks but could not be "
+        "allocated); lower the sizes or set --memory_limit");
   } catch (const std::exception& e) {
     return Fail(absl::StrCat("internal error: ", e.what()));
   }
 }
-

@@ -51,9 +51,11 @@ absl::Status SetLoss(const std::string& name, v1::LossConfig& loss) {
   } else if (name == "dspark") {
     fresh.mutable_dspark();
   } else if (name == "kl") {
-    fresh.mutable_distillation()->set_divergence(v1::DistillationLoss::FORWARD_KL);
+    fresh.mutable_distillation()->set_divergence(
+        v1::DistillationLoss::FORWARD_KL);
   } else if (name == "reverse-kl") {
-    fresh.mutable_distillation()->set_divergence(v1::DistillationLoss::REVERSE_KL);
+    fresh.mutable_distillation()->set_divergence(
+        v1::DistillationLoss::REVERSE_KL);
   } else if (name == "jsd") {
     fresh.mutable_distillation()->set_divergence(v1::DistillationLoss::JSD);
   } else {
@@ -164,14 +166,16 @@ bool NeedsConfidence(const v1::ObjectiveConfig& config) {
 absl::Status CheckSyntheticFlags(const HeadJobOptions& options) {
   if (options.inputs_dir.empty()) return absl::OkStatus();
   const std::pair<const char*, std::optional<int64_t>> flags[] = {
-      {"--batch", options.batch},   {"--seq", options.seq},
+      {"--batch", options.batch},     {"--seq", options.seq},
       {"--anchors", options.anchors}, {"--block", options.block},
-      {"--hidden", options.hidden}, {"--vocab", options.vocab}};
+      {"--hidden", options.hidden},   {"--vocab", options.vocab}};
   for (const auto& [flag, value] : flags) {
     if (value.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          flag, ": shapes the synthetic batch, which --inputs replaces (the "
-                "files give the shapes), got ", *value));
+          flag,
+          ": shapes the synthetic batch, which --inputs replaces (the "
+          "files give the shapes), got ",
+          *value));
     }
   }
   if (options.seed.has_value()) {
@@ -249,12 +253,11 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
     rest.push_back({"lm_head_bias.npy", {in.vocab}, &kFloats, "(v)"});
   }
   if (LossNeedsTeacher(config.loss())) {
-    rest.push_back({"teacher_hidden.npy", {b, n, k, h}, &kFloats,
-                    "(b, n, k, h)"});
+    rest.push_back(
+        {"teacher_hidden.npy", {b, n, k, h}, &kFloats, "(b, n, k, h)"});
   }
   if (NeedsConfidence(config)) {
-    rest.push_back({"confidence_logits.npy", {b, n, k}, &kFloats,
-                    "(b, n, k)"});
+    rest.push_back({"confidence_logits.npy", {b, n, k}, &kFloats, "(b, n, k)"});
   }
   for (const InputSpec& spec : rest) {
     if (absl::StatusOr<const NpyHeader*> ok = read(spec); !ok.ok()) {
@@ -266,10 +269,8 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
 
 // A float tensor of --inputs in the head's type; non-finite values and,
 // for float, float64 values beyond float32 are errors naming the element.
-template <typename T>
-absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
-                                          const InputSpec& spec,
-                                          const v1::ObjectiveConfig& config) {
+absl::StatusOr<NpyArray> ReadChecked(const std::string& dir,
+                                     const InputSpec& spec) {
   const std::string path = Join(dir, spec.name);
   absl::StatusOr<NpyArray> array = ReadNpy(path);
   if (!array.ok()) return array.status();
@@ -277,21 +278,31 @@ absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
       !ok.ok()) {
     return ok;
   }
+  return array;
+}
+
+template <typename T>
+absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
+                                          const InputSpec& spec,
+                                          const v1::ObjectiveConfig& config) {
+  const std::string path = Join(dir, spec.name);
+  absl::StatusOr<NpyArray> array = ReadChecked(dir, spec);
+  if (!array.ok()) return array.status();
   auto where = [&](const NpyElement& e) {
     return absl::StrCat(spec.axes, " = (", absl::StrJoin(e.index, ", "), ")");
   };
   if (std::optional<NpyElement> bad = FirstNonFinite(*array)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": value ", bad->value, " at ", where(*bad),
-        " is not finite; inputs must be finite"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": value ", bad->value, " at ", where(*bad),
+                     " is not finite; inputs must be finite"));
   }
   if constexpr (std::is_same_v<T, float>) {
     if (std::optional<NpyElement> big = FirstFloat32Overflow(*array)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": value ", big->value, " at ", where(*big),
-          " overflows float32, the head's dtype (",
-          v1::HeadConfig::DType_Name(config.head().dtype()),
-          "); rescale it or use head.dtype FLOAT64"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": value ", big->value, " at ", where(*big),
+                       " overflows float32, the head's dtype (",
+                       v1::HeadConfig::DType_Name(config.head().dtype()),
+                       "); rescale it or use head.dtype FLOAT64"));
     }
     return NpyToFloat(*array);
   } else {
@@ -301,13 +312,8 @@ absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
 
 absl::StatusOr<std::vector<int64_t>> ReadInts(const std::string& dir,
                                               const InputSpec& spec) {
-  const std::string path = Join(dir, spec.name);
-  absl::StatusOr<NpyArray> array = ReadNpy(path);
+  absl::StatusOr<NpyArray> array = ReadChecked(dir, spec);
   if (!array.ok()) return array.status();
-  if (absl::Status ok = CheckNpy(*array, path, spec.shape, *spec.types);
-      !ok.ok()) {
-    return ok;
-  }
   return NpyToInt64(*array);
 }
 
@@ -336,7 +342,8 @@ std::optional<MemoryBudget> Budget(const HeadJobOptions& options) {
 
 std::string Bytes(int64_t bytes) {
   if (bytes < 1024) return absl::StrCat(bytes, " B");
-  if (bytes < (int64_t{1} << 20)) return absl::StrFormat("%.1f KiB", bytes / 1024.0);
+  if (bytes < (int64_t{1} << 20))
+    return absl::StrFormat("%.1f KiB", bytes / 1024.0);
   if (bytes < (int64_t{1} << 30)) {
     return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
   }
@@ -353,8 +360,9 @@ absl::Status TooBig(const std::string& what) {
 absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
     const v1::ObjectiveConfig& config, int64_t b, int64_t s, int64_t n,
     int64_t transient, int64_t sets) {
-  const int64_t k = config.layout().block_size(), h = config.head().hidden_size(),
-                v = config.head().vocab_size(), e = ElementBytes(config);
+  const int64_t k = config.layout().block_size(),
+                h = config.head().hidden_size(), v = config.head().vocab_size(),
+                e = ElementBytes(config);
   const bool teacher = LossNeedsTeacher(config.loss());
   const bool trainable = config.head().trainable();
   const std::optional<int64_t> rows = CheckedProduct({b, n, k});
@@ -365,8 +373,8 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   const std::optional<int64_t> weight = CheckedProduct({v, h, e});
   if (!rows || !tokens || !blocks || !row_values || !weight) {
     return TooBig(absl::StrCat("the batch's sizes (", b, " x ", n, " x ", k,
-                               " rows of ", h, ", ", b, " x ", s,
-                               " tokens, V ", v, ") overflow 64 bits"));
+                               " rows of ", h, ", ", b, " x ", s, " tokens, V ",
+                               v, ") overflow 64 bits"));
   }
   const std::optional<int64_t> hidden = CheckedMul(*row_values, e);
   const std::optional<int64_t> tokens_bytes = CheckedMul(*tokens, 17);
@@ -391,8 +399,8 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   return std::make_pair(*batch, *all_grads);
 }
 
-absl::Status CheckFits(const std::optional<MemoryBudget>& budget,
-                       int64_t batch, int64_t grads, int64_t head) {
+absl::Status CheckFits(const std::optional<MemoryBudget>& budget, int64_t batch,
+                       int64_t grads, int64_t head) {
   const std::optional<int64_t> total = CheckedSum({batch, grads, head});
   if (budget && total && *total <= budget->bytes) return absl::OkStatus();
   if (!budget && total) return absl::OkStatus();
@@ -425,9 +433,8 @@ absl::string_view Data(const JobTensor& tensor) {
 }
 
 NpyType TypeOf(const JobTensor& tensor) {
-  return std::holds_alternative<std::vector<float>>(tensor)
-             ? NpyType::kFloat32
-             : NpyType::kFloat64;
+  return std::holds_alternative<std::vector<float>>(tensor) ? NpyType::kFloat32
+                                                            : NpyType::kFloat64;
 }
 
 bool Empty(const JobTensor& tensor) {
@@ -482,10 +489,9 @@ absl::StatusOr<HeadJobResult> RunOnce(
                                : 0);
   const bool confidence = NeedsConfidence(config);
   std::vector<float> grad_confidence(confidence ? rows : 0);
-  HeadGradients<T> gradients{absl::MakeSpan(grad_hidden),
-                             absl::MakeSpan(grad_weight),
-                             absl::MakeSpan(grad_bias),
-                             absl::MakeSpan(grad_confidence)};
+  HeadGradients<T> gradients{
+      absl::MakeSpan(grad_hidden), absl::MakeSpan(grad_weight),
+      absl::MakeSpan(grad_bias), absl::MakeSpan(grad_confidence)};
   TrackingAllocator allocator(limit_bytes);
   HeadOptions options;
   options.progress = std::move(progress);
@@ -505,10 +511,10 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
   const int64_t k_size = c.layout().block_size();
   const int64_t rows = job.metrics.rows();
   const double seconds = job.metrics.seconds();
-  out << absl::StrFormat(
-      "dflash_head: %s head, %s loss, %s, %s\n",
-      v1::HeadConfig::ExecutionMode_Name(r.mode), job.metrics.loss_family(),
-      v1::HeadConfig::DType_Name(c.head().dtype()), source);
+  out << absl::StrFormat("dflash_head: %s head, %s loss, %s, %s\n",
+                         v1::HeadConfig::ExecutionMode_Name(r.mode),
+                         job.metrics.loss_family(),
+                         v1::HeadConfig::DType_Name(c.head().dtype()), source);
   out << absl::StrFormat(
       "  batch        %d rows = %d blocks x %d positions (%d projected), "
       "H %d, V %d\n",
@@ -524,9 +530,9 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
     if (r.terms.mask_per_position[k] == 0) continue;
     per_k.push_back(absl::StrFormat("k%d %.3f", k, r.accuracy_per_position[k]));
   }
-  out << absl::StrFormat("  accuracy     %.4f; per position: %s\n", r.accuracy,
-                         per_k.empty() ? "none supervised"
-                                       : absl::StrJoin(per_k, "  "));
+  out << absl::StrFormat(
+      "  accuracy     %.4f; per position: %s\n", r.accuracy,
+      per_k.empty() ? "none supervised" : absl::StrJoin(per_k, "  "));
   out << absl::StrFormat("  GEMMs        %.3g passes (%d calls), %.3f TFLOP\n",
                          s.gemm_passes, s.gemm_calls, s.gemm_flops / 1e12);
   out << absl::StrFormat(
@@ -552,8 +558,8 @@ absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
   json.always_print_primitive_fields = true;
   json.preserve_proto_field_names = true;
   std::string text;
-  if (auto ok = google::protobuf::util::MessageToJsonString(job.metrics, &text,
-                                                            json);
+  if (auto ok =
+          google::protobuf::util::MessageToJsonString(job.metrics, &text, json);
       !ok.ok()) {
     return absl::InternalError(std::string(ok.message()));
   }
@@ -618,10 +624,9 @@ absl::Status CheckStream(std::ostream& report) {
 }
 
 template <typename T>
-absl::StatusOr<HeadJobResult> RunJob(const HeadJobOptions& options,
-                                     const v1::ObjectiveConfig& config,
-                                     std::ostream& report,
-                                     std::function<void(int64_t, int64_t)> progress) {
+absl::StatusOr<HeadJobResult> RunJob(
+    const HeadJobOptions& options, const v1::ObjectiveConfig& config,
+    std::ostream& report, std::function<void(int64_t, int64_t)> progress) {
   // Sizes first: the batch and the gradients the run holds, checked against
   // the memory available before anything is allocated.
   const std::optional<MemoryBudget> budget = Budget(options);
@@ -665,22 +670,19 @@ absl::StatusOr<HeadJobResult> RunJob(const HeadJobOptions& options,
     mode_configs = *std::move(configs);
   }
   int64_t head_bytes = 0;
-  for (const v1::ObjectiveConfig* c : {&config}) {
-    absl::StatusOr<int64_t> peak =
-        PredictPeakBytes(*c, batch->rows, ElementBytes(config));
-    if (!peak.ok()) return peak.status();
-    head_bytes = std::max(head_bytes, *peak);
-  }
+  mode_configs.push_back(config);
   for (const v1::ObjectiveConfig& c : mode_configs) {
     absl::StatusOr<int64_t> peak =
         PredictPeakBytes(c, batch->rows, ElementBytes(config));
     if (!peak.ok()) return peak.status();
     head_bytes = std::max(head_bytes, *peak);
   }
-  if (absl::Status fits = CheckFits(budget, batch_bytes, grad_bytes, head_bytes);
+  if (absl::Status fits =
+          CheckFits(budget, batch_bytes, grad_bytes, head_bytes);
       !fits.ok()) {
     return fits;
   }
+  mode_configs.pop_back();
   // The head's allocator refuses what the prediction missed, rather than
   // the system failing later.
   const int64_t head_limit =
@@ -729,7 +731,8 @@ absl::StatusOr<HeadJobResult> RunJob(const HeadJobOptions& options,
     if (absl::Status ok = files.Commit(); !ok.ok()) return ok;
     report << "  wrote        " << Join(options.out_dir, kMetricsFile) << ", "
            << kGradHiddenFile
-           << (Empty(job->grad_weight) ? "" : absl::StrCat(", ", kGradWeightFile))
+           << (Empty(job->grad_weight) ? ""
+                                       : absl::StrCat(", ", kGradWeightFile))
            << "\n";
   }
   return job;
@@ -819,8 +822,9 @@ absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
       in->hidden != config.head().hidden_size() ||
       v != config.head().vocab_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        dir, ": the files' shapes changed after the config was made from "
-             "them"));
+        dir,
+        ": the files' shapes changed after the config was made from "
+        "them"));
   }
   HeadBatch<T> batch;
   absl::StatusOr<std::vector<int64_t>> ids =
@@ -882,9 +886,12 @@ absl::Status SaveInputs(const HeadBatch<T>& batch,
       {"hidden.npy", MakeNpy<T>(batch.hidden, {batch_size, n, k, h})},
       {"lm_head.npy", MakeNpy<T>(batch.weight, {v, h})},
       {"lm_head_bias.npy", MakeNpy<T>(batch.bias, {v})},
-      {"input_ids.npy", MakeNpy<int64_t>(batch.input_ids, {batch_size, seq_len})},
-      {"loss_mask.npy", MakeNpy<uint8_t>(batch.loss_mask, {batch_size, seq_len})},
-      {"anchors.npy", MakeNpy<int64_t>(batch.anchors.positions, {batch_size, n})},
+      {"input_ids.npy",
+       MakeNpy<int64_t>(batch.input_ids, {batch_size, seq_len})},
+      {"loss_mask.npy",
+       MakeNpy<uint8_t>(batch.loss_mask, {batch_size, seq_len})},
+      {"anchors.npy",
+       MakeNpy<int64_t>(batch.anchors.positions, {batch_size, n})},
       {"keep.npy", MakeNpy<uint8_t>(batch.anchors.keep, {batch_size, n})},
       {"teacher_hidden.npy",
        MakeNpy<T>(batch.teacher_hidden, {batch_size, n, k, h})},
@@ -894,8 +901,8 @@ absl::Status SaveInputs(const HeadBatch<T>& batch,
   OutputFileSet out;
   for (const auto& [name, array] : files) {
     if (array.data.empty() && name != "hidden.npy") continue;
-    if (absl::Status ok = StageNpy(out, Join(dir, name), array.type,
-                                   array.shape, array.data);
+    if (absl::Status ok =
+            StageNpy(out, Join(dir, name), array.type, array.shape, array.data);
         !ok.ok()) {
       return ok;
     }

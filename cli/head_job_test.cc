@@ -305,8 +305,9 @@ TEST(HeadJobTest, BadFilesAreClearErrors) {
   ASSERT_TRUE(
       WriteNpy(dir + "/lm_head.npy", MakeNpy<float>(wrong, {97, 15})).ok());
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            dir + "/lm_head.npy: expected shape [*, 16] of <f4 or <f8, got "
-                  "[97, 15] of <f4");
+            dir +
+                "/lm_head.npy: expected shape [*, 16] of <f4 or <f8, got "
+                "[97, 15] of <f4");
   std::remove((dir + "/lm_head.npy").c_str());
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
             dir + "/lm_head.npy: cannot open: No such file or directory");
@@ -340,8 +341,9 @@ TEST(HeadJobTest, AnOverflowingShapeIsRefusedFromTheHeader) {
       << std::string("\x93NUMPY\x01\x00", 8) << char(118) << '\0' << header;
   std::ostringstream report;
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            dir + "/hidden.npy: shape [4294967296, 4294967296, 4, 16] of <f4 "
-                  "holds more than 2^63 bytes");
+            dir +
+                "/hidden.npy: shape [4294967296, 4294967296, 4, 16] of <f4 "
+                "holds more than 2^63 bytes");
 }
 
 // Non-finite inputs are found when loading and named by file and index.
@@ -352,23 +354,24 @@ TEST(HeadJobTest, NonFiniteInputsNameTheirElement) {
   ASSERT_TRUE(hidden.ok());
   std::vector<float> values = NpyToFloat(*hidden);
   values[((1 * 5 + 3) * 4 + 2) * 16 + 7] = NAN;  // b 1, n 3, k 2, h 7.
-  ASSERT_TRUE(WriteNpy(dir + "/hidden.npy",
-                       MakeNpy<float>(values, {2, 5, 4, 16}))
-                  .ok());
+  ASSERT_TRUE(
+      WriteNpy(dir + "/hidden.npy", MakeNpy<float>(values, {2, 5, 4, 16}))
+          .ok());
   std::ostringstream report;
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            dir + "/hidden.npy: value nan at (b, n, k, h) = (1, 3, 2, 7) is "
-                  "not finite; inputs must be finite");
+            dir +
+                "/hidden.npy: value nan at (b, n, k, h) = (1, 3, 2, 7) is "
+                "not finite; inputs must be finite");
   // float64 beyond float32's range, for a FLOAT32 head.
   std::vector<double> wide(values.begin(), values.end());
   wide[((1 * 5 + 3) * 4 + 2) * 16 + 7] = 1e300;
-  ASSERT_TRUE(WriteNpy(dir + "/hidden.npy",
-                       MakeNpy<double>(wide, {2, 5, 4, 16}))
-                  .ok());
+  ASSERT_TRUE(
+      WriteNpy(dir + "/hidden.npy", MakeNpy<double>(wide, {2, 5, 4, 16})).ok());
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            dir + "/hidden.npy: value 1e+300 at (b, n, k, h) = (1, 3, 2, 7) "
-                  "overflows float32, the head's dtype (FLOAT32); rescale it "
-                  "or use head.dtype FLOAT64");
+            dir +
+                "/hidden.npy: value 1e+300 at (b, n, k, h) = (1, 3, 2, 7) "
+                "overflows float32, the head's dtype (FLOAT32); rescale it "
+                "or use head.dtype FLOAT64");
 }
 
 // Sizes beyond the memory available are refused before allocation.
@@ -407,8 +410,9 @@ TEST(HeadJobTest, TheOutputDirectoryIsMadeAndCheckedFirst) {
   std::ofstream(dir + "/plain") << "x";
   options.out_dir = dir + "/plain";
   options.vocab = 1000000;  // Would be refused later: the check comes first.
-  EXPECT_EQ(RunHeadJob(options, report).status().message(),
-            "--out: " + dir + "/plain: is a regular file, expected a directory");
+  EXPECT_EQ(
+      RunHeadJob(options, report).status().message(),
+      "--out: " + dir + "/plain: is a regular file, expected a directory");
 }
 
 // A directory where metrics.json goes, and a disk that fills up: the run

@@ -18,10 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // bits (or an error), and the data size ParseNpy then checks.
   absl::StatusOr<NpyHeader> header = ParseNpyHeader(bytes, "fuzz.npy");
   if (header.ok()) {
-    FUZZ_CHECK(header->elements >= 0 && header->data_bytes >= 0 &&
-                   header->data_bytes / NpyItemSize(header->type) ==
-                       header->elements,
-               "header sizes overflowed");
+    FUZZ_CHECK(
+        header->elements >= 0 && header->data_bytes >= 0 &&
+            header->data_bytes / NpyItemSize(header->type) == header->elements,
+        "header sizes overflowed");
     FUZZ_CHECK(array.ok() == (static_cast<int64_t>(size) ==
                               header->data_offset + header->data_bytes),
                "ParseNpy disagrees with its header about the data size");

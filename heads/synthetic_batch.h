@@ -23,11 +23,11 @@ struct SyntheticShape {
 // A batch's tensors, as the head reads them. MakeSyntheticBatch fills one
 // with the statistics of a real batch: token ids uniform over
 // the vocabulary, every 7th token unsupervised, anchors sampled as in
-// docs/semantics.md section 2.2, weight N(0, 1/H) and hidden states N(0, 1) so that
-// logits are of order 1, plus a pull towards the row's target that lifts its
-// logit by kSyntheticMargin - kSyntheticMarginDecay * k (accuracy falls along
-// the block, as a draft model's does); the teacher's states are the draft's
-// plus N(0, 0.3).
+// docs/semantics.md section 2.2, weight N(0, 1/H) and hidden states N(0, 1) so
+// that logits are of order 1, plus a pull towards the row's target that lifts
+// its logit by kSyntheticMargin - kSyntheticMarginDecay * k (accuracy falls
+// along the block, as a draft model's does); the teacher's states are the
+// draft's plus N(0, 0.3).
 inline constexpr double kSyntheticMargin = 6.0;
 inline constexpr double kSyntheticMarginDecay = 0.25;
 

@@ -1,8 +1,8 @@
 #include "losses/row_error.h"
 
 #include "absl/strings/numbers.h"
-#include "absl/types/optional.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 
 namespace dflash {
 namespace {
