@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "base/cpu_dispatch.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "proto/config.h"
@@ -71,6 +72,25 @@ double ScaledLogSumExp(absl::Span<const W> z, double max, double inv_t) {
   double sum = 0;
   for (W x : z) sum += std::exp((x - max) * inv_t);
   return max * inv_t + std::log(sum);
+}
+
+// The row loops below are branch-free, with separate pointers and a local
+// count, so that they vectorise (no FP exceptions are enabled).
+template <typename W>
+DFLASH_CPU_DISPATCH bool AllFinite(const W* __restrict x, int64_t count) {
+  int bad = 0;
+  for (int64_t v = 0; v < count; ++v) bad |= !(x[v] - x[v] == 0);
+  return bad == 0;
+}
+
+DFLASH_CPU_DISPATCH void Widen(const BFloat16* __restrict in,
+                               float* __restrict out, int64_t count) {
+  for (int64_t v = 0; v < count; ++v) out[v] = ToFloat(in[v]);
+}
+
+DFLASH_CPU_DISPATCH void Narrow(const float* __restrict in,
+                                BFloat16* __restrict out, int64_t count) {
+  for (int64_t v = 0; v < count; ++v) out[v] = ToBFloat16(in[v]);
 }
 
 // Serves each row as the loss's logits z' in the working type: in place for
@@ -153,10 +173,8 @@ class RowSource {
           "); masks and loss weights this large need rescaling"));
     }
     if constexpr (!std::is_same_v<T, W>) {
-      T* __restrict out = inputs_.logits.data() + r * inputs_.vocab;
-      const W* __restrict in = grad.data();
-      const int64_t vocab = inputs_.vocab;
-      for (int64_t v = 0; v < vocab; ++v) out[v] = ToBFloat16(in[v]);
+      Narrow(grad.data(), inputs_.logits.data() + r * inputs_.vocab,
+             inputs_.vocab);
     }
     return absl::OkStatus();
   }
@@ -167,19 +185,6 @@ class RowSource {
   }
 
  private:
-  // Branch-free so that it vectorises (no FP exceptions are enabled).
-  static bool AllFinite(const W* __restrict x, int64_t count) {
-    int bad = 0;
-    for (int64_t v = 0; v < count; ++v) bad |= !(x[v] - x[v] == 0);
-    return bad == 0;
-  }
-
-  // Separate pointers and a local count so that the loop vectorises.
-  static void Widen(const BFloat16* __restrict in, float* __restrict out,
-                    int64_t count) {
-    for (int64_t v = 0; v < count; ++v) out[v] = ToFloat(in[v]);
-  }
-
   void Transform(absl::Span<W> row) const {
     if (softcap_ > 0) {
       for (W& x : row) x = static_cast<W>(softcap_ * std::tanh(scale_ * x / softcap_));

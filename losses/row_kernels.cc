@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "base/cpu_dispatch.h"
 #include "losses/row_error.h"
 
 namespace dflash {
@@ -41,6 +42,7 @@ constexpr int kLanes = 16;
 
 // First index of `max` in x: a vectorisable any-equal test per 64 values,
 // then a scalar scan inside the first block that has it.
+DFLASH_CPU_DISPATCH
 int32_t FirstIndexOf(const float* x, int64_t vocab, float max) {
   constexpr int64_t kBlock = 64;
   int64_t start = 0;
@@ -57,7 +59,7 @@ int32_t FirstIndexOf(const float* x, int64_t vocab, float max) {
 // exponentials in another (kLanes float partial sums, added in double).
 // With kKeepExp, the second pass also stores exp(x - max) over x.
 template <bool kKeepExp>
-absl::StatusOr<RowStats> FloatRowStats(
+DFLASH_CPU_DISPATCH absl::StatusOr<RowStats> FloatRowStats(
     std::conditional_t<kKeepExp, float*, const float*> x, int64_t vocab,
     int32_t target, int64_t row) {
   // Max and finiteness flags on GCC/Clang vector types: neither compiler
@@ -186,6 +188,7 @@ absl::StatusOr<RowStats> ComputeRowStatsKeepExp(absl::Span<float> logits,
   return FloatRowStats<true>(logits.data(), vocab, target, row);
 }
 
+DFLASH_CPU_DISPATCH
 void WriteSoftmaxGradientFromExp(absl::Span<float> exps, int32_t target,
                                  const RowStats& stats,
                                  const SoftmaxGradient& grad) {
@@ -227,7 +230,8 @@ absl::Status TopK(absl::Span<const T> logits, int32_t k,
 }
 
 template <typename T>
-void WriteSoftmaxGradient(absl::Span<T> logits, int32_t target,
+DFLASH_CPU_DISPATCH void WriteSoftmaxGradient(absl::Span<T> logits,
+                                              int32_t target,
                           const RowStats& stats, const SoftmaxGradient& grad) {
   const double uniform = grad.uniform / static_cast<double>(logits.size());
   if constexpr (std::is_same_v<T, float>) {
