@@ -181,19 +181,50 @@ def dflash_dependencies():
     _maybe(_build_only, name = "openblas", files = {"BUILD": _OPENBLAS_BUILD})
     _maybe(_cuda_configure, name = "local_config_cuda")
 
+# Where no toolkit is found, the CUDA libraries exist but are incompatible,
+# so targets that need them are skipped by //... rather than missing.
+_CUDA_DISABLED_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+[cc_library(
+    name = name,
+    target_compatible_with = ["@platforms//:incompatible"],
+) for name in ["cuda_headers", "cudart", "cublas"]]
+"""
+
+def _cuda_lib_dir(ctx, root):
+    """The toolkit's library folder: lib64, lib or targets/<arch>/lib."""
+    candidates = [root + "/lib64", root + "/lib"]
+    targets = ctx.path(root + "/targets")
+    if targets.exists:
+        candidates += [str(t) + "/lib" for t in targets.readdir()]
+    for lib in candidates:
+        if ctx.path(lib + "/libcudart.so").exists:
+            return lib
+    return None
+
+def _host_cxx(ctx):
+    """nvcc's host compiler: CUDAHOSTCXX, else CXX, else g++ on PATH."""
+    env = ctx.os.environ
+    for name in ["CUDAHOSTCXX", "CXX"]:
+        if env.get(name):
+            return env[name]
+    found = ctx.which("g++")
+    return str(found) if found else "g++"
+
 def _cuda_configure_impl(ctx):
     ctx.file("WORKSPACE", "workspace(name = \"local_config_cuda\")\n")
     env = ctx.os.environ
     root = env.get("CUDA_PATH", "/usr/local/cuda")
     nvcc = ctx.path(root + "/bin/nvcc")
-    enabled = env.get("DFLASH_CUDA", "auto") != "0" and nvcc.exists
+    lib = _cuda_lib_dir(ctx, root) if nvcc.exists else None
+    enabled = env.get("DFLASH_CUDA", "auto") != "0" and nvcc.exists and lib != None
     archs = [a for a in env.get("DFLASH_CUDA_ARCHS", "80,90").split(",") if a]
     if not enabled:
-        ctx.file("BUILD", "")
-        ctx.file("defs.bzl", "CUDA_ENABLED = False\nCUDA_ROOT = \"\"\nNVCC = \"\"\nCUDA_ARCHS = []\n")
+        ctx.file("BUILD", _CUDA_DISABLED_BUILD)
+        ctx.file("defs.bzl", "CUDA_ENABLED = False\nCUDA_ROOT = \"\"\nNVCC = \"\"\nHOST_CXX = \"\"\nCUDA_ARCHS = []\n")
         return
     ctx.symlink(root + "/include", "include")
-    lib = root + "/lib64"
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
@@ -215,16 +246,18 @@ cc_library(
     deps = [":cudart"],
 )
 """.format(lib = lib))
-    ctx.file("defs.bzl", "CUDA_ENABLED = True\nCUDA_ROOT = %r\nNVCC = %r\nCUDA_ARCHS = %r\n" % (
+    ctx.file("defs.bzl", "CUDA_ENABLED = True\nCUDA_ROOT = %r\nNVCC = %r\nHOST_CXX = %r\nCUDA_ARCHS = %r\n" % (
         root,
         str(nvcc),
+        _host_cxx(ctx),
         archs,
     ))
 
 # Finds the CUDA toolkit (CUDA_PATH, else /usr/local/cuda). DFLASH_CUDA=0
-# turns CUDA off; DFLASH_CUDA_ARCHS=80,90 picks the SM architectures.
+# turns CUDA off; DFLASH_CUDA_ARCHS=80,90 picks the SM architectures (the
+# last also gets PTX); CUDAHOSTCXX or CXX names nvcc's host compiler.
 _cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
-    environ = ["CUDA_PATH", "DFLASH_CUDA", "DFLASH_CUDA_ARCHS"],
+    environ = ["CUDA_PATH", "CUDAHOSTCXX", "CXX", "DFLASH_CUDA", "DFLASH_CUDA_ARCHS"],
     local = True,
 )

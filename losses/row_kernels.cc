@@ -232,7 +232,8 @@ absl::Status TopK(absl::Span<const T> logits, int32_t k,
 template <typename T>
 DFLASH_CPU_DISPATCH void WriteSoftmaxGradient(absl::Span<T> logits,
                                               int32_t target,
-                          const RowStats& stats, const SoftmaxGradient& grad) {
+                                              const RowStats& stats,
+                                              const SoftmaxGradient& grad) {
   const double uniform = grad.uniform / static_cast<double>(logits.size());
   if constexpr (std::is_same_v<T, float>) {
     // x - max is exact in float; lse - max is small, so nothing large is

@@ -1,31 +1,60 @@
 """Compiles .cu sources with nvcc (no rules_cuda can be fetched here).
 
 cuda_library() drives nvcc through a genrule per source and wraps the objects
-in a cc_library that links cudart. When local_config_cuda found no toolkit,
-CUDA_ENABLED is False and BUILD files leave CUDA targets out via if_cuda().
+in a cc_library that links cudart. CUDA targets exist on every machine: where
+local_config_cuda found no toolkit they are incompatible, so `bazel build
+//...` skips them (and everything that depends on them) and naming one says
+why, instead of a missing target.
 """
 
-load("@local_config_cuda//:defs.bzl", "CUDA_ARCHS", "CUDA_ENABLED", "NVCC")
+load(
+    "@local_config_cuda//:defs.bzl",
+    "CUDA_ARCHS",
+    "CUDA_ENABLED",
+    "HOST_CXX",
+    "NVCC",
+)
 
 def if_cuda(if_true, if_false = []):
+    """Chooses by whether the toolkit was found (e.g. a source with CUDA)."""
     return if_true if CUDA_ENABLED else if_false
+
+# For target_compatible_with of anything that needs the toolkit.
+CUDA_COMPATIBLE = [] if CUDA_ENABLED else ["@platforms//:incompatible"]
+
+def _gencode():
+    # SASS for every listed architecture, plus PTX of the newest one, which
+    # the driver compiles for GPUs newer than any listed.
+    codes = [
+        "-gencode=arch=compute_%s,code=sm_%s" % (a, a)
+        for a in CUDA_ARCHS
+    ]
+    if CUDA_ARCHS:
+        newest = CUDA_ARCHS[-1]
+        codes.append("-gencode=arch=compute_%s,code=compute_%s" % (newest, newest))
+    return " ".join(codes)
 
 def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_inputs = [], copts = [], visibility = None, testonly = False):
     """A cc_library whose .cu sources are compiled by nvcc for CUDA_ARCHS.
 
     nvcc_inputs: headers of deps that the .cu files include (a genrule sees
-    only the files it is given).
+    only the files it is given). Optimisation follows --compilation_mode;
+    line info is always kept for compute-sanitizer and profilers.
     """
     if not CUDA_ENABLED:
-        fail("cuda_library(%s) needs CUDA; guard it with if_cuda()" % name)
+        native.cc_library(
+            name = name,
+            hdrs = hdrs,
+            deps = deps,
+            visibility = visibility,
+            testonly = testonly,
+            target_compatible_with = CUDA_COMPATIBLE,
+        )
+        return
 
     # The repo's own headers live under external/<repo> when dflash is
     # someone else's dependency.
     root = Label("//:BUILD").workspace_root or "."
-    gencode = " ".join([
-        "-gencode=arch=compute_%s,code=sm_%s" % (a, a)
-        for a in CUDA_ARCHS
-    ])
     objs = []
     for src in srcs:
         obj = "_%s_objs/%s.o" % (name, src.replace(".cu", ""))
@@ -35,13 +64,17 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_inputs = [], copts = [],
             outs = [obj],
             cmd = " ".join([
                 NVCC,
-                "-std=c++17 -O3 -Xcompiler -fPIC -ccbin /usr/bin/g++",
+                "-std=c++17 -Xcompiler -fPIC -lineinfo",
+                "-ccbin %s" % HOST_CXX,
                 "--expt-relaxed-constexpr",
-                gencode,
+                _gencode(),
                 "-I%s -I$(GENDIR)/%s" % (root, root),
                 " ".join(copts),
-                "-c $(location %s) -o $@" % src,
-            ]),
+            ]) + " " + select({
+                str(Label("//tools/cuda:dbg")): "-O0 -g",
+                str(Label("//tools/cuda:fastbuild")): "-O1",
+                "//conditions:default": "-O3",
+            }) + " -c $(location %s) -o $@" % src,
             testonly = testonly,
         )
         objs.append(obj)
