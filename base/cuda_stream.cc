@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -47,12 +48,9 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
   }
   if (count == 0) return absl::UnavailableError("no CUDA device is visible");
   std::unique_ptr<CudaStream> stream(new CudaStream);
-  if (absl::Status ok = CudaStatus(
-          cudaStreamCreateWithFlags(&stream->stream_, cudaStreamNonBlocking),
-          "cudaStreamCreate");
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(CudaStatus(
+      cudaStreamCreateWithFlags(&stream->stream_, cudaStreamNonBlocking),
+      "cudaStreamCreate"));
   stream->memory_ = std::make_unique<StreamMemory>(stream->stream_);
   stream->allocator_ = std::make_unique<TrackingAllocator>(
       limit_bytes, /*cache_blocks=*/false, *stream->memory_);
@@ -76,12 +74,9 @@ absl::Status CudaStream::CopyToDevice(void* device, const void* host,
 absl::Status CudaStream::CopyToHost(void* host, const void* device,
                                     int64_t bytes) {
   if (bytes == 0) return Synchronize();
-  if (absl::Status ok = CudaStatus(
-          cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
-          "copy to the host");
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
+      "copy to the host"));
   return Synchronize();
 }
 

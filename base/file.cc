@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -126,17 +127,14 @@ absl::Status ReadableFile::ReadAt(int64_t offset, absl::Span<char> out) const {
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              int64_t max_bytes) {
-  absl::StatusOr<ReadableFile> file = ReadableFile::Open(path);
-  if (!file.ok()) return file.status();
-  if (file->size() > max_bytes) {
+  DFLASH_ASSIGN_OR_RETURN(ReadableFile file, ReadableFile::Open(path));
+  if (file.size() > max_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": holds ", file->size(), " bytes, more than the ",
+        absl::StrCat(path, ": holds ", file.size(), " bytes, more than the ",
                      max_bytes, " expected at most"));
   }
-  std::string bytes(static_cast<size_t>(file->size()), '\0');
-  if (absl::Status read = file->ReadAt(0, absl::MakeSpan(bytes)); !read.ok()) {
-    return read;
-  }
+  std::string bytes(static_cast<size_t>(file.size()), '\0');
+  DFLASH_RETURN_IF_ERROR(file.ReadAt(0, absl::MakeSpan(bytes)));
   return bytes;
 }
 
@@ -252,9 +250,7 @@ absl::Status OutputFileSet::Commit() {
 absl::Status WriteFileAtomically(const std::string& path,
                                  absl::string_view bytes) {
   OutputFileSet files;
-  if (absl::Status staged = files.Stage(path, bytes); !staged.ok()) {
-    return staged;
-  }
+  DFLASH_RETURN_IF_ERROR(files.Stage(path, bytes));
   return files.Commit();
 }
 

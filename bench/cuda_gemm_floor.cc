@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "bench/cuda_fill.h"
 
@@ -63,14 +64,14 @@ absl::StatusOr<double> PairSeconds(CublasHandle& blas, int64_t rows,
     }
     return absl::OkStatus();
   };
-  if (absl::Status ok = pair(); !ok.ok()) return ok;  // Warm-up.
+  DFLASH_RETURN_IF_ERROR(pair());  // Warm-up.
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   double best = 1e30;
   for (int i = 0; i < repeats; ++i) {
     cudaEventRecord(start, stream.stream());
-    if (absl::Status ok = pair(); !ok.ok()) return ok;
+    DFLASH_RETURN_IF_ERROR(pair());
     cudaEventRecord(stop, stream.stream());
     cudaEventSynchronize(stop);
     float ms = 0;
@@ -79,7 +80,7 @@ absl::StatusOr<double> PairSeconds(CublasHandle& blas, int64_t rows,
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  if (absl::Status ok = stream.Synchronize(); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(stream.Synchronize());
   return best;
 }
 
@@ -95,11 +96,10 @@ absl::StatusOr<double> CudaGemmFloorSeconds(CublasHandle& blas, int64_t rows,
   if (!whole.ok() || rows_per_chunk <= 0 || rows_per_chunk >= rows) {
     return whole;
   }
-  absl::StatusOr<double> chunked = PairSeconds(blas, rows, hidden, vocab,
-                                               bfloat16, rows_per_chunk,
-                                               repeats);
-  if (!chunked.ok()) return chunked.status();
-  return std::min(*whole, *chunked);
+  DFLASH_ASSIGN_OR_RETURN(double chunked,
+                          PairSeconds(blas, rows, hidden, vocab, bfloat16,
+                                      rows_per_chunk, repeats));
+  return std::min(*whole, chunked);
 }
 
 }  // namespace dflash

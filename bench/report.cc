@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "bench/gemm_floor.h"
 #include "bench/head_cases.h"
@@ -66,28 +67,26 @@ absl::StatusOr<v1::BenchReport> Measure(const HeadShape& shape, int repeats) {
   report.set_hidden(shape.hidden);
   report.set_vocab(shape.vocab);
   for (v1::HeadConfig::ExecutionMode mode : BenchModes()) {
-    absl::StatusOr<v1::ObjectiveConfig> config = HeadBenchConfig(shape, mode);
-    if (!config.ok()) return config.status();
-    absl::StatusOr<HeadBatch<float>> batch = HeadBenchBatch(*config, shape);
-    if (!batch.ok()) return batch.status();
+    DFLASH_ASSIGN_OR_RETURN(v1::ObjectiveConfig config,
+                            HeadBenchConfig(shape, mode));
+    DFLASH_ASSIGN_OR_RETURN(HeadBatch<float> batch,
+                            HeadBenchBatch(config, shape));
     // Steps of a training loop: one untimed warm-up step, then `repeats`
     // on the same caching allocator.
     TrackingAllocator allocator(std::numeric_limits<int64_t>::max(),
                                 /*cache_blocks=*/true);
-    if (absl::StatusOr<HeadResult> warm =
-            RunHeadCase(*config, *batch, allocator);
+    if (absl::StatusOr<HeadResult> warm = RunHeadCase(config, batch, allocator);
         !warm.ok()) {
       return warm.status();
     }
     v1::HeadMetrics best;
     for (int i = 0; i < repeats; ++i) {
-      absl::StatusOr<HeadResult> result =
-          RunHeadCase(*config, *batch, allocator);
-      if (!result.ok()) return result.status();
-      const v1::HeadMetrics metrics = HeadMetricsOf(*config, *result);
+      DFLASH_ASSIGN_OR_RETURN(HeadResult result,
+                              RunHeadCase(config, batch, allocator));
+      const v1::HeadMetrics metrics = HeadMetricsOf(config, result);
       if (i == 0 || metrics.seconds() < best.seconds()) best = metrics;
       if (mode == v1::HeadConfig::FUSED) {
-        report.set_rows_per_chunk(result->plan.rows_per_chunk);
+        report.set_rows_per_chunk(result.plan.rows_per_chunk);
       }
     }
     report.set_loss_family(best.loss_family());

@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -35,9 +36,7 @@ bool Matches(const v1::CheckpointRule& rule, const IntermediateInfo& info) {
 
 absl::StatusOr<std::unique_ptr<CheckpointContext>> CheckpointContext::Create(
     const v1::CheckpointPolicy& policy, TrackingAllocator& allocator) {
-  if (absl::Status valid = ValidateCheckpointPolicy(policy); !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(ValidateCheckpointPolicy(policy));
   std::vector<v1::CheckpointRule> rules =
       policy.has_preset()
           ? PresetRules(policy.preset())
@@ -56,9 +55,8 @@ v1::CheckpointAction CheckpointContext::Decide(
 }
 
 absl::StatusOr<TrackedBuffer<char>> CheckpointContext::Hold(int64_t bytes) {
-  absl::StatusOr<TrackedBuffer<char>> buffer =
-      TrackedBuffer<char>::Create(allocator_, bytes);
-  if (!buffer.ok()) return buffer.status();
+  DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<char> buffer,
+                          TrackedBuffer<char>::Create(allocator_, bytes));
   stats_.current_kept_bytes += bytes;
   stats_.peak_kept_bytes =
       std::max(stats_.peak_kept_bytes, stats_.current_kept_bytes);
@@ -117,10 +115,9 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
   Entry entry{info, value.dtype(), value.shape(), std::move(recompute), {},
               keep, offers_++};
   if (keep) {
-    absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
-    if (!held.ok()) return held.status();
-    if (bytes > 0) allocator_.Copy(held->data(), value.data(), bytes);
-    entry.held = *std::move(held);
+    DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<char> held, Hold(bytes));
+    if (bytes > 0) allocator_.Copy(held.data(), value.data(), bytes);
+    entry.held = std::move(held);
   }
   TagStats& tag = stats_.per_tag[info.tag];
   ++tag.offered;
@@ -146,9 +143,8 @@ absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
   });
   for (auto& [name, entry] : dropped) {
     const int64_t bytes = TensorView(nullptr, entry->dtype, entry->shape).bytes();
-    absl::StatusOr<TrackedBuffer<char>> held = Hold(bytes);
-    if (!held.ok()) return held.status();
-    entry->held = *std::move(held);
+    DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<char> held, Hold(bytes));
+    entry->held = std::move(held);
     absl::Status done = entry->recompute(TensorView(
         entry->held.data(), entry->dtype, entry->shape, allocator_.device()));
     if (!done.ok()) {
@@ -175,10 +171,7 @@ absl::StatusOr<TensorView> CheckpointContext::Fetch(int64_t chunk,
   if (it == chunk_it->second.end()) return not_found();
   Entry& entry = it->second;
   if (entry.held.data() == nullptr && !entry.kept) {
-    if (absl::Status ok = RecomputeSegment(chunk / policy_.segment_chunks());
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(RecomputeSegment(chunk / policy_.segment_chunks()));
   }
   return TensorView(entry.held.data(), entry.dtype, entry.shape,
                     allocator_.device());

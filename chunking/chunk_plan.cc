@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -45,7 +46,7 @@ std::string ProductString(int64_t a, int64_t b) {
 absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
                                      const ProblemShape& shape) {
   const bool aligned = policy.align_to_blocks();
-  if (absl::Status ok = CheckShape(shape, aligned); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(CheckShape(shape, aligned));
   // Overflow check for one row's bytes: vocab < 2^31 and the factors are
   // small, but a caller may pass anything.
   const int64_t row_bytes_limit = INT64_MAX / shape.bytes_per_logit /

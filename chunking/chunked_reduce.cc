@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 
@@ -87,20 +88,19 @@ absl::StatusOr<ChunkedReduction> ChunkedReduction::Run(
         !ok.ok()) {
       return ok;
     }
-    absl::StatusOr<Terms> terms = function.Forward(slices);
-    if (!terms.ok()) return terms.status();
+    DFLASH_ASSIGN_OR_RETURN(Terms terms, function.Forward(slices));
     if (c == 0) {
-      reduction.terms_ = *std::move(terms);
+      reduction.terms_ = std::move(terms);
       continue;
     }
-    if (terms->size() != reduction.terms_.size()) {
+    if (terms.size() != reduction.terms_.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "chunk function returned ", terms->size(), " terms for chunk ", c,
+          "chunk function returned ", terms.size(), " terms for chunk ", c,
           ", expected ", reduction.terms_.size()));
     }
-    for (size_t t = 0; t < terms->size(); ++t) {
+    for (size_t t = 0; t < terms.size(); ++t) {
       Term& sum = reduction.terms_[t];
-      const Term& term = (*terms)[t];
+      const Term& term = terms[t];
       if (term.size() != sum.size()) {
         return absl::InvalidArgumentError(
             absl::StrCat("term ", t, " of chunk ", c, " has ", term.size(),
@@ -118,9 +118,9 @@ absl::Status ChunkedReduction::SliceAll(
   out.assign(all.size(), std::nullopt);
   for (size_t i = 0; i < all.size(); ++i) {
     if (!all[i]) continue;
-    absl::StatusOr<TensorView> slice = all[i]->Slice(dims_[i], start, length);
-    if (!slice.ok()) return slice.status();
-    out[i] = *slice;
+    DFLASH_ASSIGN_OR_RETURN(TensorView slice,
+                            all[i]->Slice(dims_[i], start, length));
+    out[i] = slice;
   }
   return absl::OkStatus();
 }
@@ -140,21 +140,14 @@ absl::Status ChunkedReduction::Backward(const Terms& grad_terms) {
   }
   std::vector<std::optional<TensorView>> slices, grad_slices;
   for (const auto& [start, size] : bounds_) {
-    if (absl::Status ok = SliceAll(inputs_, start, size, slices); !ok.ok()) {
-      return ok;
-    }
-    if (absl::Status ok = SliceAll(grads_, start, size, grad_slices); !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(SliceAll(inputs_, start, size, slices));
+    DFLASH_RETURN_IF_ERROR(SliceAll(grads_, start, size, grad_slices));
     if (checkpointed_) {
-      absl::StatusOr<Terms> again = function_->Forward(slices);
-      if (!again.ok()) return again.status();
+      DFLASH_ASSIGN_OR_RETURN(Terms again, function_->Forward(slices));
       ++recomputations_;
     }
-    if (absl::Status ok = function_->Backward(slices, grad_terms, grad_slices);
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(
+        function_->Backward(slices, grad_terms, grad_slices));
   }
   return absl::OkStatus();
 }

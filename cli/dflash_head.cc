@@ -22,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "cli/head_job.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -134,10 +135,9 @@ absl::StatusOr<dflash::HeadJobOptions> OptionsFromFlags() {
   options.inputs_dir = UserPath(absl::GetFlag(FLAGS_inputs));
   options.out_dir = UserPath(absl::GetFlag(FLAGS_out));
   options.compare_modes = absl::GetFlag(FLAGS_compare_modes);
-  absl::StatusOr<std::optional<int64_t>> limit =
-      MemoryLimit(absl::GetFlag(FLAGS_memory_limit));
-  if (!limit.ok()) return limit.status();
-  options.memory_limit = *limit;
+  DFLASH_ASSIGN_OR_RETURN(std::optional<int64_t> limit,
+                          MemoryLimit(absl::GetFlag(FLAGS_memory_limit)));
+  options.memory_limit = limit;
   return options;
 }
 

@@ -25,6 +25,7 @@ namespace dflash {
 namespace {
 
 constexpr char kDefaultConfig[] =
+#include "base/status_macros.h"
 #include "cli/default_config.inc"
     ;
 
@@ -219,32 +220,26 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
   InputHeaders in;
   auto read = [&](InputSpec spec) -> absl::StatusOr<const NpyHeader*> {
     const std::string path = Join(dir, spec.name);
-    absl::StatusOr<NpyHeader> header = ReadNpyHeader(path);
-    if (!header.ok()) return header.status();
-    if (absl::Status ok = CheckHeader(*header, path, spec.shape, *spec.types);
-        !ok.ok()) {
-      return ok;
-    }
-    in.largest_file_bytes = std::max(in.largest_file_bytes, header->data_bytes);
+    DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ReadNpyHeader(path));
+    DFLASH_RETURN_IF_ERROR(CheckHeader(header, path, spec.shape, *spec.types));
+    in.largest_file_bytes = std::max(in.largest_file_bytes, header.data_bytes);
     in.specs.push_back(spec);
-    return &(in.headers[spec.name] = *std::move(header));
+    return &(in.headers[spec.name] = std::move(header));
   };
-  absl::StatusOr<const NpyHeader*> hidden =
-      read({"hidden.npy", {-1, -1, -1, -1}, &kFloats, "(b, n, k, h)"});
-  if (!hidden.ok()) return hidden.status();
-  in.batch = (*hidden)->shape[0];
-  in.anchors = (*hidden)->shape[1];
-  in.block = (*hidden)->shape[2];
-  in.hidden = (*hidden)->shape[3];
+  DFLASH_ASSIGN_OR_RETURN(
+      const NpyHeader* hidden,
+      read({"hidden.npy", {-1, -1, -1, -1}, &kFloats, "(b, n, k, h)"}));
+  in.batch = hidden->shape[0];
+  in.anchors = hidden->shape[1];
+  in.block = hidden->shape[2];
+  in.hidden = hidden->shape[3];
   const int64_t b = in.batch, n = in.anchors, k = in.block, h = in.hidden;
-  absl::StatusOr<const NpyHeader*> weight =
-      read({"lm_head.npy", {-1, h}, &kFloats, "(v, h)"});
-  if (!weight.ok()) return weight.status();
-  in.vocab = (*weight)->shape[0];
-  absl::StatusOr<const NpyHeader*> ids =
-      read({"input_ids.npy", {b, -1}, &kInts, "(b, s)"});
-  if (!ids.ok()) return ids.status();
-  in.seq = (*ids)->shape[1];
+  DFLASH_ASSIGN_OR_RETURN(const NpyHeader* weight,
+                          read({"lm_head.npy", {-1, h}, &kFloats, "(v, h)"}));
+  in.vocab = weight->shape[0];
+  DFLASH_ASSIGN_OR_RETURN(const NpyHeader* ids,
+                          read({"input_ids.npy", {b, -1}, &kInts, "(b, s)"}));
+  in.seq = ids->shape[1];
   std::vector<InputSpec> rest = {
       {"loss_mask.npy", {b, in.seq}, &kFlags, "(b, s)"},
       {"anchors.npy", {b, n}, &kInts, "(b, n)"},
@@ -272,12 +267,8 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
 absl::StatusOr<NpyArray> ReadChecked(const std::string& dir,
                                      const InputSpec& spec) {
   const std::string path = Join(dir, spec.name);
-  absl::StatusOr<NpyArray> array = ReadNpy(path);
-  if (!array.ok()) return array.status();
-  if (absl::Status ok = CheckNpy(*array, path, spec.shape, *spec.types);
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadNpy(path));
+  DFLASH_RETURN_IF_ERROR(CheckNpy(array, path, spec.shape, *spec.types));
   return array;
 }
 
@@ -286,35 +277,33 @@ absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
                                           const InputSpec& spec,
                                           const v1::ObjectiveConfig& config) {
   const std::string path = Join(dir, spec.name);
-  absl::StatusOr<NpyArray> array = ReadChecked(dir, spec);
-  if (!array.ok()) return array.status();
+  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadChecked(dir, spec));
   auto where = [&](const NpyElement& e) {
     return absl::StrCat(spec.axes, " = (", absl::StrJoin(e.index, ", "), ")");
   };
-  if (std::optional<NpyElement> bad = FirstNonFinite(*array)) {
+  if (std::optional<NpyElement> bad = FirstNonFinite(array)) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": value ", bad->value, " at ", where(*bad),
                      " is not finite; inputs must be finite"));
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (std::optional<NpyElement> big = FirstFloat32Overflow(*array)) {
+    if (std::optional<NpyElement> big = FirstFloat32Overflow(array)) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": value ", big->value, " at ", where(*big),
                        " overflows float32, the head's dtype (",
                        v1::HeadConfig::DType_Name(config.head().dtype()),
                        "); rescale it or use head.dtype FLOAT64"));
     }
-    return NpyToFloat(*array);
+    return NpyToFloat(array);
   } else {
-    return NpyToDouble(*array);
+    return NpyToDouble(array);
   }
 }
 
 absl::StatusOr<std::vector<int64_t>> ReadInts(const std::string& dir,
                                               const InputSpec& spec) {
-  absl::StatusOr<NpyArray> array = ReadChecked(dir, spec);
-  if (!array.ok()) return array.status();
-  return NpyToInt64(*array);
+  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadChecked(dir, spec));
+  return NpyToInt64(array);
 }
 
 const InputSpec* FindSpec(const InputHeaders& in, absl::string_view name) {
@@ -495,10 +484,10 @@ absl::StatusOr<HeadJobResult> RunOnce(
   TrackingAllocator allocator(limit_bytes);
   HeadOptions options;
   options.progress = std::move(progress);
-  absl::StatusOr<HeadResult> result = RunHead<T>(
-      config, batch.Inputs(config), gradients, allocator, {}, options);
-  if (!result.ok()) return result.status();
-  job.result = *std::move(result);
+  DFLASH_ASSIGN_OR_RETURN(HeadResult result,
+                          RunHead<T>(config, batch.Inputs(config), gradients,
+                                     allocator, {}, options));
+  job.result = std::move(result);
   job.metrics = HeadMetricsOf(config, job.result);
   return job;
 }
@@ -563,9 +552,7 @@ absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
       !ok.ok()) {
     return absl::InternalError(std::string(ok.message()));
   }
-  if (absl::Status ok = files.Stage(Join(dir, kMetricsFile), text); !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(files.Stage(Join(dir, kMetricsFile), text));
   const v1::ObjectiveConfig& c = job.config;
   const int64_t n = c.layout().num_anchors(), k = c.layout().block_size();
   const int64_t h = c.head().hidden_size(), v = c.head().vocab_size();
@@ -607,7 +594,7 @@ absl::StatusOr<std::vector<v1::ObjectiveConfig>> ModeConfigs(
   for (const char* mode : kModes) {
     v1::ObjectiveConfig mode_config = config;
     if (std::string(mode) == "checkpoint") mode_config.clear_checkpoint();
-    if (absl::Status ok = SetMode(mode, mode_config); !ok.ok()) return ok;
+    DFLASH_RETURN_IF_ERROR(SetMode(mode, mode_config));
     configs.push_back(ResolveDefaults(std::move(mode_config)));
   }
   return configs;
@@ -636,46 +623,38 @@ absl::StatusOr<HeadJobResult> RunJob(
     b = options.batch.value_or(kDefaultSyntheticShape.batch);
     s = options.seq.value_or(kDefaultSyntheticShape.seq_len);
   } else {
-    absl::StatusOr<InputHeaders> read =
-        ReadInputHeaders(options.inputs_dir, config);
-    if (!read.ok()) return read.status();
-    headers = *std::move(read);
+    DFLASH_ASSIGN_OR_RETURN(InputHeaders read,
+                            ReadInputHeaders(options.inputs_dir, config));
+    headers = std::move(read);
     b = headers.batch;
     s = headers.seq;
     transient = headers.largest_file_bytes;
   }
   const int64_t sets = options.compare_modes ? 3 : 1;
-  absl::StatusOr<std::pair<int64_t, int64_t>> host =
-      HostBytes(config, b, s, n, transient, sets);
-  if (!host.ok()) return host.status();
-  const auto [batch_bytes, grad_bytes] = *host;
-  if (absl::Status fits = CheckFits(budget, batch_bytes, grad_bytes, 0);
-      !fits.ok()) {
-    return fits;
-  }
+  DFLASH_ASSIGN_OR_RETURN(auto host,
+                          HostBytes(config, b, s, n, transient, sets));
+  const auto [batch_bytes, grad_bytes] = host;
+  DFLASH_RETURN_IF_ERROR(CheckFits(budget, batch_bytes, grad_bytes, 0));
 
   const uint64_t seed = options.seed.value_or(kDefaultSeed);
-  absl::StatusOr<HeadBatch<T>> batch =
-      options.inputs_dir.empty()
-          ? MakeSyntheticBatch<T>(config, {b, s, n}, seed)
-          : LoadInputs<T>(options.inputs_dir, config);
-  if (!batch.ok()) return batch.status();
+  DFLASH_ASSIGN_OR_RETURN(HeadBatch<T> batch,
+                          options.inputs_dir.empty()
+                              ? MakeSyntheticBatch<T>(config, {b, s, n}, seed)
+                              : LoadInputs<T>(options.inputs_dir, config));
 
   // The head's buffers, from its plan, in every mode the job runs.
   std::vector<v1::ObjectiveConfig> mode_configs;
   if (options.compare_modes) {
-    absl::StatusOr<std::vector<v1::ObjectiveConfig>> configs =
-        ModeConfigs(config);
-    if (!configs.ok()) return configs.status();
-    mode_configs = *std::move(configs);
+    DFLASH_ASSIGN_OR_RETURN(std::vector<v1::ObjectiveConfig> configs,
+                            ModeConfigs(config));
+    mode_configs = std::move(configs);
   }
   int64_t head_bytes = 0;
   mode_configs.push_back(config);
   for (const v1::ObjectiveConfig& c : mode_configs) {
-    absl::StatusOr<int64_t> peak =
-        PredictPeakBytes(c, batch->rows, ElementBytes(config));
-    if (!peak.ok()) return peak.status();
-    head_bytes = std::max(head_bytes, *peak);
+    DFLASH_ASSIGN_OR_RETURN(
+        int64_t peak, PredictPeakBytes(c, batch.rows, ElementBytes(config)));
+    head_bytes = std::max(head_bytes, peak);
   }
   if (absl::Status fits =
           CheckFits(budget, batch_bytes, grad_bytes, head_bytes);
@@ -693,46 +672,42 @@ absl::StatusOr<HeadJobResult> RunJob(
       options.inputs_dir.empty()
           ? absl::StrCat("synthetic batch (seed ", seed, ")")
           : absl::StrCat("inputs from ", options.inputs_dir);
-  absl::StatusOr<HeadJobResult> job =
-      RunOnce<T>(config, *batch, head_limit, progress);
-  if (!job.ok()) return job.status();
-  if (job->result.stats.projected_rows == 0) {
-    job->notes.push_back(
+  DFLASH_ASSIGN_OR_RETURN(HeadJobResult job,
+                          RunOnce<T>(config, batch, head_limit, progress));
+  if (job.result.stats.projected_rows == 0) {
+    job.notes.push_back(
         "no row of the batch carries weight (every position is unsupervised, "
         "dropped or ignored): loss and accuracy are 0, gradients are 0");
   }
-  PrintReport(*job, source, report);
+  PrintReport(job, source, report);
   if (options.compare_modes) {
     v1::ObjectiveConfig fused_config = config;
     fused_config.mutable_head()->set_mode(v1::HeadConfig::FUSED);
-    absl::StatusOr<HeadJobResult> fused =
-        RunOnce<T>(fused_config, *batch, head_limit, nullptr);
-    if (!fused.ok()) return fused.status();
+    DFLASH_ASSIGN_OR_RETURN(
+        HeadJobResult fused,
+        RunOnce<T>(fused_config, batch, head_limit, nullptr));
     report << "\n  mode          seconds   GEMMs   peak MiB   max |grad - "
               "fused|\n";
     for (size_t i = 0; i < mode_configs.size(); ++i) {
-      absl::StatusOr<HeadJobResult> run =
-          RunOnce<T>(mode_configs[i], *batch, head_limit, nullptr);
-      if (!run.ok()) return run.status();
+      DFLASH_ASSIGN_OR_RETURN(
+          HeadJobResult run,
+          RunOnce<T>(mode_configs[i], batch, head_limit, nullptr));
       report << absl::StrFormat(
           "  %-12s %8.3f %7.3g %10.1f   %.3g\n", kModes[i],
-          run->metrics.seconds(), run->metrics.gemms(),
-          run->metrics.peak_bytes() / 1048576.0,
-          MaxDifference(run->grad_hidden, fused->grad_hidden));
+          run.metrics.seconds(), run.metrics.gemms(),
+          run.metrics.peak_bytes() / 1048576.0,
+          MaxDifference(run.grad_hidden, fused.grad_hidden));
     }
   }
-  if (absl::Status ok = CheckStream(report); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(CheckStream(report));
   if (!options.out_dir.empty()) {
     OutputFileSet files;
-    if (absl::Status ok = StageOutputs(*job, b, options.out_dir, files);
-        !ok.ok()) {
-      return ok;
-    }
-    if (absl::Status ok = files.Commit(); !ok.ok()) return ok;
+    DFLASH_RETURN_IF_ERROR(StageOutputs(job, b, options.out_dir, files));
+    DFLASH_RETURN_IF_ERROR(files.Commit());
     report << "  wrote        " << Join(options.out_dir, kMetricsFile) << ", "
            << kGradHiddenFile
-           << (Empty(job->grad_weight) ? ""
-                                       : absl::StrCat(", ", kGradWeightFile))
+           << (Empty(job.grad_weight) ? ""
+                                      : absl::StrCat(", ", kGradWeightFile))
            << "\n";
   }
   return job;
@@ -746,7 +721,7 @@ absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig() {
 }
 
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
-  if (absl::Status ok = CheckSyntheticFlags(options); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(CheckSyntheticFlags(options));
   absl::StatusOr<v1::ObjectiveConfig> parsed;
   if (options.config_path.empty()) {
     parsed = ParseObjectiveConfig(kDefaultConfig,
@@ -764,19 +739,13 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   if (!parsed.ok()) return parsed.status();
   v1::ObjectiveConfig config = *std::move(parsed);
   if (!options.loss.empty()) {
-    if (absl::Status ok = SetLoss(options.loss, *config.mutable_loss());
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(SetLoss(options.loss, *config.mutable_loss()));
   }
   if (options.gamma.has_value()) {
-    if (absl::Status ok = SetGamma(*options.gamma, *config.mutable_loss());
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(SetGamma(*options.gamma, *config.mutable_loss()));
   }
   if (!options.mode.empty()) {
-    if (absl::Status ok = SetMode(options.mode, config); !ok.ok()) return ok;
+    DFLASH_RETURN_IF_ERROR(SetMode(options.mode, config));
   }
   if (options.chunk_blocks.has_value()) {
     config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);
@@ -792,16 +761,15 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
     config.mutable_layout()->set_num_anchors(
         options.anchors.value_or(kDefaultSyntheticShape.num_anchors));
   } else {
-    absl::StatusOr<InputHeaders> in =
-        ReadInputHeaders(options.inputs_dir, config);
-    if (!in.ok()) return in.status();
-    config.mutable_layout()->set_block_size(in->block);
-    config.mutable_layout()->set_num_anchors(in->anchors);
-    config.mutable_head()->set_hidden_size(in->hidden);
-    config.mutable_head()->set_vocab_size(in->vocab);
+    DFLASH_ASSIGN_OR_RETURN(InputHeaders in,
+                            ReadInputHeaders(options.inputs_dir, config));
+    config.mutable_layout()->set_block_size(in.block);
+    config.mutable_layout()->set_num_anchors(in.anchors);
+    config.mutable_head()->set_hidden_size(in.hidden);
+    config.mutable_head()->set_vocab_size(in.vocab);
   }
   config = ResolveDefaults(std::move(config));
-  if (absl::Status ok = ValidateObjectiveConfig(config); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
   if (config.head().backend() != v1::HeadConfig::CPU) {
     return absl::InvalidArgumentError(absl::StrCat(
         "head.backend: dflash_head runs the CPU backend; CUDA heads run from "
@@ -814,12 +782,11 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
 template <typename T>
 absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
                                         const v1::ObjectiveConfig& config) {
-  absl::StatusOr<InputHeaders> in = ReadInputHeaders(dir, config);
-  if (!in.ok()) return in.status();
-  const int64_t b = in->batch, s = in->seq, n = in->anchors, k = in->block,
-                v = in->vocab;
+  DFLASH_ASSIGN_OR_RETURN(InputHeaders in, ReadInputHeaders(dir, config));
+  const int64_t b = in.batch, s = in.seq, n = in.anchors, k = in.block,
+                v = in.vocab;
   if (k != config.layout().block_size() || n != config.layout().num_anchors() ||
-      in->hidden != config.head().hidden_size() ||
+      in.hidden != config.head().hidden_size() ||
       v != config.head().vocab_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir,
@@ -827,23 +794,19 @@ absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
         "them"));
   }
   HeadBatch<T> batch;
-  absl::StatusOr<std::vector<int64_t>> ids =
-      ReadInts(dir, *FindSpec(*in, "input_ids.npy"));
-  if (!ids.ok()) return ids.status();
-  batch.input_ids = *std::move(ids);
-  absl::StatusOr<std::vector<int64_t>> mask =
-      ReadInts(dir, *FindSpec(*in, "loss_mask.npy"));
-  if (!mask.ok()) return mask.status();
-  for (int64_t x : *mask) batch.loss_mask.push_back(x != 0);
-  absl::StatusOr<std::vector<int64_t>> anchors =
-      ReadInts(dir, *FindSpec(*in, "anchors.npy"));
-  if (!anchors.ok()) return anchors.status();
-  absl::StatusOr<std::vector<int64_t>> keep =
-      ReadInts(dir, *FindSpec(*in, "keep.npy"));
-  if (!keep.ok()) return keep.status();
+  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> ids,
+                          ReadInts(dir, *FindSpec(in, "input_ids.npy")));
+  batch.input_ids = std::move(ids);
+  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> mask,
+                          ReadInts(dir, *FindSpec(in, "loss_mask.npy")));
+  for (int64_t x : mask) batch.loss_mask.push_back(x != 0);
+  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> anchors,
+                          ReadInts(dir, *FindSpec(in, "anchors.npy")));
+  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> keep,
+                          ReadInts(dir, *FindSpec(in, "keep.npy")));
   batch.anchors.num_anchors = n;
-  batch.anchors.positions = *std::move(anchors);
-  for (int64_t x : *keep) batch.anchors.keep.push_back(x != 0);
+  batch.anchors.positions = std::move(anchors);
+  for (int64_t x : keep) batch.anchors.keep.push_back(x != 0);
   absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
       {b, s, batch.input_ids, batch.loss_mask}, batch.anchors.positions,
       batch.anchors.keep, n, k, v,
@@ -859,19 +822,18 @@ absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
       {"lm_head_bias.npy", &batch.bias},
       {"teacher_hidden.npy", &batch.teacher_hidden}};
   for (const auto& [name, out] : floats) {
-    const InputSpec* spec = FindSpec(*in, name);
+    const InputSpec* spec = FindSpec(in, name);
     if (spec == nullptr) continue;
-    absl::StatusOr<std::vector<T>> values = ReadFloats<T>(dir, *spec, config);
-    if (!values.ok()) return values.status();
-    *out = *std::move(values);
+    DFLASH_ASSIGN_OR_RETURN(std::vector<T> values,
+                            ReadFloats<T>(dir, *spec, config));
+    *out = std::move(values);
   }
-  if (const InputSpec* spec = FindSpec(*in, "confidence_logits.npy")) {
+  if (const InputSpec* spec = FindSpec(in, "confidence_logits.npy")) {
     v1::ObjectiveConfig as_float = config;
     as_float.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
-    absl::StatusOr<std::vector<float>> values =
-        ReadFloats<float>(dir, *spec, as_float);
-    if (!values.ok()) return values.status();
-    batch.confidence_logits = *std::move(values);
+    DFLASH_ASSIGN_OR_RETURN(std::vector<float> values,
+                            ReadFloats<float>(dir, *spec, as_float));
+    batch.confidence_logits = std::move(values);
   }
   return batch;
 }
@@ -930,12 +892,11 @@ absl::StatusOr<HeadJobResult> RunHeadJob(
       return absl::Status(ok.code(), absl::StrCat("--out: ", ok.message()));
     }
   }
-  absl::StatusOr<v1::ObjectiveConfig> config = JobConfig(options);
-  if (!config.ok()) return config.status();
-  if (config->head().dtype() == v1::HeadConfig::FLOAT64) {
-    return RunJob<double>(options, *config, report, std::move(progress));
+  DFLASH_ASSIGN_OR_RETURN(v1::ObjectiveConfig config, JobConfig(options));
+  if (config.head().dtype() == v1::HeadConfig::FLOAT64) {
+    return RunJob<double>(options, config, report, std::move(progress));
   }
-  return RunJob<float>(options, *config, report, std::move(progress));
+  return RunJob<float>(options, config, report, std::move(progress));
 }
 
 }  // namespace dflash

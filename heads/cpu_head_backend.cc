@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "heads/flatten.h"
 #include "heads/head_backend.h"
 #include "losses/row_error.h"
@@ -98,11 +99,11 @@ class CpuHeadBackend final : public HeadBackend<T> {
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
     const v1::HeadConfig& head = config_.head();
-    absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
+    DFLASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<VocabProjection<T>> projection,
         CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
-                               head.vocab_size(), head.hidden_size());
-    if (!projection.ok()) return projection.status();
-    projection_ = *std::move(projection);
+                               head.vocab_size(), head.hidden_size()));
+    projection_ = std::move(projection);
     const HeadGradients<T>& g = *spec.gradients;
     std::fill(g.hidden.begin(), g.hidden.end(), T(0));
     std::fill(g.weight.begin(), g.weight.end(), T(0));

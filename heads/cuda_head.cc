@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/status_macros.h"
 #include "heads/cuda_head_kernels.h"
 #include "heads/head_backend.h"
 #include "losses/cuda_chunk_loss.h"
@@ -30,31 +31,28 @@ class CudaHeadBackend final : public HeadBackend<T> {
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
     const v1::HeadConfig& head = config_.head();
-    absl::StatusOr<std::unique_ptr<VocabProjection<T>>> projection =
+    DFLASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<VocabProjection<T>> projection,
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
-                                head.vocab_size(), head.hidden_size(), blas_);
-    if (!projection.ok()) return projection.status();
-    projection_ = *std::move(projection);
-    absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> loss =
+                                head.vocab_size(), head.hidden_size(), blas_));
+    projection_ = std::move(projection);
+    DFLASH_ASSIGN_OR_RETURN(
+        std::unique_ptr<CudaChunkLoss<T>> loss,
         CudaChunkLoss<T>::Create(config_.loss(),
                                  {config_.layout().block_size(),
                                   head.logit_scale(), head.logit_softcap()},
-                                 stream_);
-    if (!loss.ok()) return loss.status();
-    loss_ = *std::move(loss);
+                                 stream_));
+    loss_ = std::move(loss);
     // The active rows on the device: chunks index into them, and the loss
     // writes per-row outputs through them.
-    absl::StatusOr<TrackedBuffer<int64_t>> active =
+    DFLASH_ASSIGN_OR_RETURN(
+        TrackedBuffer<int64_t> active,
         TrackedBuffer<int64_t>::Create(
-            allocator(), static_cast<int64_t>(spec.active.size()));
-    if (!active.ok()) return active.status();
-    active_ = *std::move(active);
+            allocator(), static_cast<int64_t>(spec.active.size())));
+    active_ = std::move(active);
     host_active_.assign(spec.active.begin(), spec.active.end());
-    if (absl::Status ok = stream_.CopyToDevice(
-            active_.data(), host_active_.data(), active_.bytes());
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
+        active_.data(), host_active_.data(), active_.bytes()));
     const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     for (const auto& [data, bytes] :
@@ -64,10 +62,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
           {g.bias.data(), g.bias.size() * sizeof(T)},
           {g.confidence.data(), g.confidence.size() * sizeof(float)},
           {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)}}) {
-      if (absl::Status ok = stream_.Zero(data, static_cast<int64_t>(bytes));
-          !ok.ok()) {
-        return ok;
-      }
+      DFLASH_RETURN_IF_ERROR(stream_.Zero(data, static_cast<int64_t>(bytes)));
     }
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
                           stream_.stream());
@@ -129,9 +124,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     cuda::LaunchScaleByUpstreamOverDen<float>(g.confidence.data(),
                                               g.confidence.size(), den,
                                               upstream, stream_.stream());
-    if (absl::Status ok = stream_.LaunchStatus("gradient scaling"); !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
     // Waits for the device and reads the terms.
     return loss_->Terms();
   }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "base/cuda_stream.h"
+#include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "heads/head_test_util.h"
 #include "proto/config.h"
@@ -30,12 +31,11 @@ struct Gpu {
 
 // A stream and cuBLAS handle, or the reason there is none.
 absl::StatusOr<Gpu> OpenGpu() {
-  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
-  if (!stream.ok()) return stream.status();
-  absl::StatusOr<std::unique_ptr<CublasHandle>> blas =
-      CublasHandle::Create(**stream);
-  if (!blas.ok()) return blas.status();
-  return Gpu{*std::move(stream), *std::move(blas)};
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaStream> stream,
+                          CudaStream::Create());
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CublasHandle> blas,
+                          CublasHandle::Create(*stream));
+  return Gpu{std::move(stream), std::move(blas)};
 }
 
 #define OPEN_GPU_OR_SKIP(gpu)          \

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/status_macros.h"
 #include "heads/cuda_head_kernels.h"
 
 namespace dflash {
@@ -97,10 +98,7 @@ class CudaProjection final : public VocabProjection<T> {
 absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
     CudaStream& stream) {
   cublasHandle_t handle = nullptr;
-  if (absl::Status ok = BlasStatus(cublasCreate(&handle), "cublasCreate");
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(BlasStatus(cublasCreate(&handle), "cublasCreate"));
   if (absl::Status ok = BlasStatus(cublasSetStream(handle, stream.stream()),
                                    "cublasSetStream");
       !ok.ok()) {

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "base/tensor.h"
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
@@ -70,10 +71,9 @@ class HeadRun {
     const int64_t size = max_chunk_rows_ * width;
     if (buffer.size() < size) {
       buffer.Reset();
-      absl::StatusOr<TrackedBuffer<T>> created =
-          TrackedBuffer<T>::Create(allocator_, size);
-      if (!created.ok()) return created.status();
-      buffer = *std::move(created);
+      DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<T> created,
+                              TrackedBuffer<T>::Create(allocator_, size));
+      buffer = std::move(created);
     }
     return buffer.data();
   }
@@ -194,44 +194,40 @@ absl::Status HeadRun<T>::Validate() const {
 
 template <typename T>
 absl::Status HeadRun<T>::Plan() {
-  absl::StatusOr<HeadPlan> plan =
-      PlanHead(config_, inputs_.rows, static_cast<int64_t>(sizeof(T)));
-  if (!plan.ok()) return plan.status();
-  plan_ = std::move(plan->chunks);
-  active_ = std::move(plan->active);
-  chunk_begin_ = std::move(plan->chunk_begin);
-  max_chunk_rows_ = plan->max_chunk_rows;
+  DFLASH_ASSIGN_OR_RETURN(
+      HeadPlan plan,
+      PlanHead(config_, inputs_.rows, static_cast<int64_t>(sizeof(T))));
+  plan_ = std::move(plan.chunks);
+  active_ = std::move(plan.active);
+  chunk_begin_ = std::move(plan.chunk_begin);
+  max_chunk_rows_ = plan.max_chunk_rows;
   if (Fused()) return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
-      CheckpointContext::Create(plan->policy, allocator_);
-  if (!context.ok()) return context.status();
-  context_ = *std::move(context);
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointContext> context,
+                          CheckpointContext::Create(plan.policy, allocator_));
+  context_ = std::move(context);
   return absl::OkStatus();
 }
 
 template <typename T>
 absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
-  absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
-  if (!x.ok()) return x.status();
-  backend_.GatherRows(inputs_.teacher_hidden.data(), hidden_, Begin(c),
-                      Rows(c), *x);
-  backend_.projection().Forward(*x, Rows(c), out);
+  DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
+  backend_.GatherRows(inputs_.teacher_hidden.data(), hidden_, Begin(c), Rows(c),
+                      x);
+  backend_.projection().Forward(x, Rows(c), out);
   return absl::OkStatus();
 }
 
 template <typename T>
 absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   const int64_t m = Rows(c);
-  absl::StatusOr<T*> grad = Workspace(grad_ws_, hidden_);
-  if (!grad.ok()) return grad.status();
-  backend_.projection().InputGradient(grad_logits, m, *grad);
-  backend_.ScatterRows(*grad, hidden_, Begin(c), m, gradients_.hidden.data());
+  DFLASH_ASSIGN_OR_RETURN(T * grad, Workspace(grad_ws_, hidden_));
+  backend_.projection().InputGradient(grad_logits, m, grad);
+  backend_.ScatterRows(grad, hidden_, Begin(c), m, gradients_.hidden.data());
   if (head_.trainable()) {
-    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
-    if (!x.ok()) return x.status();
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
+    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
     backend_.projection().AccumulateWeightGradient(
-        grad_logits, *x, m, gradients_.weight.data(),
+        grad_logits, x, m, gradients_.weight.data(),
         gradients_.bias.empty() ? nullptr : gradients_.bias.data());
   }
   return absl::OkStatus();
@@ -242,17 +238,16 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
                                                  const TensorView& out) {
   const int64_t m = Rows(c);
   {
-    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
-    if (!x.ok()) return x.status();
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
-    backend_.projection().Forward(*x, m, out.data_as<T>());
+    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
+    backend_.projection().Forward(x, m, out.data_as<T>());
   }
   const T* teacher = nullptr;
   if (teacher_) {
     // Offered before the logits gradient, so kept or already recomputed.
-    absl::StatusOr<TensorView> kept = context_->Fetch(c, kTeacherLogitsTag);
-    if (!kept.ok()) return kept.status();
-    teacher = kept->data_as<T>();
+    DFLASH_ASSIGN_OR_RETURN(TensorView kept,
+                            context_->Fetch(c, kTeacherLogitsTag));
+    teacher = kept.data_as<T>();
   }
   return backend_.ChunkLoss(c, Begin(c), m, out.data_as<T>(), teacher,
                             /*record=*/false);
@@ -262,22 +257,17 @@ template <typename T>
 absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   const int64_t m = Rows(c);
   if (m == 0) return absl::OkStatus();
-  absl::StatusOr<T*> logits = Workspace(logits_ws_, vocab_);
-  if (!logits.ok()) return logits.status();
+  DFLASH_ASSIGN_OR_RETURN(T * logits, Workspace(logits_ws_, vocab_));
   {
-    absl::StatusOr<T*> x = Workspace(rows_ws_, hidden_);
-    if (!x.ok()) return x.status();
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, *x);
-    backend_.projection().Forward(*x, m, *logits);
+    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
+    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
+    backend_.projection().Forward(x, m, logits);
   }
   T* teacher = nullptr;
   if (teacher_) {
-    absl::StatusOr<T*> buffer = Workspace(teacher_ws_, vocab_);
-    if (!buffer.ok()) return buffer.status();
-    teacher = *buffer;
-    if (absl::Status done = TeacherLogits(c, teacher); !done.ok()) {
-      return done;
-    }
+    DFLASH_ASSIGN_OR_RETURN(T * buffer, Workspace(teacher_ws_, vocab_));
+    teacher = buffer;
+    DFLASH_RETURN_IF_ERROR(TeacherLogits(c, teacher));
     if (context_ != nullptr) {
       absl::StatusOr<bool> kept = context_->Offer(
           c, TeacherLogitsInfo(head_, m), View(teacher, m),
@@ -288,13 +278,13 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
     }
   }
   if (absl::Status done =
-          backend_.ChunkLoss(c, Begin(c), m, *logits, teacher, /*record=*/true);
+          backend_.ChunkLoss(c, Begin(c), m, logits, teacher, /*record=*/true);
       !done.ok()) {
     return done;
   }
-  if (Fused()) return ProjectionGradients(c, *logits);
+  if (Fused()) return ProjectionGradients(c, logits);
   return context_
-      ->Offer(c, LogitsGradientInfo(head_, m), View(*logits, m),
+      ->Offer(c, LogitsGradientInfo(head_, m), View(logits, m),
               [this, c](const TensorView& out) {
                 return RecomputeLogitsGradient(c, out);
               })
@@ -304,9 +294,9 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
 template <typename T>
 absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
   if (Rows(c) == 0) return absl::OkStatus();
-  absl::StatusOr<TensorView> grad = context_->Fetch(c, kLogitsGradientTag);
-  if (!grad.ok()) return grad.status();
-  absl::Status done = ProjectionGradients(c, grad->data_as<T>());
+  DFLASH_ASSIGN_OR_RETURN(TensorView grad,
+                          context_->Fetch(c, kLogitsGradientTag));
+  absl::Status done = ProjectionGradients(c, grad.data_as<T>());
   context_->Release(c);
   return done;
 }
@@ -315,12 +305,9 @@ template <typename T>
 absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
-  if (absl::Status planned = Plan(); !planned.ok()) return planned;
-  if (absl::Status started = backend_.Start(
-          {&config_, &inputs_, &gradients_, &row_outputs_, active_});
-      !started.ok()) {
-    return started;
-  }
+  DFLASH_RETURN_IF_ERROR(Plan());
+  DFLASH_RETURN_IF_ERROR(backend_.Start(
+      {&config_, &inputs_, &gradients_, &row_outputs_, active_}));
 
   HeadResult result;
   result.mode = head_.mode();
@@ -332,13 +319,11 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   };
   const Clock::time_point forward = Clock::now();
   for (int64_t c = 0; c < chunks; ++c) {
-    if (absl::Status done = ForwardChunk(c); !done.ok()) return done;
+    DFLASH_RETURN_IF_ERROR(ForwardChunk(c));
     report();
   }
-  if (absl::Status done = backend_.Synchronize(); !done.ok()) return done;
-  if (absl::Status done = backend_.projection().status(); !done.ok()) {
-    return done;
-  }
+  DFLASH_RETURN_IF_ERROR(backend_.Synchronize());
+  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.forward_seconds = Since(forward);
   logits_ws_.Reset();
   teacher_ws_.Reset();
@@ -346,17 +331,15 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const Clock::time_point backward = Clock::now();
   if (!Fused()) {
     for (int64_t c = chunks - 1; c >= 0; --c) {
-      if (absl::Status done = BackwardChunk(c); !done.ok()) return done;
+      DFLASH_RETURN_IF_ERROR(BackwardChunk(c));
       report();
     }
   }
-  absl::StatusOr<ChunkTerms> terms = backend_.Finish(options.upstream_gradient);
-  if (!terms.ok()) return terms.status();
-  if (absl::Status done = backend_.projection().status(); !done.ok()) {
-    return done;
-  }
+  DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms,
+                          backend_.Finish(options.upstream_gradient));
+  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.backward_seconds = Since(backward);
-  result.terms = *std::move(terms);
+  result.terms = std::move(terms);
 
   const double den = result.terms.loss_den;
   result.loss = den > 0 ? result.terms.loss_num / den : 0;
@@ -436,16 +419,14 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
                                      HeadBackend<T>& backend,
                                      const HeadRowOutputs& row_outputs,
                                      const HeadOptions& options) {
-  if (absl::Status valid = ValidateObjectiveConfig(config); !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
   if (!std::isfinite(options.upstream_gradient)) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.upstream_gradient: must be finite, got ",
                      options.upstream_gradient));
   }
   HeadRun<T> run(config, inputs, gradients, row_outputs, backend);
-  if (absl::Status valid = run.Validate(); !valid.ok()) return valid;
+  DFLASH_RETURN_IF_ERROR(run.Validate());
   return run.Run(options);
 }
 
@@ -459,12 +440,9 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
   constexpr v1::HeadConfig::DType kDType =
       std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
                                : v1::HeadConfig::FLOAT64;
-  if (absl::Status ok = CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
-                                       kDType, "RunHead",
-                                       "CPU heads run FLOAT32 or FLOAT64");
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
+                                         kDType, "RunHead",
+                                         "CPU heads run FLOAT32 or FLOAT64"));
   if (allocator.device() != Device::kCpu) {
     return absl::InvalidArgumentError(
         "allocator: RunHead needs host memory, got a CUDA allocator");

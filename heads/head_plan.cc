@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
 #include "heads/flatten.h"
@@ -45,12 +46,13 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
     chunking.set_rows_per_chunk(n);
     chunking.set_align_to_blocks(false);
   }
-  absl::StatusOr<ChunkPlan> chunks = PlanChunks(
-      chunking, {n, config.layout().block_size(), config.head().vocab_size(),
-                 element_bytes, LossNeedsTeacher(config.loss()) ? 2 : 1});
-  if (!chunks.ok()) return chunks.status();
+  DFLASH_ASSIGN_OR_RETURN(
+      ChunkPlan chunks,
+      PlanChunks(chunking,
+                 {n, config.layout().block_size(), config.head().vocab_size(),
+                  element_bytes, LossNeedsTeacher(config.loss()) ? 2 : 1}));
   HeadPlan plan;
-  plan.chunks = *std::move(chunks);
+  plan.chunks = std::move(chunks);
   plan.active =
       WeightedRows(rows, config.loss().cross_entropy().ignore_index());
   for (const ChunkRange& chunk : plan.chunks.chunks) {
@@ -74,12 +76,11 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
 absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
                                          absl::Span<const RowMeta> rows,
                                          int64_t element_bytes) {
-  absl::StatusOr<HeadPlan> plan = PlanHead(config, rows, element_bytes);
-  if (!plan.ok()) return plan.status();
+  DFLASH_ASSIGN_OR_RETURN(HeadPlan plan, PlanHead(config, rows, element_bytes));
   const int64_t v = config.head().vocab_size();
   const int64_t h = config.head().hidden_size();
   const bool teacher = LossNeedsTeacher(config.loss());
-  const int64_t m = plan->max_chunk_rows;
+  const int64_t m = plan.max_chunk_rows;
   const int64_t chunk_logits = m * v * element_bytes;
   const int64_t row_buffers = 2 * m * h * element_bytes;
   const int64_t workspace = chunk_logits * (teacher ? 2 : 1) + row_buffers;
@@ -87,20 +88,19 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
 
   // What the policy does with each intermediate the head offers.
   TrackingAllocator unused;
-  absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
-      CheckpointContext::Create(plan->policy, unused);
-  if (!context.ok()) return context.status();
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointContext> context,
+                          CheckpointContext::Create(plan.policy, unused));
   std::vector<IntermediateInfo> offered = {
       LogitsGradientInfo(config.head(), m)};
   if (teacher) offered.push_back(TeacherLogitsInfo(config.head(), m));
-  const bool never_recompute = plan->policy.segment_chunks() == 0;
+  const bool never_recompute = plan.policy.segment_chunks() == 0;
   int64_t must = 0, prefer = 0, dropped_per_chunk = 0;
-  const int64_t chunks = static_cast<int64_t>(plan->chunks.chunks.size());
+  const int64_t chunks = static_cast<int64_t>(plan.chunks.chunks.size());
   for (const IntermediateInfo& info : offered) {
-    const v1::CheckpointAction action = (*context)->Decide(info);
+    const v1::CheckpointAction action = context->Decide(info);
     int64_t all_chunks = 0;
     for (int64_t c = 0; c < chunks; ++c)
-      all_chunks += plan->rows(c) * v * element_bytes;
+      all_chunks += plan.rows(c) * v * element_bytes;
     if (never_recompute || action == v1::MUST_SAVE) {
       must += all_chunks;
     } else if (action == v1::PREFER_SAVE) {
@@ -110,12 +110,12 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
       dropped_per_chunk += chunk_logits;
     }
   }
-  if (plan->policy.has_memory_budget_bytes()) {
-    prefer = std::min(prefer, plan->policy.memory_budget_bytes());
+  if (plan.policy.has_memory_budget_bytes()) {
+    prefer = std::min(prefer, plan.policy.memory_budget_bytes());
   }
   const int64_t kept = must + prefer;
   const int64_t segment =
-      never_recompute ? 0 : std::min(plan->policy.segment_chunks(), chunks);
+      never_recompute ? 0 : std::min(plan.policy.segment_chunks(), chunks);
   const int64_t forward = workspace + kept;
   const int64_t backward = kept + segment * dropped_per_chunk + row_buffers;
   return std::max(forward, backward);

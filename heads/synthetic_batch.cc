@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -53,16 +54,16 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   }
   const TokenBatch token_batch{shape.batch, shape.seq_len, b.input_ids,
                                b.loss_mask};
-  absl::StatusOr<Anchors> anchors =
-      SampleAnchors(token_batch, shape.num_anchors, seed);
-  if (!anchors.ok()) return anchors.status();
-  b.anchors = *std::move(anchors);
-  absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
-      token_batch, b.anchors.positions, b.anchors.keep, shape.num_anchors,
-      block, vocab,
-      config.loss().has_dspark() ? Labeling::kDSpark : Labeling::kDFlash);
-  if (!rows.ok()) return rows.status();
-  b.rows = *std::move(rows);
+  DFLASH_ASSIGN_OR_RETURN(Anchors anchors,
+                          SampleAnchors(token_batch, shape.num_anchors, seed));
+  b.anchors = std::move(anchors);
+  DFLASH_ASSIGN_OR_RETURN(
+      std::vector<RowMeta> rows,
+      LabelRows(
+          token_batch, b.anchors.positions, b.anchors.keep, shape.num_anchors,
+          block, vocab,
+          config.loss().has_dspark() ? Labeling::kDSpark : Labeling::kDFlash));
+  b.rows = std::move(rows);
   const int64_t n = static_cast<int64_t>(b.rows.size());
   std::normal_distribution<float> normal(0, 1), noise(0, 0.3f);
   const float weight_scale = 1 / std::sqrt(static_cast<float>(hidden));

@@ -8,15 +8,15 @@
 #include <type_traits>
 #include <utility>
 
-#include "base/checked_math.h"
-#include "base/file.h"
-
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/checked_math.h"
+#include "base/file.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -212,9 +212,9 @@ int64_t NpyItemSize(NpyType type) { return Info(type).size; }
 
 absl::StatusOr<NpyHeader> ParseNpyHeader(absl::string_view bytes,
                                          absl::string_view name) {
-  absl::StatusOr<std::pair<size_t, size_t>> span = HeaderSpan(bytes, name);
-  if (!span.ok()) return span.status();
-  const auto [offset, header_len] = *span;
+  DFLASH_ASSIGN_OR_RETURN(auto span,
+                          HeaderSpan(bytes, name));
+  const auto [offset, header_len] = span;
   if (bytes.size() < offset + header_len) {
     return Error(name, "truncated .npy header");
   }
@@ -223,17 +223,16 @@ absl::StatusOr<NpyHeader> ParseNpyHeader(absl::string_view bytes,
 
 absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes,
                                   absl::string_view name) {
-  absl::StatusOr<NpyHeader> header = ParseNpyHeader(bytes, name);
-  if (!header.ok()) return header.status();
-  const absl::string_view data = bytes.substr(header->data_offset);
+  DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ParseNpyHeader(bytes, name));
+  const absl::string_view data = bytes.substr(header.data_offset);
   if (absl::Status size =
-          CheckDataSize(*header, static_cast<int64_t>(data.size()), name);
+          CheckDataSize(header, static_cast<int64_t>(data.size()), name);
       !size.ok()) {
     return size;
   }
   NpyArray array;
-  array.type = header->type;
-  array.shape = std::move(header->shape);
+  array.type = header.type;
+  array.shape = std::move(header.shape);
   array.data = std::string(data);
   return array;
 }
@@ -243,51 +242,38 @@ namespace {
 // The header of an open file, its data size checked against the file's.
 absl::StatusOr<NpyHeader> ReadHeader(const ReadableFile& file) {
   std::string prefix(std::min<int64_t>(file.size(), kPrefixSize), '\0');
-  if (absl::Status read = file.ReadAt(0, absl::MakeSpan(prefix)); !read.ok()) {
-    return read;
-  }
-  absl::StatusOr<std::pair<size_t, size_t>> span =
-      HeaderSpan(prefix, file.path());
-  if (!span.ok()) return span.status();
-  const auto [offset, header_len] = *span;
+  DFLASH_RETURN_IF_ERROR(file.ReadAt(0, absl::MakeSpan(prefix)));
+  DFLASH_ASSIGN_OR_RETURN(auto span,
+                          HeaderSpan(prefix, file.path()));
+  const auto [offset, header_len] = span;
   if (file.size() < static_cast<int64_t>(offset + header_len)) {
     return Error(file.path(), "truncated .npy header");
   }
   std::string header(header_len, '\0');
-  if (absl::Status read = file.ReadAt(offset, absl::MakeSpan(header));
-      !read.ok()) {
-    return read;
-  }
-  absl::StatusOr<NpyHeader> parsed =
-      ParseHeaderText(header, offset, file.path());
-  if (!parsed.ok()) return parsed.status();
-  if (absl::Status size = CheckDataSize(
-          *parsed, file.size() - parsed->data_offset, file.path());
-      !size.ok()) {
-    return size;
-  }
+  DFLASH_RETURN_IF_ERROR(file.ReadAt(offset, absl::MakeSpan(header)));
+  DFLASH_ASSIGN_OR_RETURN(NpyHeader parsed,
+                          ParseHeaderText(header, offset, file.path()));
+  DFLASH_RETURN_IF_ERROR(
+      CheckDataSize(parsed, file.size() - parsed.data_offset, file.path()));
   return parsed;
 }
 
 }  // namespace
 
 absl::StatusOr<NpyHeader> ReadNpyHeader(const std::string& path) {
-  absl::StatusOr<ReadableFile> file = ReadableFile::Open(path);
-  if (!file.ok()) return file.status();
-  return ReadHeader(*file);
+  DFLASH_ASSIGN_OR_RETURN(ReadableFile file, ReadableFile::Open(path));
+  return ReadHeader(file);
 }
 
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
-  absl::StatusOr<ReadableFile> file = ReadableFile::Open(path);
-  if (!file.ok()) return file.status();
-  absl::StatusOr<NpyHeader> header = ReadHeader(*file);
-  if (!header.ok()) return header.status();
+  DFLASH_ASSIGN_OR_RETURN(ReadableFile file, ReadableFile::Open(path));
+  DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ReadHeader(file));
   NpyArray array;
-  array.type = header->type;
-  array.shape = std::move(header->shape);
-  array.data.resize(static_cast<size_t>(header->data_bytes));
+  array.type = header.type;
+  array.shape = std::move(header.shape);
+  array.data.resize(static_cast<size_t>(header.data_bytes));
   if (absl::Status read =
-          file->ReadAt(header->data_offset, absl::MakeSpan(array.data));
+          file.ReadAt(header.data_offset, absl::MakeSpan(array.data));
       !read.ok()) {
     return read;
   }
@@ -322,11 +308,8 @@ std::string SerializeNpy(const NpyArray& array) {
 
 absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
   OutputFileSet files;
-  if (absl::Status staged = StageNpy(files, path, array.type, array.shape,
-                                     array.data);
-      !staged.ok()) {
-    return staged;
-  }
+  DFLASH_RETURN_IF_ERROR(
+      StageNpy(files, path, array.type, array.shape, array.data));
   return files.Commit();
 }
 

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -29,7 +30,7 @@ absl::Status CheckTokens(const TokenBatch& tokens) {
 
 absl::StatusOr<Anchors> SampleAnchors(const TokenBatch& tokens,
                                       int64_t num_anchors, uint64_t seed) {
-  if (absl::Status valid = CheckTokens(tokens); !valid.ok()) return valid;
+  DFLASH_RETURN_IF_ERROR(CheckTokens(tokens));
   if (num_anchors <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batch layout: num_anchors must be > 0, got ", num_anchors));
@@ -73,7 +74,7 @@ absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,
                                                int64_t block_size,
                                                int64_t vocab,
                                                Labeling labeling) {
-  if (absl::Status valid = CheckTokens(tokens); !valid.ok()) return valid;
+  DFLASH_RETURN_IF_ERROR(CheckTokens(tokens));
   if (num_anchors <= 0 || block_size <= 0 || vocab <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batch layout: num_anchors, block_size and vocab must be > 0, got ",

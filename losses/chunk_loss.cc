@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/cpu_dispatch.h"
+#include "base/status_macros.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "proto/config.h"
@@ -448,10 +449,8 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs) {
   using W = Work<T>;
-  if (absl::Status valid = ValidateChunkLossInputs(config, options, inputs, outputs);
-      !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(
+      ValidateChunkLossInputs(config, options, inputs, outputs));
   const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
   const int64_t block_size = options.block_size;
   const v1::CrossEntropyOptions& ce = config.cross_entropy();
@@ -511,9 +510,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   if (LossCouplesBlocks(config)) {
     for (int64_t r = 0; r < num_rows; ++r) {
       if (mask[r] == 0) continue;
-      if (absl::Status done = analyse(r, source.Draft(r)); !done.ok()) {
-        return done;
-      }
+      DFLASH_RETURN_IF_ERROR(analyse(r, source.Draft(r)));
       q[r] = std::exp(stats[r].target_logit - stats[r].logsumexp);
     }
   }
@@ -561,7 +558,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     }
     absl::Span<W> z = source.Draft(r);
     if (!have_stats[r]) {
-      if (absl::Status done = analyse(r, z); !done.ok()) return done;
+      DFLASH_RETURN_IF_ERROR(analyse(r, z));
     }
     const RowStats& s = stats[r];
     const double neg_log_q = s.logsumexp - s.target_logit;
@@ -587,11 +584,8 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       terms.loss_num +=
           w * DistillationRow<W>(config.distillation(), z, s, t, *teacher, w);
       // Log-probability differences make no cheap bound here.
-      if (absl::Status ok = source.StoreGradient(
-              r, z, w, std::numeric_limits<double>::infinity());
-          !ok.ok()) {
-        return ok;
-      }
+      DFLASH_RETURN_IF_ERROR(source.StoreGradient(
+          r, z, w, std::numeric_limits<double>::infinity()));
       continue;
     }
 
@@ -653,9 +647,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     } else {
       WriteSoftmaxGradient<W>(z, meta.target, s, grad);
     }
-    if (absl::Status ok = source.StoreGradient(r, z, w, bound); !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(source.StoreGradient(r, z, w, bound));
   }
   return terms;
 }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
@@ -111,14 +112,15 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
   state->params = Params(config, options);
   state->stream = &stream;
   TrackingAllocator& allocator = stream.allocator();
-  absl::StatusOr<TrackedBuffer<double>> totals = TrackedBuffer<double>::Create(
-      allocator, cuda::TotalsSize(state->params.block_size));
-  if (!totals.ok()) return totals.status();
-  state->totals = *std::move(totals);
-  absl::StatusOr<TrackedBuffer<unsigned long long>> error =
-      TrackedBuffer<unsigned long long>::Create(allocator, 1);
-  if (!error.ok()) return error.status();
-  state->error = *std::move(error);
+  DFLASH_ASSIGN_OR_RETURN(
+      TrackedBuffer<double> totals,
+      TrackedBuffer<double>::Create(
+          allocator, cuda::TotalsSize(state->params.block_size)));
+  state->totals = std::move(totals);
+  DFLASH_ASSIGN_OR_RETURN(
+      TrackedBuffer<unsigned long long> error,
+      TrackedBuffer<unsigned long long>::Create(allocator, 1));
+  state->error = std::move(error);
   if (absl::Status ok =
           stream.Zero(state->totals.data(), state->totals.bytes());
       !ok.ok()) {
@@ -131,7 +133,7 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
     return ok;
   }
   // `none` is read before Create returns.
-  if (absl::Status ok = stream.Synchronize(); !ok.ok()) return ok;
+  DFLASH_RETURN_IF_ERROR(stream.Synchronize());
   return std::unique_ptr<CudaChunkLoss>(new CudaChunkLoss(std::move(state)));
 }
 
@@ -156,11 +158,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.argmax = share(outputs.argmax, 1);
     check_outputs.top_k = share(outputs.top_k, outputs.k);
   }
-  if (absl::Status valid = ValidateChunkLossInputs(s.config, s.options,
-                                                   check_inputs, check_outputs);
-      !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(s.config, s.options,
+                                                 check_inputs, check_outputs));
   if (n == 0) return absl::OkStatus();
   const int64_t vocab = inputs.vocab;
   const int64_t ignore = s.config.cross_entropy().ignore_index();
@@ -193,11 +192,12 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   const int64_t stats_bytes = Aligned<cuda::RowStats>(n);
   const int64_t row_bytes = Aligned<double>(n);
   const int64_t terms_bytes = Aligned<double>(4 * n);
-  absl::StatusOr<TrackedBuffer<char>> scratch = TrackedBuffer<char>::Create(
-      s.stream->allocator(),
-      meta_bytes + blocks_bytes + stats_bytes + 2 * row_bytes + terms_bytes);
-  if (!scratch.ok()) return scratch.status();
-  char* at = scratch->data();
+  DFLASH_ASSIGN_OR_RETURN(
+      TrackedBuffer<char> scratch,
+      TrackedBuffer<char>::Create(s.stream->allocator(),
+                                  meta_bytes + blocks_bytes + stats_bytes +
+                                      2 * row_bytes + terms_bytes));
+  char* at = scratch.data();
   auto take = [&](int64_t bytes) {
     char* here = at;
     at += bytes;
@@ -218,12 +218,9 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
       !ok.ok()) {
     return ok;
   }
-  if (absl::Status ok = s.stream->CopyToDevice(
-          const_cast<int32_t*>(args.block_begin), s.block_begins.back().data(),
-          s.block_begins.back().size() * sizeof(int32_t));
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+      const_cast<int32_t*>(args.block_begin), s.block_begins.back().data(),
+      s.block_begins.back().size() * sizeof(int32_t)));
   args.logits = inputs.logits.data();
   args.teacher =
       inputs.teacher_logits.empty() ? nullptr : inputs.teacher_logits.data();
@@ -276,11 +273,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
     }
   }
   std::vector<double> totals(s.totals.size());
-  if (absl::Status ok = s.stream->CopyToHost(totals.data(), s.totals.data(),
-                                             s.totals.bytes());
-      !ok.ok()) {
-    return ok;
-  }
+  DFLASH_RETURN_IF_ERROR(
+      s.stream->CopyToHost(totals.data(), s.totals.data(), s.totals.bytes()));
   const int64_t k = s.params.block_size;
   ChunkTerms terms;
   terms.loss_num = totals[0];
@@ -305,11 +299,12 @@ namespace {
 template <typename U>
 absl::StatusOr<TrackedBuffer<U>> Upload(absl::Span<const U> host,
                                         CudaStream& stream) {
-  absl::StatusOr<TrackedBuffer<U>> device = TrackedBuffer<U>::Create(
-      stream.allocator(), static_cast<int64_t>(host.size()));
-  if (!device.ok()) return device.status();
+  DFLASH_ASSIGN_OR_RETURN(
+      TrackedBuffer<U> device,
+      TrackedBuffer<U>::Create(stream.allocator(),
+                               static_cast<int64_t>(host.size())));
   if (absl::Status ok =
-          stream.CopyToDevice(device->data(), host.data(), device->bytes());
+          stream.CopyToDevice(device.data(), host.data(), device.bytes());
       !ok.ok()) {
     return ok;
   }
@@ -341,22 +336,17 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         top_k.status()}) {
     if (!status.ok()) return status;
   }
-  absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> loss =
-      CudaChunkLoss<T>::Create(config, options, stream);
-  if (!loss.ok()) return loss.status();
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaChunkLoss<T>> loss,
+                          CudaChunkLoss<T>::Create(config, options, stream));
   const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};
   const ChunkLossOutputs device_outputs{View(*confidence_grad),
                                         View(*neg_log_q), View(*argmax),
                                         View(*top_k), outputs.k};
-  if (absl::Status ok = (*loss)->Run(device_inputs, device_outputs,
-                                     /*out_rows=*/nullptr, /*record=*/true);
-      !ok.ok()) {
-    return ok;
-  }
-  absl::StatusOr<ChunkTerms> terms = (*loss)->Terms();
-  if (!terms.ok()) return terms.status();
+  DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
+                                     /*out_rows=*/nullptr, /*record=*/true));
+  DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
   struct Back {
     void* host;
     const void* device;
@@ -370,10 +360,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{outputs.argmax.data(), argmax->data(), argmax->bytes()},
         Back{outputs.top_k.data(), top_k->data(), top_k->bytes()}}) {
     if (back.bytes == 0) continue;
-    if (absl::Status ok = stream.CopyToHost(back.host, back.device, back.bytes);
-        !ok.ok()) {
-      return ok;
-    }
+    DFLASH_RETURN_IF_ERROR(
+        stream.CopyToHost(back.host, back.device, back.bytes));
   }
   return terms;
 }

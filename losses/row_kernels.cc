@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/cpu_dispatch.h"
+#include "base/status_macros.h"
 #include "losses/row_error.h"
 
 namespace dflash {
@@ -169,9 +170,7 @@ template <typename T>
 absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
                                          int32_t target, int64_t row) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
-  if (absl::Status valid = CheckRow(vocab, target, row); !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(CheckRow(vocab, target, row));
   if constexpr (std::is_same_v<T, float>) {
     return FloatRowStats<false>(logits.data(), vocab, target, row);
   } else {
@@ -182,9 +181,7 @@ absl::StatusOr<RowStats> ComputeRowStats(absl::Span<const T> logits,
 absl::StatusOr<RowStats> ComputeRowStatsKeepExp(absl::Span<float> logits,
                                                 int32_t target, int64_t row) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
-  if (absl::Status valid = CheckRow(vocab, target, row); !valid.ok()) {
-    return valid;
-  }
+  DFLASH_RETURN_IF_ERROR(CheckRow(vocab, target, row));
   return FloatRowStats<true>(logits.data(), vocab, target, row);
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/file.h"
+#include "base/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -445,10 +446,9 @@ absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy) {
 
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
     absl::string_view text, absl::string_view source) {
-  absl::StatusOr<v1::ObjectiveConfig> parsed =
-      ParseObjectiveConfig(text, source);
-  if (!parsed.ok()) return parsed.status();
-  v1::ObjectiveConfig config = ResolveDefaults(*std::move(parsed));
+  DFLASH_ASSIGN_OR_RETURN(v1::ObjectiveConfig parsed,
+                          ParseObjectiveConfig(text, source));
+  v1::ObjectiveConfig config = ResolveDefaults(std::move(parsed));
   absl::Status valid = ValidateObjectiveConfig(config);
   if (!valid.ok()) {
     return absl::InvalidArgumentError(
