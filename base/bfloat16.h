@@ -1,6 +1,10 @@
 #ifndef DFLASH_BASE_BFLOAT16_H_
 #define DFLASH_BASE_BFLOAT16_H_
 
+// BFloat16, the bfloat16 storage type, with ToFloat and ToBFloat16 (round to
+// nearest even), and FromDouble / AsDouble for code and tests templated on
+// the storage type (float, double or BFloat16).
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

@@ -1,6 +1,10 @@
 #ifndef DFLASH_BASE_CUDA_DEVICE_H_
 #define DFLASH_BASE_CUDA_DEVICE_H_
 
+// CudaDeviceCount and CudaSelfTest: whether this process can use a CUDA
+// device, and whether the code was built for its architecture. GPU tests
+// call them first, to skip or fail with the reason.
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 

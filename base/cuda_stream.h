@@ -1,6 +1,11 @@
 #ifndef DFLASH_BASE_CUDA_STREAM_H_
 #define DFLASH_BASE_CUDA_STREAM_H_
 
+// CudaStream: a CUDA stream with a stream-ordered, byte-counting device
+// allocator and copies between host and device. The CUDA backends (loss,
+// projection, head) queue their work on one, and tests use it to move data
+// to and from the device.
+
 #include <cstdint>
 #include <limits>
 #include <memory>

@@ -1,6 +1,11 @@
 #ifndef DFLASH_BASE_TENSOR_H_
 #define DFLASH_BASE_TENSOR_H_
 
+// TensorView, a non-owning view of strided tensor memory (data, shape,
+// strides, element type, Device), and DType, the element types it holds.
+// Reach for it to pass tensors between stages without copying, or to slice
+// one along a dimension (TensorView::Slice), as the chunked reduction does.
+
 #include <cstdint>
 #include <string>
 

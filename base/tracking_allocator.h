@@ -1,6 +1,11 @@
 #ifndef DFLASH_BASE_TRACKING_ALLOCATOR_H_
 #define DFLASH_BASE_TRACKING_ALLOCATOR_H_
 
+// TrackingAllocator counts current and peak bytes, with an optional limit
+// and block cache; TrackedBuffer is an owning buffer drawn from it. Use them
+// for every buffer whose memory a run must measure or bound; a MemorySpace
+// extends the same accounting to CUDA device memory.
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>

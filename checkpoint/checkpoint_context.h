@@ -1,6 +1,12 @@
 #ifndef DFLASH_CHECKPOINT_CHECKPOINT_CONTEXT_H_
 #define DFLASH_CHECKPOINT_CHECKPOINT_CONTEXT_H_
 
+// CheckpointContext decides, per intermediate a chunk offers in forward,
+// whether to keep it or recompute it in backward, by the rules and memory
+// budget of a v1::CheckpointPolicy, and hands it back in backward (Fetch).
+// Use it to trade recomputation for memory in a chunked forward/backward;
+// CheckpointStats reports what was kept and what was recomputed.
+
 #include <cstdint>
 #include <functional>
 #include <map>

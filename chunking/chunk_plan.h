@@ -1,6 +1,11 @@
 #ifndef DFLASH_CHUNKING_CHUNK_PLAN_H_
 #define DFLASH_CHUNKING_CHUNK_PLAN_H_
 
+// PlanChunks cuts the rows of a head run into chunks (a ChunkPlan of
+// ChunkRanges) under a v1::ChunkingPolicy: fixed rows, fixed blocks, or a
+// byte budget for the logits. Reach for it to decide how many rows each
+// chunk projects at once; ProblemShape describes the rows and logits.
+
 #include <cstdint>
 #include <vector>
 

@@ -1,6 +1,12 @@
 #ifndef DFLASH_CHUNKING_CHUNKED_REDUCE_H_
 #define DFLASH_CHUNKING_CHUNKED_REDUCE_H_
 
+// ChunkedReduction runs a ChunkFunction over chunks of its inputs along one
+// dimension, sums the chunks' additive Terms, and backpropagates into the
+// inputs' gradients, optionally recomputing each chunk (checkpointing), as
+// SpecForge's checkpointed_chunk_reduce does. Use it for a reduction (a
+// loss) whose per-row intermediates are too large to hold all at once.
+
 #include <cstdint>
 #include <optional>
 #include <vector>

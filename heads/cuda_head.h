@@ -1,6 +1,11 @@
 #ifndef DFLASH_HEADS_CUDA_HEAD_H_
 #define DFLASH_HEADS_CUDA_HEAD_H_
 
+// RunCudaHead: RunHead on a CUDA device, with cuBLAS projections and the
+// CUDA loss, on device-resident tensors and a CublasHandle's stream. Reach
+// for it when the hidden states and the head's weight live on the GPU; it
+// returns the same HeadResult as the CPU head.
+
 #include "absl/status/statusor.h"
 #include "heads/cuda_projection.h"
 #include "heads/fused_head.h"

@@ -1,6 +1,12 @@
 #ifndef DFLASH_HEADS_FUSED_HEAD_H_
 #define DFLASH_HEADS_FUSED_HEAD_H_
 
+// RunHead: forward and backward of a vocabulary-projection head and its loss
+// over one batch on the CPU, chunked and checkpointed per the execution mode
+// of a v1::ObjectiveConfig; the entry point for a head's loss and gradients.
+// Its types (HeadInputs, HeadGradients, HeadRowOutputs, HeadOptions,
+// HeadResult, HeadStats) are shared with the CUDA head (//heads:cuda_head).
+
 #include <cstdint>
 #include <functional>
 #include <vector>

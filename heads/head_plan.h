@@ -1,6 +1,11 @@
 #ifndef DFLASH_HEADS_HEAD_PLAN_H_
 #define DFLASH_HEADS_HEAD_PLAN_H_
 
+// PlanHead: how a head run splits a batch (HeadPlan: the chunk plan, the
+// rows it projects, the checkpoint policy), and PredictPeakBytes, an upper
+// bound on the bytes a run will hold, computed before it runs. Use them to
+// inspect a run's chunking or to check that it fits a memory limit.
+
 #include <cstdint>
 #include <vector>
 

@@ -1,6 +1,11 @@
 #ifndef DFLASH_HEADS_PROJECTION_H_
 #define DFLASH_HEADS_PROJECTION_H_
 
+// VocabProjection, the interface through which the heads compute logits
+// from hidden rows and the gradients back (input and weight), counting
+// their GEMM work (GemmCount). CreateCpuProjection makes the CPU one on
+// OpenBLAS; another backend implements the same interface.
+
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -1,6 +1,11 @@
 #ifndef DFLASH_HEADS_SYNTHETIC_BATCH_H_
 #define DFLASH_HEADS_SYNTHETIC_BATCH_H_
 
+// MakeSyntheticBatch: a seeded synthetic DFlash batch (HeadBatch: token ids,
+// loss mask, anchors, row metadata, hidden states, head weight) with the
+// statistics of a real one, for tests, benchmarks and the dflash_head
+// command when no real tensors are given.
+
 #include <cstdint>
 #include <vector>
 

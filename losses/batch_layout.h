@@ -1,6 +1,11 @@
 #ifndef DFLASH_LOSSES_BATCH_LAYOUT_H_
 #define DFLASH_LOSSES_BATCH_LAYOUT_H_
 
+// Turns a token batch (TokenBatch: input ids and loss mask) into the rows
+// the loss reads: SampleAnchors draws anchor positions per sequence, and
+// LabelRows gives each row of an anchor block its target, position, block
+// id and weight mask (RowMeta), under DFlash or DSpark Labeling.
+
 #include <cstdint>
 #include <vector>
 

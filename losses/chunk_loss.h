@@ -1,6 +1,13 @@
 #ifndef DFLASH_LOSSES_CHUNK_LOSS_H_
 #define DFLASH_LOSSES_CHUNK_LOSS_H_
 
+// ChunkLoss: the additive loss terms (ChunkTerms), the logits gradient and
+// optional per-row outputs of one chunk of logits, on the CPU, for every
+// v1::LossConfig family (dflash, dpace, tv, lk_lambda, dspark, distillation,
+// cross_entropy); sum the terms over chunks, then divide. Also the row
+// weights (DFlashWeight, RowLossWeight) and the input checks shared with the
+// CUDA loss (ValidateChunkLossInputs).
+
 #include <cstdint>
 #include <vector>
 

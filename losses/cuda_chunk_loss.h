@@ -1,6 +1,11 @@
 #ifndef DFLASH_LOSSES_CUDA_CHUNK_LOSS_H_
 #define DFLASH_LOSSES_CUDA_CHUNK_LOSS_H_
 
+// CudaChunkLoss: ChunkLoss on a CUDA device, with the same families, terms
+// and gradients, its logits and outputs in device memory, chunks queued on
+// a CudaStream and the terms read back once (Terms()). CudaChunkLossFromHost
+// runs one chunk from host tensors, for tests and tools.
+
 #include <cstdint>
 #include <memory>
 #include <vector>

@@ -1,6 +1,13 @@
 #ifndef DFLASH_PROTO_CONFIG_H_
 #define DFLASH_PROTO_CONFIG_H_
 
+// Loading and checking objective configs: ParseObjectiveConfig reads text
+// format, ResolveDefaults writes out every default, ValidateObjectiveConfig
+// checks the result; LoadObjectiveConfigFromString and
+// LoadObjectiveConfigFromFile do all three. Also what other targets derive
+// from a config (PresetRules, BytesPerLogit, LossNeedsTeacher) and
+// ToTextFormat for printing one.
+
 #include <string>
 #include <vector>
 
