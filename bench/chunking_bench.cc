@@ -11,14 +11,13 @@ namespace dflash {
 namespace {
 
 void BM_PlanChunks(benchmark::State& state) {
-  v1::ChunkingPolicy policy;
-  policy.set_blocks_per_chunk(state.range(0));
-  policy.set_align_to_blocks(true);
+  const ChunkingOptions options =
+      ChunkingOptions::BlocksPerChunk(state.range(0));
   const ProblemShape shape{.rows = 8 * 512 * 16, .block_size = 16,
                            .vocab = 151936, .bytes_per_logit = 4};
   int64_t chunks = 0;
   for (auto _ : state) {
-    auto plan = PlanChunks(policy, shape);
+    auto plan = PlanChunks(options, shape);
     benchmark::DoNotOptimize(plan);
     chunks = static_cast<int64_t>(plan->chunks.size());
   }

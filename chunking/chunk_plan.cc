@@ -1,10 +1,12 @@
 #include "chunking/chunk_plan.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/checked_math.h"
 #include "base/status_macros.h"
 
 namespace dflash {
@@ -35,17 +37,71 @@ absl::Status CheckShape(const ProblemShape& shape, bool aligned) {
   return absl::OkStatus();
 }
 
-// a * b for a message, for factors > 0 whose product may not fit 64 bits.
-std::string ProductString(int64_t a, int64_t b) {
-  if (a > INT64_MAX / b) return absl::StrCat("more than ", INT64_MAX);
-  return absl::StrCat(a * b);
+// One block's (or row's) logits bytes, as "K rows x V vocab x B bytes x N
+// buffer(s) = X bytes", or "more than 2^63 - 1" when they overflow.
+std::string UnitBytes(int64_t unit, const ProblemShape& shape) {
+  const std::optional<int64_t> bytes = CheckedProduct(
+      {unit, shape.vocab, shape.bytes_per_logit, shape.logits_buffers});
+  return absl::StrCat(unit, " rows x ", shape.vocab, " vocab x ",
+                      shape.bytes_per_logit, " bytes x ", shape.logits_buffers,
+                      " buffer(s) = ",
+                      bytes ? absl::StrCat(*bytes)
+                            : absl::StrCat("more than ", INT64_MAX),
+                      " bytes");
 }
 
 }  // namespace
 
-absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
+absl::Status ValidateChunkingOptions(const ChunkingOptions& options,
                                      const ProblemShape& shape) {
-  const bool aligned = policy.align_to_blocks();
+  const int64_t block = shape.block_size;
+  switch (options.size) {
+    case ChunkingOptions::Size::kRowsPerChunk:
+      if (options.value <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunking.rows_per_chunk: must be > 0, got ", options.value));
+      }
+      if (options.align_to_blocks && block > 0 && options.value % block != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunking.rows_per_chunk: must be a multiple of "
+            "layout.block_size (",
+            block, ") when chunking.align_to_blocks is true, got ",
+            options.value));
+      }
+      return absl::OkStatus();
+    case ChunkingOptions::Size::kBlocksPerChunk:
+      if (options.value <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunking.blocks_per_chunk: must be > 0, got ", options.value));
+      }
+      return absl::OkStatus();
+    case ChunkingOptions::Size::kLogitsBudgetBytes: {
+      const int64_t unit = options.align_to_blocks ? block : 1;
+      if (unit <= 0 || shape.vocab <= 0 || shape.bytes_per_logit <= 0 ||
+          shape.logits_buffers <= 0) {
+        return absl::OkStatus();  // Reported by whoever set them.
+      }
+      const std::optional<int64_t> needed = CheckedProduct(
+          {unit, shape.vocab, shape.bytes_per_logit, shape.logits_buffers});
+      if (options.value <= 0 || !needed || options.value < *needed) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunking.logits_budget_bytes: must hold one ",
+            unit == 1 ? "row" : "block", " (", UnitBytes(unit, shape),
+            "), got ", options.value));
+      }
+      return absl::OkStatus();
+    }
+    case ChunkingOptions::Size::kUnset:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      "chunking: one of rows_per_chunk, blocks_per_chunk, "
+      "logits_budget_bytes must be set");
+}
+
+absl::StatusOr<ChunkPlan> PlanChunks(const ChunkingOptions& options,
+                                     const ProblemShape& shape) {
+  const bool aligned = options.align_to_blocks;
   DFLASH_RETURN_IF_ERROR(CheckShape(shape, aligned));
   // Overflow check for one row's bytes: vocab < 2^31 and the factors are
   // small, but a caller may pass anything.
@@ -55,51 +111,28 @@ absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk plan: one row of ", shape.vocab, " logits overflows 64 bits"));
   }
+  DFLASH_RETURN_IF_ERROR(ValidateChunkingOptions(options, shape));
   const int64_t row_bytes =
       shape.vocab * shape.bytes_per_logit * shape.logits_buffers;
   const int64_t unit = aligned ? shape.block_size : 1;
 
   int64_t rows_per_chunk = 0;
-  switch (policy.size_case()) {
-    case v1::ChunkingPolicy::kRowsPerChunk:
-      rows_per_chunk = policy.rows_per_chunk();
-      if (rows_per_chunk <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "chunking.rows_per_chunk: must be > 0, got ", rows_per_chunk));
-      }
-      if (rows_per_chunk % unit != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "chunking.rows_per_chunk: must be a multiple of block_size (",
-            unit, ") when align_to_blocks is true, got ", rows_per_chunk));
-      }
+  switch (options.size) {
+    case ChunkingOptions::Size::kRowsPerChunk:
+      rows_per_chunk = options.value;
       break;
-    case v1::ChunkingPolicy::kBlocksPerChunk:
-      if (policy.blocks_per_chunk() <= 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("chunking.blocks_per_chunk: must be > 0, got ",
-                         policy.blocks_per_chunk()));
-      }
-      rows_per_chunk =
-          policy.blocks_per_chunk() > shape.rows / shape.block_size
-              ? shape.rows
-              : policy.blocks_per_chunk() * shape.block_size;
+    case ChunkingOptions::Size::kBlocksPerChunk:
+      rows_per_chunk = options.value > shape.rows / shape.block_size
+                           ? shape.rows
+                           : options.value * shape.block_size;
       break;
-    case v1::ChunkingPolicy::kLogitsBudgetBytes: {
-      const int64_t budget = policy.logits_budget_bytes();
-      const int64_t units = budget / row_bytes / unit;
-      if (budget <= 0 || units == 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "chunking.logits_budget_bytes: must hold one ",
-            unit == 1 ? "row" : "block", " (", ProductString(unit, row_bytes),
-            " bytes), got ", budget));
-      }
+    case ChunkingOptions::Size::kLogitsBudgetBytes: {
+      const int64_t units = options.value / row_bytes / unit;
       rows_per_chunk = units > shape.rows / unit ? shape.rows : units * unit;
       break;
     }
-    case v1::ChunkingPolicy::SIZE_NOT_SET:
-      return absl::InvalidArgumentError(
-          "chunking: one of rows_per_chunk, blocks_per_chunk, "
-          "logits_budget_bytes must be set");
+    case ChunkingOptions::Size::kUnset:
+      break;  // Refused by ValidateChunkingOptions.
   }
   rows_per_chunk = std::min(rows_per_chunk, shape.rows);
   if (rows_per_chunk > INT64_MAX / row_bytes) {

@@ -2,15 +2,17 @@
 #define DFLASH_CHUNKING_CHUNK_PLAN_H_
 
 // PlanChunks cuts the rows of a head run into chunks (a ChunkPlan of
-// ChunkRanges) under a v1::ChunkingPolicy: fixed rows, fixed blocks, or a
-// byte budget for the logits. Reach for it to decide how many rows each
-// chunk projects at once; ProblemShape describes the rows and logits.
+// ChunkRanges) under ChunkingOptions: fixed rows, fixed blocks, or a byte
+// budget for the logits. Reach for it to decide how many rows each chunk
+// projects at once; ProblemShape describes the rows and logits. Plain C++,
+// no protobuf: //chunking:chunking_policy reads the options from a
+// v1::ChunkingPolicy.
 
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "proto/policy.pb.h"
 
 namespace dflash {
 
@@ -38,13 +40,41 @@ struct ChunkPlan {
   int64_t max_chunk_bytes = 0;  // Logits bytes of the largest chunk.
 };
 
+// How big a chunk is: exactly one of a row count, a block count or a byte
+// budget for its logits buffer(s) (the largest block-aligned chunk that
+// fits), as v1::ChunkingPolicy's `size` oneof.
+struct ChunkingOptions {
+  enum class Size { kUnset, kRowsPerChunk, kBlocksPerChunk, kLogitsBudgetBytes };
+  Size size = Size::kUnset;
+  int64_t value = 0;  // Rows, blocks or bytes, as `size` says.
+  // Keep every block's rows in one chunk (block-level weights need it).
+  bool align_to_blocks = true;
+
+  static ChunkingOptions RowsPerChunk(int64_t rows, bool aligned = true) {
+    return {Size::kRowsPerChunk, rows, aligned};
+  }
+  static ChunkingOptions BlocksPerChunk(int64_t blocks) {
+    return {Size::kBlocksPerChunk, blocks, true};
+  }
+  static ChunkingOptions LogitsBudgetBytes(int64_t bytes, bool aligned = true) {
+    return {Size::kLogitsBudgetBytes, bytes, aligned};
+  }
+};
+
+// Whether `options` can plan rows of `shape` (shape.rows is not read): the
+// first problem, as "chunking.FIELD: what is wrong, got VALUE" (the config
+// field's path). A block size or vocabulary <= 0 skips the checks that need
+// it (the caller reports those).
+absl::Status ValidateChunkingOptions(const ChunkingOptions& options,
+                                     const ProblemShape& shape);
+
 // The most chunks a plan may have (PlanChunks reports more as an error).
 inline constexpr int64_t kMaxChunks = int64_t{1} << 20;
 
 // Cuts `shape.rows` into chunks per the policy (fixed rows, fixed blocks, or
 // the largest block-aligned chunk whose logits fit the byte budget); the last
 // chunk is the remainder. Sizes are 64-bit throughout.
-absl::StatusOr<ChunkPlan> PlanChunks(const v1::ChunkingPolicy& policy,
+absl::StatusOr<ChunkPlan> PlanChunks(const ChunkingOptions& options,
                                      const ProblemShape& shape);
 
 }  // namespace dflash

@@ -7,11 +7,8 @@
 namespace dflash {
 namespace {
 
-v1::ChunkingPolicy Blocks(int64_t blocks) {
-  v1::ChunkingPolicy policy;
-  policy.set_blocks_per_chunk(blocks);
-  policy.set_align_to_blocks(true);
-  return policy;
+ChunkingOptions Blocks(int64_t blocks) {
+  return ChunkingOptions::BlocksPerChunk(blocks);
 }
 
 TEST(ChunkPlanTest, WholeBlocksWithRemainder) {
@@ -37,9 +34,8 @@ TEST(ChunkPlanTest, MoreBlocksThanRowsIsOneChunk) {
 }
 
 TEST(ChunkPlanTest, FixedRowsUnaligned) {
-  v1::ChunkingPolicy policy;
-  policy.set_rows_per_chunk(7);
-  policy.set_align_to_blocks(false);
+  const ChunkingOptions policy =
+      ChunkingOptions::RowsPerChunk(7, /*aligned=*/false);
   auto plan = PlanChunks(policy, {.rows = 20, .block_size = 5, .vocab = 3});
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->chunks.size(), 3u);
@@ -48,14 +44,13 @@ TEST(ChunkPlanTest, FixedRowsUnaligned) {
 
 TEST(ChunkPlanTest, BudgetPicksLargestAlignedChunk) {
   // One block = 16 rows x 1000 vocab x 4 bytes x 2 buffers = 128000 bytes.
-  v1::ChunkingPolicy policy;
-  policy.set_logits_budget_bytes(128000 * 3 + 127999);
-  policy.set_align_to_blocks(true);
+  const ChunkingOptions policy =
+      ChunkingOptions::LogitsBudgetBytes(128000 * 3 + 127999);
   auto plan = PlanChunks(policy, {.rows = 160, .block_size = 16, .vocab = 1000,
                                   .bytes_per_logit = 4, .logits_buffers = 2});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->rows_per_chunk, 48);
-  EXPECT_LE(plan->max_chunk_bytes, policy.logits_budget_bytes());
+  EXPECT_LE(plan->max_chunk_bytes, policy.value);
   EXPECT_EQ(plan->max_chunk_bytes, 3 * 128000);
 }
 
@@ -80,25 +75,29 @@ TEST(ChunkPlanTest, ImpossiblePlansAreErrors) {
                 .message(),
             "chunk plan: rows (20) must be a multiple of block_size (16) when "
             "align_to_blocks is true");
-  v1::ChunkingPolicy budget;
-  budget.set_logits_budget_bytes(1000);
-  budget.set_align_to_blocks(true);
+  ChunkingOptions budget = ChunkingOptions::LogitsBudgetBytes(1000);
   EXPECT_EQ(PlanChunks(budget, {.rows = 32, .block_size = 16, .vocab = 100})
                 .status()
                 .message(),
-            "chunking.logits_budget_bytes: must hold one block (6400 bytes), "
-            "got 1000");
-  v1::ChunkingPolicy rows;
-  rows.set_rows_per_chunk(-3);
+            "chunking.logits_budget_bytes: must hold one block (16 rows x 100 "
+            "vocab x 4 bytes x 1 buffer(s) = 6400 bytes), got 1000");
+  ChunkingOptions rows = ChunkingOptions::RowsPerChunk(-3);
   EXPECT_EQ(PlanChunks(rows, {.rows = 32, .block_size = 16, .vocab = 100})
                 .status()
                 .message(),
             "chunking.rows_per_chunk: must be > 0, got -3");
-  EXPECT_EQ(PlanChunks(v1::ChunkingPolicy(),
+  EXPECT_EQ(PlanChunks(ChunkingOptions(),
                        {.rows = 32, .block_size = 16, .vocab = 100})
                 .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+                .message(),
+            "chunking: one of rows_per_chunk, blocks_per_chunk, "
+            "logits_budget_bytes must be set");
+  EXPECT_EQ(PlanChunks(ChunkingOptions::RowsPerChunk(24),
+                       {.rows = 32, .block_size = 16, .vocab = 100})
+                .status()
+                .message(),
+            "chunking.rows_per_chunk: must be a multiple of layout.block_size "
+            "(16) when chunking.align_to_blocks is true, got 24");
   EXPECT_EQ(PlanChunks(Blocks(1), {.rows = 16, .block_size = 16,
                                    .vocab = int64_t{1} << 62,
                                    .bytes_per_logit = 4})
@@ -108,16 +107,17 @@ TEST(ChunkPlanTest, ImpossiblePlansAreErrors) {
             "bits");
   // Found by //fuzz:chunking_fuzz: the message for a block whose bytes
   // overflow 64 bits overflowed itself.
-  budget.set_logits_budget_bytes(1000);
+  budget.value = 1000;
   EXPECT_EQ(PlanChunks(budget, {.rows = int64_t{1} << 40,
                                 .block_size = int64_t{1} << 40,
                                 .vocab = int64_t{1} << 30})
                 .status()
                 .message(),
-            "chunking.logits_budget_bytes: must hold one block (more than "
-            "9223372036854775807 bytes), got 1000");
+            "chunking.logits_budget_bytes: must hold one block "
+            "(1099511627776 rows x 1073741824 vocab x 4 bytes x 1 buffer(s) = "
+            "more than 9223372036854775807 bytes), got 1000");
   // A plan of more chunks than any run makes is an error, not a huge list.
-  rows.set_rows_per_chunk(1);
+  rows.value = 1;
   EXPECT_EQ(PlanChunks(rows, {.rows = int64_t{1} << 40, .block_size = 1,
                               .vocab = 10})
                 .status()

@@ -19,28 +19,29 @@ namespace dflash {
 namespace {
 
 void FuzzPlan(FuzzInput& in) {
-  v1::ChunkingPolicy policy;
+  ChunkingOptions options;
   const bool wild = in.Bool();  // Any 64-bit values, or plausible ones.
   auto value = [&](int64_t hi) {
     return wild ? in.Raw<int64_t>() : in.Int(-2, hi);
   };
   switch (in.Int(0, 3)) {
     case 0:
-      policy.set_rows_per_chunk(value(5000));
+      options = {ChunkingOptions::Size::kRowsPerChunk, value(5000)};
       break;
     case 1:
-      policy.set_blocks_per_chunk(value(500));
+      options = {ChunkingOptions::Size::kBlocksPerChunk, value(500)};
       break;
     case 2:
-      policy.set_logits_budget_bytes(value(int64_t{1} << 30));
+      options = {ChunkingOptions::Size::kLogitsBudgetBytes,
+                 value(int64_t{1} << 30)};
       break;
     default:
       break;
   }
-  policy.set_align_to_blocks(in.Bool());
+  options.align_to_blocks = in.Bool();
   const ProblemShape shape{value(1 << 20), value(64), value(300000),
                            in.Int(-1, 8), in.Int(-1, 3)};
-  absl::StatusOr<ChunkPlan> plan = PlanChunks(policy, shape);
+  absl::StatusOr<ChunkPlan> plan = PlanChunks(options, shape);
   if (!plan.ok()) {
     FUZZ_CHECK(!plan.status().message().empty(), "an empty error");
     return;
@@ -58,11 +59,11 @@ void FuzzPlan(FuzzInput& in) {
     FUZZ_CHECK(chunk.rows() <= plan->rows_per_chunk, "chunk %zu too long", c);
     FUZZ_CHECK(chunk.logits_bytes == chunk.rows() * row_bytes,
                "chunk %zu bytes", c);
-    if (policy.align_to_blocks()) {
+    if (options.align_to_blocks) {
       FUZZ_CHECK(chunk.begin % shape.block_size == 0, "unaligned chunk %zu", c);
     }
-    if (policy.has_logits_budget_bytes()) {
-      FUZZ_CHECK(chunk.logits_bytes <= policy.logits_budget_bytes(),
+    if (options.size == ChunkingOptions::Size::kLogitsBudgetBytes) {
+      FUZZ_CHECK(chunk.logits_bytes <= options.value,
                  "chunk %zu over the budget", c);
     }
     largest = std::max(largest, chunk.logits_bytes);

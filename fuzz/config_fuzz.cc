@@ -9,6 +9,7 @@
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
 #include "chunking/chunk_plan.h"
+#include "chunking/chunking_policy.h"
 #include "fuzz/fuzz_input.h"
 #include "proto/config.h"
 
@@ -46,7 +47,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   constexpr int64_t kLimit = int64_t{1} << 30;
   if (block <= kLimit && anchors <= kLimit && vocab <= kLimit) {
     absl::StatusOr<ChunkPlan> plan = PlanChunks(
-        config.chunking(), {anchors * block, block, vocab,
+        ChunkingOptionsFromPolicy(config.chunking()), {anchors * block, block, vocab,
                             BytesPerLogit(config.head().dtype()), buffers});
     FUZZ_CHECK(plan.ok(), "a valid config failed to plan: %s",
                std::string(plan.status().message()).c_str());

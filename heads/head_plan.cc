@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
+#include "chunking/chunking_policy.h"
 #include "heads/flatten.h"
 #include "proto/config.h"
 
@@ -40,12 +41,10 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                                   int64_t element_bytes) {
   const int64_t n = static_cast<int64_t>(rows.size());
   const v1::HeadConfig::ExecutionMode mode = config.head().mode();
-  v1::ChunkingPolicy chunking = config.chunking();
-  if (mode == v1::HeadConfig::MATERIALIZE) {
-    chunking = v1::ChunkingPolicy();
-    chunking.set_rows_per_chunk(n);
-    chunking.set_align_to_blocks(false);
-  }
+  const ChunkingOptions chunking =
+      mode == v1::HeadConfig::MATERIALIZE
+          ? ChunkingOptions::RowsPerChunk(n, /*aligned=*/false)
+          : ChunkingOptionsFromPolicy(config.chunking());
   DFLASH_ASSIGN_OR_RETURN(
       ChunkPlan chunks,
       PlanChunks(chunking,

@@ -11,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "base/file.h"
 #include "base/status_macros.h"
+#include "chunking/chunk_plan.h"
+#include "chunking/chunking_policy.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -88,6 +90,8 @@ class Problems {
   void Add(absl::string_view path, absl::string_view problem) {
     lines_.push_back(absl::StrCat(path, ": ", problem));
   }
+  // A problem a component's own validator reported, path included.
+  void AddLine(std::string line) { lines_.push_back(std::move(line)); }
   void AtLeast(absl::string_view path, double value, double low) {
     if (!(value >= low) || std::isinf(value)) {
       Add(path, absl::StrCat("must be >= ", Num(low), ", got ", Num(value)));
@@ -127,54 +131,16 @@ void ValidateLayout(const v1::BatchLayout& layout, Problems& problems) {
 
 void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
   const v1::ChunkingPolicy& chunking = config.chunking();
-  const int64_t block = config.layout().block_size();
-  switch (chunking.size_case()) {
-    case v1::ChunkingPolicy::kRowsPerChunk:
-      if (chunking.rows_per_chunk() <= 0) {
-        problems.Add("chunking.rows_per_chunk",
-                     absl::StrCat("must be > 0, got ", chunking.rows_per_chunk()));
-      } else if (chunking.align_to_blocks() && block > 0 &&
-                 chunking.rows_per_chunk() % block != 0) {
-        problems.Add(
-            "chunking.rows_per_chunk",
-            absl::StrCat("must be a multiple of layout.block_size (", block,
-                         ") when chunking.align_to_blocks is true, got ",
-                         chunking.rows_per_chunk()));
-      }
-      break;
-    case v1::ChunkingPolicy::kBlocksPerChunk:
-      if (chunking.blocks_per_chunk() <= 0) {
-        problems.Add("chunking.blocks_per_chunk",
-                     absl::StrCat("must be > 0, got ",
-                                  chunking.blocks_per_chunk()));
-      }
-      break;
-    case v1::ChunkingPolicy::kLogitsBudgetBytes: {
-      const v1::HeadConfig& head = config.head();
-      const int64_t rows = chunking.align_to_blocks() ? block : 1;
-      const int64_t buffers = LossNeedsTeacher(config.loss()) ? 2 : 1;
-      if (rows <= 0 || head.vocab_size() <= 0) break;  // Reported elsewhere.
-      const int64_t per_logit = BytesPerLogit(head.dtype());
-      // Overflow-safe: compare in double, the budget is far below 2^53.
-      const double needed = static_cast<double>(rows) * head.vocab_size() *
-                            per_logit * buffers;
-      if (chunking.logits_budget_bytes() <= 0 ||
-          static_cast<double>(chunking.logits_budget_bytes()) < needed) {
-        problems.Add(
-            "chunking.logits_budget_bytes",
-            absl::StrCat("must hold one ", rows == 1 ? "row" : "block", " (",
-                         rows, " rows x ", head.vocab_size(), " vocab x ",
-                         per_logit, " bytes x ", buffers, " buffer(s) = ",
-                         Num(needed), " bytes), got ",
-                         chunking.logits_budget_bytes()));
-      }
-      break;
-    }
-    case v1::ChunkingPolicy::SIZE_NOT_SET:
-      problems.Add("chunking", "one of rows_per_chunk, blocks_per_chunk, "
-                               "logits_budget_bytes must be set");
-      break;
-  }
+  // The chunk plan's own check (chunking/chunk_plan.h), for one block of
+  // the config's vocabulary; it names its field.
+  const absl::Status plan = ValidateChunkingOptions(
+      ChunkingOptionsFromPolicy(chunking),
+      {.rows = 0,
+       .block_size = config.layout().block_size(),
+       .vocab = config.head().vocab_size(),
+       .bytes_per_logit = BytesPerLogit(config.head().dtype()),
+       .logits_buffers = LossNeedsTeacher(config.loss()) ? 2 : 1});
+  if (!plan.ok()) problems.AddLine(std::string(plan.message()));
   const v1::LossConfig& loss = config.loss();
   if ((loss.has_dpace() || loss.has_lk_lambda()) &&
       !chunking.align_to_blocks()) {

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# Builds examples/consumer (a separate workspace using @dflash//proto:config)
-# and checks that its dependency closure reaches neither heads nor CUDA.
+# Builds examples/consumer (a separate workspace using dflash libraries) and
+# checks their dependency closures: the config library reaches neither heads
+# nor CUDA; the chunk planner reaches no protobuf either.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bazel=${BAZEL_REAL:-/usr/bin/bazel-4}
 cd "$root/examples/consumer"
-"$bazel" build //:consumer
+"$bazel" build //:consumer //:chunk_plan_consumer
 "$bazel" run //:consumer
-closure=$("$bazel" query 'deps(//:consumer)' 2>/dev/null)
-if grep -E '^@dflash//(heads|losses)|local_config_cuda|cuda' <<<"$closure"; then
-  echo "check_consumer: the closure above must not reach heads, losses or CUDA" >&2
-  exit 1
-fi
-echo "check_consumer: OK ($(grep -c '^@dflash//' <<<"$closure") dflash targets, no heads, no CUDA)"
+"$bazel" run //:chunk_plan_consumer
+
+# check TARGET PATTERN WHAT: TARGET's closure must not match PATTERN.
+check() {
+  local closure
+  closure=$("$bazel" query "deps($1)" 2>/dev/null)
+  if grep -E "$2" <<<"$closure"; then
+    echo "check_consumer: $1's closure (above) must not reach $3" >&2
+    exit 1
+  fi
+  echo "check_consumer: $1 OK ($(grep -c '^@dflash//' <<<"$closure") dflash" \
+    "targets, no $3)"
+}
+check //:consumer '^@dflash//(heads|losses)|local_config_cuda|cuda' \
+  "heads, losses or CUDA"
+check //:chunk_plan_consumer \
+  '^@dflash//(heads|losses|proto)|local_config_cuda|cuda|protobuf' \
+  "protobuf, heads, losses or CUDA"
