@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-tests=(base/cuda_device_test losses/cuda_chunk_loss_test heads/cuda_head_test)
+tests=(base/cuda_device_test losses/cuda_chunk_loss_test tests/cuda_head_parity_test)
 bench=bench/cuda_heads_bench
 
 pack() {

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
-#include "heads/head_test_util.h"
+#include "tests/head_test_util.h"
 #include "losses/batch_layout.h"
 #include "losses/chunk_loss.h"
 #include "proto/config.h"

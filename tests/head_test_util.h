@@ -1,5 +1,5 @@
-#ifndef DFLASH_HEADS_HEAD_TEST_UTIL_H_
-#define DFLASH_HEADS_HEAD_TEST_UTIL_H_
+#ifndef DFLASH_TESTS_HEAD_TEST_UTIL_H_
+#define DFLASH_TESTS_HEAD_TEST_UTIL_H_
 
 // The head parity suite's batch, float64 reference and configs, shared by
 // the CPU test (fused_head_test) and its re-run on CUDA (cuda_head_test).
@@ -92,4 +92,4 @@ inline const char* const kModes[] = {"MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
 }  // namespace head_test
 }  // namespace dflash
 
-#endif  // DFLASH_HEADS_HEAD_TEST_UTIL_H_
+#endif  // DFLASH_TESTS_HEAD_TEST_UTIL_H_

@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "heads/fused_head.h"
 #include "heads/head_plan.h"
-#include "heads/head_test_util.h"
+#include "tests/head_test_util.h"
 #include "proto/config.h"
 
 namespace dflash {

@@ -16,7 +16,7 @@
 #include "base/cuda_stream.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
-#include "heads/head_test_util.h"
+#include "tests/head_test_util.h"
 #include "proto/config.h"
 
 namespace dflash {

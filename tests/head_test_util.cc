@@ -1,4 +1,4 @@
-#include "heads/head_test_util.h"
+#include "tests/head_test_util.h"
 
 #include <algorithm>
 #include <cmath>
