@@ -6,18 +6,19 @@
 
 #include "benchmark/benchmark.h"
 #include "checkpoint/checkpoint_context.h"
+#include "checkpoint/checkpoint_policy.h"
 #include "proto/config.h"
 
 namespace dflash {
 namespace {
 
-v1::CheckpointPolicy Selective() {
-  v1::CheckpointPolicy policy;
-  policy.set_preset(v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
-  policy.set_segment_chunks(1);
-  policy.set_memory_budget_bytes(int64_t{1} << 40);
-  policy.set_default_action(v1::PREFER_RECOMPUTE);
-  return policy;
+CheckpointOptions Selective() {
+  CheckpointOptions options;
+  options.rules = PresetCheckpointRules(
+      v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
+  options.segment_chunks = 1;
+  options.memory_budget_bytes = int64_t{1} << 40;
+  return options;
 }
 
 // Offer + fetch + release of one small dropped intermediate: the decision
@@ -26,7 +27,7 @@ void BM_OfferFetchRecompute(benchmark::State& state) {
   TrackingAllocator allocator;
   auto context = CheckpointContext::Create(Selective(), allocator);
   std::vector<float> value(16, 1.0f);
-  const IntermediateInfo info{"loss_stats", v1::LOSS_STATISTICS, false, true, 0};
+  const IntermediateInfo info{"loss_stats", IntermediateKind::kLossStatistics, false, true, 0};
   auto recompute = [](const TensorView&) { return absl::OkStatus(); };
   int64_t chunk = 0;
   for (auto _ : state) {
@@ -50,7 +51,7 @@ void BM_OfferKeptLogits(benchmark::State& state) {
   auto context = CheckpointContext::Create(Selective(), allocator);
   const int64_t n = state.range(0);
   std::vector<float> logits(n, 1.0f);
-  const IntermediateInfo info{"teacher_logits", v1::PROJECTION, true, false, 0};
+  const IntermediateInfo info{"teacher_logits", IntermediateKind::kProjection, true, false, 0};
   int64_t chunk = 0;
   for (auto _ : state) {
     auto kept = (*context)->Offer(chunk, info, TensorView::Of(logits.data(), {n}),

@@ -6,27 +6,28 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {
 
-bool Matches(const v1::CheckpointRule& rule, const IntermediateInfo& info) {
-  if (rule.has_kind() && rule.kind() != info.kind) return false;
-  if (rule.has_name()) {
-    const std::string& name = rule.name();
+bool Matches(const CheckpointRule& rule, const IntermediateInfo& info) {
+  if (rule.kind.has_value() && *rule.kind != info.kind) return false;
+  if (rule.name.has_value()) {
+    const std::string& name = *rule.name;
     const bool prefix = !name.empty() && name.back() == '*';
     if (prefix ? !absl::StartsWith(info.tag, name.substr(0, name.size() - 1))
                : info.tag != name) {
       return false;
     }
   }
-  if (rule.has_weight_frozen() && rule.weight_frozen() != info.weight_frozen) {
+  if (rule.weight_frozen.has_value() &&
+      *rule.weight_frozen != info.weight_frozen) {
     return false;
   }
-  if (rule.has_input_requires_grad() &&
-      rule.input_requires_grad() != info.input_requires_grad) {
+  if (rule.input_requires_grad.has_value() &&
+      *rule.input_requires_grad != info.input_requires_grad) {
     return false;
   }
   return true;
@@ -34,24 +35,109 @@ bool Matches(const v1::CheckpointRule& rule, const IntermediateInfo& info) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CheckpointContext>> CheckpointContext::Create(
-    const v1::CheckpointPolicy& policy, TrackingAllocator& allocator) {
-  DFLASH_RETURN_IF_ERROR(ValidateCheckpointPolicy(policy));
-  std::vector<v1::CheckpointRule> rules =
-      policy.has_preset()
-          ? PresetRules(policy.preset())
-          : std::vector<v1::CheckpointRule>(policy.rules().begin(),
-                                            policy.rules().end());
-  return std::unique_ptr<CheckpointContext>(
-      new CheckpointContext(policy, std::move(rules), allocator));
+absl::string_view CheckpointActionName(CheckpointAction action) {
+  switch (action) {
+    case CheckpointAction::kMustSave:
+      return "MUST_SAVE";
+    case CheckpointAction::kPreferSave:
+      return "PREFER_SAVE";
+    case CheckpointAction::kPreferRecompute:
+      return "PREFER_RECOMPUTE";
+    case CheckpointAction::kMustRecompute:
+      return "MUST_RECOMPUTE";
+    case CheckpointAction::kUnspecified:
+      break;
+  }
+  return "ACTION_UNSPECIFIED";
 }
 
-v1::CheckpointAction CheckpointContext::Decide(
-    const IntermediateInfo& info) const {
-  for (const v1::CheckpointRule& rule : rules_) {
-    if (Matches(rule, info)) return rule.action();
+std::vector<std::string> CheckpointOptionsProblems(
+    const CheckpointOptions& options, absl::string_view rules_path) {
+  std::vector<std::string> problems;
+  auto add = [&](absl::string_view path, absl::string_view what) {
+    problems.push_back(absl::StrCat(path, ": ", what));
+  };
+  if (options.segment_chunks < 0) {
+    add("checkpoint.segment_chunks",
+        absl::StrCat("must be >= 0, got ", options.segment_chunks));
   }
-  return policy_.default_action();
+  if (options.memory_budget_bytes.has_value() &&
+      *options.memory_budget_bytes < 0) {
+    add("checkpoint.memory_budget_bytes",
+        absl::StrCat("must be >= 0, got ", *options.memory_budget_bytes));
+  }
+  if (options.default_action == CheckpointAction::kUnspecified) {
+    add("checkpoint.default_action", "must be set, got ACTION_UNSPECIFIED");
+  }
+  // Where PREFER_SAVE comes from, for the zero-budget check.
+  std::vector<std::string> prefer_save;
+  for (size_t i = 0; i < options.rules.size(); ++i) {
+    const CheckpointRule& rule = options.rules[i];
+    const std::string path = absl::StrCat(rules_path, "[", i, "]");
+    if (rule.action == CheckpointAction::kUnspecified) {
+      add(path + ".action", "must be set, got ACTION_UNSPECIFIED");
+    }
+    if (rule.kind == IntermediateKind::kUnspecified) {
+      add(path + ".kind",
+          "must name a kind (leave it unset to match any), got "
+          "KIND_UNSPECIFIED");
+    }
+    if (rule.name.has_value() && (rule.name->empty() || *rule.name == "*")) {
+      add(path + ".name",
+          absl::StrCat("must name a tag or a prefix* (leave it unset to "
+                       "match any), got \"",
+                       *rule.name, "\""));
+    }
+    if (rule.action == CheckpointAction::kPreferSave) {
+      prefer_save.push_back(path);
+    }
+  }
+  if (options.default_action == CheckpointAction::kPreferSave) {
+    prefer_save.push_back("checkpoint.default_action");
+  }
+  if (options.segment_chunks == 0) {
+    for (size_t i = 0; i < options.rules.size(); ++i) {
+      if (options.rules[i].action == CheckpointAction::kMustRecompute) {
+        add("checkpoint.segment_chunks",
+            absl::StrCat("0 (never recompute) contradicts MUST_RECOMPUTE in ",
+                         rules_path, "[", i, "], got 0"));
+      }
+    }
+    if (options.default_action == CheckpointAction::kMustRecompute) {
+      add("checkpoint.segment_chunks",
+          "0 (never recompute) contradicts MUST_RECOMPUTE in "
+          "checkpoint.default_action, got 0");
+    }
+  }
+  if (options.memory_budget_bytes == 0 && !prefer_save.empty()) {
+    add("checkpoint.memory_budget_bytes",
+        absl::StrCat("is 0, so PREFER_SAVE in ",
+                     absl::StrJoin(prefer_save, ", "),
+                     " could never save; raise the budget or use "
+                     "MUST_SAVE/PREFER_RECOMPUTE, got 0"));
+  }
+  return problems;
+}
+
+absl::Status ValidateCheckpointOptions(const CheckpointOptions& options) {
+  const std::vector<std::string> problems = CheckpointOptionsProblems(options);
+  if (problems.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrJoin(problems, "\n"));
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointContext>> CheckpointContext::Create(
+    CheckpointOptions options, TrackingAllocator& allocator) {
+  DFLASH_RETURN_IF_ERROR(ValidateCheckpointOptions(options));
+  return std::unique_ptr<CheckpointContext>(
+      new CheckpointContext(std::move(options), allocator));
+}
+
+CheckpointAction CheckpointContext::Decide(
+    const IntermediateInfo& info) const {
+  for (const CheckpointRule& rule : options_.rules) {
+    if (Matches(rule, info)) return rule.action;
+  }
+  return options_.default_action;
 }
 
 absl::StatusOr<TrackedBuffer<char>> CheckpointContext::Hold(int64_t bytes) {
@@ -87,19 +173,19 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
     return absl::AlreadyExistsError(absl::StrCat(
         "checkpoint: ", info.tag, " of chunk ", chunk, " was offered twice"));
   }
-  const v1::CheckpointAction action = Decide(info);
+  const CheckpointAction action = Decide(info);
   const int64_t bytes = value.bytes();
-  const bool never_recompute = policy_.segment_chunks() == 0;
-  const bool fits = !policy_.has_memory_budget_bytes() ||
+  const bool never_recompute = options_.segment_chunks == 0;
+  const bool fits = !options_.memory_budget_bytes.has_value() ||
                     stats_.current_kept_bytes + bytes <=
-                        policy_.memory_budget_bytes();
+                        *options_.memory_budget_bytes;
   bool keep = never_recompute;
   switch (action) {
-    case v1::MUST_SAVE:
+    case CheckpointAction::kMustSave:
       keep = true;
       if (!fits) ++stats_.must_save_over_budget;
       break;
-    case v1::PREFER_SAVE:
+    case CheckpointAction::kPreferSave:
       if (fits) keep = true;
       if (!fits && !never_recompute) ++stats_.budget_refusals;
       break;
@@ -109,7 +195,7 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
   if (!keep && !recompute) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint: ", info.tag, " of chunk ", chunk, " is dropped (",
-        v1::CheckpointAction_Name(action),
+        CheckpointActionName(action),
         ") but no recompute function was given"));
   }
   Entry entry{info, value.dtype(), value.shape(), std::move(recompute), {},
@@ -128,7 +214,7 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
 
 absl::Status CheckpointContext::RecomputeSegment(int64_t segment) {
   ++stats_.segment_recomputes;
-  const int64_t k = policy_.segment_chunks();
+  const int64_t k = options_.segment_chunks;
   std::vector<std::pair<const std::string*, Entry*>> dropped;
   for (auto it = chunks_.lower_bound(segment * k);
        it != chunks_.end() && it->first < (segment + 1) * k; ++it) {
@@ -171,7 +257,7 @@ absl::StatusOr<TensorView> CheckpointContext::Fetch(int64_t chunk,
   if (it == chunk_it->second.end()) return not_found();
   Entry& entry = it->second;
   if (entry.held.data() == nullptr && !entry.kept) {
-    DFLASH_RETURN_IF_ERROR(RecomputeSegment(chunk / policy_.segment_chunks()));
+    DFLASH_RETURN_IF_ERROR(RecomputeSegment(chunk / options_.segment_chunks));
   }
   return TensorView(entry.held.data(), entry.dtype, entry.shape,
                     allocator_.device());

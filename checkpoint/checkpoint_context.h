@@ -3,7 +3,9 @@
 
 // CheckpointContext decides, per intermediate a chunk offers in forward,
 // whether to keep it or recompute it in backward, by the rules and memory
-// budget of a v1::CheckpointPolicy, and hands it back in backward (Fetch).
+// budget of CheckpointOptions, and hands it back in backward (Fetch).
+// Plain C++, no protobuf: //checkpoint:checkpoint_policy reads the options
+// from a v1::CheckpointPolicy.
 // Use it to trade recomputation for memory in a chunked forward/backward;
 // CheckpointStats reports what was kept and what was recomputed.
 
@@ -11,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,14 +22,65 @@
 #include "absl/strings/string_view.h"
 #include "base/tensor.h"
 #include "base/tracking_allocator.h"
-#include "proto/policy.pb.h"
 
 namespace dflash {
+
+// What kind of value an intermediate is (v1::IntermediateKind's values).
+enum class IntermediateKind {
+  kUnspecified = 0,
+  kProjection = 1,      // Output of a vocabulary projection (logits).
+  kLossStatistics = 2,  // Per-row statistics of a loss.
+  kLogitsGradient = 3,  // d(loss)/d(logits) of a chunk.
+  kOther = 4,
+};
+
+// What a context does with an intermediate (v1::CheckpointAction's values).
+// PREFER_* yields to the memory budget; MUST_* does not.
+enum class CheckpointAction {
+  kUnspecified = 0,
+  kMustSave = 1,
+  kPreferSave = 2,
+  kPreferRecompute = 3,
+  kMustRecompute = 4,
+};
+
+// The config's name of an action ("MUST_SAVE", ...), for messages.
+absl::string_view CheckpointActionName(CheckpointAction action);
+
+// One rule: every set matcher must match; unset matchers match anything.
+struct CheckpointRule {
+  std::optional<IntermediateKind> kind;
+  std::optional<std::string> name;  // Exact tag, or a prefix ending in '*'.
+  std::optional<bool> weight_frozen;
+  std::optional<bool> input_requires_grad;
+  CheckpointAction action = CheckpointAction::kUnspecified;
+};
+
+// What a context keeps: ordered rules (the first match decides), the
+// action for intermediates no rule matches, and a budget for PREFER_SAVE.
+struct CheckpointOptions {
+  // A segment of this many consecutive chunks is recomputed together in
+  // backward; 0 means never recompute.
+  int64_t segment_chunks = 1;
+  std::optional<int64_t> memory_budget_bytes;  // Unset: no limit.
+  std::vector<CheckpointRule> rules;
+  CheckpointAction default_action = CheckpointAction::kPreferRecompute;
+};
+
+// Every problem of `options`, one "path: what is wrong, got VALUE" each,
+// with paths under "checkpoint." and the rules named `rules_path`[i] (how
+// the caller's config spells them).
+std::vector<std::string> CheckpointOptionsProblems(
+    const CheckpointOptions& options,
+    absl::string_view rules_path = "checkpoint.rules");
+
+// The problems as one InvalidArgument error, a line each; OK when none.
+absl::Status ValidateCheckpointOptions(const CheckpointOptions& options);
 
 // What a stage says about an intermediate it produced.
 struct IntermediateInfo {
   std::string tag;
-  v1::IntermediateKind kind = v1::OTHER;
+  IntermediateKind kind = IntermediateKind::kOther;
   bool weight_frozen = false;
   bool input_requires_grad = true;
   int64_t recompute_flops = 0;
@@ -67,10 +121,10 @@ struct CheckpointStats {
 class CheckpointContext {
  public:
   static absl::StatusOr<std::unique_ptr<CheckpointContext>> Create(
-      const v1::CheckpointPolicy& policy, TrackingAllocator& allocator);
+      CheckpointOptions options, TrackingAllocator& allocator);
 
   // The action the rules give `info`.
-  v1::CheckpointAction Decide(const IntermediateInfo& info) const;
+  CheckpointAction Decide(const IntermediateInfo& info) const;
 
   // Forward: offers a contiguous tensor of chunk `chunk`, in the allocator's
   // memory (host, or a CUDA device's); copies it into the store when kept. Returns whether it was kept. `recompute` may be
@@ -96,16 +150,13 @@ class CheckpointContext {
     bool kept = false;
     int64_t sequence = 0;  // Offer order: recomputation follows it.
   };
-  CheckpointContext(const v1::CheckpointPolicy& policy,
-                    std::vector<v1::CheckpointRule> rules,
-                    TrackingAllocator& allocator)
-      : policy_(policy), rules_(std::move(rules)), allocator_(allocator) {}
+  CheckpointContext(CheckpointOptions options, TrackingAllocator& allocator)
+      : options_(std::move(options)), allocator_(allocator) {}
   absl::Status RecomputeSegment(int64_t segment);
   absl::StatusOr<TrackedBuffer<char>> Hold(int64_t bytes);
   void Drop(TrackedBuffer<char>& buffer);
 
-  const v1::CheckpointPolicy policy_;
-  const std::vector<v1::CheckpointRule> rules_;
+  const CheckpointOptions options_;
   TrackingAllocator& allocator_;
   std::map<int64_t, std::map<std::string, Entry, std::less<>>> chunks_;
   CheckpointStats stats_;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "checkpoint/checkpoint_policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/config.h"
@@ -13,13 +14,15 @@ namespace {
 
 using ::testing::HasSubstr;
 
-v1::CheckpointPolicy Policy(const std::string& text) {
+// Options from a policy in the config's text format (the adapter is
+// tested alongside).
+CheckpointOptions Policy(const std::string& text) {
   auto config = ParseObjectiveConfig("checkpoint { " + text + " }");
   EXPECT_TRUE(config.ok()) << config.status();
-  return ResolveDefaults(*config).checkpoint();
+  return CheckpointOptionsFromPolicy(ResolveDefaults(*config).checkpoint());
 }
 
-IntermediateInfo Info(std::string tag, v1::IntermediateKind kind, bool frozen,
+IntermediateInfo Info(std::string tag, IntermediateKind kind, bool frozen,
                       bool requires_grad) {
   return {std::move(tag), kind, frozen, requires_grad, 100};
 }
@@ -38,22 +41,22 @@ TEST(CheckpointContextTest, DecisionTableFirstMatchWins) {
   ASSERT_TRUE(context.ok()) << context.status();
   const CheckpointContext& c = **context;
   // Prefix name beats the later kind rules.
-  EXPECT_EQ(c.Decide(Info("teacher_logits", v1::PROJECTION, true, false)),
-            v1::MUST_SAVE);
-  EXPECT_EQ(c.Decide(Info("draft_logits", v1::PROJECTION, true, true)),
-            v1::PREFER_SAVE);
+  EXPECT_EQ(c.Decide(Info("teacher_logits", IntermediateKind::kProjection, true, false)),
+            CheckpointAction::kMustSave);
+  EXPECT_EQ(c.Decide(Info("draft_logits", IntermediateKind::kProjection, true, true)),
+            CheckpointAction::kPreferSave);
   // input_requires_grad mismatch falls through to the kind-only rule.
-  EXPECT_EQ(c.Decide(Info("draft_logits", v1::PROJECTION, true, false)),
-            v1::MUST_RECOMPUTE);
-  EXPECT_EQ(c.Decide(Info("draft_logits", v1::PROJECTION, false, true)),
-            v1::MUST_RECOMPUTE);
+  EXPECT_EQ(c.Decide(Info("draft_logits", IntermediateKind::kProjection, true, false)),
+            CheckpointAction::kMustRecompute);
+  EXPECT_EQ(c.Decide(Info("draft_logits", IntermediateKind::kProjection, false, true)),
+            CheckpointAction::kMustRecompute);
   // Exact name: "lse" matches, "lse2" does not.
-  EXPECT_EQ(c.Decide(Info("lse", v1::LOSS_STATISTICS, true, true)),
-            v1::PREFER_RECOMPUTE);
-  EXPECT_EQ(c.Decide(Info("lse2", v1::LOSS_STATISTICS, false, true)),
-            v1::MUST_SAVE);
-  EXPECT_EQ(c.Decide(Info("lse2", v1::LOSS_STATISTICS, true, true)),
-            v1::MUST_RECOMPUTE);
+  EXPECT_EQ(c.Decide(Info("lse", IntermediateKind::kLossStatistics, true, true)),
+            CheckpointAction::kPreferRecompute);
+  EXPECT_EQ(c.Decide(Info("lse2", IntermediateKind::kLossStatistics, false, true)),
+            CheckpointAction::kMustSave);
+  EXPECT_EQ(c.Decide(Info("lse2", IntermediateKind::kLossStatistics, true, true)),
+            CheckpointAction::kMustRecompute);
 }
 
 TEST(CheckpointContextTest, SelectivePresetKeepsFrozenProjections) {
@@ -62,14 +65,14 @@ TEST(CheckpointContextTest, SelectivePresetKeepsFrozenProjections) {
       Policy("preset: SELECTIVE_FROZEN_PROJECTION"), allocator);
   ASSERT_TRUE(context.ok()) << context.status();
   const CheckpointContext& c = **context;
-  EXPECT_EQ(c.Decide(Info("teacher", v1::PROJECTION, true, false)),
-            v1::MUST_SAVE);
-  EXPECT_EQ(c.Decide(Info("draft", v1::PROJECTION, true, true)),
-            v1::PREFER_SAVE);
-  EXPECT_EQ(c.Decide(Info("trainable", v1::PROJECTION, false, true)),
-            v1::MUST_RECOMPUTE);
-  EXPECT_EQ(c.Decide(Info("lse", v1::LOSS_STATISTICS, false, true)),
-            v1::MUST_RECOMPUTE);
+  EXPECT_EQ(c.Decide(Info("teacher", IntermediateKind::kProjection, true, false)),
+            CheckpointAction::kMustSave);
+  EXPECT_EQ(c.Decide(Info("draft", IntermediateKind::kProjection, true, true)),
+            CheckpointAction::kPreferSave);
+  EXPECT_EQ(c.Decide(Info("trainable", IntermediateKind::kProjection, false, true)),
+            CheckpointAction::kMustRecompute);
+  EXPECT_EQ(c.Decide(Info("lse", IntermediateKind::kLossStatistics, false, true)),
+            CheckpointAction::kMustRecompute);
 }
 
 // A stand-in stage: chunk c's intermediate is c + i/10 for i in [0, n).
@@ -105,7 +108,7 @@ TEST(CheckpointContextTest, PreferSaveYieldsToBudgetInOfferOrder) {
   std::vector<bool> kept;
   for (int64_t chunk = 0; chunk < 4; ++chunk) {
     std::vector<float> v = stage.Make(chunk);
-    auto k = (*context)->Offer(chunk, Info("prefer", v1::OTHER, true, true),
+    auto k = (*context)->Offer(chunk, Info("prefer", IntermediateKind::kOther, true, true),
                                TensorView::Of(v.data(), {10}),
                                stage.Recompute(chunk));
     ASSERT_TRUE(k.ok()) << k.status();
@@ -113,7 +116,7 @@ TEST(CheckpointContextTest, PreferSaveYieldsToBudgetInOfferOrder) {
   }
   EXPECT_EQ(kept, (std::vector<bool>{true, true, false, false}));
   std::vector<float> v = stage.Make(9);
-  auto must = (*context)->Offer(9, Info("must", v1::OTHER, true, true),
+  auto must = (*context)->Offer(9, Info("must", IntermediateKind::kOther, true, true),
                                 TensorView::Of(v.data(), {10}), nullptr);
   ASSERT_TRUE(must.ok()) << must.status();
   EXPECT_TRUE(*must);
@@ -150,7 +153,7 @@ TEST_P(SegmentTest, SameResultsDifferentRecomputeAndMemory) {
   for (int64_t chunk = 0; chunk < kChunks; ++chunk) {
     std::vector<float> v = stage.Make(chunk);
     ASSERT_TRUE((*context)
-                    ->Offer(chunk, Info("logits", v1::PROJECTION, true, true),
+                    ->Offer(chunk, Info("logits", IntermediateKind::kProjection, true, true),
                             TensorView::Of(v.data(), {kN}),
                             stage.Recompute(chunk))
                     .ok());
@@ -202,7 +205,7 @@ TEST(CheckpointContextTest, RecomputesInOfferOrderSoLaterStagesCanFetch) {
   std::vector<float> zz = {1, 2};  // Sorts after "aa" but is offered first.
   std::vector<float> aa = {3, 5};  // 2 * zz + 1.
   int zz_calls = 0;
-  ASSERT_TRUE(ctx.Offer(0, Info("zz", v1::PROJECTION, true, false),
+  ASSERT_TRUE(ctx.Offer(0, Info("zz", IntermediateKind::kProjection, true, false),
                         TensorView::Of(zz.data(), {2}),
                         [&](const TensorView& out) {
                           ++zz_calls;
@@ -211,7 +214,7 @@ TEST(CheckpointContextTest, RecomputesInOfferOrderSoLaterStagesCanFetch) {
                           return absl::OkStatus();
                         })
                   .ok());
-  ASSERT_TRUE(ctx.Offer(0, Info("aa", v1::LOGITS_GRADIENT, true, true),
+  ASSERT_TRUE(ctx.Offer(0, Info("aa", IntermediateKind::kLogitsGradient, true, true),
                         TensorView::Of(aa.data(), {2}),
                         [&](const TensorView& out) -> absl::Status {
                           auto source = ctx.Fetch(0, "zz");
@@ -266,7 +269,7 @@ TEST(CheckpointContextTest, BadCallsAreErrors) {
   auto context = CheckpointContext::Create(Policy(""), allocator);
   ASSERT_TRUE(context.ok());
   std::vector<float> v(12);
-  const IntermediateInfo info = Info("x", v1::OTHER, false, true);
+  const IntermediateInfo info = Info("x", IntermediateKind::kOther, false, true);
   EXPECT_THAT((*context)
                   ->Offer(0, info, TensorView::Of(v.data(), {12}), nullptr)
                   .status()

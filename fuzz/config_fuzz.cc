@@ -8,6 +8,7 @@
 
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
+#include "checkpoint/checkpoint_policy.h"
 #include "chunking/chunk_plan.h"
 #include "chunking/chunking_policy.h"
 #include "fuzz/fuzz_input.h"
@@ -35,7 +36,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   TrackingAllocator allocator;
   absl::StatusOr<std::unique_ptr<CheckpointContext>> context =
-      CheckpointContext::Create(config.checkpoint(), allocator);
+      CheckpointContext::Create(
+          CheckpointOptionsFromPolicy(config.checkpoint()), allocator);
   FUZZ_CHECK(context.ok(), "a valid config's checkpoint policy failed: %s",
              std::string(context.status().message()).c_str());
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/tensor.h"
+#include "checkpoint/checkpoint_policy.h"
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
@@ -203,7 +204,9 @@ absl::Status HeadRun<T>::Plan() {
   max_chunk_rows_ = plan.max_chunk_rows;
   if (Fused()) return absl::OkStatus();
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointContext> context,
-                          CheckpointContext::Create(plan.policy, allocator_));
+                          CheckpointContext::Create(
+                              CheckpointOptionsFromPolicy(plan.policy),
+                              allocator_));
   context_ = std::move(context);
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
+#include "checkpoint/checkpoint_policy.h"
 #include "chunking/chunking_policy.h"
 #include "heads/flatten.h"
 #include "proto/config.h"
@@ -24,7 +25,7 @@ int64_t ProjectionFlops(const v1::HeadConfig& head, int64_t rows) {
 }  // namespace
 
 IntermediateInfo LogitsGradientInfo(const v1::HeadConfig& head, int64_t rows) {
-  return {kLogitsGradientTag, v1::LOGITS_GRADIENT,
+  return {kLogitsGradientTag, IntermediateKind::kLogitsGradient,
           /*weight_frozen=*/!head.trainable(), /*input_requires_grad=*/true,
           ProjectionFlops(head, rows)};
 }
@@ -32,7 +33,7 @@ IntermediateInfo LogitsGradientInfo(const v1::HeadConfig& head, int64_t rows) {
 IntermediateInfo TeacherLogitsInfo(const v1::HeadConfig& head, int64_t rows) {
   // No gradient flows through the teacher logits, into the weight or the
   // input, even when the head trains: for them the weight is frozen.
-  return {kTeacherLogitsTag, v1::PROJECTION, /*weight_frozen=*/true,
+  return {kTeacherLogitsTag, IntermediateKind::kProjection, /*weight_frozen=*/true,
           /*input_requires_grad=*/false, ProjectionFlops(head, rows)};
 }
 
@@ -88,7 +89,9 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
   // What the policy does with each intermediate the head offers.
   TrackingAllocator unused;
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointContext> context,
-                          CheckpointContext::Create(plan.policy, unused));
+                          CheckpointContext::Create(
+                              CheckpointOptionsFromPolicy(plan.policy),
+                              unused));
   std::vector<IntermediateInfo> offered = {
       LogitsGradientInfo(config.head(), m)};
   if (teacher) offered.push_back(TeacherLogitsInfo(config.head(), m));
@@ -96,13 +99,13 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
   int64_t must = 0, prefer = 0, dropped_per_chunk = 0;
   const int64_t chunks = static_cast<int64_t>(plan.chunks.chunks.size());
   for (const IntermediateInfo& info : offered) {
-    const v1::CheckpointAction action = context->Decide(info);
+    const CheckpointAction action = context->Decide(info);
     int64_t all_chunks = 0;
     for (int64_t c = 0; c < chunks; ++c)
       all_chunks += plan.rows(c) * v * element_bytes;
-    if (never_recompute || action == v1::MUST_SAVE) {
+    if (never_recompute || action == CheckpointAction::kMustSave) {
       must += all_chunks;
-    } else if (action == v1::PREFER_SAVE) {
+    } else if (action == CheckpointAction::kPreferSave) {
       prefer += all_chunks;
       dropped_per_chunk += chunk_logits;
     } else {

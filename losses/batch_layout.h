@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "losses/chunk_loss.h"
+#include "losses/row_meta.h"
 
 namespace dflash {
 

@@ -14,17 +14,10 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/bfloat16.h"
+#include "losses/row_meta.h"
 #include "proto/policy.pb.h"
 
 namespace dflash {
-
-// Metadata of one row of a logits chunk.
-struct RowMeta {
-  int32_t target = 0;    // Token id the row predicts.
-  int32_t position = 0;  // k in [0, K): position inside its anchor block.
-  float mask = 0;        // Weight mask m (docs/semantics.md section 2).
-  int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
-};
 
 // Additive terms of one chunk; sum them over chunks, then divide.
 struct ChunkTerms {

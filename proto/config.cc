@@ -11,6 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "base/file.h"
 #include "base/status_macros.h"
+#include "checkpoint/checkpoint_context.h"
+#include "checkpoint/checkpoint_policy.h"
 #include "chunking/chunk_plan.h"
 #include "chunking/chunking_policy.h"
 #include "google/protobuf/descriptor.h"
@@ -154,11 +156,6 @@ void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
 
 void ValidateCheckpoint(const v1::CheckpointPolicy& checkpoint,
                         Problems& problems) {
-  problems.AtLeast("checkpoint.segment_chunks", checkpoint.segment_chunks(), 0);
-  if (checkpoint.has_memory_budget_bytes()) {
-    problems.AtLeast("checkpoint.memory_budget_bytes",
-                     checkpoint.memory_budget_bytes(), 0);
-  }
   if (checkpoint.has_preset() && checkpoint.rules_size() > 0) {
     problems.Add("checkpoint.rules",
                  absl::StrCat("must be empty when checkpoint.preset is set, got ",
@@ -171,63 +168,17 @@ void ValidateCheckpoint(const v1::CheckpointPolicy& checkpoint,
     problems.Add("checkpoint.preset", "must be a named preset, got "
                                       "PRESET_UNSPECIFIED");
   }
-  problems.Specified("checkpoint.default_action", checkpoint.default_action(),
-                     v1::CheckpointAction_Name(checkpoint.default_action()));
-
-  // Where PREFER_SAVE comes from, for the zero-budget check.
-  std::vector<std::string> prefer_save;
-  std::vector<v1::CheckpointRule> rules(checkpoint.rules().begin(),
-                                        checkpoint.rules().end());
-  std::string rules_path = "checkpoint.rules";
-  if (checkpoint.has_preset()) {
-    rules = PresetRules(checkpoint.preset());
-    rules_path = absl::StrCat(
-        "checkpoint.preset ",
-        v1::CheckpointPolicy::Preset_Name(checkpoint.preset()), " rule");
-  }
-  for (size_t i = 0; i < rules.size(); ++i) {
-    const v1::CheckpointRule& rule = rules[i];
-    const std::string path = absl::StrCat(rules_path, "[", i, "]");
-    problems.Specified(path + ".action", rule.action(),
-                       v1::CheckpointAction_Name(rule.action()));
-    if (rule.has_kind() && rule.kind() == v1::KIND_UNSPECIFIED) {
-      problems.Add(path + ".kind",
-                   "must name a kind (leave it unset to match any), got "
-                   "KIND_UNSPECIFIED");
-    }
-    if (rule.has_name() && (rule.name().empty() || rule.name() == "*")) {
-      problems.Add(path + ".name",
-                   absl::StrCat("must name a tag or a prefix* (leave it unset "
-                                "to match any), got \"",
-                                rule.name(), "\""));
-    }
-    if (rule.action() == v1::PREFER_SAVE) prefer_save.push_back(path);
-  }
-  if (checkpoint.default_action() == v1::PREFER_SAVE) {
-    prefer_save.push_back("checkpoint.default_action");
-  }
-  if (checkpoint.segment_chunks() == 0) {
-    for (size_t i = 0; i < rules.size(); ++i) {
-      if (rules[i].action() == v1::MUST_RECOMPUTE) {
-        problems.Add("checkpoint.segment_chunks",
-                     absl::StrCat("0 (never recompute) contradicts "
-                                  "MUST_RECOMPUTE in ",
-                                  rules_path, "[", i, "], got 0"));
-      }
-    }
-    if (checkpoint.default_action() == v1::MUST_RECOMPUTE) {
-      problems.Add("checkpoint.segment_chunks",
-                   "0 (never recompute) contradicts MUST_RECOMPUTE in "
-                   "checkpoint.default_action, got 0");
-    }
-  }
-  if (checkpoint.has_memory_budget_bytes() &&
-      checkpoint.memory_budget_bytes() == 0 && !prefer_save.empty()) {
-    problems.Add("checkpoint.memory_budget_bytes",
-                 absl::StrCat("is 0, so PREFER_SAVE in ",
-                              absl::StrJoin(prefer_save, ", "),
-                              " could never save; raise the budget or use "
-                              "MUST_SAVE/PREFER_RECOMPUTE, got 0"));
+  // The checkpoint context's own checks (checkpoint/checkpoint_context.h),
+  // on the rules the policy stands for.
+  const std::string rules_path =
+      checkpoint.has_preset()
+          ? absl::StrCat("checkpoint.preset ",
+                         v1::CheckpointPolicy::Preset_Name(checkpoint.preset()),
+                         " rule")
+          : "checkpoint.rules";
+  for (std::string& line : CheckpointOptionsProblems(
+           CheckpointOptionsFromPolicy(checkpoint), rules_path)) {
+    problems.AddLine(std::move(line));
   }
 }
 
@@ -359,12 +310,6 @@ void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
   }
 }
 
-v1::CheckpointRule Rule(v1::CheckpointAction action) {
-  v1::CheckpointRule rule;
-  rule.set_action(action);
-  return rule;
-}
-
 }  // namespace
 
 absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
@@ -437,25 +382,11 @@ absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
 
 std::vector<v1::CheckpointRule> PresetRules(
     v1::CheckpointPolicy::Preset preset) {
-  switch (preset) {
-    case v1::CheckpointPolicy::SAVE_ALL:
-      return {Rule(v1::MUST_SAVE)};
-    case v1::CheckpointPolicy::FULL_RECOMPUTE:
-      return {Rule(v1::MUST_RECOMPUTE)};
-    case v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION: {
-      v1::CheckpointRule teacher = Rule(v1::MUST_SAVE);
-      teacher.set_kind(v1::PROJECTION);
-      teacher.set_weight_frozen(true);
-      teacher.set_input_requires_grad(false);
-      v1::CheckpointRule frozen = Rule(v1::PREFER_SAVE);
-      frozen.set_kind(v1::PROJECTION);
-      frozen.set_weight_frozen(true);
-      return {teacher, frozen, Rule(v1::MUST_RECOMPUTE)};
-    }
-    case v1::CheckpointPolicy::PRESET_UNSPECIFIED:
-    default:
-      return {};
+  std::vector<v1::CheckpointRule> rules;
+  for (const CheckpointRule& rule : PresetCheckpointRules(preset)) {
+    rules.push_back(CheckpointRuleToProto(rule));
   }
+  return rules;
 }
 
 int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Builds examples/consumer (a separate workspace using dflash libraries) and
 # checks their dependency closures: the config library reaches neither heads
-# nor CUDA; the chunk planner reaches no protobuf either.
+# nor CUDA; the core libraries (chunk planner, checkpoint context, batch
+# layout) reach no protobuf either.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bazel=${BAZEL_REAL:-/usr/bin/bazel-4}
 cd "$root/examples/consumer"
-"$bazel" build //:consumer //:chunk_plan_consumer
+"$bazel" build //:consumer //:core_consumer
 "$bazel" run //:consumer
-"$bazel" run //:chunk_plan_consumer
+"$bazel" run //:core_consumer
 
 # check TARGET PATTERN WHAT: TARGET's closure must not match PATTERN.
 check() {
@@ -23,6 +24,6 @@ check() {
 }
 check //:consumer '^@dflash//(heads|losses)|local_config_cuda|cuda' \
   "heads, losses or CUDA"
-check //:chunk_plan_consumer \
-  '^@dflash//(heads|losses|proto)|local_config_cuda|cuda|protobuf' \
-  "protobuf, heads, losses or CUDA"
+check //:core_consumer \
+  '^@dflash//(heads|proto)|^@dflash//losses:(chunk_loss|cuda)|local_config_cuda|cuda|protobuf' \
+  "protobuf, heads, loss configs or CUDA"

@@ -1,0 +1,23 @@
+#ifndef DFLASH_LOSSES_ROW_META_H_
+#define DFLASH_LOSSES_ROW_META_H_
+
+// RowMeta: what the losses know of one row of logits (target, block
+// position, weight mask, block id). The batch layout makes them, the chunk
+// losses and heads read them; a header of its own so that the layout needs
+// no loss config (and no protobuf).
+
+#include <cstdint>
+
+namespace dflash {
+
+// Metadata of one row of a logits chunk.
+struct RowMeta {
+  int32_t target = 0;    // Token id the row predicts.
+  int32_t position = 0;  // k in [0, K): position inside its anchor block.
+  float mask = 0;        // Weight mask m (docs/semantics.md section 2).
+  int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_ROW_META_H_
