@@ -1,5 +1,6 @@
 #include "base/cuda_device.h"
 
+#include "base/gpu_test.h"
 #include "gtest/gtest.h"
 
 namespace dflash {
@@ -7,7 +8,7 @@ namespace {
 
 TEST(CudaDeviceTest, KernelRunsWhereAGpuIsPresent) {
   absl::StatusOr<int> count = CudaDeviceCount();
-  if (!count.ok()) GTEST_SKIP() << "no GPU here: " << count.status().message();
+  DFLASH_SKIP_WITHOUT_GPU(count.status());
   EXPECT_GT(*count, 0);
   EXPECT_TRUE(CudaSelfTest().ok()) << CudaSelfTest();
 }

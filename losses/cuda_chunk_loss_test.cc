@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/bfloat16.h"
+#include "base/gpu_test.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "losses/chunk_loss.h"
@@ -33,7 +34,8 @@ std::unique_ptr<CudaStream> StreamOrSkip(std::string& why) {
 #define SKIP_WITHOUT_GPU(stream)                          \
   std::string why;                                        \
   std::unique_ptr<CudaStream> stream = StreamOrSkip(why); \
-  if (stream == nullptr) GTEST_SKIP() << "no GPU here: " << why
+  DFLASH_SKIP_WITHOUT_GPU(stream == nullptr ? absl::UnavailableError(why) \
+                                            : absl::OkStatus())
 
 v1::LossConfig Loss(const std::string& text) {
   v1::LossConfig config;

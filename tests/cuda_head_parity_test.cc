@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "base/cuda_stream.h"
+#include "base/gpu_test.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/head_test_util.h"
@@ -40,7 +41,7 @@ absl::StatusOr<Gpu> OpenGpu() {
 
 #define OPEN_GPU_OR_SKIP(gpu)          \
   absl::StatusOr<Gpu> gpu = OpenGpu(); \
-  if (!gpu.ok()) GTEST_SKIP() << "no GPU here: " << gpu.status().message()
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status())
 
 // A device copy of host values (empty stays empty).
 template <typename T, typename U>

@@ -47,6 +47,9 @@ run() {
   export LD_LIBRARY_PATH="/tmp/dflash_lib/lib${cuda_lib}:${LD_LIBRARY_PATH:-}"
   nvidia-smi -L || echo "nvidia-smi: not available"
   local summary=()
+  # Here a GPU is expected: a test that cannot use it fails instead of
+  # skipping (base/gpu_test.h).
+  export DFLASH_REQUIRE_GPU=1
   for t in "${tests[@]}"; do
     local name=${t##*/}
     timeout 180 "out/gpu/bin/$name" --gtest_brief=1 >"$out/$name.log" 2>&1
