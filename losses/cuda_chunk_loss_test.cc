@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/bfloat16.h"
+#include "base/error_norms.h"
 #include "base/gpu_test.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
@@ -128,12 +129,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
 
 double RelativeNormError(const std::vector<double>& a,
                          const std::vector<double>& b) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    diff += (a[i] - b[i]) * (a[i] - b[i]);
-    norm += b[i] * b[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  return RelativeL2Error<double>(a, b);
 }
 
 struct Case {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "base/error_norms.h"
 #include "heads/fused_head.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
@@ -54,12 +55,7 @@ v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
 // max |a - b| / max |b|: the normwise relative error of a gradient.
 template <typename T>
 double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(b[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
+  return RelativeMaxError<T>(a, b);
 }
 
 // What a head run left, copied to the host in float64.
