@@ -150,15 +150,24 @@ TEST_P(CudaHeadParityTest, Float32MatchesTheFloat64Reference) {
   const int64_t blocks = b.batch * b.anchors;
   const bool segmented = mode == "CHECKPOINT" || mode == "SELECTIVE";
   for (bool trainable : {false, true}) {
-    const Reference ref = Naive(Config(loss, mode, 1, 1, 1, trainable), b);
+    const Reference ref = Naive(ConfigBuilder(loss)
+                                    .Mode(mode)
+                                    .BlocksPerChunk(1)
+                                    .Trainable(trainable)
+                                    .Build(),
+                                b);
     for (int64_t chunk : {int64_t{1}, int64_t{3}, blocks}) {
       for (int64_t segment : {int64_t{1}, int64_t{2}, int64_t{1000}}) {
         if (!segmented && segment != 1) continue;
         SCOPED_TRACE(absl::StrCat(mode, " chunk ", chunk, " segment ", segment,
                                   " trainable ", trainable));
-        const v1::ObjectiveConfig config =
-            OnCuda(Config(loss, mode, chunk, segment, 1, trainable),
-                   v1::HeadConfig::FLOAT32);
+        const v1::ObjectiveConfig config = OnCuda(ConfigBuilder(loss)
+                                                      .Mode(mode)
+                                                      .BlocksPerChunk(chunk)
+                                                      .Segment(segment)
+                                                      .Trainable(trainable)
+                                                      .Build(),
+                                                  v1::HeadConfig::FLOAT32);
         const GpuRun run = RunOnGpu<float>(config, b, *gpu);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
         ExpectMatchesReference(*run.result, run.outputs, ref, b, trainable,
@@ -202,7 +211,7 @@ TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
   for (const char* loss : kLosses) {
     for (const char* mode : {"FUSED", "CHECKPOINT"}) {
       SCOPED_TRACE(absl::StrCat(loss, " ", mode));
-      const v1::ObjectiveConfig config = Config(loss, mode, 2, 1, 1, false);
+      const v1::ObjectiveConfig config = ConfigBuilder(loss).Mode(mode).Build();
       const Reference ref = Naive(config, b);
       const GpuRun run =
           RunOnGpu<BFloat16>(OnCuda(config, v1::HeadConfig::BFLOAT16), b, *gpu);
@@ -229,18 +238,16 @@ TEST(CudaHeadMemoryTest, PeakBytesStayWithinChunkBounds) {
   int64_t materialize_small = 0;
   for (int64_t batch : {2, 8}) {
     const Batch b = MakeBatch(6, batch, 3);
-    const GpuRun fused =
-        RunOnGpu<float>(OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
+    const GpuRun fused = RunOnGpu<float>(
+        OnCuda(ConfigBuilder().Build(), v1::HeadConfig::FLOAT32), b, *gpu);
+    const GpuRun checkpoint = RunOnGpu<float>(
+        OnCuda(ConfigBuilder().Mode("CHECKPOINT").Segment(2).Build(),
+               v1::HeadConfig::FLOAT32),
+        b, *gpu);
+    const GpuRun materialize =
+        RunOnGpu<float>(OnCuda(ConfigBuilder().Mode("MATERIALIZE").Build(),
                                v1::HeadConfig::FLOAT32),
                         b, *gpu);
-    const GpuRun checkpoint = RunOnGpu<float>(
-        OnCuda(Config("dflash {}", "CHECKPOINT", 2, 2, 1, false),
-               v1::HeadConfig::FLOAT32),
-        b, *gpu);
-    const GpuRun materialize = RunOnGpu<float>(
-        OnCuda(Config("dflash {}", "MATERIALIZE", 2, 1, 1, false),
-               v1::HeadConfig::FLOAT32),
-        b, *gpu);
     ASSERT_TRUE(fused.result.ok() && checkpoint.result.ok() &&
                 materialize.result.ok());
     const int64_t m = 2 * kK;  // Rows of two blocks at most per chunk.
@@ -263,7 +270,7 @@ TEST(CudaHeadMemoryTest, PeakBytesStayWithinChunkBounds) {
 TEST(CudaHeadTest, BadConfigsAreClearErrors) {
   OPEN_GPU_OR_SKIP(gpu);
   const Batch b = MakeBatch(10);
-  v1::ObjectiveConfig config = Config("dflash {}", "FUSED", 2, 1, 1, false);
+  v1::ObjectiveConfig config = ConfigBuilder().Build();
   config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
   EXPECT_EQ(RunOnGpu<float>(config, b, *gpu).result.status().message(),
             "head.backend: RunCudaHead runs the CUDA backend, got CPU");
@@ -274,12 +281,12 @@ TEST(CudaHeadTest, BadConfigsAreClearErrors) {
   Batch bad = b;
   bad.rows[5].target = kV;
   bad.rows[5].mask = 1;
-  EXPECT_EQ(RunOnGpu<float>(OnCuda(Config("dflash {}", "FUSED", 2, 1, 1, false),
-                                   v1::HeadConfig::FLOAT32),
-                            bad, *gpu)
-                .result.status()
-                .message(),
-            "inputs.rows[5].target: must lie in [0, 23), got 23");
+  EXPECT_EQ(
+      RunOnGpu<float>(OnCuda(ConfigBuilder().Build(), v1::HeadConfig::FLOAT32),
+                      bad, *gpu)
+          .result.status()
+          .message(),
+      "inputs.rows[5].target: must lie in [0, 23), got 23");
 }
 
 // Runs everywhere: without a GPU the stream says why.

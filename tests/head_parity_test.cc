@@ -99,8 +99,12 @@ TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
   const int64_t blocks = b.batch * b.anchors;
   const bool segmented = mode == "CHECKPOINT" || mode == "SELECTIVE";
   for (bool trainable : {false, true}) {
-    const Reference ref =
-        Naive(Config(loss, mode, 1, 1, 1, trainable), b);
+    const Reference ref = Naive(ConfigBuilder(loss)
+                                    .Mode(mode)
+                                    .BlocksPerChunk(1)
+                                    .Trainable(trainable)
+                                    .Build(),
+                                b);
     ASSERT_GT(ref.terms.loss_den, 0);
     for (int64_t chunk : {int64_t{1}, int64_t{3}, blocks}) {
       for (int64_t segment : {int64_t{1}, int64_t{2}, int64_t{1000}}) {
@@ -109,8 +113,13 @@ TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
           SCOPED_TRACE(absl::StrCat(mode, " chunk ", chunk, " segment ",
                                     segment, " threads ", threads,
                                     " trainable ", trainable));
-          const v1::ObjectiveConfig config =
-              Config(loss, mode, chunk, segment, threads, trainable);
+          const v1::ObjectiveConfig config = ConfigBuilder(loss)
+                                                 .Mode(mode)
+                                                 .BlocksPerChunk(chunk)
+                                                 .Segment(segment)
+                                                 .Threads(threads)
+                                                 .Trainable(trainable)
+                                                 .Build();
           TrackingAllocator allocator;
           HeadRunOutput<double> run = RunOn<double>(config, b, allocator);
           ASSERT_TRUE(run.result.ok()) << run.result.status();
@@ -124,8 +133,14 @@ TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
       }
     }
     TrackingAllocator allocator;
-    HeadRunOutput<float> f32 = RunOn<float>(
-        AsFloat32(Config(loss, mode, 3, 2, 2, trainable)), b, allocator);
+    HeadRunOutput<float> f32 = RunOn<float>(AsFloat32(ConfigBuilder(loss)
+                                                          .Mode(mode)
+                                                          .BlocksPerChunk(3)
+                                                          .Segment(2)
+                                                          .Threads(2)
+                                                          .Trainable(trainable)
+                                                          .Build()),
+                                            b, allocator);
     ASSERT_TRUE(f32.result.ok()) << f32.result.status();
     // The reference saw the double inputs; rounding them to float (6e-8
     // relative) is well inside the 1e-5 budget.
@@ -164,7 +179,8 @@ TEST(HeadCostTest, GemmCountsMatchTheCostTable) {
             with_teacher ? "distillation {}" : "dflash { gamma: 7 }";
         TrackingAllocator allocator;
         HeadRunOutput<double> run = RunOn<double>(
-            Config(loss, row.mode, 2, 1, 1, trainable), b, allocator);
+            ConfigBuilder(loss).Mode(row.mode).Trainable(trainable).Build(), b,
+            allocator);
         ASSERT_TRUE(run.result.ok()) << run.result.status();
         const double expected =
             (with_teacher ? row.teacher : row.plain) + (trainable ? 1 : 0);
@@ -178,8 +194,12 @@ TEST(HeadCostTest, SegmentsSetHowOftenBackwardRecomputes) {
   const Batch b = MakeBatch(5);  // 6 blocks: 6 chunks of one block.
   for (int64_t segment : {1, 2, 3, 6}) {
     TrackingAllocator allocator;
-    HeadRunOutput<double> run = RunOn<double>(
-        Config("dflash {}", "CHECKPOINT", 1, segment, 1, false), b, allocator);
+    HeadRunOutput<double> run = RunOn<double>(ConfigBuilder()
+                                                  .Mode("CHECKPOINT")
+                                                  .BlocksPerChunk(1)
+                                                  .Segment(segment)
+                                                  .Build(),
+                                              b, allocator);
     ASSERT_TRUE(run.result.ok());
     EXPECT_EQ(run.result->stats.chunks, 6);
     EXPECT_EQ(run.result->stats.segment_recomputes, 6 / segment);
@@ -214,11 +234,13 @@ TEST(HeadMemoryTest, PeakBytesStayWithinChunkBoundsExceptMaterialize) {
       const Batch b = MakeBatch(6, batch, 3);
       TrackingAllocator fused_alloc, checkpoint_alloc, materialize_alloc;
       HeadRunOutput<double> fused = RunOn<double>(
-          Config(loss, "FUSED", 2, 1, 1, true), b, fused_alloc);
+          ConfigBuilder(loss).Trainable().Build(), b, fused_alloc);
       HeadRunOutput<double> checkpoint = RunOn<double>(
-          Config(loss, "CHECKPOINT", 2, 2, 1, true), b, checkpoint_alloc);
+          ConfigBuilder(loss).Mode("CHECKPOINT").Segment(2).Trainable().Build(),
+          b, checkpoint_alloc);
       HeadRunOutput<double> materialize = RunOn<double>(
-          Config(loss, "MATERIALIZE", 2, 1, 1, true), b, materialize_alloc);
+          ConfigBuilder(loss).Mode("MATERIALIZE").Trainable().Build(), b,
+          materialize_alloc);
       ASSERT_TRUE(fused.result.ok() && checkpoint.result.ok() &&
                   materialize.result.ok());
       const int64_t m = LargestChunkRows(*fused.result, b);
@@ -254,13 +276,13 @@ TEST(HeadMaskTest, SeventyFivePercentMaskedDoesAQuarterOfTheProjection) {
     b.rows[r].mask = r % 4 == 1 ? 1.0f : 0.0f;
   }
   TrackingAllocator allocator;
-  HeadRunOutput<double> run = RunOn<double>(Config("dflash {}", "FUSED", 2, 1, 1, false),
-                                  b, allocator);
+  HeadRunOutput<double> run =
+      RunOn<double>(ConfigBuilder().Build(), b, allocator);
   ASSERT_TRUE(run.result.ok()) << run.result.status();
   EXPECT_EQ(run.result->stats.projected_rows, b.num_rows() / 4);
   EXPECT_DOUBLE_EQ(run.result->stats.gemm_flops,
                    2 * (2.0 * (b.num_rows() / 4) * kH * kV));
-  const Reference ref = Naive(Config("dflash {}", "FUSED", 2, 1, 1, false), b);
+  const Reference ref = Naive(ConfigBuilder().Build(), b);
   EXPECT_NEAR(run.result->loss, ref.loss, 1e-12 * ref.loss);
   for (int64_t r = 0; r < b.num_rows(); ++r) {
     if (b.rows[r].mask > 0) continue;
@@ -274,7 +296,7 @@ TEST(HeadTest, UpstreamGradientScalesTheGradientsOnly) {
   const Batch b = MakeBatch(8);
   TrackingAllocator allocator;
   const v1::ObjectiveConfig config =
-      Config("dflash { gamma: 7 }", "FUSED", 2, 1, 1, true);
+      ConfigBuilder("dflash { gamma: 7 }").Trainable().Build();
   HeadRunOutput<double> one = RunOn<double>(config, b, allocator, 1.0);
   HeadRunOutput<double> half = RunOn<double>(config, b, allocator, 0.5);
   ASSERT_TRUE(one.result.ok() && half.result.ok());
@@ -289,7 +311,8 @@ TEST(HeadTest, NothingWeightedGivesAFiniteZero) {
   for (RowMeta& m : b.rows) m.mask = 0;
   TrackingAllocator allocator;
   HeadRunOutput<double> run = RunOn<double>(
-      Config("dpace {}", "CHECKPOINT", 2, 1, 1, true), b, allocator);
+      ConfigBuilder("dpace {}").Mode("CHECKPOINT").Trainable().Build(), b,
+      allocator);
   ASSERT_TRUE(run.result.ok()) << run.result.status();
   EXPECT_EQ(run.result->loss, 0.0);
   EXPECT_EQ(run.result->stats.gemm_calls, 0);
@@ -310,7 +333,7 @@ TEST(HeadTest, LossErrorsNameTheRowsBatchPosition) {
     for (int threads : {1, 2}) {
       SCOPED_TRACE(absl::StrCat(mode, " threads ", threads));
       const v1::ObjectiveConfig config =
-          Config("dflash {}", mode, 2, 1, threads, false);
+          ConfigBuilder().Mode(mode).Threads(threads).Build();
       EXPECT_EQ(RunOn<double>(config, b, allocator).result.status().message(),
                 "row (b, n, k) = (1, 2, 1): logit 0 is not finite (nan)");
     }
@@ -320,7 +343,7 @@ TEST(HeadTest, LossErrorsNameTheRowsBatchPosition) {
 TEST(HeadTest, BadInputsAreClearErrors) {
   const Batch good = MakeBatch(10);
   TrackingAllocator allocator;
-  const v1::ObjectiveConfig config = Config("dflash {}", "FUSED", 2, 1, 1, false);
+  const v1::ObjectiveConfig config = ConfigBuilder().Build();
   Batch b = good;
   b.rows[5].target = kV;
   b.rows[5].mask = 1;

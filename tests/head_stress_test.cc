@@ -79,9 +79,13 @@ TEST(HeadMemoryPredictionTest, PeakNeverExceedsThePrediction) {
                                   policy.chunk, " segment ", policy.segment,
                                   " budget ", policy.budget, " trainable ",
                                   trainable));
-        v1::ObjectiveConfig config =
-            Config(loss, policy.mode, policy.chunk, policy.segment, 1,
-                   trainable, /*bias=*/false);
+        v1::ObjectiveConfig config = ConfigBuilder(loss)
+                                         .Mode(policy.mode)
+                                         .BlocksPerChunk(policy.chunk)
+                                         .Segment(policy.segment)
+                                         .Trainable(trainable)
+                                         .Bias(false)
+                                         .Build();
         if (policy.budget >= 0) {
           config.mutable_checkpoint()->set_memory_budget_bytes(policy.budget);
         }

@@ -100,25 +100,22 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
   return ref;
 }
 
-v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
-                           int64_t blocks_per_chunk, int64_t segment,
-                           int threads, bool trainable, bool bias,
-                           const std::string& extra_head) {
+v1::ObjectiveConfig ConfigBuilder::Build() const {
   std::string checkpoint;
-  if (mode == "SELECTIVE") {
+  if (mode_ == "SELECTIVE") {
     checkpoint = absl::StrCat(
         "checkpoint { preset: SELECTIVE_FROZEN_PROJECTION segment_chunks: ",
-        segment, " memory_budget_bytes: 1073741824 }");
-  } else if (mode == "CHECKPOINT") {
-    checkpoint = absl::StrCat("checkpoint { segment_chunks: ", segment, " }");
+        segment_, " memory_budget_bytes: 1073741824 }");
+  } else if (mode_ == "CHECKPOINT") {
+    checkpoint = absl::StrCat("checkpoint { segment_chunks: ", segment_, " }");
   }
   const std::string text = absl::StrCat(
       "layout { block_size: ", kK, " num_anchors: 3 } chunking { ",
-      "blocks_per_chunk: ", blocks_per_chunk, " } ", checkpoint,
-      " head { vocab_size: ", kV, " hidden_size: ", kH, " mode: ", mode,
-      " threads: ", threads, " trainable: ", trainable ? "true" : "false",
-      " bias: ", bias ? "true" : "false", " dtype: FLOAT64 ", extra_head,
-      " } loss { ", loss, " }");
+      "blocks_per_chunk: ", blocks_per_chunk_, " } ", checkpoint,
+      " head { vocab_size: ", kV, " hidden_size: ", kH, " mode: ", mode_,
+      " threads: ", threads_, " trainable: ", trainable_ ? "true" : "false",
+      " bias: ", bias_ ? "true" : "false", " dtype: FLOAT64 ", extra_head_,
+      " } loss { ", loss_, " }");
   auto config = LoadObjectiveConfigFromString(text);
   EXPECT_TRUE(config.ok()) << config.status() << "\n" << text;
   return *config;

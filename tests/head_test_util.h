@@ -45,12 +45,58 @@ struct Reference {
 
 Reference Naive(const v1::ObjectiveConfig& config, const Batch& b);
 
-// An objective over Batch's shape: `loss` is a LossConfig body, `mode` an
-// ExecutionMode name; float64 on the CPU unless changed.
-v1::ObjectiveConfig Config(const std::string& loss, const std::string& mode,
-                           int64_t blocks_per_chunk, int64_t segment,
-                           int threads, bool trainable, bool bias = true,
-                           const std::string& extra_head = "");
+// An objective over Batch's shape, built as XNNPACK's testers are: name
+// what differs from the defaults, then Build(). float64 on the CPU, FUSED,
+// 2 blocks per chunk, segments of 1 chunk, 1 thread, frozen, with a bias.
+//   ConfigBuilder("dpace {}").Mode("CHECKPOINT").Segment(2).Build()
+class ConfigBuilder {
+ public:
+  // `loss`: a LossConfig body in text format.
+  explicit ConfigBuilder(std::string loss = "dflash {}")
+      : loss_(std::move(loss)) {}
+  ConfigBuilder& Mode(std::string mode) {  // An ExecutionMode name.
+    mode_ = std::move(mode);
+    return *this;
+  }
+  ConfigBuilder& BlocksPerChunk(int64_t blocks) {
+    blocks_per_chunk_ = blocks;
+    return *this;
+  }
+  // Chunks per recompute segment (CHECKPOINT and SELECTIVE).
+  ConfigBuilder& Segment(int64_t chunks) {
+    segment_ = chunks;
+    return *this;
+  }
+  ConfigBuilder& Threads(int threads) {
+    threads_ = threads;
+    return *this;
+  }
+  ConfigBuilder& Trainable(bool trainable = true) {
+    trainable_ = trainable;
+    return *this;
+  }
+  ConfigBuilder& Bias(bool bias) {
+    bias_ = bias;
+    return *this;
+  }
+  // More HeadConfig fields in text format ("logit_softcap: 30").
+  ConfigBuilder& ExtraHead(std::string fields) {
+    extra_head_ = std::move(fields);
+    return *this;
+  }
+  // Loaded (defaults resolved) and validated; a failure fails the test.
+  v1::ObjectiveConfig Build() const;
+
+ private:
+  std::string loss_;
+  std::string mode_ = "FUSED";
+  int64_t blocks_per_chunk_ = 2;
+  int64_t segment_ = 1;
+  int threads_ = 1;
+  bool trainable_ = false;
+  bool bias_ = true;
+  std::string extra_head_;
+};
 
 // max |a - b| / max |b|: the normwise relative error of a gradient.
 template <typename T>
