@@ -19,6 +19,7 @@
 #include "heads/head_plan.h"
 #include "heads/projection.h"
 #include "io/npy.h"
+#include "losses/loss_family.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -160,8 +161,7 @@ int64_t ElementBytes(const v1::ObjectiveConfig& config) {
 }
 
 bool NeedsConfidence(const v1::ObjectiveConfig& config) {
-  return config.loss().has_dspark() &&
-         config.loss().dspark().confidence_weight() > 0;
+  return LossTraitsOf(config.loss()).needs_confidence;
 }
 
 absl::Status CheckSyntheticFlags(const HeadJobOptions& options) {
@@ -247,7 +247,7 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
   if (config.head().bias()) {
     rest.push_back({"lm_head_bias.npy", {in.vocab}, &kFloats, "(v)"});
   }
-  if (LossNeedsTeacher(config.loss())) {
+  if (LossTraitsOf(config.loss()).needs_teacher) {
     rest.push_back(
         {"teacher_hidden.npy", {b, n, k, h}, &kFloats, "(b, n, k, h)"});
   }
@@ -352,7 +352,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   const int64_t k = config.layout().block_size(),
                 h = config.head().hidden_size(), v = config.head().vocab_size(),
                 e = ElementBytes(config);
-  const bool teacher = LossNeedsTeacher(config.loss());
+  const bool teacher = LossTraitsOf(config.loss()).needs_teacher;
   const bool trainable = config.head().trainable();
   const std::optional<int64_t> rows = CheckedProduct({b, n, k});
   const std::optional<int64_t> tokens = CheckedMul(b, s);
@@ -810,7 +810,7 @@ absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
   absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
       {b, s, batch.input_ids, batch.loss_mask}, batch.anchors.positions,
       batch.anchors.keep, n, k, v,
-      config.loss().has_dspark() ? Labeling::kDSpark : Labeling::kDFlash);
+      LossTraitsOf(config.loss()).labeling);
   if (!rows.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, ": ", rows.status().message()));

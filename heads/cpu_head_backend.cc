@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "heads/flatten.h"
 #include "heads/head_backend.h"
+#include "losses/loss_family.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
 
@@ -83,8 +84,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
         allocator_(allocator),
         options_{config.layout().block_size(), config.head().logit_scale(),
                  config.head().logit_softcap()},
-        confidence_(config.loss().has_dspark() &&
-                    config.loss().dspark().confidence_weight() > 0) {
+        confidence_(LossTraitsOf(config.loss()).needs_confidence) {
     const int32_t threads = config.head().threads();
     threads_ = threads > 0 ? threads
                            : std::max(1u, std::thread::hardware_concurrency());

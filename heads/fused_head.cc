@@ -17,6 +17,7 @@
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
+#include "losses/loss_family.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
 
@@ -52,9 +53,8 @@ class HeadRun {
         vocab_(head_.vocab_size()),
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
-        teacher_(LossNeedsTeacher(config.loss())),
-        confidence_(config.loss().has_dspark() &&
-                    config.loss().dspark().confidence_weight() > 0) {}
+        teacher_(LossTraitsOf(config.loss()).needs_teacher),
+        confidence_(LossTraitsOf(config.loss()).needs_confidence) {}
 
   absl::Status Validate() const;
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);

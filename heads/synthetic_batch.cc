@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "losses/loss_family.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -12,9 +13,9 @@ namespace dflash {
 template <typename T>
 HeadInputs<T> HeadBatch<T>::Inputs(
     const v1::ObjectiveConfig& config) const {
-  const bool teacher = LossNeedsTeacher(config.loss());
-  const bool confidence = config.loss().has_dspark() &&
-                          config.loss().dspark().confidence_weight() > 0;
+  const LossTraits traits = LossTraitsOf(config.loss());
+  const bool teacher = traits.needs_teacher;
+  const bool confidence = traits.needs_confidence;
   return {hidden,
           teacher ? absl::MakeConstSpan(teacher_hidden)
                   : absl::Span<const T>(),
@@ -62,7 +63,7 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
       LabelRows(
           token_batch, b.anchors.positions, b.anchors.keep, shape.num_anchors,
           block, vocab,
-          config.loss().has_dspark() ? Labeling::kDSpark : Labeling::kDFlash));
+          LossTraitsOf(config.loss()).labeling));
   b.rows = std::move(rows);
   const int64_t n = static_cast<int64_t>(b.rows.size());
   std::normal_distribution<float> normal(0, 1), noise(0, 0.3f);
@@ -89,7 +90,7 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     T* x = b.hidden.data() + r * hidden;
     for (int64_t h = 0; h < hidden; ++h) x[h] += lift * w[h];
   }
-  if (LossNeedsTeacher(config.loss())) {
+  if (LossTraitsOf(config.loss()).needs_teacher) {
     b.teacher_hidden.resize(n * hidden);
     for (int64_t i = 0; i < n * hidden; ++i) {
       b.teacher_hidden[i] = b.hidden[i] + noise(rng);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/cpu_dispatch.h"
 #include "base/status_macros.h"
+#include "losses/loss_family.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "proto/config.h"
@@ -328,12 +329,13 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
                      " values, expected ", num_rows, " rows x ", vocab,
                      " vocab"));
   }
-  if (LossNeedsTeacher(config)) {
+  const LossTraits traits = LossTraitsOf(config);
+  if (traits.needs_teacher) {
     absl::Status size = CheckSize("teacher_logits", inputs.teacher_logits.size(),
                                   num_rows * vocab, "rows x vocab");
     if (!size.ok()) return size;
   }
-  if (config.has_dspark() && config.dspark().confidence_weight() > 0) {
+  if (traits.needs_confidence) {
     absl::Status size =
         CheckSize("confidence_logits", inputs.confidence_logits.size(),
                   num_rows, "one per row for loss.dspark.confidence_weight");
@@ -359,7 +361,7 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
                                   num_rows * outputs.k, "rows x k");
     if (!size.ok()) return size;
   }
-  const bool coupled = LossCouplesBlocks(config);
+  const bool coupled = traits.couples_blocks;
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
     if (meta.position < 0 || meta.position >= block_size) {
@@ -412,10 +414,6 @@ void ChunkTerms::Add(const ChunkTerms& other) {
     correct_per_position[k] += other.correct_per_position[k];
     mask_per_position[k] += other.mask_per_position[k];
   }
-}
-
-bool LossCouplesBlocks(const v1::LossConfig& config) {
-  return config.has_dpace() || config.has_lk_lambda();
 }
 
 double RowLossWeight(const v1::LossConfig& config, int32_t position, double mask) {
@@ -476,12 +474,12 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   // the stats pass and skip the second exponential. Not with label smoothing
   // (it reads z'), a softcap (its chain rule reads z') or teacher families;
   // block-coupled families only where the row is computed in place.
-  const double smoothing =
-      config.has_tv() || config.has_distillation() ? 0 : ce.label_smoothing();
+  const LossTraits traits = LossTraitsOf(config);
+  const double smoothing = traits.has_cross_entropy ? ce.label_smoothing() : 0;
   const bool keep_exp =
       std::is_same_v<W, float> && smoothing == 0 &&
-      options.logit_softcap == 0 && !LossNeedsTeacher(config) &&
-      (!LossCouplesBlocks(config) || std::is_same_v<T, W>);
+      options.logit_softcap == 0 && !traits.needs_teacher &&
+      (!traits.couples_blocks || std::is_same_v<T, W>);
 
   std::vector<RowStats> stats(num_rows);
   std::vector<bool> have_stats(num_rows, false);
@@ -507,7 +505,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 
   // Pass 1, block-coupled families only: q of every row with a mask.
   std::vector<double> q(num_rows, 0.0);
-  if (LossCouplesBlocks(config)) {
+  if (traits.couples_blocks) {
     for (int64_t r = 0; r < num_rows; ++r) {
       if (mask[r] == 0) continue;
       DFLASH_RETURN_IF_ERROR(analyse(r, source.Draft(r)));

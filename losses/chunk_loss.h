@@ -37,10 +37,6 @@ struct ChunkTerms {
 double DFlashWeight(bool has_gamma, double gamma, int32_t position,
                     float mask);
 
-// Whether a family's weights couple the rows of an anchor block (dpace,
-// lk_lambda).
-bool LossCouplesBlocks(const v1::LossConfig& config);
-
 // A row's loss weight before block-level coupling: DFlashWeight for dflash,
 // tv, lk_lambda and distillation (their gamma), m * exp(-k / gamma) for
 // dspark, m for dpace (whose block weights replace it).

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/loss_family.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
 
@@ -23,7 +24,7 @@ cuda::LossParams Params(const v1::LossConfig& config,
   const v1::CrossEntropyOptions& ce = config.cross_entropy();
   p.z_loss_scale = ce.z_loss_scale();
   p.label_smoothing =
-      config.has_tv() || config.has_distillation() ? 0 : ce.label_smoothing();
+      LossTraitsOf(config).has_cross_entropy ? ce.label_smoothing() : 0;
   if (config.has_tv()) p.tv = true;
   if (config.has_dpace()) {
     p.coupling = cuda::Coupling::kDPace;
@@ -176,7 +177,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
         static_cast<float>(RowLossWeight(s.config, meta.position, mask))};
   }
   std::vector<int32_t> block_begin;
-  if (LossCouplesBlocks(s.config)) {
+  if (LossTraitsOf(s.config).couples_blocks) {
     for (int64_t r = 0; r < n; ++r) {
       if (r == 0 || inputs.rows[r].block != inputs.rows[r - 1].block) {
         block_begin.push_back(static_cast<int32_t>(r));

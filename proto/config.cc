@@ -18,6 +18,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "losses/loss_family.h"
 
 namespace dflash {
 namespace {
@@ -141,14 +142,13 @@ void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
        .block_size = config.layout().block_size(),
        .vocab = config.head().vocab_size(),
        .bytes_per_logit = BytesPerLogit(config.head().dtype()),
-       .logits_buffers = LossNeedsTeacher(config.loss()) ? 2 : 1});
+       .logits_buffers = LossTraitsOf(config.loss()).needs_teacher ? 2 : 1});
   if (!plan.ok()) problems.AddLine(std::string(plan.message()));
   const v1::LossConfig& loss = config.loss();
-  if ((loss.has_dpace() || loss.has_lk_lambda()) &&
-      !chunking.align_to_blocks()) {
+  const LossTraits traits = LossTraitsOf(loss);
+  if (traits.couples_blocks && !chunking.align_to_blocks()) {
     problems.Add("chunking.align_to_blocks",
-                 absl::StrCat("must be true for loss.",
-                              loss.has_dpace() ? "dpace" : "lk_lambda",
+                 absl::StrCat("must be true for loss.", traits.name,
                               " (block-level weights need whole blocks in a "
                               "chunk), got false"));
   }
@@ -296,11 +296,11 @@ void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
   // Label smoothing reshapes a cross-entropy term; tv and distillation have
   // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
   // distillation at another temperature never forms.
-  const bool has_ce_term = !loss.has_tv() && !loss.has_distillation();
-  if (smoothing > 0 && !has_ce_term) {
+  const LossTraits traits = LossTraitsOf(loss);
+  if (smoothing > 0 && !traits.has_cross_entropy) {
     problems.Add("loss.cross_entropy.label_smoothing",
                  absl::StrCat("applies to cross-entropy terms, which loss.",
-                              loss.has_tv() ? "tv" : "distillation",
+                              traits.name,
                               " does not have, got ", Num(smoothing)));
   }
   if (ce.z_loss_scale() > 0 && loss.has_distillation()) {
@@ -402,7 +402,7 @@ int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {
 }
 
 bool LossNeedsTeacher(const v1::LossConfig& loss) {
-  return loss.has_dspark() || loss.has_distillation();
+  return LossTraitsOf(loss).needs_teacher;
 }
 
 std::string ToTextFormat(const google::protobuf::Message& message) {

@@ -54,7 +54,8 @@ std::vector<v1::CheckpointRule> PresetRules(
 int64_t BytesPerLogit(v1::HeadConfig::DType dtype);
 
 // Whether the loss family reads a frozen teacher projection (a second logits
-// buffer per chunk).
+// buffer per chunk): LossTraitsOf(loss).needs_teacher (losses/loss_family.h),
+// kept for callers of this library.
 bool LossNeedsTeacher(const v1::LossConfig& loss);
 
 // Text format of any policy message, fields in declaration order.
