@@ -2,13 +2,16 @@
 #define DFLASH_BASE_BFLOAT16_H_
 
 // BFloat16, the bfloat16 storage type, with ToFloat and ToBFloat16 (round to
-// nearest even), and FromDouble / AsDouble for code and tests templated on
+// nearest even), host and device functions that the CPU code and the CUDA
+// kernels share; and FromDouble / AsDouble for code and tests templated on
 // the storage type (float, double or BFloat16).
 
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "base/host_device.h"
 
 namespace dflash {
 
@@ -18,16 +21,33 @@ struct BFloat16 {
   uint16_t bits = 0;
 };
 
-inline float ToFloat(BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+// A float's bits and back, without aliasing.
+DFLASH_HOST_DEVICE inline float FloatFromBits(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
 }
 
-inline BFloat16 ToBFloat16(float f) {
+DFLASH_HOST_DEVICE inline uint32_t BitsOfFloat(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+#endif
+}
+
+DFLASH_HOST_DEVICE inline float ToFloat(BFloat16 x) {
+  return FloatFromBits(static_cast<uint32_t>(x.bits) << 16);
+}
+
+DFLASH_HOST_DEVICE inline BFloat16 ToBFloat16(float f) {
+  const uint32_t bits = BitsOfFloat(f);
   // Branch-free so that conversion loops vectorise; NaN stays a quiet NaN
   // rather than rounding up into infinity.
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;

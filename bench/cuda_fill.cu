@@ -15,9 +15,7 @@ __device__ __forceinline__ uint64_t SplitMix(uint64_t x) {
 
 __device__ __forceinline__ void Store(float& out, float x) { out = x; }
 __device__ __forceinline__ void Store(BFloat16& out, float f) {
-  const uint32_t bits = __float_as_uint(f);
-  out.bits =
-      static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  out = ToBFloat16(f);
 }
 
 // Box-Muller on two uniforms from one 64-bit draw.

@@ -10,16 +10,10 @@ namespace {
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(BFloat16 x) {
-  return __uint_as_float(static_cast<uint32_t>(x.bits) << 16);
-}
+__device__ __forceinline__ float ToF(BFloat16 x) { return ToFloat(x); }
 __device__ __forceinline__ void Store(float& out, float x) { out = x; }
 __device__ __forceinline__ void Store(BFloat16& out, float f) {
-  const uint32_t bits = __float_as_uint(f);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  out.bits =
-      static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u)
-                                : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  out = ToBFloat16(f);
 }
 
 // One block per row; 16-byte copies when the rows allow them.

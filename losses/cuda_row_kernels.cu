@@ -18,23 +18,16 @@ namespace {
 constexpr int kThreads = 512;  // A power of two: the reduction tree halves.
 
 __device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(BFloat16 x) {
-  return __uint_as_float(static_cast<uint32_t>(x.bits) << 16);
-}
+__device__ __forceinline__ float ToF(BFloat16 x) { return ToFloat(x); }
 template <typename T>
 __device__ __forceinline__ T FromF(float f);
 template <>
 __device__ __forceinline__ float FromF<float>(float f) {
   return f;
 }
-// Round to nearest even, NaN kept quiet: base/bfloat16.h's ToBFloat16.
 template <>
 __device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
-  const uint32_t bits = __float_as_uint(f);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  return BFloat16{
-      static_cast<uint16_t>(nan ? ((bits >> 16) | 0x40u) : rounded)};
+  return ToBFloat16(f);
 }
 
 // z -> z' (logit scale and tanh softcap) and its chain rule.
