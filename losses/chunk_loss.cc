@@ -10,6 +10,7 @@
 #include "base/cpu_dispatch.h"
 #include "base/status_macros.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "proto/config.h"
@@ -30,8 +31,7 @@ void DPaceWeights(const v1::DPaceLoss& config, absl::Span<const double> q,
   std::vector<double> prefix(k_size), suffix(k_size);
   double running = 1;
   for (int64_t k = 0; k < k_size; ++k) {
-    const double smooth =
-        mask[k] > 0 ? (1 - config.alpha()) * q[k] + config.alpha() : 1;
+    const double smooth = DPaceSmooth(mask[k], q[k], config.alpha());
     running *= smooth;
     prefix[k] = running;
   }
@@ -61,11 +61,6 @@ template <typename Loss>
 double DecayWeight(const Loss& loss, int32_t position, double mask) {
   return DFlashWeight(loss.has_gamma(), loss.gamma(), position,
                       static_cast<float>(mask));
-}
-
-double LogAddExp(double a, double b) {
-  const double max = std::max(a, b);
-  return max + std::log1p(std::exp(-std::abs(a - b)));
 }
 
 // logsumexp(z * inv_t) given max(z).
@@ -156,10 +151,9 @@ class RowSource {
   absl::Status StoreGradient(int64_t r, absl::Span<W> grad, double weight,
                              double bound) {
     if (softcap_ > 0) {
-      // dz'/dz = s * (1 - tanh^2) = s * (1 - (z'/c)^2).
       for (size_t v = 0; v < grad.size(); ++v) {
-        const double t = transformed_copy_[v] / softcap_;
-        grad[v] = static_cast<W>(grad[v] * scale_ * (1 - t * t));
+        grad[v] = static_cast<W>(ChainTransformedLogit<double>(
+            grad[v], transformed_copy_[v], scale_, softcap_));
       }
     } else if (scale_ != 1) {
       for (W& g : grad) g = static_cast<W>(g * scale_);
@@ -189,7 +183,9 @@ class RowSource {
  private:
   void Transform(absl::Span<W> row) const {
     if (softcap_ > 0) {
-      for (W& x : row) x = static_cast<W>(softcap_ * std::tanh(scale_ * x / softcap_));
+      for (W& x : row) {
+        x = static_cast<W>(TransformLogit<double>(x, scale_, softcap_));
+      }
     } else if (scale_ != 1) {
       for (W& x : row) x = static_cast<W>(scale_ * x);
     }
@@ -539,7 +535,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
         mass += mask[r];
       }
       const double acc = mass > 0 ? hit_mass / mass : 0;
-      const double kl_w = lk.kl_scale() * std::exp(-lk.kl_decay() * acc);
+      const double kl_w = LkLambdaKlWeight(lk.kl_scale(), lk.kl_decay(), acc);
       std::fill(ce_share.begin() + b, ce_share.begin() + end, kl_w);
     }
   }
@@ -621,19 +617,18 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       bound += 2 * std::abs(w * dspark.l1_weight());  // |sign - mass| <= 2.
       terms.loss_num += w * dspark.l1_weight() * l1;
       if (dspark.confidence_weight() > 0) {
-        const double accept = std::clamp(1 - 0.5 * l1, 0.0, 1.0);
+        const double accept = DSparkAcceptance(l1);
         const double c = inputs.confidence_logits[r];
         if (!std::isfinite(c)) {
           return RowError(
               r, absl::StrCat("confidence logit is not finite (", c, ")"));
         }
-        const double bce =
-            std::max(c, 0.0) - c * accept + std::log1p(std::exp(-std::abs(c)));
-        terms.loss_num += w * dspark.confidence_weight() * bce;
+        terms.loss_num +=
+            w * dspark.confidence_weight() * ConfidenceBce(c, accept);
         if (!outputs.confidence_grad.empty()) {
-          outputs.confidence_grad[r] = static_cast<float>(
-              w * dspark.confidence_weight() *
-              (1 / (1 + std::exp(-c)) - accept));
+          outputs.confidence_grad[r] =
+              static_cast<float>(w * dspark.confidence_weight() *
+                                 ConfidenceBceGradient(c, accept));
         }
       }
     } else if constexpr (std::is_same_v<W, float>) {

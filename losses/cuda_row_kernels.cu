@@ -10,6 +10,7 @@
 
 #include "base/bfloat16.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
 namespace cuda {
@@ -34,15 +35,11 @@ __device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
 struct Transform {
   float scale, cap;
   __device__ __forceinline__ float operator()(float z) const {
-    return cap > 0 ? cap * tanhf(scale * z / cap) : scale * z;
+    return TransformLogit(z, scale, cap);
   }
   // d/dz from d/dz', given z'.
   __device__ __forceinline__ float Chain(float g, float zp) const {
-    if (cap > 0) {
-      const float t = zp / cap;
-      return g * scale * (1 - t * t);
-    }
-    return g * scale;
+    return ChainTransformedLogit(g, zp, scale, cap);
   }
 };
 
@@ -328,7 +325,7 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
       mass += meta[r].mask;
     }
     const double acc = mass > 0 ? hits / mass : 0;
-    const double kl_w = p.kl_scale * exp(-p.kl_decay * acc);
+    const double kl_w = LkLambdaKlWeight(p.kl_scale, p.kl_decay, acc);
     for (int32_t r = begin; r < end; ++r) {
       weight[r] = meta[r].weight;
       ce_share[r] = kl_w;
@@ -339,8 +336,7 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   // suffix = reverse cumsum(prefix * m). Prefixes go in `weight` first.
   double running = 1;
   for (int32_t r = begin; r < end; ++r) {
-    const double smooth =
-        meta[r].mask > 0 ? (1 - p.alpha) * q(r) + p.alpha : 1.0;
+    const double smooth = DPaceSmooth(meta[r].mask, q(r), p.alpha);
     running *= smooth;
     weight[r] = running;
     ce_share[r] = 1;
@@ -419,9 +415,7 @@ __global__ void __launch_bounds__(kThreads)
       lt = transform(y) * inv_t - lse_t;
     };
     auto mix = [&](float ls, float lt) {
-      const float a1 = log_rest + ls, b1 = log_beta + lt;
-      const float hi = fmaxf(a1, b1);
-      return hi + log1pf(expf(-fabsf(a1 - b1)));
+      return LogAddExp(log_rest + ls, log_beta + lt);
     };
     Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
@@ -504,16 +498,15 @@ __global__ void __launch_bounds__(kThreads)
     const double l1 = acc.a;
     num += w * p.l1_weight * l1;
     if (p.confidence_weight > 0) {
-      const double accept = fmin(fmax(1 - 0.5 * l1, 0.0), 1.0);
+      const double accept = DSparkAcceptance(l1);
       const double c = a.confidence[out];
       if (!isfinite(c)) {
         if (threadIdx.x == 0) ReportError(a.error, out, kConfidenceNotFinite);
       } else {
-        const double bce = fmax(c, 0.0) - c * accept + log1p(exp(-fabs(c)));
-        num += w * p.confidence_weight * bce;
+        num += w * p.confidence_weight * ConfidenceBce(c, accept);
         if (threadIdx.x == 0 && a.confidence_grad != nullptr) {
           a.confidence_grad[out] = static_cast<float>(
-              w * p.confidence_weight * (1 / (1 + exp(-c)) - accept));
+              w * p.confidence_weight * ConfidenceBceGradient(c, accept));
         }
       }
     }
