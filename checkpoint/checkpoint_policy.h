@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint_context.h"
-#include "proto/policy.pb.h"
+#include "proto/checkpoint.pb.h"
 
 namespace dflash {
 

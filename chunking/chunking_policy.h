@@ -6,7 +6,7 @@
 // //chunking:chunk_plan itself needs no protobuf.
 
 #include "chunking/chunk_plan.h"
-#include "proto/policy.pb.h"
+#include "proto/chunking.pb.h"
 
 namespace dflash {
 

@@ -13,7 +13,6 @@
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {

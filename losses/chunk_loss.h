@@ -15,7 +15,7 @@
 #include "absl/types/span.h"
 #include "base/bfloat16.h"
 #include "losses/row_meta.h"
-#include "proto/policy.pb.h"
+#include "proto/loss.pb.h"
 
 namespace dflash {
 

@@ -9,7 +9,6 @@
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
 #include "losses/row_error.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {

@@ -16,7 +16,7 @@
 #include "base/cuda_stream.h"
 #include "base/tracking_allocator.h"
 #include "losses/chunk_loss.h"
-#include "proto/policy.pb.h"
+#include "proto/loss.pb.h"
 
 namespace dflash {
 

@@ -1,6 +1,18 @@
 #include "losses/loss_family.h"
 
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
 namespace dflash {
+namespace {
+
+template <typename Loss>
+void Gamma(const std::string& path, const Loss& loss, ProblemList& problems) {
+  if (loss.has_gamma()) problems.AtLeast(path + ".gamma", loss.gamma(), 0);
+}
+
+}  // namespace
 
 LossTraits LossTraitsOf(const v1::LossConfig& loss) {
   LossTraits traits;
@@ -35,6 +47,88 @@ LossTraits LossTraitsOf(const v1::LossConfig& loss) {
       break;
   }
   return traits;
+}
+
+void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
+  switch (loss.family_case()) {
+    case v1::LossConfig::kDflash:
+      Gamma("loss.dflash", loss.dflash(), problems);
+      break;
+    case v1::LossConfig::kDpace:
+      problems.Within("loss.dpace.alpha", loss.dpace().alpha(), 0, 1);
+      problems.Specified("loss.dpace.variant", loss.dpace().variant(),
+                         v1::DPaceLoss::Variant_Name(loss.dpace().variant()));
+      break;
+    case v1::LossConfig::kTv:
+      Gamma("loss.tv", loss.tv(), problems);
+      break;
+    case v1::LossConfig::kLkLambda:
+      Gamma("loss.lk_lambda", loss.lk_lambda(), problems);
+      problems.AtLeast("loss.lk_lambda.kl_scale", loss.lk_lambda().kl_scale(),
+                       0);
+      problems.AtLeast("loss.lk_lambda.kl_decay", loss.lk_lambda().kl_decay(),
+                       0);
+      break;
+    case v1::LossConfig::kDspark:
+      Gamma("loss.dspark", loss.dspark(), problems);
+      problems.AtLeast("loss.dspark.l1_weight", loss.dspark().l1_weight(), 0);
+      problems.AtLeast("loss.dspark.confidence_weight",
+                       loss.dspark().confidence_weight(), 0);
+      break;
+    case v1::LossConfig::kDistillation: {
+      const v1::DistillationLoss& distillation = loss.distillation();
+      Gamma("loss.distillation", distillation, problems);
+      problems.Specified(
+          "loss.distillation.divergence", distillation.divergence(),
+          v1::DistillationLoss::Divergence_Name(distillation.divergence()));
+      if (distillation.divergence() == v1::DistillationLoss::JSD &&
+          !(distillation.beta() > 0 && distillation.beta() < 1)) {
+        // The mixture at beta 0 or 1 is one of the two sides: the JSD is 0.
+        problems.Add("loss.distillation.beta",
+                     absl::StrCat("must lie in (0, 1) for JSD (use FORWARD_KL "
+                                  "or REVERSE_KL for the end points), got ",
+                                  ProblemNumber(distillation.beta())));
+      } else {
+        problems.Within("loss.distillation.beta", distillation.beta(), 0, 1);
+      }
+      problems.Above("loss.distillation.temperature",
+                     distillation.temperature(), 0);
+      break;
+    }
+    case v1::LossConfig::FAMILY_NOT_SET:
+      problems.Add("loss", "one loss family must be set (dflash, dpace, tv, "
+                           "lk_lambda, dspark, distillation), got none");
+      break;
+  }
+  const v1::CrossEntropyOptions& ce = loss.cross_entropy();
+  const double smoothing = ce.label_smoothing();
+  if (!(smoothing >= 0 && smoothing < 1)) {
+    problems.Add("loss.cross_entropy.label_smoothing",
+                 absl::StrCat("must lie in [0, 1), got ", ProblemNumber(smoothing)));
+  }
+  problems.AtLeast("loss.cross_entropy.z_loss_scale", ce.z_loss_scale(), 0);
+  // Label smoothing reshapes a cross-entropy term; tv and distillation have
+  // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
+  // distillation at another temperature never forms.
+  const LossTraits traits = LossTraitsOf(loss);
+  if (smoothing > 0 && !traits.has_cross_entropy) {
+    problems.Add("loss.cross_entropy.label_smoothing",
+                 absl::StrCat("applies to cross-entropy terms, which loss.",
+                              traits.name,
+                              " does not have, got ", ProblemNumber(smoothing)));
+  }
+  if (ce.z_loss_scale() > 0 && loss.has_distillation()) {
+    problems.Add("loss.cross_entropy.z_loss_scale",
+                 absl::StrCat("does not apply to loss.distillation, got ",
+                              ProblemNumber(ce.z_loss_scale())));
+  }
+}
+
+
+absl::Status ValidateLossConfig(const v1::LossConfig& loss) {
+  ProblemList problems;
+  AddLossConfigProblems(loss, problems);
+  return problems.ToStatus();
 }
 
 }  // namespace dflash

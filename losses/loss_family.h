@@ -5,10 +5,12 @@
 // teacher projection, whole blocks per chunk, a cross-entropy term, the
 // confidence head, which labels), read once from a v1::LossConfig. The one
 // place these facts live: the losses, heads, command and config checks ask
-// here instead of testing the config's family themselves.
+// here instead of testing the config's family themselves. Also the loss
+// config's validation, next to the facts it checks.
 
+#include "base/problem_list.h"
 #include "losses/batch_layout.h"
-#include "proto/policy.pb.h"
+#include "proto/loss.pb.h"
 
 namespace dflash {
 
@@ -27,6 +29,13 @@ struct LossTraits {
 };
 
 LossTraits LossTraitsOf(const v1::LossConfig& loss);
+
+// Every problem of a loss config (paths under "loss."), into `problems`: the
+// family's fields and the cross-entropy options it accepts.
+void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems);
+
+// The problems as one InvalidArgument error, a line each; OK when none.
+absl::Status ValidateLossConfig(const v1::LossConfig& loss);
 
 }  // namespace dflash
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/file.h"
+#include "base/problem_list.h"
 #include "base/status_macros.h"
 #include "checkpoint/checkpoint_context.h"
 #include "checkpoint/checkpoint_policy.h"
@@ -85,47 +86,9 @@ void FillDefaults(Message& message) {
   }
 }
 
-std::string Num(double value) { return absl::StrFormat("%g", value); }
-
-// Collects "path: problem, got value" lines.
-class Problems {
- public:
-  void Add(absl::string_view path, absl::string_view problem) {
-    lines_.push_back(absl::StrCat(path, ": ", problem));
-  }
-  // A problem a component's own validator reported, path included.
-  void AddLine(std::string line) { lines_.push_back(std::move(line)); }
-  void AtLeast(absl::string_view path, double value, double low) {
-    if (!(value >= low) || std::isinf(value)) {
-      Add(path, absl::StrCat("must be >= ", Num(low), ", got ", Num(value)));
-    }
-  }
-  void Above(absl::string_view path, double value, double low) {
-    if (!(value > low) || std::isinf(value)) {
-      Add(path, absl::StrCat("must be > ", Num(low), ", got ", Num(value)));
-    }
-  }
-  void Within(absl::string_view path, double value, double low, double high) {
-    if (!(value >= low && value <= high)) {
-      Add(path, absl::StrCat("must lie in [", Num(low), ", ", Num(high),
-                             "], got ", Num(value)));
-    }
-  }
-  template <typename Enum>
-  void Specified(absl::string_view path, Enum value,
-                 const std::string& name) {
-    if (static_cast<int>(value) == 0) {
-      Add(path, absl::StrCat("must be set, got ", name));
-    }
-  }
-  absl::Status ToStatus() const {
-    if (lines_.empty()) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrJoin(lines_, "\n"));
-  }
-
- private:
-  std::vector<std::string> lines_;
-};
+// Config problems are collected in base/problem_list.h's ProblemList.
+using Problems = ProblemList;
+std::string Num(double value) { return ProblemNumber(value); }
 
 void ValidateLayout(const v1::BatchLayout& layout, Problems& problems) {
   problems.Above("layout.block_size", layout.block_size(), 0);
@@ -230,86 +193,6 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
   }
 }
 
-template <typename Loss>
-void Gamma(const std::string& path, const Loss& loss, Problems& problems) {
-  if (loss.has_gamma()) problems.AtLeast(path + ".gamma", loss.gamma(), 0);
-}
-
-void ValidateLoss(const v1::LossConfig& loss, Problems& problems) {
-  switch (loss.family_case()) {
-    case v1::LossConfig::kDflash:
-      Gamma("loss.dflash", loss.dflash(), problems);
-      break;
-    case v1::LossConfig::kDpace:
-      problems.Within("loss.dpace.alpha", loss.dpace().alpha(), 0, 1);
-      problems.Specified("loss.dpace.variant", loss.dpace().variant(),
-                         v1::DPaceLoss::Variant_Name(loss.dpace().variant()));
-      break;
-    case v1::LossConfig::kTv:
-      Gamma("loss.tv", loss.tv(), problems);
-      break;
-    case v1::LossConfig::kLkLambda:
-      Gamma("loss.lk_lambda", loss.lk_lambda(), problems);
-      problems.AtLeast("loss.lk_lambda.kl_scale", loss.lk_lambda().kl_scale(),
-                       0);
-      problems.AtLeast("loss.lk_lambda.kl_decay", loss.lk_lambda().kl_decay(),
-                       0);
-      break;
-    case v1::LossConfig::kDspark:
-      Gamma("loss.dspark", loss.dspark(), problems);
-      problems.AtLeast("loss.dspark.l1_weight", loss.dspark().l1_weight(), 0);
-      problems.AtLeast("loss.dspark.confidence_weight",
-                       loss.dspark().confidence_weight(), 0);
-      break;
-    case v1::LossConfig::kDistillation: {
-      const v1::DistillationLoss& distillation = loss.distillation();
-      Gamma("loss.distillation", distillation, problems);
-      problems.Specified(
-          "loss.distillation.divergence", distillation.divergence(),
-          v1::DistillationLoss::Divergence_Name(distillation.divergence()));
-      if (distillation.divergence() == v1::DistillationLoss::JSD &&
-          !(distillation.beta() > 0 && distillation.beta() < 1)) {
-        // The mixture at beta 0 or 1 is one of the two sides: the JSD is 0.
-        problems.Add("loss.distillation.beta",
-                     absl::StrCat("must lie in (0, 1) for JSD (use FORWARD_KL "
-                                  "or REVERSE_KL for the end points), got ",
-                                  Num(distillation.beta())));
-      } else {
-        problems.Within("loss.distillation.beta", distillation.beta(), 0, 1);
-      }
-      problems.Above("loss.distillation.temperature",
-                     distillation.temperature(), 0);
-      break;
-    }
-    case v1::LossConfig::FAMILY_NOT_SET:
-      problems.Add("loss", "one loss family must be set (dflash, dpace, tv, "
-                           "lk_lambda, dspark, distillation), got none");
-      break;
-  }
-  const v1::CrossEntropyOptions& ce = loss.cross_entropy();
-  const double smoothing = ce.label_smoothing();
-  if (!(smoothing >= 0 && smoothing < 1)) {
-    problems.Add("loss.cross_entropy.label_smoothing",
-                 absl::StrCat("must lie in [0, 1), got ", Num(smoothing)));
-  }
-  problems.AtLeast("loss.cross_entropy.z_loss_scale", ce.z_loss_scale(), 0);
-  // Label smoothing reshapes a cross-entropy term; tv and distillation have
-  // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
-  // distillation at another temperature never forms.
-  const LossTraits traits = LossTraitsOf(loss);
-  if (smoothing > 0 && !traits.has_cross_entropy) {
-    problems.Add("loss.cross_entropy.label_smoothing",
-                 absl::StrCat("applies to cross-entropy terms, which loss.",
-                              traits.name,
-                              " does not have, got ", Num(smoothing)));
-  }
-  if (ce.z_loss_scale() > 0 && loss.has_distillation()) {
-    problems.Add("loss.cross_entropy.z_loss_scale",
-                 absl::StrCat("does not apply to loss.distillation, got ",
-                              Num(ce.z_loss_scale())));
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
@@ -339,13 +222,7 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config) {
   ValidateChunking(config, problems);
   ValidateCheckpoint(config.checkpoint(), problems);
   ValidateHead(config, problems);
-  ValidateLoss(config.loss(), problems);
-  return problems.ToStatus();
-}
-
-absl::Status ValidateLossConfig(const v1::LossConfig& loss) {
-  Problems problems;
-  ValidateLoss(loss, problems);
+  AddLossConfigProblems(config.loss(), problems);
   return problems.ToStatus();
 }
 

@@ -37,8 +37,6 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config);
 // checkpoint policy alone (paths start with "checkpoint.").
 absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy);
 
-// The loss part of ValidateObjectiveConfig (paths start with "loss.").
-absl::Status ValidateLossConfig(const v1::LossConfig& loss);
 
 // Parse, resolve defaults, validate.
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
