@@ -13,6 +13,7 @@
 #include "heads/head_backend.h"
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/loss_family.h"
 
 namespace dflash {
 namespace {
@@ -22,7 +23,10 @@ template <typename T>
 class CudaHeadBackend final : public HeadBackend<T> {
  public:
   CudaHeadBackend(const v1::ObjectiveConfig& config, CublasHandle& blas)
-      : config_(config), blas_(blas), stream_(blas.stream()) {}
+      : config_(config),
+        blas_(blas),
+        stream_(blas.stream()),
+        confidence_(LossTraitsOf(config.loss()).needs_confidence) {}
 
   Device device() const override { return Device::kCuda; }
   TrackingAllocator& allocator() override { return stream_.allocator(); }
@@ -98,8 +102,11 @@ class CudaHeadBackend final : public HeadBackend<T> {
         teacher == nullptr ? absl::Span<const T>()
                            : absl::MakeConstSpan(teacher, m * vocab),
         in.confidence_logits, meta, vocab};
+    // The confidence gradient only where the loss has one to write.
     const ChunkLossOutputs outputs{
-        if_recorded(spec_.gradients->confidence), if_recorded(o.neg_log_q),
+        confidence_ ? if_recorded(spec_.gradients->confidence)
+                    : absl::Span<float>(),
+        if_recorded(o.neg_log_q),
         if_recorded(o.argmax), if_recorded(o.top_k), o.k};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
@@ -135,6 +142,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const v1::ObjectiveConfig& config_;
   CublasHandle& blas_;
   CudaStream& stream_;
+  const bool confidence_;
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<CudaChunkLoss<T>> loss_;

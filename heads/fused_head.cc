@@ -173,6 +173,13 @@ absl::Status HeadRun<T>::Validate() const {
       return SizeError(s.name, s.size, s.expected, s.why);
     }
   }
+  // An unused per-row confidence buffer is either absent or whole: a backend
+  // may write every row of it.
+  if (!confidence_ && !gradients_.confidence.empty() &&
+      static_cast<int64_t>(gradients_.confidence.size()) != rows) {
+    return SizeError("gradients.confidence", gradients_.confidence.size(),
+                     rows, "none, or one per row");
+  }
   if (!head_.bias() && !inputs_.bias.empty()) {
     return SizeError("inputs.bias", inputs_.bias.size(), 0,
                      "none, as head.bias is not set");

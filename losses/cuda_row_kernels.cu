@@ -4,6 +4,7 @@
 // accumulating in FP32; the per-row scalars are computed in double.
 #include <cuda_runtime.h>
 
+#include <cassert>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -43,6 +44,23 @@ struct Transform {
   }
 };
 
+// A 16-byte vector's elements and back, copied rather than reinterpreted (a
+// uint4 read through a T* is undefined behaviour that g++ -O2 miscompiles).
+// Loads are plain, not __ldg: the kernels write the logits they read.
+template <typename T>
+struct Packed {
+  static constexpr int kSize = 16 / sizeof(T);
+  T values[kSize];
+  __device__ __forceinline__ explicit Packed(const uint4& bits) {
+    memcpy(values, &bits, 16);
+  }
+  __device__ __forceinline__ uint4 Bits() const {
+    uint4 bits;
+    memcpy(&bits, values, 16);
+    return bits;
+  }
+};
+
 // f(i, x[i]) for this thread's elements of a row, with 16-byte loads where
 // the row allows them.
 template <typename T, typename F>
@@ -51,10 +69,9 @@ __device__ __forceinline__ void ForRow(const T* row, int64_t n, F&& f) {
   if (n % kVec == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
     const uint4* vec = reinterpret_cast<const uint4*>(row);
     for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
-      const uint4 packed = __ldg(vec + i);
-      const T* e = reinterpret_cast<const T*>(&packed);
+      const Packed<T> e(vec[i]);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(e[j]));
+      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(e.values[j]));
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) f(i, ToF(row[i]));
@@ -78,11 +95,11 @@ __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
     const uint4* zv = reinterpret_cast<const uint4*>(z);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
     for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
-      const uint4 zp = __ldg(zv + i), tp = __ldg(tv + i);
-      const T* ze = reinterpret_cast<const T*>(&zp);
-      const T* te = reinterpret_cast<const T*>(&tp);
+      const Packed<T> ze(zv[i]), te(tv[i]);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(ze[j]), ToF(te[j]));
+      for (int j = 0; j < kVec; ++j) {
+        f(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j]));
+      }
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
@@ -104,15 +121,14 @@ __device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n, G&& g) {
     uint4* zv = reinterpret_cast<uint4*>(row);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
     for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
-      uint4 zp = zv[i];
-      const uint4 tp = t != nullptr ? __ldg(tv + i) : zp;
-      T* ze = reinterpret_cast<T*>(&zp);
-      const T* te = reinterpret_cast<const T*>(&tp);
+      Packed<T> ze(zv[i]);
+      const Packed<T> te(t != nullptr ? tv[i] : zv[i]);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        ze[j] = FromF<T>(g(i * kVec + j, ToF(ze[j]), ToF(te[j])));
+        ze.values[j] =
+            FromF<T>(g(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j])));
       }
-      zv[i] = zp;
+      zv[i] = ze.Bits();
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
@@ -131,6 +147,8 @@ __device__ void ZeroRow(T* row, int64_t n) {
 // gets the result.
 template <typename S, typename Op>
 __device__ S BlockReduce(S value, Op op) {
+  // The tree below covers kThreads threads, every launch's block size.
+  assert(blockDim.x == kThreads);
   __shared__ S buffer[kThreads];
   buffer[threadIdx.x] = value;
   __syncthreads();
@@ -169,7 +187,9 @@ struct Online {
   float sum = 0;    // Sum of exp(x - max).
   float sum_t = 0;  // Sum of exp((x - max) * inv_t).
   float total = 0;  // Sum of x.
-  float best = -FLT_MAX;
+  // -inf, so a row whose largest value is -FLT_MAX still gets its first
+  // index, as on the CPU.
+  float best = -INFINITY;
   int32_t argmax = INT32_MAX;
   int32_t bad = 0;
 };
@@ -287,13 +307,13 @@ __global__ void __launch_bounds__(kThreads)
     return y.value > x.value || (y.value == x.value && y.index < x.index) ? y
                                                                           : x;
   };
-  Pick last{FLT_MAX, -1};
+  Pick last{INFINITY, -1};
   for (int32_t j = 0; j < a.k; ++j) {
     if (meta.mask == 0) {
       if (threadIdx.x == 0) a.top_k[out * a.k + j] = -1;
       continue;
     }
-    Pick best{-FLT_MAX, INT32_MAX};
+    Pick best{-INFINITY, INT32_MAX};
     ForRow(a.logits + r * p.vocab, p.vocab, [&](int64_t i, float x) {
       const float z = transform(x);
       const bool after = z < last.value || (z == last.value && i > last.index);

@@ -340,6 +340,33 @@ TEST(HeadTest, LossErrorsNameTheRowsBatchPosition) {
   }
 }
 
+// A confidence gradient the loss does not use must still be whole or
+// absent: a backend may write every row of it.
+TEST(HeadTest, AnUnusedConfidenceGradientIsWholeOrAbsent) {
+  const Batch b = MakeBatch(10);
+  const v1::ObjectiveConfig config = ConfigBuilder().Bias(false).Build();
+  std::vector<double> grad_hidden(b.num_rows() * kH), none;
+  std::vector<float> short_confidence(3);
+  const HeadInputs<double> inputs{b.hidden, {}, {}, b.rows, b.weight, {}};
+  TrackingAllocator allocator;
+  EXPECT_EQ(RunHead<double>(config, inputs,
+                            {absl::MakeSpan(grad_hidden), absl::MakeSpan(none),
+                             absl::MakeSpan(none),
+                             absl::MakeSpan(short_confidence)},
+                            allocator)
+                .status()
+                .message(),
+            "gradients.confidence: must hold 24 values (none, or one per "
+            "row), got 3");
+  std::vector<float> whole(b.num_rows(), 5);
+  EXPECT_TRUE(RunHead<double>(config, inputs,
+                              {absl::MakeSpan(grad_hidden),
+                               absl::MakeSpan(none), absl::MakeSpan(none),
+                               absl::MakeSpan(whole)},
+                              allocator)
+                  .ok());
+}
+
 TEST(HeadTest, BadInputsAreClearErrors) {
   const Batch good = MakeBatch(10);
   TrackingAllocator allocator;
