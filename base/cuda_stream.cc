@@ -2,6 +2,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <mutex>
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -19,21 +23,43 @@ class StreamMemory final : public MemorySpace {
  public:
   explicit StreamMemory(cudaStream_t stream) : stream_(stream) {}
   Device device() const override { return Device::kCuda; }
-  void* Allocate(int64_t bytes) override {
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
     void* data = nullptr;
-    if (cudaMallocAsync(&data, bytes, stream_) != cudaSuccess) {
-      cudaGetLastError();  // Clear it: a failed allocation is a Status.
-      return nullptr;
-    }
-    return data;
+    const cudaError_t error = cudaMallocAsync(&data, bytes, stream_);
+    if (error == cudaSuccess) return data;
+    cudaGetLastError();  // Clear it: a failed allocation is a Status.
+    const std::string what =
+        absl::StrCat("allocating ", bytes, " bytes of CUDA memory (",
+                     "cudaMallocAsync): ", cudaGetErrorString(error));
+    // Only a full device is ResourceExhausted; no memory pools, a lost
+    // device or a bad context are other failures, named as such.
+    return error == cudaErrorMemoryAllocation
+               ? absl::ResourceExhaustedError(what)
+               : absl::InternalError(what);
   }
-  void Free(void* data) override { cudaFreeAsync(data, stream_); }
-  void Copy(void* dst, const void* src, int64_t bytes) override {
-    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+  void Free(void* data) override {
+    const cudaError_t error = cudaFreeAsync(data, stream_);
+    if (error == cudaSuccess) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (deferred_.ok()) deferred_ = CudaStatus(error, "cudaFreeAsync");
+  }
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
+    return CudaStatus(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+        "device copy");
+  }
+  // The first failed free since the last call (frees return nothing).
+  absl::Status TakeDeferred() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    absl::Status status = deferred_;
+    deferred_ = absl::OkStatus();
+    return status;
   }
 
  private:
   const cudaStream_t stream_;
+  std::mutex mutex_;
+  absl::Status deferred_;
 };
 
 }  // namespace
@@ -47,6 +73,18 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
         absl::StrCat("no CUDA device: ", cudaGetErrorString(error)));
   }
   if (count == 0) return absl::UnavailableError("no CUDA device is visible");
+  // Keep freed memory in the device's pool between synchronisations (the
+  // default threshold, 0, hands it back to the driver at every one and the
+  // next run maps it again), as PyTorch's caching allocator does. Where
+  // pools are unsupported, allocations say so.
+  int device = 0;
+  cudaMemPool_t pool;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
+  cudaGetLastError();
   std::unique_ptr<CudaStream> stream(new CudaStream);
   DFLASH_RETURN_IF_ERROR(CudaStatus(
       cudaStreamCreateWithFlags(&stream->stream_, cudaStreamNonBlocking),
@@ -86,7 +124,9 @@ absl::Status CudaStream::Zero(void* device, int64_t bytes) {
 }
 
 absl::Status CudaStream::Synchronize() {
-  return CudaStatus(cudaStreamSynchronize(stream_), "CUDA stream");
+  DFLASH_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(stream_), "CUDA stream"));
+  return static_cast<StreamMemory&>(*memory_).TakeDeferred();
 }
 
 absl::Status CudaStream::LaunchStatus(const char* what) {

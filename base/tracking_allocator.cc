@@ -17,12 +17,18 @@ int64_t Rounded(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; 
 class Host final : public MemorySpace {
  public:
   Device device() const override { return Device::kCpu; }
-  void* Allocate(int64_t bytes) override {
-    return std::aligned_alloc(kAlign, Rounded(bytes));
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    void* data = std::aligned_alloc(kAlign, Rounded(bytes));
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of host memory allocating ", bytes, " bytes"));
+    }
+    return data;
   }
   void Free(void* data) override { std::free(data); }
-  void Copy(void* dst, const void* src, int64_t bytes) override {
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
     std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
   }
 };
 
@@ -49,17 +55,17 @@ absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   const bool cacheable = cache_blocks_ && bytes >= kMinCachedBytes;
   void* data = cacheable ? TakeCached(bytes) : nullptr;
   if (data == nullptr) {
-    data = space_.Allocate(Rounded(bytes));
-    if (data == nullptr && cacheable) {
+    absl::StatusOr<void*> fresh = space_.Allocate(Rounded(bytes));
+    if (!fresh.ok() && absl::IsResourceExhausted(fresh.status()) &&
+        cacheable) {
       ReleaseCache();
-      data = space_.Allocate(Rounded(bytes));
+      fresh = space_.Allocate(Rounded(bytes));
     }
-    if (data == nullptr) {
+    if (!fresh.ok()) {
       current_.fetch_sub(bytes);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("out of ", DeviceName(space_.device()),
-                       " memory allocating ", bytes, " bytes"));
+      return fresh.status();
     }
+    data = *fresh;
     if (cacheable) {
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_[data] = Rounded(bytes);

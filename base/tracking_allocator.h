@@ -26,11 +26,15 @@ class MemorySpace {
  public:
   virtual ~MemorySpace() = default;
   virtual Device device() const = 0;
-  // At least 64-byte aligned; null when out of memory.
-  virtual void* Allocate(int64_t bytes) = 0;
+  // At least 64-byte aligned. Errors say why: ResourceExhausted when out
+  // of memory, another code for anything else (no memory pools, a lost
+  // device), with the runtime's reason.
+  virtual absl::StatusOr<void*> Allocate(int64_t bytes) = 0;
+  // A failure that shows only later (a stream-ordered free) is reported by
+  // the space's own synchronisation.
   virtual void Free(void* data) = 0;
   // Copies `bytes` within this space, ordered with the space's other work.
-  virtual void Copy(void* dst, const void* src, int64_t bytes) = 0;
+  virtual absl::Status Copy(void* dst, const void* src, int64_t bytes) = 0;
 };
 
 // Host memory (aligned_alloc, memcpy).
@@ -65,8 +69,8 @@ class TrackingAllocator {
 
   Device device() const { return space_.device(); }
   // Copies within the allocator's memory space.
-  void Copy(void* dst, const void* src, int64_t bytes) {
-    space_.Copy(dst, src, bytes);
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) {
+    return space_.Copy(dst, src, bytes);
   }
 
   int64_t current_bytes() const { return current_.load(); }

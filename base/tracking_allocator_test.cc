@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "gtest/gtest.h"
 
@@ -82,6 +83,50 @@ TEST(TrackingAllocatorTest, WithoutCachingNothingIsHeld) {
   void* block = *allocator.Allocate(int64_t{8} << 20);
   allocator.Free(block, int64_t{8} << 20);
   EXPECT_EQ(allocator.cached_bytes(), 0);
+}
+
+// A memory space whose allocations fail with a given status, counting the
+// attempts (the caching allocator retries once after releasing its cache,
+// but only when the space is out of memory).
+class FailingSpace final : public MemorySpace {
+ public:
+  explicit FailingSpace(absl::Status error) : error_(std::move(error)) {}
+  Device device() const override { return Device::kCuda; }
+  absl::StatusOr<void*> Allocate(int64_t) override {
+    ++attempts;
+    return error_;
+  }
+  void Free(void*) override {}
+  absl::Status Copy(void*, const void*, int64_t) override {
+    return absl::OkStatus();
+  }
+  int attempts = 0;
+
+ private:
+  const absl::Status error_;
+};
+
+TEST(TrackingAllocatorTest, TheSpacesReasonForAFailureIsKept) {
+  FailingSpace no_pools(absl::InternalError(
+      "allocating 4194304 bytes of CUDA memory (cudaMallocAsync): operation "
+      "not supported"));
+  TrackingAllocator allocator(std::numeric_limits<int64_t>::max(),
+                              /*cache_blocks=*/true, no_pools);
+  const absl::Status status = allocator.Allocate(int64_t{4} << 20).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(status.message(),
+            "allocating 4194304 bytes of CUDA memory (cudaMallocAsync): "
+            "operation not supported");
+  EXPECT_EQ(no_pools.attempts, 1);  // Not out of memory: no retry.
+  EXPECT_EQ(allocator.current_bytes(), 0);
+
+  FailingSpace full(absl::ResourceExhaustedError("out of memory"));
+  TrackingAllocator cached(std::numeric_limits<int64_t>::max(),
+                           /*cache_blocks=*/true, full);
+  EXPECT_EQ(cached.Allocate(int64_t{4} << 20).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(full.attempts, 2);  // Retried after releasing the cache.
+  EXPECT_EQ(cached.current_bytes(), 0);
 }
 
 }  // namespace

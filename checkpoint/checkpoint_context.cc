@@ -202,7 +202,9 @@ absl::StatusOr<bool> CheckpointContext::Offer(int64_t chunk,
               keep, offers_++};
   if (keep) {
     DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<char> held, Hold(bytes));
-    if (bytes > 0) allocator_.Copy(held.data(), value.data(), bytes);
+    if (bytes > 0) {
+      DFLASH_RETURN_IF_ERROR(allocator_.Copy(held.data(), value.data(), bytes));
+    }
     entry.held = std::move(held);
   }
   TagStats& tag = stats_.per_tag[info.tag];

@@ -99,9 +99,19 @@ absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
     CudaStream& stream) {
   cublasHandle_t handle = nullptr;
   DFLASH_RETURN_IF_ERROR(BlasStatus(cublasCreate(&handle), "cublasCreate"));
-  if (absl::Status ok = BlasStatus(cublasSetStream(handle, stream.stream()),
-                                   "cublasSetStream");
-      !ok.ok()) {
+  // BF16 GEMMs accumulate in FP32 with no reduced-precision reductions in
+  // split-K, so they match the CPU's FP32 accumulation.
+  absl::Status ok = BlasStatus(cublasSetStream(handle, stream.stream()),
+                               "cublasSetStream");
+  if (ok.ok()) {
+    ok = BlasStatus(
+        cublasSetMathMode(handle,
+                          static_cast<cublasMath_t>(
+                              CUBLAS_DEFAULT_MATH |
+                              CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+        "cublasSetMathMode");
+  }
+  if (!ok.ok()) {
     cublasDestroy(handle);
     return ok;
   }
