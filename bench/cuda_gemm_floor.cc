@@ -65,21 +65,39 @@ absl::StatusOr<double> PairSeconds(CublasHandle& blas, int64_t rows,
     return absl::OkStatus();
   };
   DFLASH_RETURN_IF_ERROR(pair());  // Warm-up.
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
+  // Events destroyed on every path; every event call checked.
+  struct Events {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Events() {
+      if (start != nullptr) cudaEventDestroy(start);
+      if (stop != nullptr) cudaEventDestroy(stop);
+    }
+  } events;
+  auto check = [](cudaError_t error, const char* what) {
+    return error == cudaSuccess
+               ? absl::OkStatus()
+               : absl::InternalError(
+                     absl::StrCat(what, ": ", cudaGetErrorString(error)));
+  };
+  DFLASH_RETURN_IF_ERROR(
+      check(cudaEventCreate(&events.start), "cudaEventCreate"));
+  DFLASH_RETURN_IF_ERROR(
+      check(cudaEventCreate(&events.stop), "cudaEventCreate"));
   double best = 1e30;
   for (int i = 0; i < repeats; ++i) {
-    cudaEventRecord(start, stream.stream());
+    DFLASH_RETURN_IF_ERROR(check(cudaEventRecord(events.start, stream.stream()),
+                                 "cudaEventRecord"));
     DFLASH_RETURN_IF_ERROR(pair());
-    cudaEventRecord(stop, stream.stream());
-    cudaEventSynchronize(stop);
+    DFLASH_RETURN_IF_ERROR(check(cudaEventRecord(events.stop, stream.stream()),
+                                 "cudaEventRecord"));
+    DFLASH_RETURN_IF_ERROR(
+        check(cudaEventSynchronize(events.stop), "cudaEventSynchronize"));
     float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
+    DFLASH_RETURN_IF_ERROR(
+        check(cudaEventElapsedTime(&ms, events.start, events.stop),
+              "cudaEventElapsedTime"));
     best = std::min(best, ms / 1e3);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   DFLASH_RETURN_IF_ERROR(stream.Synchronize());
   return best;
 }

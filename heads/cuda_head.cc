@@ -170,7 +170,12 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
     return ok;
   }
   CudaHeadBackend<T> backend(config, blas);
-  return RunHeadOn<T>(config, inputs, gradients, backend, row_outputs, options);
+  absl::StatusOr<HeadResult> result =
+      RunHeadOn<T>(config, inputs, gradients, backend, row_outputs, options);
+  // A failed run may have left kernels queued on the caller's buffers: wait
+  // for them, so that nothing writes after the error has been returned.
+  if (!result.ok()) blas.stream().Synchronize().IgnoreError();
+  return result;
 }
 
 template absl::StatusOr<HeadResult> RunCudaHead<float>(
