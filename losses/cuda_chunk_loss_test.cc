@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "base/error_norms.h"
 #include "base/gpu_test.h"
@@ -95,7 +96,7 @@ constexpr int32_t kTopK = 4;
 // Runs `T` on the CPU (ChunkLoss) or the GPU (CudaChunkLossFromHost).
 template <typename T>
 Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
-                const Problem& p, CudaStream* gpu) {
+                const Problem& p, CudaStream* gpu, int32_t top_k = kTopK) {
   std::vector<T> logits = FromDoubles<T>(p.logits);
   const std::vector<T> teacher = FromDoubles<T>(p.teacher);
   const bool confidence =
@@ -104,7 +105,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
   out.confidence_grad.assign(confidence ? kRows : 0, 7);
   out.neg_log_q.assign(kRows, 7);
   out.argmax.assign(kRows, 7);
-  out.top_k.assign(kRows * kTopK, 7);
+  out.top_k.assign(kRows * top_k, 7);
   const bool needs_teacher = config.has_dspark() || config.has_distillation();
   const ChunkLossInputs<T> inputs{
       absl::MakeSpan(logits),
@@ -114,7 +115,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
       p.rows, p.vocab};
   const ChunkLossOutputs outputs{
       absl::MakeSpan(out.confidence_grad), absl::MakeSpan(out.neg_log_q),
-      absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), kTopK};
+      absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), top_k};
   if constexpr (std::is_same_v<T, double>) {
     out.terms =
         ChunkLoss<T>(config, options, inputs, outputs);  // No FP64 on CUDA.
@@ -225,11 +226,75 @@ TEST_P(CudaChunkLossTest, BFloat16MatchesTheCpu) {
   EXPECT_LT(RelativeNormError(got.grad, exact.grad), 5e-3);
 }
 
+// The BF16 16-byte vector path (vocabularies divisible by 8), softcap off
+// and on, against the CPU's BF16 path and the float64 gradient.
+TEST_P(CudaChunkLossTest, BFloat16VectorPathMatchesTheCpu) {
+  SKIP_WITHOUT_GPU(gpu);
+  const Case& c = GetParam();
+  const v1::LossConfig config = Loss(c.loss);
+  for (double softcap : {0.0, 5.0}) {
+    for (int64_t vocab : {int64_t{1024}, int64_t{4096}}) {
+      SCOPED_TRACE(absl::StrCat("V ", vocab, " softcap ", softcap));
+      const ChunkLossOptions options{kK, c.scale, softcap};
+      Problem p = MakeProblem(vocab, 21);
+      for (double& x : p.logits) {
+        x = ToFloat(ToBFloat16(static_cast<float>(x)));
+      }
+      for (double& x : p.teacher) {
+        x = ToFloat(ToBFloat16(static_cast<float>(x)));
+      }
+      const Outcome cpu = RunLoss<BFloat16>(config, options, p, nullptr);
+      const Outcome exact = RunLoss<double>(config, options, p, nullptr);
+      const Outcome got = RunLoss<BFloat16>(config, options, p, gpu.get());
+      ASSERT_TRUE(cpu.terms.ok() && exact.terms.ok());
+      ASSERT_TRUE(got.terms.ok()) << got.terms.status();
+      EXPECT_NEAR(got.terms->loss_num, exact.terms->loss_num,
+                  1e-5 * std::abs(exact.terms->loss_num));
+      for (int64_t r = 0; r < kRows; ++r) {
+        EXPECT_EQ(got.argmax[r], cpu.argmax[r]) << "row " << r;
+      }
+      EXPECT_EQ(got.top_k, cpu.top_k);
+      EXPECT_LT(RelativeNormError(got.grad, exact.grad), 5e-3);
+    }
+  }
+}
+
+// The same inputs twice give bit-identical terms and gradients: the
+// reductions run in a fixed order.
+TEST_P(CudaChunkLossTest, RunsAreBitIdentical) {
+  SKIP_WITHOUT_GPU(gpu);
+  const Case& c = GetParam();
+  const v1::LossConfig config = Loss(c.loss);
+  const ChunkLossOptions options{kK, c.scale, c.softcap};
+  const Problem p = MakeProblem(4096, 31);
+  const Outcome first = RunLoss<float>(config, options, p, gpu.get());
+  const Outcome second = RunLoss<float>(config, options, p, gpu.get());
+  ASSERT_TRUE(first.terms.ok() && second.terms.ok());
+  EXPECT_EQ(first.terms->loss_num, second.terms->loss_num);
+  EXPECT_TRUE(first.grad == second.grad);
+  EXPECT_EQ(first.top_k, second.top_k);
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, CudaChunkLossTest,
                          ::testing::ValuesIn(kCases),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+// k = 64 on heavily tied logits (eight distinct values): the GPU's top-k
+// is the CPU's, ties to the lower index.
+TEST(CudaChunkLossTopKTest, SixtyFourOnTiedDataMatchesTheCpu) {
+  SKIP_WITHOUT_GPU(gpu);
+  const v1::LossConfig config = Loss("dflash { gamma: 7 }");
+  const ChunkLossOptions options{kK, 1, 0};
+  Problem p = MakeProblem(1000, 41);
+  for (double& x : p.logits) x = std::round(x);  // About eight values.
+  const Outcome cpu = RunLoss<float>(config, options, p, nullptr, 64);
+  const Outcome got = RunLoss<float>(config, options, p, gpu.get(), 64);
+  ASSERT_TRUE(cpu.terms.ok() && got.terms.ok());
+  EXPECT_EQ(got.top_k, cpu.top_k);
+  EXPECT_EQ(got.argmax, cpu.argmax);
+}
 
 TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   SKIP_WITHOUT_GPU(gpu);
