@@ -180,6 +180,8 @@ def dflash_dependencies():
     )
     _maybe(_build_only, name = "openblas", files = {"BUILD": _OPENBLAS_BUILD})
     _maybe(_cuda_configure, name = "local_config_cuda")
+    _maybe(_python_configure, name = "local_config_python")
+    _maybe(_pybind11_configure, name = "pybind11")
 
 # Where no toolkit is found, the CUDA libraries exist but are incompatible,
 # so targets that need them are skipped by //... rather than missing.
@@ -259,5 +261,76 @@ cc_library(
 _cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
     environ = ["CUDA_PATH", "CUDAHOSTCXX", "CXX", "DFLASH_CUDA", "DFLASH_CUDA_ARCHS"],
+    local = True,
+)
+
+# Where Debian's pybind11-dev puts pybind11/.
+_PYBIND11_INCLUDE = "/usr/include"
+
+def _python_configure_impl(ctx):
+    ctx.file("WORKSPACE", "workspace(name = \"local_config_python\")\n")
+    python = ctx.os.environ.get("DFLASH_PYTHON", "/usr/bin/python3")
+    probe = ctx.execute([python, "-c", "\n".join([
+        "import sys, sysconfig",
+        "print(sysconfig.get_paths()['include'])",
+        "print('cp%d%d' % sys.version_info[:2])",
+        "print(sysconfig.get_platform().replace('-', '_').replace('.', '_'))",
+    ])])
+    lines = probe.stdout.strip().split("\n") if probe.return_code == 0 else []
+    enabled = (
+        len(lines) == 3 and ctx.path(lines[0] + "/Python.h").exists and
+        ctx.path(_PYBIND11_INCLUDE + "/pybind11/pybind11.h").exists
+    )
+    if not enabled:
+        ctx.file("BUILD", "")
+        ctx.file("defs.bzl", "PYTHON_ENABLED = False\nPYTHON_BIN = \"\"\nPYTHON_TAG = \"\"\nPLATFORM_TAG = \"\"\n")
+        return
+    ctx.symlink(lines[0], "include")
+    ctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "python_headers",
+    hdrs = glob(["include/**/*.h"]),
+    includes = ["include"],
+)
+""")
+    ctx.file("defs.bzl", "PYTHON_ENABLED = True\nPYTHON_BIN = %r\nPYTHON_TAG = %r\nPLATFORM_TAG = %r\n" % (
+        python,
+        lines[1],
+        lines[2],
+    ))
+
+# The Python that dflash's extension module is built for: DFLASH_PYTHON, else
+# Debian's /usr/bin/python3 (the one python3-torch installs into; a python3
+# earlier on PATH may lack torch). Its headers (python3-dev) and pybind11
+# (pybind11-dev) must both be there; otherwise the Python targets drop out,
+# as the CUDA ones do without a toolkit.
+_python_configure = repository_rule(
+    implementation = _python_configure_impl,
+    environ = ["DFLASH_PYTHON"],
+    local = True,
+)
+
+def _pybind11_configure_impl(ctx):
+    ctx.file("WORKSPACE", "workspace(name = \"pybind11\")\n")
+    if not ctx.path(_PYBIND11_INCLUDE + "/pybind11/pybind11.h").exists:
+        ctx.file("BUILD", "")
+        return
+    ctx.symlink(_PYBIND11_INCLUDE + "/pybind11", "include/pybind11")
+    ctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+# Header-only, from Debian's pybind11-dev.
+cc_library(
+    name = "pybind11",
+    hdrs = glob(["include/pybind11/**/*.h"]),
+    includes = ["include"],
+    deps = ["@local_config_python//:python_headers"],
+)
+""")
+
+_pybind11_configure = repository_rule(
+    implementation = _pybind11_configure_impl,
     local = True,
 )

@@ -1,0 +1,23 @@
+"""dflash: chunked, checkpointed vocabulary-projection heads and
+DFlash-family losses for training speculative-decoding draft models.
+
+`ObjectiveConfig` holds one objective (proto/policy.proto of the dflash
+repository); `dflash.torch` runs it on PyTorch tensors.
+"""
+
+from dflash import _openblas
+
+_openblas.choose_kernels()
+
+from dflash._core import (  # noqa: E402
+    ObjectiveConfig, built_with_cuda, release_cached_memory)
+from dflash.config import objective_config  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ObjectiveConfig",
+    "built_with_cuda",
+    "objective_config",
+    "release_cached_memory",
+]

@@ -1,0 +1,36 @@
+"""Where an objective comes from: the built-in default, an ObjectiveConfig,
+text format or a file, with keyword overrides on top."""
+
+import os
+
+from dflash._core import ObjectiveConfig
+
+
+def objective_config(config=None, **overrides):
+    """The ObjectiveConfig that `config` and `overrides` name.
+
+    config: None (configs/dflash_default.textproto: dflash loss, gamma 7,
+    chunks of 128 blocks, fused head), an ObjectiveConfig, a path
+    (os.PathLike, or a str naming an existing file) or protobuf text format.
+    overrides: loss_type, gamma, mode, chunk_blocks, segment_chunks, threads,
+    ignore_index, label_smoothing, z_loss_scale
+    (ObjectiveConfig.with_overrides).
+    The tensors of each call fill in the layout and head sizes; the whole
+    config is validated then.
+    """
+    if config is None:
+        base = ObjectiveConfig.default()
+    elif isinstance(config, ObjectiveConfig):
+        base = config
+    elif isinstance(config, os.PathLike) or (
+        isinstance(config, str) and os.path.isfile(config)
+    ):
+        base = ObjectiveConfig.from_file(os.fspath(config))
+    elif isinstance(config, str):
+        base = ObjectiveConfig.from_text(config, "config")
+    else:
+        raise TypeError(
+            "config: must be None, an ObjectiveConfig, text format or a path, "
+            f"got {type(config).__name__}"
+        )
+    return base.with_overrides(**overrides) if overrides else base

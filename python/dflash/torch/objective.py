@@ -1,0 +1,198 @@
+"""dflash_objective: SpecForge's DFlash chunk terms from the fused C++ head.
+
+The head runs forward and backward in one call (in FUSED mode the gradient
+is computed chunk by chunk in forward, so nothing is recomputed); autograd's
+backward then only scales the saved gradients by what flows in.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from dflash import _core
+from dflash.config import objective_config
+
+
+class ObjectiveTerms(NamedTuple):
+    """Additive terms of one batch, as SpecForge's chunk terms: the first four
+    unpack like `loss_num, loss_den, correct_num, accuracy_den`.
+
+    Only loss_num is differentiable (with respect to hidden, to the weight and
+    bias when they require grad, and to dspark's confidence logits). Sum the
+    terms over micro-batches or ranks, then divide: `loss_num / loss_den`.
+    """
+
+    loss_num: torch.Tensor  # 0-dim; hidden's dtype (float32 for bfloat16).
+    loss_den: torch.Tensor  # 0-dim: sum of loss weights.
+    correct_num: torch.Tensor  # 0-dim: argmax == target where mask > 0.5.
+    accuracy_den: torch.Tensor  # 0-dim: sum of weight_mask.
+    position_correct: torch.Tensor  # [K]: correct_num per block position.
+    position_den: torch.Tensor  # [K]: accuracy_den per block position.
+    neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
+    argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
+    top_k: Optional[torch.Tensor] = None  # [B, N, K, k] int64, when asked.
+    # The head's run: mode, chunks, projected_rows, gemm_calls, gemm_passes,
+    # segment_recomputes, peak_bytes (its own buffers), forward_seconds,
+    # backward_seconds.
+    stats: Optional[dict] = None
+
+    @property
+    def loss(self):
+        return self.loss_num / self.loss_den
+
+    @property
+    def accuracy_per_position(self):
+        """position_correct / position_den, 0 where a position has no mask."""
+        den = self.position_den
+        return torch.where(den > 0,
+                           self.position_correct / den.clamp_min(1e-30),
+                           torch.zeros_like(den))
+
+
+def _tensor(name, value, optional=False):
+    if value is None and optional:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name}: must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _on_host(tensor):
+    # Row metadata is read on the host: one small copy from a CUDA device.
+    return tensor.cpu() if tensor.is_cuda else tensor
+
+
+class _Objective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, config, top_k, return_rows, run_info, hidden, weight, bias,
+                teacher, confidence, target_ids, weight_mask):
+        # needs_input_grad follows the argument order above.
+        trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
+        rows = tuple(hidden.shape[:3])
+        device = hidden.device
+
+        def empty(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        grads = {
+            "grad_hidden": empty(hidden.shape, hidden.dtype),
+            "grad_weight": (empty(weight.shape, weight.dtype)
+                            if trainable else None),
+            "grad_bias": (empty(bias.shape, bias.dtype)
+                          if trainable and bias is not None else None),
+            "grad_confidence": (empty(rows, torch.float32)
+                                if confidence is not None else None),
+        }
+        outputs = {
+            "neg_log_q": empty(rows, torch.float32) if return_rows else None,
+            "argmax": empty(rows, torch.int32) if return_rows else None,
+            "top_k": empty(rows + (top_k,), torch.int32) if top_k else None,
+        }
+        stream = (torch.cuda.current_stream(device).cuda_stream
+                  if hidden.is_cuda else 0)
+        result = _core.run_objective(
+            config, hidden, weight, target_ids, weight_mask, bias, teacher,
+            confidence, trainable=trainable, cuda_stream=stream, **grads,
+            **outputs)
+
+        # One host-to-device copy for every scalar term, then a tensor of its
+        # own for each (not views of one: a caller may all_reduce one in
+        # place).
+        scalar_dtype = (torch.float32 if hidden.dtype == torch.bfloat16
+                        else hidden.dtype)
+        values = torch.tensor(
+            [result["loss_num"], result["loss_den"], result["correct"],
+             result["accuracy_den"]] + result["correct_per_position"]
+            + result["mask_per_position"], dtype=torch.float64)
+        values = values.to(device=device, dtype=scalar_dtype)
+        k = len(result["correct_per_position"])
+        terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
+                                     values[4:4 + k], values[4 + k:])]
+        extras = [
+            outputs["neg_log_q"],
+            None if outputs["argmax"] is None else outputs["argmax"].long(),
+            None if outputs["top_k"] is None else outputs["top_k"].long(),
+        ]
+        run_info.update(result["stats"])
+        ctx.den = result["loss_den"]
+        ctx.grads = grads
+        returned = terms + [e for e in extras if e is not None]
+        ctx.mark_non_differentiable(*returned[1:])
+        return tuple(returned)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_num, *unused):
+        # The head's gradients are of loss_num / loss_den; loss_num's are
+        # loss_den times those, scaled by what autograd brings (1 / a global
+        # denominator, an accumulation factor, ...).
+        scale = grad_num * ctx.den
+
+        def scaled(grad):
+            if grad.dtype == torch.bfloat16:
+                # A bfloat16 scale would round it: scale in float32.
+                return (grad.float() * scale.float()).to(grad.dtype)
+            return grad * scale.to(grad.dtype)
+
+        needs = ctx.needs_input_grad
+        g = ctx.grads
+        grad_hidden = scaled(g["grad_hidden"]) if needs[4] else None
+        grad_weight = scaled(g["grad_weight"]) if needs[5] else None
+        grad_bias = scaled(g["grad_bias"]) if needs[6] else None
+        grad_confidence = scaled(g["grad_confidence"]) if needs[8] else None
+        return (None, None, None, None, grad_hidden, grad_weight, grad_bias,
+                None, grad_confidence, None, None)
+
+
+def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
+                     config=None, lm_head_bias=None, teacher_hidden=None,
+                     confidence_logits=None, return_rows=False, top_k=0,
+                     **overrides):
+    """The DFlash-family objective's chunk terms over one batch, through the
+    fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
+    by `checkpointed_chunk_reduce` returns, without materialising the logits.
+
+    hidden: [B, N, K, H] draft hidden states; float32 or float64 on the CPU,
+        float32 or bfloat16 on CUDA (torch's current stream); contiguous.
+    lm_head_weight: [V, H], hidden's dtype and device; lm_head_bias: [V].
+        Neither is copied; when either requires grad the head trains.
+    target_ids: [B, N, K] int64 or int32; weight_mask: [B, N, K] float32,
+        float64 or bool. Row (b, n, k) is position k of block b*N + n.
+        On a CUDA device they are copied to the host (small; waits for them).
+    config: None (the default: dflash, gamma 7, 128 blocks a chunk, fused),
+        an ObjectiveConfig, text format or a file; overrides such as
+        loss_type=, gamma=, mode=, chunk_blocks= go on top
+        (dflash.objective_config).
+    teacher_hidden: [B, N, K, H], for dspark and distillation (no gradient).
+    confidence_logits: [B, N, K] float32, for dspark's confidence term.
+    return_rows: also return per-row neg_log_q and argmax; top_k: the k
+        largest logits' ids per row (0 <= k <= min(64, V)).
+
+    Returns ObjectiveTerms. Every bad input raises ValueError (TypeError for
+    a wrong type, MemoryError when memory runs out) naming the argument.
+    """
+    hidden = _tensor("hidden", hidden)
+    lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
+    target_ids = _tensor("target_ids", target_ids)
+    weight_mask = _tensor("weight_mask", weight_mask)
+    for name, value in (("lm_head_bias", lm_head_bias),
+                        ("teacher_hidden", teacher_hidden),
+                        ("confidence_logits", confidence_logits)):
+        _tensor(name, value, optional=True)
+    vocab = lm_head_weight.shape[0] if lm_head_weight.dim() == 2 else 64
+    if (not isinstance(top_k, int) or isinstance(top_k, bool)
+            or not 0 <= top_k <= min(64, vocab)):
+        raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
+                         f"got {top_k!r}")
+    resolved = objective_config(config, **overrides)
+    stats = {}
+    results = _Objective.apply(
+        resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
+        lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
+        _on_host(weight_mask))
+    terms = list(results[:6])
+    extras = iter(results[6:])
+    for wanted in (return_rows, return_rows, top_k > 0):
+        terms.append(next(extras) if wanted else None)
+    return ObjectiveTerms(*terms, stats=stats)

@@ -1,0 +1,130 @@
+// The CUDA entry point: RunCudaHead ordered on torch's current stream.
+#include "python/native/cuda_run.h"
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "base/cuda_stream.h"
+#include "base/status_macros.h"
+#include "heads/cuda_head.h"
+#include "heads/cuda_projection.h"
+
+namespace dflash::python {
+namespace {
+
+absl::Status Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorString(error)));
+}
+
+// What a device keeps between calls: the head's stream, its cuBLAS handle
+// (milliseconds to create) and the two events that order it on torch's
+// stream. `mu` serialises the calls on the device.
+struct DeviceState {
+  std::mutex mu;
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<CublasHandle> blas;
+  cudaEvent_t after_torch = nullptr;
+  cudaEvent_t after_head = nullptr;
+};
+
+// The state of the current device, made on first use. Lives until exit:
+// torch's CUDA context outlives any Python object.
+absl::StatusOr<DeviceState*> StateOf(int device) {
+  static std::mutex mu;
+  static auto& states = *new std::map<int, std::unique_ptr<DeviceState>>();
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<DeviceState>& state = states[device];
+  if (state != nullptr) return state.get();
+  auto created = std::make_unique<DeviceState>();
+  DFLASH_ASSIGN_OR_RETURN(created->stream, CudaStream::Create());
+  DFLASH_ASSIGN_OR_RETURN(created->blas,
+                          CublasHandle::Create(*created->stream));
+  for (cudaEvent_t* event : {&created->after_torch, &created->after_head}) {
+    DFLASH_RETURN_IF_ERROR(
+        Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming),
+              "cudaEventCreateWithFlags"));
+  }
+  state = std::move(created);
+  return state.get();
+}
+
+// Makes `device` current for the scope and restores the caller's after:
+// torch tracks its own current device.
+class DeviceScope {
+ public:
+  absl::Status Enter(int device) {
+    DFLASH_RETURN_IF_ERROR(Check(cudaGetDevice(&previous_), "cudaGetDevice"));
+    entered_ = true;
+    return Check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() {
+    if (entered_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool entered_ = false;
+};
+
+}  // namespace
+
+bool BuiltWithCuda() { return true; }
+
+template <typename T>
+absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
+                                            const HeadInputs<T>& inputs,
+                                            const HeadGradients<T>& gradients,
+                                            const HeadRowOutputs& row_outputs,
+                                            int device, uintptr_t stream) {
+  DeviceScope scope;
+  DFLASH_RETURN_IF_ERROR(scope.Enter(device));
+  DFLASH_ASSIGN_OR_RETURN(DeviceState* const state, StateOf(device));
+  std::lock_guard<std::mutex> lock(state->mu);
+  const cudaStream_t torch_stream = reinterpret_cast<cudaStream_t>(stream);
+  const cudaStream_t head_stream = state->stream->stream();
+  DFLASH_RETURN_IF_ERROR(
+      Check(cudaEventRecord(state->after_torch, torch_stream),
+            "cudaEventRecord on torch's stream"));
+  DFLASH_RETURN_IF_ERROR(
+      Check(cudaStreamWaitEvent(head_stream, state->after_torch, 0),
+            "cudaStreamWaitEvent"));
+  absl::StatusOr<HeadResult> result =
+      RunCudaHead<T>(config, inputs, gradients, *state->blas, row_outputs);
+  // Also after a failure: torch must not reuse memory the head may still
+  // be writing.
+  absl::Status ordered = Check(cudaEventRecord(state->after_head, head_stream),
+                               "cudaEventRecord on the head's stream");
+  if (ordered.ok()) {
+    ordered = Check(cudaStreamWaitEvent(torch_stream, state->after_head, 0),
+                    "cudaStreamWaitEvent");
+  }
+  if (!result.ok()) return result.status();
+  if (!ordered.ok()) return ordered;
+  return result;
+}
+
+absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
+                            int64_t bytes) {
+  DeviceScope scope;
+  DFLASH_RETURN_IF_ERROR(scope.Enter(device));
+  return Check(cudaMemcpy(host, reinterpret_cast<const void*>(source),
+                          static_cast<size_t>(bytes), cudaMemcpyDeviceToHost),
+               "cudaMemcpy to the host");
+}
+
+template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t);
+template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
+    const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
+    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+
+}  // namespace dflash::python

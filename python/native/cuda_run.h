@@ -1,0 +1,36 @@
+#ifndef DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
+#define DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "heads/fused_head.h"
+#include "proto/policy.pb.h"
+
+namespace dflash::python {
+
+// Whether this build has the CUDA head (Bazel found a CUDA toolkit).
+bool BuiltWithCuda();
+
+// RunCudaHead (T = float or BFloat16) on CUDA device `device`, ordered
+// after the work already queued on `stream` (torch's current stream there)
+// and before the work queued on it next, through events: nothing waits on
+// the host beyond the head's own two synchronisations. The head's stream
+// and cuBLAS handle are made once per device and kept. Without CUDA in the
+// build: Unimplemented.
+template <typename T>
+absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
+                                            const HeadInputs<T>& inputs,
+                                            const HeadGradients<T>& gradients,
+                                            const HeadRowOutputs& row_outputs,
+                                            int device, uintptr_t stream);
+
+// Copies `bytes` from device memory at `source` on `device` to `host`,
+// waiting for the device. Without CUDA in the build: Unimplemented.
+absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
+                            int64_t bytes);
+
+}  // namespace dflash::python
+
+#endif  // DFLASH_PYTHON_NATIVE_CUDA_RUN_H_

@@ -1,0 +1,298 @@
+// dflash._core: the Python extension module. Tensors arrive as torch
+// objects and are read through their Python attributes (data_ptr, dtype,
+// shape, stride, device), so no torch header or library is needed to build
+// it and one build serves every torch version.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "proto/config.h"
+#include "python/native/config_overrides.h"
+#include "python/native/cuda_run.h"
+#include "python/native/objective.h"
+
+namespace py = pybind11;
+
+namespace dflash::python {
+namespace {
+
+// The Python exception for `status`, with its message: ValueError for bad
+// arguments, MemoryError when memory ran out, FileNotFoundError for a config
+// file that cannot be read, RuntimeError for the rest (a device failing).
+[[noreturn]] void Raise(const absl::Status& status) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      type = PyExc_ValueError;
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      type = PyExc_MemoryError;
+      break;
+    case absl::StatusCode::kNotFound:
+      type = PyExc_FileNotFoundError;
+      break;
+    case absl::StatusCode::kUnimplemented:
+      type = PyExc_NotImplementedError;
+      break;
+    default:
+      break;
+  }
+  PyErr_SetString(type, std::string(status.message()).c_str());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T ValueOrRaise(absl::StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+[[noreturn]] void RaiseType(const std::string& message) {
+  PyErr_SetString(PyExc_TypeError, message.c_str());
+  throw py::error_already_set();
+}
+
+// A torch tensor's metadata; None stays absent.
+std::optional<TensorArg> ArgOf(const char* name, py::handle tensor) {
+  if (tensor.is_none()) return std::nullopt;
+  if (!py::hasattr(tensor, "data_ptr") || !py::hasattr(tensor, "stride")) {
+    RaiseType(absl::StrCat(name, ": must be a torch.Tensor, got ",
+                           std::string(py::str(tensor.get_type()))));
+  }
+  TensorArg arg;
+  arg.name = name;
+  arg.data = tensor.attr("data_ptr")().cast<uintptr_t>();
+  std::string dtype = py::str(tensor.attr("dtype"));
+  arg.dtype = dtype.rfind("torch.", 0) == 0 ? dtype.substr(6) : dtype;
+  arg.shape = tensor.attr("shape").cast<std::vector<int64_t>>();
+  arg.strides = tensor.attr("stride")().cast<std::vector<int64_t>>();
+  arg.device = py::str(tensor.attr("device"));
+  return arg;
+}
+
+TensorArg RequiredArgOf(const char* name, py::handle tensor) {
+  std::optional<TensorArg> arg = ArgOf(name, tensor);
+  if (!arg.has_value())
+    RaiseType(absl::StrCat(name, ": must be a tensor, got None"));
+  return *std::move(arg);
+}
+
+// `value` as T, or a TypeError naming the keyword.
+template <typename T>
+T Cast(const std::string& key, py::handle value, const char* expected) {
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    RaiseType(absl::StrCat(key, ": must be ", expected, ", got ",
+                           std::string(py::repr(value))));
+  }
+}
+
+ConfigOverrides OverridesOf(const py::kwargs& kwargs) {
+  ConfigOverrides o;
+  for (const auto& [key_handle, value] : kwargs) {
+    const std::string key = py::str(key_handle);
+    if (key == "loss_type") {
+      o.loss_type = Cast<std::string>(key, value, "a str");
+    } else if (key == "gamma") {
+      o.gamma = Cast<double>(key, value, "a float");
+    } else if (key == "mode") {
+      o.mode = Cast<std::string>(key, value, "a str");
+    } else if (key == "chunk_blocks") {
+      o.chunk_blocks = Cast<int64_t>(key, value, "an int");
+    } else if (key == "segment_chunks") {
+      o.segment_chunks = Cast<int64_t>(key, value, "an int");
+    } else if (key == "threads") {
+      o.threads = Cast<int32_t>(key, value, "an int");
+    } else if (key == "ignore_index") {
+      o.ignore_index = Cast<int64_t>(key, value, "an int");
+    } else if (key == "label_smoothing") {
+      o.label_smoothing = Cast<double>(key, value, "a float");
+    } else if (key == "z_loss_scale") {
+      o.z_loss_scale = Cast<double>(key, value, "a float");
+    } else {
+      RaiseType(absl::StrCat(
+          "unexpected keyword override '", key,
+          "'; the overrides are loss_type, gamma, mode, chunk_blocks, "
+          "segment_chunks, threads, ignore_index, label_smoothing, "
+          "z_loss_scale (anything else: text format in config=)"));
+    }
+  }
+  return o;
+}
+
+py::object OptionalName(bool has, const std::string& name) {
+  return has ? py::object(py::str(name)) : py::object(py::none());
+}
+
+// The checkpoint policy with its preset expanded into rules, validated.
+py::dict CheckpointPolicyOf(const v1::ObjectiveConfig& config) {
+  const v1::CheckpointPolicy policy = ResolveDefaults(config).checkpoint();
+  const absl::Status valid = ValidateCheckpointPolicy(policy);
+  if (!valid.ok()) Raise(valid);
+  const std::vector<v1::CheckpointRule> rules =
+      policy.has_preset() ? PresetRules(policy.preset())
+                          : std::vector<v1::CheckpointRule>(
+                                policy.rules().begin(), policy.rules().end());
+  py::list list;
+  for (const v1::CheckpointRule& rule : rules) {
+    py::dict d;
+    d["kind"] =
+        OptionalName(rule.has_kind(), v1::IntermediateKind_Name(rule.kind()));
+    d["name"] = OptionalName(rule.has_name(), rule.name());
+    d["weight_frozen"] = rule.has_weight_frozen()
+                             ? py::object(py::bool_(rule.weight_frozen()))
+                             : py::object(py::none());
+    d["input_requires_grad"] =
+        rule.has_input_requires_grad()
+            ? py::object(py::bool_(rule.input_requires_grad()))
+            : py::object(py::none());
+    d["action"] = v1::CheckpointAction_Name(rule.action());
+    list.append(d);
+  }
+  py::dict d;
+  d["rules"] = list;
+  d["default_action"] = v1::CheckpointAction_Name(policy.default_action());
+  d["memory_budget_bytes"] =
+      policy.has_memory_budget_bytes()
+          ? py::object(py::int_(policy.memory_budget_bytes()))
+          : py::object(py::none());
+  d["segment_chunks"] = policy.segment_chunks();
+  return d;
+}
+
+py::dict ResultOf(const HeadResult& r) {
+  py::dict stats;
+  stats["mode"] = v1::HeadConfig::ExecutionMode_Name(r.mode);
+  stats["chunks"] = r.stats.chunks;
+  stats["projected_rows"] = r.stats.projected_rows;
+  stats["gemm_calls"] = r.stats.gemm_calls;
+  stats["gemm_passes"] = r.stats.gemm_passes;
+  stats["segment_recomputes"] = r.stats.segment_recomputes;
+  stats["peak_bytes"] = r.stats.peak_bytes;
+  stats["forward_seconds"] = r.stats.forward_seconds;
+  stats["backward_seconds"] = r.stats.backward_seconds;
+  py::dict d;
+  d["loss_num"] = r.terms.loss_num;
+  d["loss_den"] = r.terms.loss_den;
+  d["correct"] = r.terms.correct;
+  d["accuracy_den"] = r.terms.accuracy_den;
+  d["correct_per_position"] = r.terms.correct_per_position;
+  d["mask_per_position"] = r.terms.mask_per_position;
+  d["stats"] = stats;
+  return d;
+}
+
+py::dict RunObjectiveFromPython(
+    const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
+    py::handle target_ids, py::handle weight_mask, py::handle bias,
+    py::handle teacher_hidden, py::handle confidence_logits,
+    py::handle grad_hidden, py::handle grad_weight, py::handle grad_bias,
+    py::handle grad_confidence, py::handle neg_log_q, py::handle argmax,
+    py::handle top_k, bool trainable, uintptr_t cuda_stream) {
+  ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
+                           RequiredArgOf("lm_head_weight", weight),
+                           RequiredArgOf("target_ids", target_ids),
+                           RequiredArgOf("weight_mask", weight_mask),
+                           ArgOf("lm_head_bias", bias),
+                           ArgOf("teacher_hidden", teacher_hidden),
+                           ArgOf("confidence_logits", confidence_logits)};
+  ObjectiveOutputs outputs{RequiredArgOf("grad_hidden", grad_hidden),
+                           ArgOf("grad_weight", grad_weight),
+                           ArgOf("grad_bias", grad_bias),
+                           ArgOf("grad_confidence", grad_confidence),
+                           ArgOf("neg_log_q", neg_log_q),
+                           ArgOf("argmax", argmax),
+                           ArgOf("top_k", top_k)};
+  absl::StatusOr<HeadResult> result;
+  {
+    py::gil_scoped_release release;
+    result = RunObjective(config, tensors, outputs, {trainable, cuda_stream});
+  }
+  return ResultOf(ValueOrRaise(std::move(result)));
+}
+
+}  // namespace
+}  // namespace dflash::python
+
+PYBIND11_MODULE(_core, m) {
+  namespace dp = dflash::python;
+  namespace v1 = dflash::v1;
+  using dflash::ParseObjectiveConfig;
+  using dflash::ToTextFormat;
+
+  m.doc() = "dflash's C++ heads and configs; use dflash and dflash.torch.";
+
+  py::class_<v1::ObjectiveConfig>(
+      m, "ObjectiveConfig",
+      "A dflash.v1.ObjectiveConfig (proto/policy.proto). The tensors fill "
+      "the layout and head sizes at each call; defaults are resolved and the "
+      "whole config validated then.")
+      .def_static(
+          "default", [] { return dp::ValueOrRaise(dp::DefaultConfig()); },
+          "configs/dflash_default.textproto: dflash loss, gamma 7, chunks of "
+          "128 blocks, fused head.")
+      .def_static(
+          "from_text",
+          [](const std::string& text, const std::string& source) {
+            return dp::ValueOrRaise(ParseObjectiveConfig(text, source));
+          },
+          py::arg("text"), py::arg("source") = "<string>",
+          "Parses protobuf text format.")
+      .def_static(
+          "from_file",
+          [](const std::string& path) {
+            return dp::ValueOrRaise(dp::ConfigFromFile(path));
+          },
+          py::arg("path"), "Parses a text-format file.")
+      .def(
+          "with_overrides",
+          [](const v1::ObjectiveConfig& config, const py::kwargs& kwargs) {
+            v1::ObjectiveConfig changed = config;
+            const absl::Status applied =
+                dp::ApplyOverrides(dp::OverridesOf(kwargs), changed);
+            if (!applied.ok()) dp::Raise(applied);
+            return changed;
+          },
+          "A copy with keyword overrides: loss_type, gamma, mode, "
+          "chunk_blocks, segment_chunks, threads, ignore_index, "
+          "label_smoothing, z_loss_scale.")
+      .def_property_readonly(
+          "text",
+          [](const v1::ObjectiveConfig& config) {
+            return ToTextFormat(config);
+          },
+          "The config in text format, as given (defaults not filled).")
+      .def("checkpoint_policy", &dp::CheckpointPolicyOf,
+           "The checkpoint policy as a dict: rules (preset expanded; each "
+           "kind, name, weight_frozen, input_requires_grad, action, None "
+           "where unset), default_action, memory_budget_bytes, "
+           "segment_chunks.")
+      .def("__repr__", [](const v1::ObjectiveConfig& config) {
+        return absl::StrCat("ObjectiveConfig('''", ToTextFormat(config),
+                            "''')");
+      });
+
+  m.def("run_objective", &dp::RunObjectiveFromPython, py::arg("config"),
+        py::arg("hidden"), py::arg("weight"), py::arg("target_ids"),
+        py::arg("weight_mask"), py::arg("bias"), py::arg("teacher_hidden"),
+        py::arg("confidence_logits"), py::arg("grad_hidden"),
+        py::arg("grad_weight"), py::arg("grad_bias"),
+        py::arg("grad_confidence"), py::arg("neg_log_q"), py::arg("argmax"),
+        py::arg("top_k"), py::arg("trainable"), py::arg("cuda_stream"),
+        "Runs the head once, forward and backward, into the given buffers; "
+        "gradients are of loss_num / loss_den. Returns the terms and stats. "
+        "The GIL is released while it runs.");
+  m.def("built_with_cuda", &dp::BuiltWithCuda,
+        "Whether this build runs CUDA tensors.");
+  m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,
+        "Returns the host workspaces CPU runs keep between calls.");
+}

@@ -1,0 +1,237 @@
+// The binding's own logic: how tensors are described, checked and turned
+// into rows, and how keyword overrides change a config. The numbers the head
+// computes are checked from Python against an independent reference.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/config.h"
+#include "python/native/config_overrides.h"
+#include "python/native/objective.h"
+#include "python/native/tensor_arg.h"
+
+namespace dflash::python {
+namespace {
+
+using ::testing::HasSubstr;
+
+template <typename T>
+TensorArg Arg(const char* name, std::vector<T>& data, const char* dtype,
+              std::vector<int64_t> shape, std::vector<int64_t> strides = {}) {
+  TensorArg arg;
+  arg.name = name;
+  arg.data = reinterpret_cast<uintptr_t>(data.data());
+  arg.dtype = dtype;
+  arg.shape = shape;
+  if (strides.empty()) {
+    strides.assign(shape.size(), 1);
+    for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) {
+      strides[i] = strides[i + 1] * shape[i + 1];
+    }
+  }
+  arg.strides = strides;
+  return arg;
+}
+
+TEST(TensorArgTest, ContiguityIgnoresUnitDimensions) {
+  std::vector<float> data(6);
+  EXPECT_TRUE(Arg("x", data, "float32", {2, 3}).contiguous());
+  EXPECT_TRUE(Arg("x", data, "float32", {2, 1, 3}, {3, 99, 1}).contiguous());
+  EXPECT_FALSE(Arg("x", data, "float32", {2, 3}, {1, 2}).contiguous());
+  const absl::Status status =
+      ExpectContiguous(Arg("hidden", data, "float32", {2, 3}, {1, 2}));
+  EXPECT_THAT(status.message(),
+              HasSubstr("hidden: must be contiguous (dflash reads it in "
+                        "place; call .contiguous(), one copy), got strides "
+                        "(1, 2) for shape (2, 3)"));
+}
+
+TEST(TensorArgTest, MessagesNameArgumentValueAndExpectation) {
+  std::vector<int64_t> data(6);
+  const absl::string_view floats[] = {"float32", "float64"};
+  EXPECT_EQ(ExpectDType(Arg("hidden", data, "int64", {6}), floats, "on the CPU")
+                .message(),
+            "hidden: must be float32 or float64 (on the CPU), got int64");
+  EXPECT_EQ(ExpectShape(Arg("bias", data, "int64", {6}), {5}, "[V]").message(),
+            "bias: must have shape [V] = (5,), got (6,)");
+  TensorArg cuda = Arg("w", data, "float32", {6});
+  cuda.device = "cuda:1";
+  EXPECT_TRUE(cuda.on_cuda());
+  EXPECT_EQ(cuda.cuda_index(), 1);
+  EXPECT_EQ(ExpectDevice(cuda, "cpu", "hidden's device").message(),
+            "w: must be on cpu (hidden's device), got cuda:1");
+}
+
+TEST(RowsOfTest, RowsAreBlocksOfPositionsAtAnyStrides) {
+  // [B=1, N=2, K=3] targets stored transposed ([K, N] memory), a bool mask.
+  std::vector<int64_t> ids = {5, 8, 6, 9, 7, -100};  // ids[k][n]
+  std::vector<uint8_t> mask = {1, 1, 0, 1, 1, 1};
+  const TensorArg target_ids =
+      Arg("target_ids", ids, "int64", {1, 2, 3}, {6, 1, 2});
+  const TensorArg weight_mask = Arg("weight_mask", mask, "bool", {1, 2, 3});
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      RowsOf(target_ids, weight_mask, /*vocab=*/10, /*ignore_index=*/-100);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 6u);
+  const int32_t targets[] = {5, 6, 0, 8, 9, 0};  // Masked and ignored: 0.
+  const float masks[] = {1, 1, 0, 1, 1, 0};      // Ignored: no weight.
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_EQ((*rows)[r].target, targets[r]) << r;
+    EXPECT_EQ((*rows)[r].mask, masks[r]) << r;
+    EXPECT_EQ((*rows)[r].position, r % 3) << r;
+    EXPECT_EQ((*rows)[r].block, r / 3) << r;
+  }
+}
+
+TEST(RowsOfTest, BadTargetsAndMasksNameTheElement) {
+  std::vector<int64_t> ids = {0, 1, 10, 3};
+  std::vector<float> mask = {0, 1, 1, 1};
+  const TensorArg target_ids = Arg("target_ids", ids, "int64", {1, 2, 2});
+  EXPECT_EQ(RowsOf(target_ids, Arg("weight_mask", mask, "float32", {1, 2, 2}),
+                   10, -100)
+                .status()
+                .message(),
+            "target_ids[0, 1, 0]: must lie in [0, V = 10) or be ignore_index "
+            "(-100) where weight_mask > 0, got 10");
+  mask[1] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(RowsOf(target_ids, Arg("weight_mask", mask, "float32", {1, 2, 2}),
+                   10, -100)
+                .status()
+                .message(),
+            "weight_mask[0, 0, 1]: must be finite and >= 0, got nan");
+}
+
+TEST(OverridesTest, ChangeTheFamilyKeepingCrossEntropyOptions) {
+  absl::StatusOr<v1::ObjectiveConfig> config = DefaultConfig();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->loss().dflash().gamma(), 7);
+  ConfigOverrides overrides;
+  overrides.label_smoothing = 0.1;
+  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
+  overrides = {};
+  overrides.loss_type = "lk-lambda";
+  overrides.gamma = 3;
+  overrides.mode = "selective";
+  overrides.chunk_blocks = 2;
+  overrides.segment_chunks = 4;
+  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
+  EXPECT_EQ(config->loss().lk_lambda().gamma(), 3);
+  EXPECT_EQ(config->loss().cross_entropy().label_smoothing(), 0.1);
+  EXPECT_EQ(config->head().mode(), v1::HeadConfig::SELECTIVE);
+  EXPECT_EQ(config->checkpoint().preset(),
+            v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
+  EXPECT_EQ(config->chunking().blocks_per_chunk(), 2);
+  EXPECT_EQ(config->checkpoint().segment_chunks(), 4);
+}
+
+TEST(OverridesTest, UnknownNamesAndDPaceGammaAreErrors) {
+  v1::ObjectiveConfig config;
+  ConfigOverrides overrides;
+  overrides.loss_type = "ce";
+  EXPECT_THAT(ApplyOverrides(overrides, config).message(),
+              HasSubstr("loss_type: must be one of dflash, dpace"));
+  overrides.loss_type = "dpace";
+  overrides.gamma = 7;
+  EXPECT_EQ(ApplyOverrides(overrides, config).message(),
+            "gamma: the dpace family has no decay, got 7");
+  overrides = {};
+  overrides.mode = "eager";
+  EXPECT_THAT(ApplyOverrides(overrides, config).message(),
+              HasSubstr("mode: must be one of materialize, save, checkpoint, "
+                        "selective, fused, got 'eager'"));
+  EXPECT_EQ(ConfigFromFile("/nonexistent.textproto").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// B=1, N=2, K=2, H=3, V=5 on the CPU.
+struct Tiny {
+  std::vector<float> hidden = std::vector<float>(12, 0.5f);
+  std::vector<float> weight = std::vector<float>(15, 0.25f);
+  std::vector<float> teacher = std::vector<float>(12, 0.5f);
+  std::vector<int64_t> ids = {0, 1, 2, 3};
+  std::vector<float> mask = {0, 1, 0, 1};
+  std::vector<float> grad = std::vector<float>(12);
+
+  ObjectiveTensors Tensors() {
+    return {Arg("hidden", hidden, "float32", {1, 2, 2, 3}),
+            Arg("lm_head_weight", weight, "float32", {5, 3}),
+            Arg("target_ids", ids, "int64", {1, 2, 2}),
+            Arg("weight_mask", mask, "float32", {1, 2, 2})};
+  }
+  ObjectiveOutputs Outputs() {
+    return {Arg("grad_hidden", grad, "float32", {1, 2, 2, 3})};
+  }
+};
+
+TEST(BindConfigTest, TensorsDecideShapesDtypeAndBackend) {
+  Tiny tiny;
+  absl::StatusOr<v1::ObjectiveConfig> bound =
+      BindConfig(*DefaultConfig(), tiny.Tensors(), /*trainable=*/false);
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  EXPECT_EQ(bound->layout().block_size(), 2);
+  EXPECT_EQ(bound->layout().num_anchors(), 2);
+  EXPECT_EQ(bound->head().vocab_size(), 5);
+  EXPECT_EQ(bound->head().hidden_size(), 3);
+  EXPECT_EQ(bound->head().dtype(), v1::HeadConfig::FLOAT32);
+  EXPECT_EQ(bound->head().backend(), v1::HeadConfig::CPU);
+  EXPECT_FALSE(bound->head().bias());
+}
+
+TEST(BindConfigTest, TeacherMustMatchTheLoss) {
+  Tiny tiny;
+  ObjectiveTensors tensors = tiny.Tensors();
+  tensors.teacher_hidden =
+      Arg("teacher_hidden", tiny.teacher, "float32", {1, 2, 2, 3});
+  EXPECT_EQ(BindConfig(*DefaultConfig(), tensors, false).status().message(),
+            "teacher_hidden: loss.dflash reads no teacher, got a tensor (pass "
+            "None)");
+  ConfigOverrides kl;
+  kl.loss_type = "kl";
+  v1::ObjectiveConfig config = *DefaultConfig();
+  ASSERT_TRUE(ApplyOverrides(kl, config).ok());
+  EXPECT_TRUE(BindConfig(config, tensors, false).ok());
+  EXPECT_EQ(BindConfig(config, tiny.Tensors(), false).status().message(),
+            "teacher_hidden: loss.distillation reads the teacher's hidden "
+            "states [B, N, K, H], got None");
+}
+
+TEST(RunObjectiveTest, ChecksEveryTensorBeforeWork) {
+  Tiny tiny;
+  ObjectiveTensors tensors = tiny.Tensors();
+  tensors.weight.shape = {5, 4};
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tensors, tiny.Outputs(), {})
+                .status()
+                .message(),
+            "lm_head_weight: must have shape [V, H] with V > 0 and H = 3 "
+            "(hidden's last dimension), got (5, 4)");
+  tensors = tiny.Tensors();
+  tensors.hidden.device = "cuda:0";
+  EXPECT_THAT(RunObjective(*DefaultConfig(), tensors, tiny.Outputs(), {})
+                  .status()
+                  .message(),
+              HasSubstr("lm_head_weight: must be on cuda:0 (hidden's "
+                        "device), got cpu"));
+  tensors = tiny.Tensors();
+  ObjectiveOutputs outputs = tiny.Outputs();
+  EXPECT_EQ(
+      RunObjective(*DefaultConfig(), tensors, outputs, {/*trainable=*/true})
+          .status()
+          .message(),
+      "grad_weight: required (with a trainable head), got None");
+}
+
+TEST(RunObjectiveTest, RunsOnTheCpu) {
+  Tiny tiny;
+  absl::StatusOr<HeadResult> result =
+      RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(), {});
+  ASSERT_TRUE(result.ok()) << result.status();
+  // Two weighted rows at k = 1 (no decay), uniform logits: loss log(5).
+  EXPECT_DOUBLE_EQ(result->terms.loss_den, 2);
+  EXPECT_NEAR(result->terms.loss_num, 2 * std::log(5.0), 1e-5);
+}
+
+}  // namespace
+}  // namespace dflash::python

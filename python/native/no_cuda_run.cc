@@ -1,0 +1,32 @@
+// The CUDA entry point of a build without a CUDA toolkit.
+#include "absl/status/status.h"
+#include "base/bfloat16.h"
+#include "python/native/cuda_run.h"
+
+namespace dflash::python {
+
+bool BuiltWithCuda() { return false; }
+
+template <typename T>
+absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
+                                            const HeadInputs<T>&,
+                                            const HeadGradients<T>&,
+                                            const HeadRowOutputs&, int,
+                                            uintptr_t) {
+  return absl::UnimplementedError(
+      "this dflash was built without CUDA (no toolkit when it was built)");
+}
+
+absl::Status CopyFromDevice(int, uintptr_t, void*, int64_t) {
+  return absl::UnimplementedError(
+      "this dflash was built without CUDA (no toolkit when it was built)");
+}
+
+template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t);
+template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
+    const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
+    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+
+}  // namespace dflash::python

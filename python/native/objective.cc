@@ -1,0 +1,455 @@
+#include "python/native/objective.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/bfloat16.h"
+#include "base/status_macros.h"
+#include "base/tracking_allocator.h"
+#include "proto/config.h"
+#include "python/native/cuda_run.h"
+
+namespace dflash::python {
+namespace {
+
+using absl::string_view;
+
+absl::Status Invalid(const TensorArg& t, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(t.name, ": ", what));
+}
+
+// hidden decides the dtype, the device and B, N, K, H for the rest.
+absl::Status CheckHidden(const TensorArg& hidden) {
+  const bool cuda = hidden.on_cuda();
+  if (!cuda && hidden.device != "cpu") {
+    return Invalid(hidden, absl::StrCat("must be on the CPU or a CUDA device, "
+                                        "got ",
+                                        hidden.device));
+  }
+  static constexpr string_view kCpu[] = {"float32", "float64"};
+  static constexpr string_view kCuda[] = {"float32", "bfloat16"};
+  DFLASH_RETURN_IF_ERROR(cuda ? ExpectDType(hidden, kCuda, "on CUDA")
+                              : ExpectDType(hidden, kCpu, "on the CPU"));
+  if (hidden.shape.size() != 4) {
+    return Invalid(hidden, absl::StrCat("must have 4 dimensions [B, N, K, H], "
+                                        "got shape ",
+                                        ShapeString(hidden.shape)));
+  }
+  for (int64_t d : hidden.shape) {
+    if (d <= 0) {
+      return Invalid(hidden,
+                     absl::StrCat("every dimension of [B, N, K, H] must be > "
+                                  "0, got shape ",
+                                  ShapeString(hidden.shape)));
+    }
+  }
+  return ExpectContiguous(hidden);
+}
+
+// A tensor read in place next to hidden: its dtype (or `dtype`), device,
+// `shape` and contiguity.
+absl::Status CheckBeside(const TensorArg& t, const TensorArg& hidden,
+                         const std::vector<int64_t>& shape, string_view dims,
+                         string_view dtype = "") {
+  const string_view want = dtype.empty() ? string_view(hidden.dtype) : dtype;
+  const string_view allowed[] = {want};
+  DFLASH_RETURN_IF_ERROR(
+      ExpectDType(t, allowed, dtype.empty() ? "hidden's dtype" : ""));
+  DFLASH_RETURN_IF_ERROR(ExpectDevice(t, hidden.device, "hidden's device"));
+  DFLASH_RETURN_IF_ERROR(ExpectShape(t, shape, dims));
+  return ExpectContiguous(t);
+}
+
+// Row metadata, read on the host at any strides.
+absl::Status CheckMetadata(const TensorArg& t, const std::vector<int64_t>& bnk,
+                           absl::Span<const string_view> dtypes) {
+  DFLASH_RETURN_IF_ERROR(ExpectDType(t, dtypes));
+  DFLASH_RETURN_IF_ERROR(
+      ExpectDevice(t, "cpu", "row metadata is read on the host"));
+  DFLASH_RETURN_IF_ERROR(ExpectShape(t, bnk, "[B, N, K] (hidden's)"));
+  if (t.strides.size() != 3) {
+    return Invalid(t, absl::StrCat("needs one stride per dimension, got ",
+                                   ShapeString(t.strides)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTensors(const ObjectiveTensors& t) {
+  DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
+  const std::vector<int64_t>& s = t.hidden.shape;
+  const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
+  const TensorArg& w = t.weight;
+  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != s[3]) {
+    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
+                                   s[3], " (hidden's last dimension), got ",
+                                   ShapeString(w.shape)));
+  }
+  DFLASH_RETURN_IF_ERROR(CheckBeside(w, t.hidden, w.shape, "[V, H]"));
+  static constexpr string_view kIds[] = {"int64", "int32"};
+  static constexpr string_view kMasks[] = {"float32", "float64", "bool"};
+  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.target_ids, bnk, kIds));
+  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.weight_mask, bnk, kMasks));
+  if (t.bias.has_value()) {
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.bias, t.hidden, {w.shape[0]}, "[V]"));
+  }
+  if (t.teacher_hidden.has_value()) {
+    DFLASH_RETURN_IF_ERROR(
+        CheckBeside(*t.teacher_hidden, t.hidden, s, "[B, N, K, H]"));
+  }
+  if (t.confidence_logits.has_value()) {
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
+                                       "[B, N, K]", "float32"));
+  }
+  return absl::OkStatus();
+}
+
+// An output buffer is required exactly when `needed`.
+absl::Status CheckOutput(const std::optional<TensorArg>& t, bool needed,
+                         const char* name, const char* why,
+                         const TensorArg& hidden,
+                         const std::vector<int64_t>& shape, string_view dims,
+                         string_view dtype = "") {
+  if (t.has_value() != needed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", needed ? "required" : "not expected", " (",
+                     why, "), got ", t.has_value() ? "a tensor" : "None"));
+  }
+  return needed ? CheckBeside(*t, hidden, shape, dims, dtype)
+                : absl::OkStatus();
+}
+
+absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
+                          const v1::ObjectiveConfig& config) {
+  const std::vector<int64_t>& s = t.hidden.shape;
+  const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
+  const v1::HeadConfig& head = config.head();
+  DFLASH_RETURN_IF_ERROR(
+      CheckBeside(o.grad_hidden, t.hidden, s, "[B, N, K, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(o.grad_weight, head.trainable(),
+                                     "grad_weight", "with a trainable head",
+                                     t.hidden, t.weight.shape, "[V, H]"));
+  DFLASH_RETURN_IF_ERROR(
+      CheckOutput(o.grad_bias, head.trainable() && head.bias(), "grad_bias",
+                  "with a trainable head and a bias", t.hidden,
+                  {t.weight.shape[0]}, "[V]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(
+      o.grad_confidence, t.confidence_logits.has_value(), "grad_confidence",
+      "with confidence logits", t.hidden, bnk, "[B, N, K]", "float32"));
+  for (const auto& [buffer, dtype] :
+       {std::pair{&o.neg_log_q, "float32"}, std::pair{&o.argmax, "int32"}}) {
+    if (buffer->has_value()) {
+      DFLASH_RETURN_IF_ERROR(
+          CheckBeside(**buffer, t.hidden, bnk, "[B, N, K]", dtype));
+    }
+  }
+  if (o.top_k.has_value()) {
+    const std::vector<int64_t>& k = o.top_k->shape;
+    std::vector<int64_t> shape = bnk;
+    shape.push_back(k.size() == 4 ? k[3] : 0);
+    DFLASH_RETURN_IF_ERROR(
+        CheckBeside(*o.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
+  }
+  return absl::OkStatus();
+}
+
+std::string FamilyName(const v1::LossConfig& loss) {
+  const google::protobuf::FieldDescriptor* field =
+      loss.GetReflection()->GetOneofFieldDescriptor(
+          loss, loss.GetDescriptor()->FindOneofByName("family"));
+  return field == nullptr ? "none" : field->name();
+}
+
+absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,
+                             const ObjectiveTensors& t) {
+  const v1::LossConfig& loss = config.loss();
+  const std::string family = absl::StrCat("loss.", FamilyName(loss));
+  const bool teacher = LossNeedsTeacher(loss);
+  if (teacher != t.teacher_hidden.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "teacher_hidden: ",
+        teacher ? absl::StrCat(family,
+                               " reads the teacher's hidden states [B, N, K, "
+                               "H], got None")
+                : absl::StrCat(family,
+                               " reads no teacher, got a tensor (pass "
+                               "None)")));
+  }
+  const bool confidence =
+      loss.has_dspark() && loss.dspark().confidence_weight() > 0;
+  if (confidence != t.confidence_logits.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "confidence_logits: ",
+        confidence
+            ? absl::StrCat(family,
+                           ".confidence_weight > 0 reads confidence logits "
+                           "[B, N, K], got None")
+            : absl::StrCat(family,
+                           " has no confidence term, got a tensor (pass "
+                           "None)")));
+  }
+  return absl::OkStatus();
+}
+
+int64_t ReadId(const TensorArg& t, int64_t offset) {
+  return t.dtype == "int64" ? t.as<const int64_t>()[offset]
+                            : t.as<const int32_t>()[offset];
+}
+
+double ReadMask(const TensorArg& t, int64_t offset) {
+  if (t.dtype == "float64") return t.as<const double>()[offset];
+  if (t.dtype == "float32") return t.as<const float>()[offset];
+  return t.as<const uint8_t>()[offset];  // bool: one byte, 0 or 1.
+}
+
+// "target_ids[1, 0, 3]".
+std::string Element(const TensorArg& t, int64_t b, int64_t n, int64_t k) {
+  return absl::StrCat(t.name, "[", b, ", ", n, ", ", k, "]");
+}
+
+TrackingAllocator& HostAllocator() {
+  static auto& allocator = *new TrackingAllocator(
+      std::numeric_limits<int64_t>::max(), /*cache_blocks=*/true);
+  return allocator;
+}
+
+// CPU runs use every core and share the caching allocator: one at a time.
+std::mutex& HostMutex() {
+  static auto& mu = *new std::mutex();
+  return mu;
+}
+
+// The tensor's values as doubles, copied from its device when on one.
+absl::StatusOr<std::vector<double>> HostValues(const TensorArg& t) {
+  const int64_t bytes = t.numel() * (t.dtype == "float64"    ? 8
+                                     : t.dtype == "bfloat16" ? 2
+                                                             : 4);
+  std::vector<char> raw(static_cast<size_t>(bytes));
+  if (t.on_cuda()) {
+    DFLASH_RETURN_IF_ERROR(
+        CopyFromDevice(t.cuda_index(), t.data, raw.data(), bytes));
+  } else {
+    std::copy_n(t.as<const char>(), bytes, raw.data());
+  }
+  std::vector<double> values(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (t.dtype == "float64") {
+      values[i] = reinterpret_cast<const double*>(raw.data())[i];
+    } else if (t.dtype == "bfloat16") {
+      values[i] = ToFloat(reinterpret_cast<const BFloat16*>(raw.data())[i]);
+    } else {
+      values[i] = reinterpret_cast<const float*>(raw.data())[i];
+    }
+  }
+  return values;
+}
+
+// "hidden[1, 0, 2, 5]" for element `index` of `t`, C order.
+std::string ElementAt(const TensorArg& t, int64_t index) {
+  std::vector<int64_t> at(t.shape.size());
+  for (int64_t d = static_cast<int64_t>(t.shape.size()) - 1; d >= 0; --d) {
+    at[d] = index % t.shape[d];
+    index /= t.shape[d];
+  }
+  return absl::StrCat(t.name, "[", absl::StrJoin(at, ", "), "]");
+}
+
+// After the head failed: the first non-finite value it read (the weighted
+// rows of hidden, teacher_hidden and confidence_logits; the weight and
+// bias), named, with the head's message; else the head's error as it is.
+// Runs on failure only, so a correct run never pays for the scan.
+absl::Status ExplainFailure(const absl::Status& failure,
+                            const ObjectiveTensors& t,
+                            absl::Span<const RowMeta> rows) {
+  struct Scanned {
+    const TensorArg* tensor;
+    int64_t row_width;  // Values per row; 0 where the tensor is not per row.
+  };
+  const int64_t hidden_size = t.hidden.shape[3];
+  std::vector<Scanned> scanned = {{&t.hidden, hidden_size}};
+  if (t.teacher_hidden.has_value()) {
+    scanned.push_back({&*t.teacher_hidden, hidden_size});
+  }
+  if (t.confidence_logits.has_value()) {
+    scanned.push_back({&*t.confidence_logits, 1});
+  }
+  scanned.push_back({&t.weight, 0});
+  if (t.bias.has_value()) scanned.push_back({&*t.bias, 0});
+  for (const auto& [tensor, width] : scanned) {
+    absl::StatusOr<std::vector<double>> values = HostValues(*tensor);
+    if (!values.ok()) return failure;  // Unreadable: the head's error stands.
+    for (size_t j = 0; j < values->size(); ++j) {
+      const double x = (*values)[j];
+      if (std::isfinite(x) || (width > 0 && rows[j / width].mask == 0)) {
+        continue;
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          ElementAt(*tensor, static_cast<int64_t>(j)), ": must be finite, got ",
+          x, " (the head reported: ", failure.message(), ")"));
+    }
+  }
+  return failure;
+}
+
+template <typename T>
+absl::Span<const T> SpanOf(const std::optional<TensorArg>& t) {
+  return t.has_value() ? t->span<const T>() : absl::Span<const T>();
+}
+template <typename T>
+absl::Span<T> MutableSpanOf(const std::optional<TensorArg>& t) {
+  return t.has_value() ? t->span<T>() : absl::Span<T>();
+}
+
+template <typename T>
+absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
+                               const ObjectiveTensors& t,
+                               const ObjectiveOutputs& o,
+                               absl::Span<const RowMeta> rows,
+                               uintptr_t cuda_stream) {
+  HeadInputs<T> inputs;
+  inputs.hidden = t.hidden.span<const T>();
+  inputs.teacher_hidden = SpanOf<T>(t.teacher_hidden);
+  inputs.confidence_logits = SpanOf<float>(t.confidence_logits);
+  inputs.rows = rows;
+  inputs.weight = t.weight.span<const T>();
+  inputs.bias = SpanOf<T>(t.bias);
+  HeadGradients<T> gradients;
+  gradients.hidden = o.grad_hidden.span<T>();
+  gradients.weight = MutableSpanOf<T>(o.grad_weight);
+  gradients.bias = MutableSpanOf<T>(o.grad_bias);
+  gradients.confidence = MutableSpanOf<float>(o.grad_confidence);
+  HeadRowOutputs row_outputs;
+  row_outputs.neg_log_q = MutableSpanOf<float>(o.neg_log_q);
+  row_outputs.argmax = MutableSpanOf<int32_t>(o.argmax);
+  row_outputs.top_k = MutableSpanOf<int32_t>(o.top_k);
+  row_outputs.k =
+      o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;
+  // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
+  if constexpr (!std::is_same_v<T, double>) {
+    if (t.hidden.on_cuda()) {
+      return RunOnTorchStream<T>(config, inputs, gradients, row_outputs,
+                                 t.hidden.cuda_index(), cuda_stream);
+    }
+  }
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return Invalid(t.hidden, "bfloat16 runs on CUDA only");
+  } else {
+    std::lock_guard<std::mutex> lock(HostMutex());
+    return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ObjectiveConfig> BindConfig(
+    const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
+    bool trainable) {
+  v1::ObjectiveConfig bound = config;
+  const std::vector<int64_t>& s = tensors.hidden.shape;
+  bound.mutable_layout()->set_num_anchors(s[1]);
+  bound.mutable_layout()->set_block_size(s[2]);
+  v1::HeadConfig& head = *bound.mutable_head();
+  head.set_vocab_size(tensors.weight.shape[0]);
+  head.set_hidden_size(s[3]);
+  head.set_dtype(tensors.hidden.dtype == "float64" ? v1::HeadConfig::FLOAT64
+                 : tensors.hidden.dtype == "bfloat16"
+                     ? v1::HeadConfig::BFLOAT16
+                     : v1::HeadConfig::FLOAT32);
+  head.set_backend(tensors.hidden.on_cuda() ? v1::HeadConfig::CUDA
+                                            : v1::HeadConfig::CPU);
+  head.set_trainable(trainable);
+  head.set_bias(tensors.bias.has_value());
+  bound = ResolveDefaults(std::move(bound));
+  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(bound));
+  DFLASH_RETURN_IF_ERROR(CheckLossInputs(bound, tensors));
+  return bound;
+}
+
+absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
+                                            const TensorArg& weight_mask,
+                                            int64_t vocab,
+                                            int64_t ignore_index) {
+  const int64_t b_size = target_ids.shape[0], n_size = target_ids.shape[1],
+                k_size = target_ids.shape[2];
+  std::vector<RowMeta> rows;
+  rows.reserve(static_cast<size_t>(b_size * n_size * k_size));
+  const std::vector<int64_t>& ts = target_ids.strides;
+  const std::vector<int64_t>& ms = weight_mask.strides;
+  for (int64_t b = 0; b < b_size; ++b) {
+    for (int64_t n = 0; n < n_size; ++n) {
+      for (int64_t k = 0; k < k_size; ++k) {
+        const double mask =
+            ReadMask(weight_mask, b * ms[0] + n * ms[1] + k * ms[2]);
+        if (!(mask >= 0) || std::isinf(mask)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(Element(weight_mask, b, n, k),
+                           ": must be finite and >= 0, got ", mask));
+        }
+        const int64_t target =
+            ReadId(target_ids, b * ts[0] + n * ts[1] + k * ts[2]);
+        RowMeta meta;
+        meta.position = static_cast<int32_t>(k);
+        meta.block = b * n_size + n;
+        // An ignored target carries nothing, as a zero mask does.
+        if (mask > 0 && target != ignore_index) {
+          if (target < 0 || target >= vocab) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                Element(target_ids, b, n, k), ": must lie in [0, V = ", vocab,
+                ") or be ignore_index (", ignore_index,
+                ") where weight_mask > 0, got ", target));
+          }
+          meta.target = static_cast<int32_t>(target);
+          meta.mask = static_cast<float>(mask);
+        }
+        rows.push_back(meta);
+      }
+    }
+  }
+  return rows;
+}
+
+absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
+                                        const ObjectiveTensors& tensors,
+                                        const ObjectiveOutputs& outputs,
+                                        const ObjectiveOptions& options) {
+  DFLASH_RETURN_IF_ERROR(CheckTensors(tensors));
+  if (tensors.hidden.on_cuda() && !BuiltWithCuda()) {
+    return Invalid(tensors.hidden,
+                   absl::StrCat("is on ", tensors.hidden.device,
+                                ", but this dflash was built without CUDA "
+                                "(no toolkit when it was built)"));
+  }
+  DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
+                          BindConfig(config, tensors, options.trainable));
+  DFLASH_RETURN_IF_ERROR(CheckOutputs(outputs, tensors, bound));
+  DFLASH_ASSIGN_OR_RETURN(
+      const std::vector<RowMeta> rows,
+      RowsOf(tensors.target_ids, tensors.weight_mask, bound.head().vocab_size(),
+             bound.loss().cross_entropy().ignore_index()));
+  const std::string& dtype = tensors.hidden.dtype;
+  absl::StatusOr<HeadResult> result =
+      dtype == "float64"
+          ? Run<double>(bound, tensors, outputs, rows, options.cuda_stream)
+      : dtype == "bfloat16"
+          ? Run<BFloat16>(bound, tensors, outputs, rows, options.cuda_stream)
+          : Run<float>(bound, tensors, outputs, rows, options.cuda_stream);
+  if (!result.ok() &&
+      result.status().code() == absl::StatusCode::kInvalidArgument) {
+    return ExplainFailure(result.status(), tensors, rows);
+  }
+  return result;
+}
+
+void ReleaseCachedHostMemory() {
+  std::lock_guard<std::mutex> lock(HostMutex());
+  HostAllocator().ReleaseCache();
+}
+
+}  // namespace dflash::python

@@ -1,0 +1,85 @@
+#ifndef DFLASH_PYTHON_NATIVE_OBJECTIVE_H_
+#define DFLASH_PYTHON_NATIVE_OBJECTIVE_H_
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "heads/fused_head.h"
+#include "losses/chunk_loss.h"
+#include "proto/policy.pb.h"
+#include "python/native/tensor_arg.h"
+
+namespace dflash::python {
+
+// The tensors of one dflash_objective call: SpecForge's chunk-terms inputs,
+// rows [B, N, K] (row b*N*K + n*K + k: target, position k, mask, block
+// b*N + n), read in place.
+struct ObjectiveTensors {
+  // [B, N, K, H], contiguous: float32 or float64 on the CPU, float32 or
+  // bfloat16 on CUDA.
+  TensorArg hidden;
+  TensorArg weight;  // [V, H], contiguous, hidden's dtype and device.
+  // [B, N, K] on the CPU, any strides: int64 or int32, and float32, float64
+  // or bool.
+  TensorArg target_ids;
+  TensorArg weight_mask;
+  std::optional<TensorArg> bias;               // [V], like weight.
+  std::optional<TensorArg> teacher_hidden;     // [B, N, K, H], like hidden.
+  std::optional<TensorArg> confidence_logits;  // [B, N, K] float32, contiguous.
+};
+
+// Buffers the caller allocated for the results, contiguous, on hidden's
+// device. Gradients are of loss_num / loss_den; grad_weight and grad_bias are
+// required exactly when the head trains, grad_confidence with confidence
+// logits.
+struct ObjectiveOutputs {
+  TensorArg grad_hidden;  // Like hidden.
+  std::optional<TensorArg> grad_weight, grad_bias;
+  std::optional<TensorArg> grad_confidence;  // [B, N, K] float32.
+  std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
+  std::optional<TensorArg> argmax;           // [B, N, K] int32.
+  std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
+};
+
+struct ObjectiveOptions {
+  bool trainable = false;  // The weight (and bias) get gradients.
+  // CUDA tensors: torch's current stream on their device
+  // (torch.cuda.current_stream().cuda_stream); the run is ordered on it.
+  uintptr_t cuda_stream = 0;
+};
+
+// `config` with what the tensors decide written in: layout (K, N), head
+// sizes (V, H), dtype, backend, trainable, bias; then defaults resolved and
+// validated. A teacher or confidence tensor the loss does not read, or one
+// it needs and lacks, is an error naming it.
+absl::StatusOr<v1::ObjectiveConfig> BindConfig(
+    const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
+    bool trainable);
+
+// The rows' metadata. Masks must be finite and >= 0; where a mask is > 0,
+// a target must lie in [0, vocab) or equal ignore_index. Errors name the
+// element, e.g. "target_ids[1, 0, 3]".
+absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
+                                            const TensorArg& weight_mask,
+                                            int64_t vocab,
+                                            int64_t ignore_index);
+
+// Checks every tensor (dtype, device, shape, contiguity; errors name the
+// argument), binds `config` to them and runs the head once, forward and
+// backward: RunHead on the CPU, RunCudaHead on CUDA. Holds no reference to
+// any tensor afterwards.
+absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
+                                        const ObjectiveTensors& tensors,
+                                        const ObjectiveOutputs& outputs,
+                                        const ObjectiveOptions& options);
+
+// CPU runs keep their freed workspaces for the next call, as PyTorch's
+// caching allocator does (fresh pages cost a first step ~0.6 ns a byte);
+// this returns them to the system.
+void ReleaseCachedHostMemory();
+
+}  // namespace dflash::python
+
+#endif  // DFLASH_PYTHON_NATIVE_OBJECTIVE_H_

@@ -1,0 +1,189 @@
+"""Bad inputs to dflash_objective: each raises a Python exception whose
+message names the argument, the value and what was expected; none crashes
+the interpreter."""
+
+import unittest
+
+import torch
+
+import reference
+from dflash.torch import FusedHead, dflash_objective
+
+
+class BadInputsTest(unittest.TestCase):
+    def setUp(self):
+        data = reference.batch(seed=20, dtype=torch.float32)
+        self.hidden = data["hidden"]
+        self.weight = data["weight"]
+        self.target_ids = data["target_ids"]
+        self.weight_mask = data["weight_mask"]
+
+    def call(self, **changes):
+        args = {"hidden": self.hidden, "lm_head_weight": self.weight,
+                "target_ids": self.target_ids, "weight_mask": self.weight_mask}
+        args.update(changes)
+        return dflash_objective(**args)
+
+    def assertRaisesMessage(self, error, message, **changes):
+        with self.assertRaises(error) as raised:
+            self.call(**changes)
+        self.assertEqual(str(raised.exception), message)
+
+    def test_wrong_dtype(self):
+        self.assertRaisesMessage(
+            ValueError, "hidden: must be float32 or float64 (on the CPU), got float16",
+            hidden=self.hidden.half())
+        self.assertRaisesMessage(
+            ValueError, "lm_head_weight: must be float32 (hidden's dtype), got float64",
+            lm_head_weight=self.weight.double())
+        self.assertRaisesMessage(
+            ValueError, "target_ids: must be int64 or int32, got float32",
+            target_ids=self.target_ids.float())
+        self.assertRaisesMessage(
+            ValueError,
+            "weight_mask: must be float32 or float64 or bool, got int64",
+            weight_mask=self.weight_mask.long())
+
+    def test_wrong_device(self):
+        self.assertRaisesMessage(
+            ValueError, "hidden: must be on the CPU or a CUDA device, got meta",
+            hidden=self.hidden.to("meta"))
+        self.assertRaisesMessage(
+            ValueError, "lm_head_weight: must be on cpu (hidden's device), got meta",
+            lm_head_weight=self.weight.to("meta"))
+
+    def test_wrong_shape(self):
+        self.assertRaisesMessage(
+            ValueError,
+            "hidden: must have 4 dimensions [B, N, K, H], got shape (6, 4, 8)",
+            hidden=self.hidden.reshape(6, 4, 8))
+        self.assertRaisesMessage(
+            ValueError,
+            "lm_head_weight: must have shape [V, H] with V > 0 and H = 8 "
+            "(hidden's last dimension), got (13, 7)",
+            lm_head_weight=self.weight[:, :7].contiguous())
+        self.assertRaisesMessage(
+            ValueError,
+            "weight_mask: must have shape [B, N, K] (hidden's) = (2, 3, 4), got (2, 3, 5)",
+            weight_mask=torch.ones(2, 3, 5))
+        self.assertRaisesMessage(
+            ValueError,
+            "hidden: every dimension of [B, N, K, H] must be > 0, got shape (0, 3, 4, 8)",
+            hidden=self.hidden[:0])
+        self.assertRaisesMessage(
+            ValueError,
+            "lm_head_bias: must have shape [V] = (13,), got (12,)",
+            lm_head_bias=torch.zeros(12))
+
+    def test_non_contiguous(self):
+        transposed = self.weight.T.contiguous().T
+        self.assertRaisesMessage(
+            ValueError,
+            "lm_head_weight: must be contiguous (dflash reads it in place; call "
+            ".contiguous(), one copy), got strides (1, 13) for shape (13, 8)",
+            lm_head_weight=transposed)
+        # Row metadata may be strided: it is read on the host, element by element.
+        mask = self.weight_mask.transpose(0, 1).contiguous().transpose(0, 1)
+        self.assertEqual(self.call(weight_mask=mask).loss_den,
+                         self.call().loss_den)
+
+    def test_non_finite(self):
+        hidden = self.hidden.clone()
+        hidden[1, 0, 2, 5] = float("nan")
+        with self.assertRaises(ValueError) as raised:
+            self.call(hidden=hidden)
+        self.assertTrue(str(raised.exception).startswith(
+            "hidden[1, 0, 2, 5]: must be finite, got nan (the head reported: "),
+            str(raised.exception))
+        weight = self.weight.clone()
+        weight[4, 1] = float("inf")
+        with self.assertRaisesRegex(
+                ValueError, r"^lm_head_weight\[4, 1\]: must be finite, got inf"):
+            self.call(lm_head_weight=weight)
+        mask = self.weight_mask.clone()
+        mask[0, 1, 3] = float("nan")
+        self.assertRaisesMessage(
+            ValueError, "weight_mask[0, 1, 3]: must be finite and >= 0, got nan",
+            weight_mask=mask)
+        mask[0, 1, 3] = -1
+        self.assertRaisesMessage(
+            ValueError, "weight_mask[0, 1, 3]: must be finite and >= 0, got -1",
+            weight_mask=mask)
+
+    def test_non_finite_in_an_unweighted_row_is_never_read(self):
+        hidden = self.hidden.clone()
+        hidden[0, 0, 0] = float("nan")  # k = 0: never weighted.
+        self.assertTrue(torch.isfinite(self.call(hidden=hidden).loss_num))
+
+    def test_targets_out_of_range(self):
+        self.weight_mask[0, 2, 1] = 1
+        targets = self.target_ids.clone()
+        targets[0, 2, 1] = 13
+        self.assertRaisesMessage(
+            ValueError,
+            "target_ids[0, 2, 1]: must lie in [0, V = 13) or be ignore_index "
+            "(-100) where weight_mask > 0, got 13",
+            target_ids=targets)
+        targets[0, 2, 1] = -5
+        with self.assertRaisesRegex(ValueError, r"target_ids\[0, 2, 1\].*got -5"):
+            self.call(target_ids=targets)
+        targets[0, 2, 1] = 2**40
+        with self.assertRaisesRegex(ValueError, r"got 1099511627776"):
+            self.call(target_ids=targets)
+        # Out of range where nothing is weighted, or ignore_index: no error.
+        targets[0, 2, 1] = -100
+        targets[0, 0, 0] = 10**6
+        self.call(target_ids=targets)
+
+    def test_wrong_types_and_options(self):
+        with self.assertRaisesRegex(TypeError, "hidden: must be a torch.Tensor, got list"):
+            self.call(hidden=[1.0])
+        with self.assertRaisesRegex(ValueError, r"top_k: must be an int in \[0, min\(64, V = 13\)\], got 20"):
+            self.call(top_k=20)
+        with self.assertRaisesRegex(TypeError, "unexpected keyword override 'gama'"):
+            self.call(gama=7)
+        with self.assertRaisesRegex(ValueError, "loss_type: must be one of dflash"):
+            self.call(loss_type="ce")
+        with self.assertRaisesRegex(ValueError, r"loss.dpace.alpha.*got 2"):
+            self.call(config="loss { dpace { alpha: 2 } }")
+        with self.assertRaisesRegex(
+                ValueError, r'^config:1:\d+: .*has no field named "dflsh"'):
+            self.call(config="loss { dflsh { } }")
+        with self.assertRaisesRegex(FileNotFoundError, "cannot read the file"):
+            import pathlib
+            self.call(config=pathlib.Path("/nonexistent/objective.textproto"))
+
+    def test_loss_inputs_must_match_the_family(self):
+        self.assertRaisesMessage(
+            ValueError,
+            "teacher_hidden: loss.dspark reads the teacher's hidden states "
+            "[B, N, K, H], got None",
+            loss_type="dspark")
+        self.assertRaisesMessage(
+            ValueError,
+            "confidence_logits: loss.dflash has no confidence term, got a tensor (pass None)",
+            confidence_logits=torch.zeros(2, 3, 4))
+        self.assertRaisesMessage(
+            ValueError,
+            "confidence_logits: must be float32, got float64",
+            loss_type="dspark", teacher_hidden=self.hidden,
+            confidence_logits=torch.zeros(2, 3, 4, dtype=torch.float64))
+
+    def test_memory_error(self):
+        # 2^18 rows x 2^24 logits (16 TiB) in one chunk: the allocation fails.
+        rows = (1, 2**14, 16)
+        with self.assertRaises(MemoryError) as raised:
+            dflash_objective(
+                torch.zeros(rows + (1,)), torch.zeros(2**24, 1),
+                torch.zeros(rows, dtype=torch.long), torch.ones(rows),
+                mode="materialize")
+        self.assertIn("bytes", str(raised.exception))
+
+    def test_fused_head_names_its_arguments_too(self):
+        head = FusedHead(torch.nn.Linear(8, 13))
+        with self.assertRaisesRegex(ValueError, "^hidden: must be float32"):
+            head(self.hidden.half(), self.target_ids, self.weight_mask)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,293 @@
+"""dflash_objective against the independent float64 reference (reference.py)
+and finite differences: every loss family in every execution mode, float64
+and float32, frozen and trainable heads, upstream gradients and
+micro-batches accumulated under a global denominator."""
+
+import unittest
+
+import torch
+
+import dflash
+import reference
+from dflash.torch import FusedHead, dflash_objective
+
+MODES = ["MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT", "SELECTIVE", "FUSED"]
+
+
+def run(f, data, mode="FUSED", dtype=torch.float64, trainable=False,
+        use_bias=False, chunk_blocks=2, segment_chunks=2, **kwargs):
+    """dflash_objective on a copy of `data` in `dtype`; the leaves it made."""
+    hidden = data["hidden"].to(dtype).clone().requires_grad_()
+    weight = data["weight"].to(dtype).clone().requires_grad_(trainable)
+    bias = (data["bias"].to(dtype).clone().requires_grad_(trainable)
+            if use_bias else None)
+    confidence = (data["confidence"].clone().requires_grad_()
+                  if f.confidence else None)
+    teacher = data["teacher"].to(dtype) if f.teacher else None
+    terms = dflash_objective(
+        hidden, weight, data["target_ids"], data["weight_mask"],
+        config=f.config_text(mode, chunk_blocks, segment_chunks),
+        lm_head_bias=bias, teacher_hidden=teacher,
+        confidence_logits=confidence, **kwargs)
+    return terms, (hidden, weight, bias, confidence)
+
+
+def expected(f, data, trainable=False, use_bias=False):
+    """The reference terms and leaves, in float64."""
+    hidden = data["hidden"].double().clone().requires_grad_()
+    weight = data["weight"].double().clone().requires_grad_(trainable)
+    bias = (data["bias"].double().clone().requires_grad_(trainable)
+            if use_bias else None)
+    confidence = (data["confidence"].double().clone().requires_grad_()
+                  if f.confidence else None)
+    terms = reference.objective(
+        f, hidden, weight, data["target_ids"], data["weight_mask"], bias=bias,
+        teacher=data["teacher"] if f.teacher else None, confidence=confidence)
+    return terms, (hidden, weight, bias, confidence)
+
+
+class ObjectiveParityTest(unittest.TestCase):
+    def assertClose(self, actual, wanted, rtol, what):
+        torch.testing.assert_close(actual.double(), wanted.double(), rtol=rtol,
+                                   atol=rtol, msg=lambda m: f"{what}: {m}")
+
+    def check(self, f, data, mode, dtype, trainable, use_bias, rtol):
+        terms, leaves = run(f, data, mode, dtype, trainable, use_bias)
+        want, want_leaves = expected(f, data, trainable, use_bias)
+        # The loss and its gradient with the same normalisation as SpecForge.
+        (terms.loss_num / terms.loss_den).backward()
+        (want[0] / want[1]).backward()
+        names = ["loss_num", "loss_den", "correct_num", "accuracy_den",
+                 "position_correct", "position_den"]
+        for name, actual, wanted in zip(names, terms, want):
+            self.assertClose(actual, wanted.detach(), rtol, name)
+        for name, leaf, want_leaf in zip(
+                ["hidden", "weight", "bias", "confidence"], leaves, want_leaves):
+            if want_leaf is None or not want_leaf.requires_grad:
+                continue
+            # Relative to the gradient's scale, as float32 rounds it; the
+            # confidence gradient is float32 whatever hidden's dtype.
+            scale = want_leaf.grad.abs().max().clamp(min=1e-30)
+            self.assertClose(leaf.grad / scale, want_leaf.grad / scale,
+                             max(rtol, 1e-6) if name == "confidence" else rtol,
+                             f"d(loss)/d({name})")
+
+    def test_every_family_and_mode_in_float64(self):
+        data = reference.batch(seed=1)
+        for f in reference.FAMILIES:
+            for mode in MODES:
+                with self.subTest(family=f.name, mode=mode):
+                    self.check(f, data, mode, torch.float64, trainable=False,
+                               use_bias=False, rtol=1e-10)
+
+    def test_every_family_and_mode_in_float32(self):
+        data = reference.batch(seed=2)
+        for f in reference.FAMILIES:
+            for mode in MODES:
+                with self.subTest(family=f.name, mode=mode):
+                    self.check(f, data, mode, torch.float32, trainable=False,
+                               use_bias=False, rtol=1e-5)
+
+    def test_trainable_weight_and_bias(self):
+        data = reference.batch(seed=3)
+        for f in reference.FAMILIES:
+            for mode in ("CHECKPOINT", "FUSED"):
+                for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+                    with self.subTest(family=f.name, mode=mode, dtype=dtype):
+                        self.check(f, data, mode, dtype, trainable=True,
+                                   use_bias=True, rtol=rtol)
+
+    def test_frozen_bias(self):
+        data = reference.batch(seed=4)
+        self.check(reference.FAMILIES[0], data, "FUSED", torch.float64,
+                   trainable=False, use_bias=True, rtol=1e-10)
+
+    def test_upstream_gradient_other_than_one(self):
+        f = reference.FAMILIES[0]
+        data = reference.batch(seed=5)
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                terms, (hidden, weight, bias, _) = run(
+                    f, data, mode, trainable=True, use_bias=True)
+                want, (ref_hidden, ref_weight, ref_bias, _) = expected(
+                    f, data, trainable=True, use_bias=True)
+                # Not divided by the denominator at all: d(2.5 * num).
+                (2.5 * terms.loss_num).backward()
+                (2.5 * want[0]).backward()
+                for leaf, ref in ((hidden, ref_hidden), (weight, ref_weight),
+                                  (bias, ref_bias)):
+                    torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10,
+                                               atol=1e-10)
+
+    def test_micro_batches_under_a_global_denominator(self):
+        f = reference.FAMILIES[2]  # dpace: a denominator from the weights.
+        first, second = reference.batch(seed=6), reference.batch(seed=7)
+        weight = first["weight"].clone().requires_grad_()
+        ref_weight = first["weight"].clone().requires_grad_()
+        terms, grads, ref_terms, ref_grads = [], [], [], []
+        for data in (first, second):
+            hidden = data["hidden"].clone().requires_grad_()
+            terms.append((dflash_objective(
+                hidden, weight, data["target_ids"], data["weight_mask"],
+                config=f.config_text("FUSED", 1, 1)), hidden))
+            ref_hidden = data["hidden"].clone().requires_grad_()
+            ref_terms.append((reference.objective(
+                f, ref_hidden, ref_weight, data["target_ids"],
+                data["weight_mask"]), ref_hidden))
+        # As a trainer does: each micro-batch's backward divided by the
+        # denominator of all of them (known after both forwards), summed in
+        # place as an all_reduce would.
+        total = torch.zeros_like(terms[0][0].loss_den)
+        for t, _ in terms:
+            total.add_(t.loss_den)
+            t.loss_den.mul_(1.0)  # In place on an output: allowed.
+        ref_total = sum(t[1] for t, _ in ref_terms)
+        for (t, _), (r, _) in zip(terms, ref_terms):
+            (t.loss_num / total).backward()
+            (r[0] / ref_total).backward()
+        torch.testing.assert_close(weight.grad, ref_weight.grad, rtol=1e-10,
+                                   atol=1e-10)
+        for (_, hidden), (_, ref_hidden) in zip(terms, ref_terms):
+            torch.testing.assert_close(hidden.grad, ref_hidden.grad,
+                                       rtol=1e-10, atol=1e-10)
+        self.assertEqual(weight.grad.shape, weight.shape)
+
+
+class FiniteDifferenceTest(unittest.TestCase):
+    """torch.autograd.gradcheck: numerical against analytic gradients, for
+    the families whose weights carry no stop-gradient (D-PACE, lk-lambda and
+    DSpark's acceptance are without gradient by definition). With a teacher,
+    only hidden moves: the frozen teacher projection shares the weight but
+    has no gradient by definition."""
+
+    def test_gradcheck(self):
+        data = reference.batch(seed=8, B=1, N=2, K=3, H=4, V=7)
+        names = {"dflash", "dflash-ce-options", "dflash-softcap", "tv", "kl",
+                 "reverse-kl", "jsd"}
+        for f in (f for f in reference.FAMILIES if f.name in names):
+            with self.subTest(family=f.name):
+                def loss_num(hidden, weight=data["weight"], bias=data["bias"]):
+                    return dflash_objective(
+                        hidden, weight, data["target_ids"], data["weight_mask"],
+                        config=f.config_text("FUSED", 1, 1), lm_head_bias=bias,
+                        teacher_hidden=data["teacher"] if f.teacher else None,
+                    ).loss_num
+                inputs = (data["hidden"].clone().requires_grad_(),)
+                if not f.teacher:
+                    inputs += (data["weight"].clone().requires_grad_(),
+                               data["bias"].clone().requires_grad_())
+                self.assertTrue(torch.autograd.gradcheck(
+                    loss_num, inputs, eps=1e-6, atol=1e-7, rtol=1e-5))
+
+    def test_gradcheck_dspark_confidence(self):
+        f = next(f for f in reference.FAMILIES if f.name == "dspark")
+        data = reference.batch(seed=9, B=1, N=2, K=3, H=4, V=7)
+
+        def loss_num(confidence):
+            return dflash_objective(
+                data["hidden"], data["weight"], data["target_ids"],
+                data["weight_mask"], config=f.config_text("FUSED", 1, 1),
+                teacher_hidden=data["teacher"], confidence_logits=confidence,
+            ).loss_num
+
+        # Confidence logits are float32: central differences with a step
+        # that float32 rounding cannot swamp.
+        confidence = data["confidence"].clone().requires_grad_()
+        loss_num(confidence).backward()
+        step = 1e-2
+        for i in range(confidence.numel()):
+            bumped = confidence.detach().clone().view(-1)
+            bumped[i] += step
+            up = loss_num(bumped.view_as(confidence)).item()
+            bumped[i] -= 2 * step
+            down = loss_num(bumped.view_as(confidence)).item()
+            self.assertAlmostEqual(confidence.grad.view(-1)[i].item(),
+                                   (up - down) / (2 * step), delta=1e-4)
+
+
+class RowOutputsTest(unittest.TestCase):
+    def test_neg_log_q_argmax_and_top_k(self):
+        f = reference.FAMILIES[0]
+        data = reference.batch(seed=10)
+        terms, _ = run(f, data, return_rows=True, top_k=3)
+        z = data["hidden"] @ data["weight"].T
+        nll = torch.logsumexp(z, -1) - z.gather(
+            -1, data["target_ids"].unsqueeze(-1)).squeeze(-1)
+        weighted = data["weight_mask"] > 0
+        torch.testing.assert_close(terms.neg_log_q[weighted],
+                                   nll[weighted].float())
+        self.assertTrue(torch.equal(terms.argmax[weighted],
+                                    z.argmax(-1)[weighted]))
+        self.assertTrue(torch.equal(terms.top_k[weighted],
+                                    z.topk(3, dim=-1).indices[weighted]))
+        self.assertTrue((terms.argmax[~weighted] == -1).all())
+        self.assertTrue((terms.neg_log_q[~weighted] == 0).all())
+        self.assertEqual(terms.argmax.dtype, torch.int64)
+
+    def test_accuracy_per_position_and_stats(self):
+        data = reference.batch(seed=11)
+        terms, _ = run(reference.FAMILIES[0], data, mode="CHECKPOINT")
+        acc = terms.accuracy_per_position
+        self.assertEqual(acc[0].item(), 0)  # k = 0 never carries a mask.
+        torch.testing.assert_close(
+            acc[1:], terms.position_correct[1:] / terms.position_den[1:])
+        self.assertEqual(terms.stats["mode"], "CHECKPOINT")
+        self.assertEqual(terms.stats["chunks"], 3)  # 6 blocks, 2 a chunk.
+        self.assertGreater(terms.stats["segment_recomputes"], 0)
+        self.assertIsNone(terms.neg_log_q)
+
+    def test_no_grad_runs_without_a_graph(self):
+        data = reference.batch(seed=12)
+        with torch.no_grad():
+            terms, _ = run(reference.FAMILIES[0], data)
+        self.assertIsNone(terms.loss_num.grad_fn)
+        self.assertFalse(terms.loss_num.requires_grad)
+
+
+class FusedHeadTest(unittest.TestCase):
+    def test_wraps_a_frozen_linear(self):
+        data = reference.batch(seed=13)
+        V, H = data["weight"].shape
+        linear = torch.nn.Linear(H, V, dtype=torch.float64)
+        with torch.no_grad():
+            linear.weight.copy_(data["weight"])
+            linear.bias.copy_(data["bias"])
+        head = FusedHead(linear, loss_type="dflash", gamma=7.0, chunk_blocks=2)
+        self.assertFalse(linear.weight.requires_grad)
+        hidden = data["hidden"].clone().requires_grad_()
+        loss_num, loss_den, correct_num, accuracy_den, *_ = head(
+            hidden, data["target_ids"], data["weight_mask"])
+        (loss_num / loss_den).backward()
+        f = reference.FAMILIES[0]
+        ref_hidden = data["hidden"].clone().requires_grad_()
+        want = reference.objective(f, ref_hidden, data["weight"],
+                                   data["target_ids"], data["weight_mask"],
+                                   bias=data["bias"])
+        (want[0] / want[1]).backward()
+        torch.testing.assert_close(loss_num, want[0].detach(), rtol=1e-10,
+                                   atol=1e-10)
+        torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-10,
+                                   atol=1e-10)
+        self.assertIsNone(linear.weight.grad)
+
+    def test_rejects_other_modules(self):
+        with self.assertRaisesRegex(TypeError, "lm_head: must be a torch.nn.Linear"):
+            FusedHead(torch.nn.Embedding(3, 4))
+
+
+class ConfigTest(unittest.TestCase):
+    def test_sources_and_overrides(self):
+        default = dflash.objective_config()
+        self.assertIn("gamma: 7", default.text)
+        changed = dflash.objective_config(default, loss_type="tv", gamma=3.0,
+                                          mode="checkpoint")
+        self.assertIn("tv {\n    gamma: 3", changed.text)
+        self.assertIn("mode: CHECKPOINT", changed.text)
+        from_text = dflash.objective_config("loss { tv { gamma: 2 } }")
+        self.assertIn("tv", from_text.text)
+        with self.assertRaisesRegex(TypeError, "config: must be None"):
+            dflash.objective_config(3)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
