@@ -13,8 +13,10 @@
 #include "absl/strings/str_join.h"
 #include "base/checked_math.h"
 #include "base/file.h"
+#include "base/status_macros.h"
 #include "base/system_memory.h"
 #include "base/tracking_allocator.h"
+#include "configs/default_config.h"
 #include "google/protobuf/util/json_util.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
@@ -25,104 +27,8 @@
 namespace dflash {
 namespace {
 
-constexpr char kDefaultConfig[] =
-#include "base/status_macros.h"
-#include "cli/default_config.inc"
-    ;
-
 std::string Join(const std::string& dir, const std::string& name) {
   return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
-}
-
-absl::Status SetLoss(const std::string& name, v1::LossConfig& loss) {
-  const v1::CrossEntropyOptions ce = loss.cross_entropy();
-  v1::LossConfig fresh;
-  if (name == "dflash") {
-    fresh.mutable_dflash();
-  } else if (name == "dpace") {
-    fresh.mutable_dpace()->set_variant(v1::DPaceLoss::DPACE);
-  } else if (name == "dpace-cumulative-confidence-only") {
-    fresh.mutable_dpace()->set_variant(
-        v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY);
-  } else if (name == "dpace-continuation-value-only") {
-    fresh.mutable_dpace()->set_variant(v1::DPaceLoss::CONTINUATION_VALUE_ONLY);
-  } else if (name == "tv") {
-    fresh.mutable_tv();
-  } else if (name == "lk-lambda") {
-    fresh.mutable_lk_lambda();
-  } else if (name == "dspark") {
-    fresh.mutable_dspark();
-  } else if (name == "kl") {
-    fresh.mutable_distillation()->set_divergence(
-        v1::DistillationLoss::FORWARD_KL);
-  } else if (name == "reverse-kl") {
-    fresh.mutable_distillation()->set_divergence(
-        v1::DistillationLoss::REVERSE_KL);
-  } else if (name == "jsd") {
-    fresh.mutable_distillation()->set_divergence(v1::DistillationLoss::JSD);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--loss: must be one of dflash, dpace, "
-        "dpace-cumulative-confidence-only, dpace-continuation-value-only, tv, "
-        "lk-lambda, dspark, kl, reverse-kl, jsd, got '",
-        name, "'"));
-  }
-  *fresh.mutable_cross_entropy() = ce;
-  loss = fresh;
-  return absl::OkStatus();
-}
-
-absl::Status SetGamma(double gamma, v1::LossConfig& loss) {
-  switch (loss.family_case()) {
-    case v1::LossConfig::kDflash:
-      loss.mutable_dflash()->set_gamma(gamma);
-      break;
-    case v1::LossConfig::kTv:
-      loss.mutable_tv()->set_gamma(gamma);
-      break;
-    case v1::LossConfig::kLkLambda:
-      loss.mutable_lk_lambda()->set_gamma(gamma);
-      break;
-    case v1::LossConfig::kDspark:
-      loss.mutable_dspark()->set_gamma(gamma);
-      break;
-    case v1::LossConfig::kDistillation:
-      loss.mutable_distillation()->set_gamma(gamma);
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("--gamma: D-PACE has no decay, got ", gamma));
-  }
-  return absl::OkStatus();
-}
-
-// A mode and, for selective, the frozen-projection preset when the config
-// names no policy of its own.
-absl::Status SetMode(const std::string& name, v1::ObjectiveConfig& config) {
-  v1::HeadConfig::ExecutionMode mode;
-  if (name == "materialize") {
-    mode = v1::HeadConfig::MATERIALIZE;
-  } else if (name == "save") {
-    mode = v1::HeadConfig::SAVE_CHUNKS;
-  } else if (name == "checkpoint") {
-    mode = v1::HeadConfig::CHECKPOINT;
-  } else if (name == "selective") {
-    mode = v1::HeadConfig::SELECTIVE;
-  } else if (name == "fused") {
-    mode = v1::HeadConfig::FUSED;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--mode: must be one of materialize, save, checkpoint, selective, "
-        "fused, got '",
-        name, "'"));
-  }
-  config.mutable_head()->set_mode(mode);
-  v1::CheckpointPolicy& policy = *config.mutable_checkpoint();
-  if (mode == v1::HeadConfig::SELECTIVE && !policy.has_preset() &&
-      policy.rules_size() == 0) {
-    policy.set_preset(v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
-  }
-  return absl::OkStatus();
 }
 
 std::string LossFamily(const v1::LossConfig& loss) {
@@ -594,7 +500,7 @@ absl::StatusOr<std::vector<v1::ObjectiveConfig>> ModeConfigs(
   for (const char* mode : kModes) {
     v1::ObjectiveConfig mode_config = config;
     if (std::string(mode) == "checkpoint") mode_config.clear_checkpoint();
-    DFLASH_RETURN_IF_ERROR(SetMode(mode, mode_config));
+    DFLASH_RETURN_IF_ERROR(SetModeByName("--mode", mode, mode_config));
     configs.push_back(ResolveDefaults(std::move(mode_config)));
   }
   return configs;
@@ -716,16 +622,16 @@ absl::StatusOr<HeadJobResult> RunJob(
 }  // namespace
 
 absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig() {
-  return LoadObjectiveConfigFromString(kDefaultConfig,
-                                       "configs/dflash_default.textproto");
+  return LoadObjectiveConfigFromString(DefaultObjectiveConfigText(),
+                                       kDefaultConfigSource);
 }
 
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   DFLASH_RETURN_IF_ERROR(CheckSyntheticFlags(options));
   absl::StatusOr<v1::ObjectiveConfig> parsed;
   if (options.config_path.empty()) {
-    parsed = ParseObjectiveConfig(kDefaultConfig,
-                                  "configs/dflash_default.textproto");
+    parsed = ParseObjectiveConfig(DefaultObjectiveConfigText(),
+                                  kDefaultConfigSource);
   } else {
     constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
     absl::StatusOr<std::string> text =
@@ -739,13 +645,15 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   if (!parsed.ok()) return parsed.status();
   v1::ObjectiveConfig config = *std::move(parsed);
   if (!options.loss.empty()) {
-    DFLASH_RETURN_IF_ERROR(SetLoss(options.loss, *config.mutable_loss()));
+    DFLASH_RETURN_IF_ERROR(
+        SetLossByName("--loss", options.loss, *config.mutable_loss()));
   }
   if (options.gamma.has_value()) {
-    DFLASH_RETURN_IF_ERROR(SetGamma(*options.gamma, *config.mutable_loss()));
+    DFLASH_RETURN_IF_ERROR(
+        SetLossGamma("--gamma", *options.gamma, *config.mutable_loss()));
   }
   if (!options.mode.empty()) {
-    DFLASH_RETURN_IF_ERROR(SetMode(options.mode, config));
+    DFLASH_RETURN_IF_ERROR(SetModeByName("--mode", options.mode, config));
   }
   if (options.chunk_blocks.has_value()) {
     config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);

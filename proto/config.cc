@@ -266,6 +266,103 @@ std::vector<v1::CheckpointRule> PresetRules(
   return rules;
 }
 
+absl::Status SetLossByName(absl::string_view option, absl::string_view name,
+                           v1::LossConfig& loss) {
+  const v1::CrossEntropyOptions ce = loss.cross_entropy();
+  v1::LossConfig fresh;
+  if (name == "dflash") {
+    fresh.mutable_dflash();
+  } else if (name == "dpace") {
+    fresh.mutable_dpace()->set_variant(v1::DPaceLoss::DPACE);
+  } else if (name == "dpace-cumulative-confidence-only") {
+    fresh.mutable_dpace()->set_variant(
+        v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY);
+  } else if (name == "dpace-continuation-value-only") {
+    fresh.mutable_dpace()->set_variant(v1::DPaceLoss::CONTINUATION_VALUE_ONLY);
+  } else if (name == "tv") {
+    fresh.mutable_tv();
+  } else if (name == "lk-lambda") {
+    fresh.mutable_lk_lambda();
+  } else if (name == "dspark") {
+    fresh.mutable_dspark();
+  } else if (name == "kl") {
+    fresh.mutable_distillation()->set_divergence(
+        v1::DistillationLoss::FORWARD_KL);
+  } else if (name == "reverse-kl") {
+    fresh.mutable_distillation()->set_divergence(
+        v1::DistillationLoss::REVERSE_KL);
+  } else if (name == "jsd") {
+    fresh.mutable_distillation()->set_divergence(v1::DistillationLoss::JSD);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        option,
+        ": must be one of dflash, dpace, "
+        "dpace-cumulative-confidence-only, dpace-continuation-value-only, tv, "
+        "lk-lambda, dspark, kl, reverse-kl, jsd, got '",
+        name, "'"));
+  }
+  *fresh.mutable_cross_entropy() = ce;
+  loss = fresh;
+  return absl::OkStatus();
+}
+
+absl::Status SetLossGamma(absl::string_view option, double gamma,
+                          v1::LossConfig& loss) {
+  switch (loss.family_case()) {
+    case v1::LossConfig::kDflash:
+      loss.mutable_dflash()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kTv:
+      loss.mutable_tv()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kLkLambda:
+      loss.mutable_lk_lambda()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kDspark:
+      loss.mutable_dspark()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kDistillation:
+      loss.mutable_distillation()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kDpace:
+      return absl::InvalidArgumentError(
+          absl::StrCat(option, ": D-PACE has no decay, got ", gamma));
+    case v1::LossConfig::FAMILY_NOT_SET:
+      return absl::InvalidArgumentError(absl::StrCat(
+          option, ": the config names no loss family to decay, got ", gamma));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetModeByName(absl::string_view option, absl::string_view name,
+                           v1::ObjectiveConfig& config) {
+  v1::HeadConfig::ExecutionMode mode;
+  if (name == "materialize") {
+    mode = v1::HeadConfig::MATERIALIZE;
+  } else if (name == "save") {
+    mode = v1::HeadConfig::SAVE_CHUNKS;
+  } else if (name == "checkpoint") {
+    mode = v1::HeadConfig::CHECKPOINT;
+  } else if (name == "selective") {
+    mode = v1::HeadConfig::SELECTIVE;
+  } else if (name == "fused") {
+    mode = v1::HeadConfig::FUSED;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        option,
+        ": must be one of materialize, save, checkpoint, selective, "
+        "fused, got '",
+        name, "'"));
+  }
+  config.mutable_head()->set_mode(mode);
+  v1::CheckpointPolicy& policy = *config.mutable_checkpoint();
+  if (mode == v1::HeadConfig::SELECTIVE && !policy.has_preset() &&
+      policy.rules_size() == 0) {
+    policy.set_preset(v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
+  }
+  return absl::OkStatus();
+}
+
 int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {
   switch (dtype) {
     case v1::HeadConfig::BFLOAT16:

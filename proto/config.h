@@ -48,6 +48,24 @@ absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
 std::vector<v1::CheckpointRule> PresetRules(
     v1::CheckpointPolicy::Preset preset);
 
+// Config edits by name, as the dflash_head command and the Python binding
+// take them. Errors start with `option`, the caller's spelling of the
+// setting ("--loss", "loss_type").
+//
+// The loss family: dflash, dpace, dpace-cumulative-confidence-only,
+// dpace-continuation-value-only, tv, lk-lambda, dspark, kl, reverse-kl, jsd
+// (the family's other fields reset; cross_entropy kept).
+absl::Status SetLossByName(absl::string_view option, absl::string_view name,
+                           v1::LossConfig& loss);
+// The decay gamma of the config's loss family (D-PACE has none).
+absl::Status SetLossGamma(absl::string_view option, double gamma,
+                          v1::LossConfig& loss);
+// The execution mode: materialize, save, checkpoint, selective, fused.
+// Selective without a checkpoint policy of its own gets the
+// SELECTIVE_FROZEN_PROJECTION preset.
+absl::Status SetModeByName(absl::string_view option, absl::string_view name,
+                           v1::ObjectiveConfig& config);
+
 // Bytes one logit occupies in the head's logits buffer.
 int64_t BytesPerLogit(v1::HeadConfig::DType dtype);
 

@@ -136,14 +136,18 @@ TEST(OverridesTest, UnknownNamesAndDPaceGammaAreErrors) {
   overrides.loss_type = "dpace";
   overrides.gamma = 7;
   EXPECT_EQ(ApplyOverrides(overrides, config).message(),
-            "gamma: the dpace family has no decay, got 7");
+            "gamma: D-PACE has no decay, got 7");
   overrides = {};
   overrides.mode = "eager";
   EXPECT_THAT(ApplyOverrides(overrides, config).message(),
               HasSubstr("mode: must be one of materialize, save, checkpoint, "
                         "selective, fused, got 'eager'"));
-  EXPECT_EQ(ConfigFromFile("/nonexistent.textproto").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ConfigFromFile("/nonexistent.textproto").status().message(),
+            "config: /nonexistent.textproto: cannot open: No such file or "
+            "directory");
+  EXPECT_EQ(ConfigFromFile("/dev/zero").status().message(),
+            "config: /dev/zero: is a character device, expected a regular "
+            "file");
 }
 
 // B=1, N=2, K=2, H=3, V=5 on the CPU.

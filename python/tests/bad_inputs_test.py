@@ -149,7 +149,8 @@ class BadInputsTest(unittest.TestCase):
         with self.assertRaisesRegex(
                 ValueError, r'^config:1:\d+: .*has no field named "dflsh"'):
             self.call(config="loss { dflsh { } }")
-        with self.assertRaisesRegex(FileNotFoundError, "cannot read the file"):
+        with self.assertRaisesRegex(
+                FileNotFoundError, "cannot open: No such file or directory"):
             import pathlib
             self.call(config=pathlib.Path("/nonexistent/objective.textproto"))
 
