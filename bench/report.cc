@@ -23,7 +23,7 @@
 #include "bench/gemm_floor.h"
 #include "bench/head_cases.h"
 #include "bench/report_format.h"
-#include "cli/head_job.h"
+#include "heads/head_metrics.h"
 #include "heads/projection.h"
 
 ABSL_FLAG(std::string, out_dir, "bench_report",

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "heads/fused_head.h"
+#include "heads/head_metrics.h"
 #include "heads/synthetic_batch.h"
 #include "proto/metrics.pb.h"
 #include "proto/policy.pb.h"
@@ -69,9 +70,6 @@ absl::Status SaveInputs(const HeadBatch<T>& batch,
                         const v1::ObjectiveConfig& config, int64_t batch_size,
                         int64_t seq_len, const std::string& dir);
 
-// The metrics.json record of one head run of `config`.
-v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
-                              const HeadResult& result);
 
 // A gradient in the head's storage type: float (FLOAT32) or double.
 using JobTensor = std::variant<std::vector<float>, std::vector<double>>;

@@ -1,0 +1,58 @@
+#include "heads/head_metrics.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace dflash {
+namespace {
+
+std::string LossFamily(const v1::LossConfig& loss) {
+  switch (loss.family_case()) {
+    case v1::LossConfig::kDflash:
+      return "dflash";
+    case v1::LossConfig::kDpace:
+      return "dpace";
+    case v1::LossConfig::kTv:
+      return "tv";
+    case v1::LossConfig::kLkLambda:
+      return "lk_lambda";
+    case v1::LossConfig::kDspark:
+      return "dspark";
+    case v1::LossConfig::kDistillation:
+      return absl::StrCat("distillation/",
+                          v1::DistillationLoss::Divergence_Name(
+                              loss.distillation().divergence()));
+    default:
+      return "none";
+  }
+}
+
+}  // namespace
+
+v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
+                              const HeadResult& r) {
+  v1::HeadMetrics m;
+  m.set_mode(v1::HeadConfig::ExecutionMode_Name(r.mode));
+  m.set_loss_family(LossFamily(config.loss()));
+  m.set_loss(r.loss);
+  m.set_loss_num(r.terms.loss_num);
+  m.set_loss_den(r.terms.loss_den);
+  m.set_accuracy(r.accuracy);
+  for (double a : r.accuracy_per_position) m.add_accuracy_per_position(a);
+  m.set_gemms(r.stats.gemm_passes);
+  m.set_gemm_calls(r.stats.gemm_calls);
+  m.set_flops(r.stats.gemm_flops);
+  m.set_peak_bytes(r.stats.peak_bytes);
+  m.set_seconds(r.stats.forward_seconds + r.stats.backward_seconds);
+  m.set_gemm_seconds(r.stats.gemm_seconds);
+  m.set_loss_seconds(r.stats.loss_seconds);
+  m.set_chunks(r.stats.chunks);
+  m.set_rows(r.plan.chunks.empty() ? 0 : r.plan.chunks.back().end);
+  m.set_projected_rows(r.stats.projected_rows);
+  m.set_weighted_rows(r.stats.projected_rows);
+  m.set_segment_recomputes(r.stats.segment_recomputes);
+  return m;
+}
+
+}  // namespace dflash
