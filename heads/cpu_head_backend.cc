@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "heads/flatten.h"
+#include "heads/row_compaction.h"
 #include "heads/head_backend.h"
 #include "losses/loss_family.h"
 #include "losses/row_error.h"

@@ -10,7 +10,7 @@
 #include "checkpoint/checkpoint_context.h"
 #include "checkpoint/checkpoint_policy.h"
 #include "chunking/chunking_policy.h"
-#include "heads/flatten.h"
+#include "heads/row_compaction.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
 

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "heads/flatten.h"
+#include "heads/row_compaction.h"
 
 namespace dflash {
 namespace {

@@ -1,4 +1,4 @@
-#include "heads/flatten.h"
+#include "heads/row_compaction.h"
 
 namespace dflash {
 

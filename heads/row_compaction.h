@@ -1,5 +1,9 @@
-#ifndef DFLASH_HEADS_FLATTEN_H_
-#define DFLASH_HEADS_FLATTEN_H_
+#ifndef DFLASH_HEADS_ROW_COMPACTION_H_
+#define DFLASH_HEADS_ROW_COMPACTION_H_
+
+// Row compaction: the head projects only the rows that carry weight
+// (WeightedRows), gathered into a dense chunk and scattered back
+// (GatherRows, ScatterRows).
 
 #include <cstdint>
 #include <vector>
@@ -37,4 +41,4 @@ void ScatterRows(const T* src, int64_t width, absl::Span<const int64_t> indices,
 
 }  // namespace dflash
 
-#endif  // DFLASH_HEADS_FLATTEN_H_
+#endif  // DFLASH_HEADS_ROW_COMPACTION_H_
