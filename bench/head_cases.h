@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/tracking_allocator.h"
-#include "heads/fused_head.h"
+#include "heads/cpu_head.h"
 #include "heads/synthetic_batch.h"
 #include "proto/policy.pb.h"
 

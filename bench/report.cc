@@ -23,8 +23,8 @@
 #include "bench/gemm_floor.h"
 #include "bench/head_cases.h"
 #include "bench/report_format.h"
+#include "heads/cpu_projection.h"
 #include "heads/head_metrics.h"
-#include "heads/projection.h"
 
 ABSL_FLAG(std::string, out_dir, "bench_report",
           "Directory for report.md, report.json and report.svg (created).");

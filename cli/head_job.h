@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "heads/fused_head.h"
+#include "heads/cpu_head.h"
 #include "heads/head_metrics.h"
 #include "heads/synthetic_batch.h"
 #include "proto/metrics.pb.h"

@@ -167,7 +167,7 @@ std::string WriteConfig(const std::string& dir, const std::string& text) {
 
 // A trainable head with a bias, from a config file: the job sizes the bias
 // gradient and writes the weight gradient as grad_lm_head.npy (its values
-// are checked against the reference in //heads:fused_head_test); a frozen
+// are checked against the reference in //tests:head_parity_test); a frozen
 // run into the same directory then removes it.
 TEST(HeadJobTest, TrainableHeadWritesTheWeightGradient) {
   const std::string dir = TempDir("trainable");

@@ -1,4 +1,6 @@
 // The CPU backend of the head: host memory, CBLAS, ChunkLoss on threads.
+#include "heads/cpu_head_backend.h"
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -9,8 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "heads/row_compaction.h"
+#include "heads/cpu_projection.h"
 #include "heads/head_backend.h"
+#include "heads/row_compaction.h"
 #include "losses/loss_family.h"
 #include "losses/row_error.h"
 #include "proto/config.h"

@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "heads/cuda_projection.h"
-#include "heads/fused_head.h"
+#include "heads/head_types.h"
 #include "proto/policy.pb.h"
 
 namespace dflash {

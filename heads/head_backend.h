@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/tracking_allocator.h"
-#include "heads/fused_head.h"
+#include "heads/head_types.h"
 #include "heads/projection.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
@@ -98,12 +98,6 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
                                      HeadBackend<T>& backend,
                                      const HeadRowOutputs& row_outputs,
                                      const HeadOptions& options);
-
-// The CPU backend for one objective: CBLAS projection, ChunkLoss split over
-// head.threads at block boundaries, host memory from `allocator`.
-template <typename T>
-std::unique_ptr<HeadBackend<T>> CreateCpuHeadBackend(
-    const v1::ObjectiveConfig& config, TrackingAllocator& allocator);
 
 }  // namespace dflash
 

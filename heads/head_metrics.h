@@ -5,7 +5,7 @@
 // (proto/metrics.proto) that the dflash_head command writes as
 // metrics.json and the benchmarks report.
 
-#include "heads/fused_head.h"
+#include "heads/head_types.h"
 #include "proto/metrics.pb.h"
 #include "proto/policy.pb.h"
 

@@ -72,19 +72,6 @@ class VocabProjection {
 absl::Status ValidateProjectionShape(size_t weight_size, size_t bias_size,
                                      int64_t vocab, int64_t hidden);
 
-// The CPU projection on CBLAS (OpenBLAS), T = float or double. The weight
-// and bias are borrowed and must outlive it. Sizes are checked: weight holds
-// vocab * hidden values, bias vocab or none.
-template <typename T>
-absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCpuProjection(
-    absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden);
-
-// The CPU projection's BLAS and the kernels it picked for this CPU, e.g.
-// "OpenBLAS 0.3.21 (SkylakeX kernels)". Generic kernels
-// ("Prescott") on an AVX2 machine cost 4-5x in GEMM time; see the README.
-std::string CpuBlasName();
-
 }  // namespace dflash
 
 #endif  // DFLASH_HEADS_PROJECTION_H_

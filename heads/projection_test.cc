@@ -1,9 +1,8 @@
-#include "heads/projection.h"
-
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "heads/cpu_projection.h"
 #include "heads/row_compaction.h"
 
 namespace dflash {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "heads/fused_head.h"
+#include "heads/head_types.h"
 #include "losses/batch_layout.h"
 #include "proto/policy.pb.h"
 

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
-#include "heads/fused_head.h"
+#include "heads/cpu_head.h"
 #include "heads/head_plan.h"
 #include "proto/config.h"
 #include "tests/head_test_util.h"

@@ -1,5 +1,3 @@
-#include "heads/fused_head.h"
-
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -10,10 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
-#include "tests/head_test_util.h"
+#include "heads/cpu_head.h"
 #include "losses/batch_layout.h"
 #include "losses/chunk_loss.h"
 #include "proto/config.h"
+#include "tests/head_test_util.h"
 
 namespace dflash {
 namespace {

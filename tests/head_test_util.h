@@ -2,7 +2,8 @@
 #define DFLASH_TESTS_HEAD_TEST_UTIL_H_
 
 // The head parity suite's batch, float64 reference and configs, shared by
-// the CPU test (fused_head_test) and its re-run on CUDA (cuda_head_test).
+// the CPU suite (head_parity_test) and its re-run on CUDA
+// (cuda_head_parity_test).
 
 #include <algorithm>
 #include <cmath>
@@ -11,7 +12,7 @@
 #include <vector>
 
 #include "base/error_norms.h"
-#include "heads/fused_head.h"
+#include "heads/cpu_head.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
 

@@ -5,7 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "heads/fused_head.h"
+#include "heads/head_types.h"
 #include "proto/policy.pb.h"
 
 namespace dflash::python {

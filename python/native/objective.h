@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "heads/fused_head.h"
+#include "heads/cpu_head.h"
 #include "losses/chunk_loss.h"
 #include "proto/policy.pb.h"
 #include "python/native/tensor_arg.h"

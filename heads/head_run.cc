@@ -1,5 +1,3 @@
-#include "heads/fused_head.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -129,9 +127,9 @@ absl::Status HeadRun<T>::Validate() const {
                        block_size_, "), got ", meta.position));
     }
     if (!(meta.mask >= 0) || !std::isfinite(meta.mask)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "inputs.rows[", r, "].mask: must be finite and >= 0, got ",
-          meta.mask));
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs.rows[", r,
+                       "].mask: must be finite and >= 0, got ", meta.mask));
     }
     if (meta.mask > 0 && meta.target != ignore &&
         (meta.target < 0 || meta.target >= vocab_)) {
@@ -177,8 +175,8 @@ absl::Status HeadRun<T>::Validate() const {
   // may write every row of it.
   if (!confidence_ && !gradients_.confidence.empty() &&
       static_cast<int64_t>(gradients_.confidence.size()) != rows) {
-    return SizeError("gradients.confidence", gradients_.confidence.size(),
-                     rows, "none, or one per row");
+    return SizeError("gradients.confidence", gradients_.confidence.size(), rows,
+                     "none, or one per row");
   }
   if (!head_.bias() && !inputs_.bias.empty()) {
     return SizeError("inputs.bias", inputs_.bias.size(), 0,
@@ -193,7 +191,8 @@ absl::Status HeadRun<T>::Validate() const {
     }
   }
   if (!row_outputs_.top_k.empty() &&
-      static_cast<int64_t>(row_outputs_.top_k.size()) != rows * row_outputs_.k) {
+      static_cast<int64_t>(row_outputs_.top_k.size()) !=
+          rows * row_outputs_.k) {
     return SizeError("row_outputs.top_k", row_outputs_.top_k.size(),
                      rows * row_outputs_.k, "rows x k");
   }
@@ -210,10 +209,10 @@ absl::Status HeadRun<T>::Plan() {
   chunk_begin_ = std::move(plan.chunk_begin);
   max_chunk_rows_ = plan.max_chunk_rows;
   if (Fused()) return absl::OkStatus();
-  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointContext> context,
-                          CheckpointContext::Create(
-                              CheckpointOptionsFromPolicy(plan.policy),
-                              allocator_));
+  DFLASH_ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointContext> context,
+      CheckpointContext::Create(CheckpointOptionsFromPolicy(plan.policy),
+                                allocator_));
   context_ = std::move(context);
   return absl::OkStatus();
 }
@@ -279,11 +278,11 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
     teacher = buffer;
     DFLASH_RETURN_IF_ERROR(TeacherLogits(c, teacher));
     if (context_ != nullptr) {
-      absl::StatusOr<bool> kept = context_->Offer(
-          c, TeacherLogitsInfo(head_, m), View(teacher, m),
-          [this, c](const TensorView& out) {
-            return TeacherLogits(c, out.data_as<T>());
-          });
+      absl::StatusOr<bool> kept =
+          context_->Offer(c, TeacherLogitsInfo(head_, m), View(teacher, m),
+                          [this, c](const TensorView& out) {
+                            return TeacherLogits(c, out.data_as<T>());
+                          });
       if (!kept.ok()) return kept.status();
     }
   }
@@ -396,10 +395,9 @@ absl::Status NameChunkLossError(const absl::Status& error,
   const int64_t n_size = layout.num_anchors();
   const int64_t block = r / k_size, k = r % k_size;
   const std::string name =
-      n_size > 0
-          ? absl::StrCat("row (b, n, k) = (", block / n_size, ", ",
-                         block % n_size, ", ", k, ")")
-          : absl::StrCat("row (block, k) = (", block, ", ", k, ")");
+      n_size > 0 ? absl::StrCat("row (b, n, k) = (", block / n_size, ", ",
+                                block % n_size, ", ", k, ")")
+                 : absl::StrCat("row (block, k) = (", block, ", ", k, ")");
   return RowError(r, row->detail, name);
 }
 
@@ -408,16 +406,16 @@ absl::Status CheckHeadTarget(const v1::HeadConfig& head,
                              v1::HeadConfig::DType dtype, const char* call,
                              const char* dtypes) {
   if (head.backend() != backend) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.backend: ", call, " runs the ",
-        v1::HeadConfig::Backend_Name(backend), " backend, got ",
-        v1::HeadConfig::Backend_Name(head.backend())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head.backend: ", call, " runs the ",
+                     v1::HeadConfig::Backend_Name(backend), " backend, got ",
+                     v1::HeadConfig::Backend_Name(head.backend())));
   }
   if (head.dtype() != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head.dtype: this call takes ", v1::HeadConfig::DType_Name(dtype),
-        " tensors (", dtypes, "), got ",
-        v1::HeadConfig::DType_Name(head.dtype())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head.dtype: this call takes ",
+                     v1::HeadConfig::DType_Name(dtype), " tensors (", dtypes,
+                     "), got ", v1::HeadConfig::DType_Name(head.dtype())));
   }
   return absl::OkStatus();
 }
@@ -440,46 +438,14 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
   return run.Run(options);
 }
 
-template <typename T>
-absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
-                                   const HeadInputs<T>& inputs,
-                                   const HeadGradients<T>& gradients,
-                                   TrackingAllocator& allocator,
-                                   const HeadRowOutputs& row_outputs,
-                                   const HeadOptions& options) {
-  constexpr v1::HeadConfig::DType kDType =
-      std::is_same_v<T, float> ? v1::HeadConfig::FLOAT32
-                               : v1::HeadConfig::FLOAT64;
-  DFLASH_RETURN_IF_ERROR(CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
-                                         kDType, "RunHead",
-                                         "CPU heads run FLOAT32 or FLOAT64"));
-  if (allocator.device() != Device::kCpu) {
-    return absl::InvalidArgumentError(
-        "allocator: RunHead needs host memory, got a CUDA allocator");
-  }
-  std::unique_ptr<HeadBackend<T>> backend =
-      CreateCpuHeadBackend<T>(config, allocator);
-  return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,
-                      options);
-}
-
-#define DFLASH_INSTANTIATE_RUN_HEAD(T)                                       \
-  template absl::StatusOr<HeadResult> RunHeadOn<T>(                          \
-      const v1::ObjectiveConfig&, const HeadInputs<T>&,                      \
-      const HeadGradients<T>&, HeadBackend<T>&, const HeadRowOutputs&,       \
+#define DFLASH_INSTANTIATE_RUN_HEAD(T)                                 \
+  template absl::StatusOr<HeadResult> RunHeadOn<T>(                    \
+      const v1::ObjectiveConfig&, const HeadInputs<T>&,                \
+      const HeadGradients<T>&, HeadBackend<T>&, const HeadRowOutputs&, \
       const HeadOptions&);
 DFLASH_INSTANTIATE_RUN_HEAD(float)
 DFLASH_INSTANTIATE_RUN_HEAD(double)
 DFLASH_INSTANTIATE_RUN_HEAD(BFloat16)
 #undef DFLASH_INSTANTIATE_RUN_HEAD
-
-template absl::StatusOr<HeadResult> RunHead<float>(
-    const v1::ObjectiveConfig&, const HeadInputs<float>&,
-    const HeadGradients<float>&, TrackingAllocator&, const HeadRowOutputs&,
-    const HeadOptions&);
-template absl::StatusOr<HeadResult> RunHead<double>(
-    const v1::ObjectiveConfig&, const HeadInputs<double>&,
-    const HeadGradients<double>&, TrackingAllocator&, const HeadRowOutputs&,
-    const HeadOptions&);
 
 }  // namespace dflash

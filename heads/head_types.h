@@ -1,19 +1,16 @@
-#ifndef DFLASH_HEADS_FUSED_HEAD_H_
-#define DFLASH_HEADS_FUSED_HEAD_H_
+#ifndef DFLASH_HEADS_HEAD_TYPES_H_
+#define DFLASH_HEADS_HEAD_TYPES_H_
 
-// RunHead: forward and backward of a vocabulary-projection head and its loss
-// over one batch on the CPU, chunked and checkpointed per the execution mode
-// of a v1::ObjectiveConfig; the entry point for a head's loss and gradients.
-// Its types (HeadInputs, HeadGradients, HeadRowOutputs, HeadOptions,
-// HeadResult, HeadStats) are shared with the CUDA head (//heads:cuda_head).
+// What a caller of a head fills and gets back, for the CPU head (RunHead,
+// heads/cpu_head.h) and the CUDA head (RunCudaHead, heads/cuda_head.h)
+// alike: HeadInputs, HeadGradients, HeadRowOutputs and HeadOptions in;
+// HeadResult (terms, accuracy, plan, HeadStats) out.
 
 #include <cstdint>
 #include <functional>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "base/tracking_allocator.h"
 #include "checkpoint/checkpoint_context.h"
 #include "chunking/chunk_plan.h"
 #include "losses/chunk_loss.h"
@@ -64,15 +61,15 @@ struct HeadStats {
   int64_t peak_bytes = 0;  // Tracking allocator, above its level at entry.
   double forward_seconds = 0;
   double backward_seconds = 0;
-  double gemm_seconds = 0;  // Of which in GEMMs,
-  double loss_seconds = 0;  // and in the loss row kernels.
+  double gemm_seconds = 0;     // Of which in GEMMs,
+  double loss_seconds = 0;     // and in the loss row kernels.
   CheckpointStats checkpoint;  // Empty in FUSED mode (no context).
 };
 
 struct HeadResult {
   double loss = 0;  // loss_num / loss_den; 0 when nothing carries weight.
   ChunkTerms terms;
-  double accuracy = 0;                       // correct / accuracy_den.
+  double accuracy = 0;                        // correct / accuracy_den.
   std::vector<double> accuracy_per_position;  // Size K; 0 where no mask.
   v1::HeadConfig::ExecutionMode mode = v1::HeadConfig::FUSED;
   ChunkPlan plan;
@@ -87,28 +84,6 @@ struct HeadOptions {
   std::function<void(int64_t, int64_t)> progress;
 };
 
-// Runs forward and backward of `config` (validated and with defaults
-// resolved, see //proto:config) over one batch on the CPU (T = float for
-// FLOAT32, double for FLOAT64), in the config's execution mode:
-// - MATERIALIZE: one chunk of all rows, logits gradient kept.
-// - SAVE_CHUNKS: the chunk plan, every chunk's logits gradient kept.
-// - CHECKPOINT / SELECTIVE: the chunk plan under config.checkpoint: each
-//   chunk's logits gradient, and the teacher logits, are kept or dropped by
-//   its rules and budget; backward recomputes dropped ones a segment at a
-//   time.
-// - FUSED: grad_hidden is computed per chunk in forward; backward scales.
-// Rows without weight are never projected. Every buffer comes from
-// `allocator`. head.threads splits each chunk's loss at block boundaries.
-// The same run on a CUDA device is RunCudaHead (//heads:cuda_head); both
-// are RunHeadOn (head_backend.h) with their backend.
-template <typename T>
-absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
-                                   const HeadInputs<T>& inputs,
-                                   const HeadGradients<T>& gradients,
-                                   TrackingAllocator& allocator,
-                                   const HeadRowOutputs& row_outputs = {},
-                                   const HeadOptions& options = {});
-
 }  // namespace dflash
 
-#endif  // DFLASH_HEADS_FUSED_HEAD_H_
+#endif  // DFLASH_HEADS_HEAD_TYPES_H_

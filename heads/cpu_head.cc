@@ -1,0 +1,48 @@
+#include "heads/cpu_head.h"
+
+#include <memory>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "heads/cpu_head_backend.h"
+#include "heads/head_backend.h"
+
+namespace dflash {
+
+template <typename T>
+absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
+                                   const HeadInputs<T>& inputs,
+                                   const HeadGradients<T>& gradients,
+                                   TrackingAllocator& allocator,
+                                   const HeadRowOutputs& row_outputs,
+                                   const HeadOptions& options) {
+  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
+                                               ? v1::HeadConfig::FLOAT32
+                                               : v1::HeadConfig::FLOAT64;
+  DFLASH_RETURN_IF_ERROR(CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
+                                         kDType, "RunHead",
+                                         "CPU heads run FLOAT32 or FLOAT64"));
+  if (allocator.device() != Device::kCpu) {
+    return absl::InvalidArgumentError(
+        "allocator: RunHead needs host memory, got a CUDA allocator");
+  }
+  std::unique_ptr<HeadBackend<T>> backend =
+      CreateCpuHeadBackend<T>(config, allocator);
+  return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,
+                      options);
+}
+
+template absl::StatusOr<HeadResult> RunHead<float>(const v1::ObjectiveConfig&,
+                                                   const HeadInputs<float>&,
+                                                   const HeadGradients<float>&,
+                                                   TrackingAllocator&,
+                                                   const HeadRowOutputs&,
+                                                   const HeadOptions&);
+template absl::StatusOr<HeadResult> RunHead<double>(
+    const v1::ObjectiveConfig&, const HeadInputs<double>&,
+    const HeadGradients<double>&, TrackingAllocator&, const HeadRowOutputs&,
+    const HeadOptions&);
+
+}  // namespace dflash

@@ -1,0 +1,41 @@
+#ifndef DFLASH_HEADS_CPU_HEAD_H_
+#define DFLASH_HEADS_CPU_HEAD_H_
+
+// RunHead: forward and backward of a vocabulary-projection head and its loss
+// over one batch on the CPU, chunked and checkpointed per the execution mode
+// of a v1::ObjectiveConfig; the entry point for a head's loss and gradients
+// on the host. Its types are in heads/head_types.h, shared with the CUDA
+// head (//heads:cuda_head).
+
+#include "absl/status/statusor.h"
+#include "base/tracking_allocator.h"
+#include "heads/head_types.h"
+#include "proto/policy.pb.h"
+
+namespace dflash {
+
+// Runs forward and backward of `config` (validated and with defaults
+// resolved, see //proto:config) over one batch on the CPU (T = float for
+// FLOAT32, double for FLOAT64), in the config's execution mode:
+// - MATERIALIZE: one chunk of all rows, logits gradient kept.
+// - SAVE_CHUNKS: the chunk plan, every chunk's logits gradient kept.
+// - CHECKPOINT / SELECTIVE: the chunk plan under config.checkpoint: each
+//   chunk's logits gradient, and the teacher logits, are kept or dropped by
+//   its rules and budget; backward recomputes dropped ones a segment at a
+//   time.
+// - FUSED: grad_hidden is computed per chunk in forward; backward scales.
+// Rows without weight are never projected. Every buffer comes from
+// `allocator`. head.threads splits each chunk's loss at block boundaries.
+// The same run on a CUDA device is RunCudaHead (//heads:cuda_head); both
+// are RunHeadOn (head_backend.h) with their backend.
+template <typename T>
+absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
+                                   const HeadInputs<T>& inputs,
+                                   const HeadGradients<T>& gradients,
+                                   TrackingAllocator& allocator,
+                                   const HeadRowOutputs& row_outputs = {},
+                                   const HeadOptions& options = {});
+
+}  // namespace dflash
+
+#endif  // DFLASH_HEADS_CPU_HEAD_H_
