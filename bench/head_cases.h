@@ -9,7 +9,7 @@
 #include "base/tracking_allocator.h"
 #include "heads/cpu_head.h"
 #include "heads/synthetic_batch.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

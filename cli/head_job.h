@@ -20,7 +20,7 @@
 #include "heads/head_metrics.h"
 #include "heads/synthetic_batch.h"
 #include "proto/metrics.pb.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

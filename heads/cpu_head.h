@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "base/tracking_allocator.h"
 #include "heads/head_types.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

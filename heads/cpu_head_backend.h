@@ -7,7 +7,7 @@
 
 #include "base/tracking_allocator.h"
 #include "heads/head_backend.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

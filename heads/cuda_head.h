@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "heads/cuda_projection.h"
 #include "heads/head_types.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

@@ -11,7 +11,7 @@
 #include "heads/head_types.h"
 #include "heads/projection.h"
 #include "losses/chunk_loss.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

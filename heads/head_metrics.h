@@ -7,7 +7,7 @@
 
 #include "heads/head_types.h"
 #include "proto/metrics.pb.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

@@ -14,7 +14,7 @@
 #include "checkpoint/checkpoint_context.h"
 #include "chunking/chunk_plan.h"
 #include "losses/chunk_loss.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

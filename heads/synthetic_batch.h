@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "heads/head_types.h"
 #include "losses/batch_layout.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 
@@ -24,8 +24,9 @@ absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
     absl::string_view text, absl::string_view source = "<string>");
 
 // Returns `config` with every defaulted field written out explicitly, so that
-// printing it shows the policy that will run (see policy.proto for each
-// default). A chunking policy with no size gets blocks_per_chunk = 128.
+// printing it shows the policy that will run (each component's .proto file
+// gives its defaults). A chunking policy with no size gets
+// blocks_per_chunk = 128.
 v1::ObjectiveConfig ResolveDefaults(v1::ObjectiveConfig config);
 
 // Checks every field and the cross-field constraints of a resolved config.

@@ -14,7 +14,7 @@
 #include "base/error_norms.h"
 #include "heads/cpu_head.h"
 #include "losses/chunk_loss.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash {
 namespace head_test {

@@ -1,7 +1,7 @@
 """dflash: chunked, checkpointed vocabulary-projection heads and
 DFlash-family losses for training speculative-decoding draft models.
 
-`ObjectiveConfig` holds one objective (proto/policy.proto of the dflash
+`ObjectiveConfig` holds one objective (proto/objective.proto of the dflash
 repository); `dflash.torch` runs it on PyTorch tensors.
 """
 

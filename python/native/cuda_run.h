@@ -6,7 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "heads/head_types.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 
 namespace dflash::python {
 

@@ -233,7 +233,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<v1::ObjectiveConfig>(
       m, "ObjectiveConfig",
-      "A dflash.v1.ObjectiveConfig (proto/policy.proto). The tensors fill "
+      "A dflash.v1.ObjectiveConfig (proto/objective.proto). The tensors fill "
       "the layout and head sizes at each call; defaults are resolved and the "
       "whole config validated then.")
       .def_static(

@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "heads/cpu_head.h"
 #include "losses/chunk_loss.h"
-#include "proto/policy.pb.h"
+#include "proto/objective.pb.h"
 #include "python/native/tensor_arg.h"
 
 namespace dflash::python {
