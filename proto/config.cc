@@ -88,7 +88,6 @@ void FillDefaults(Message& message) {
 
 // Config problems are collected in base/problem_list.h's ProblemList.
 using Problems = ProblemList;
-std::string Num(double value) { return ProblemNumber(value); }
 
 void ValidateLayout(const v1::BatchLayout& layout, Problems& problems) {
   problems.Above("layout.block_size", layout.block_size(), 0);
