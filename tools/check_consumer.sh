@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds examples/consumer (a separate workspace using dflash libraries) and
 # checks their dependency closures: the config library (with the components'
-# validators) reaches neither heads, loss kernels nor CUDA; the core libraries (chunk planner, checkpoint context, batch
+# validators) reaches no head code, loss kernels or CUDA; the core libraries (chunk planner, checkpoint context, batch
 # layout) reach no protobuf either.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,8 +23,8 @@ check() {
     "targets, no $3)"
 }
 check //:consumer \
-  '^@dflash//heads|^@dflash//losses:(chunk_loss|row_kernels|cuda)|local_config_cuda|cuda' \
-  "heads, loss kernels or CUDA"
+  '^@dflash//heads:(cpu_|cuda_|head_run|head_plan|head_types|projection|row_compaction)|^@dflash//losses:(chunk_loss|row_kernels|cuda)|local_config_cuda|cuda' \
+  "head code (only its config check), loss kernels or CUDA"
 check //:core_consumer \
   '^@dflash//(heads|proto)|^@dflash//losses:(chunk_loss|cuda)|local_config_cuda|cuda|protobuf' \
   "protobuf, heads, loss configs or CUDA"

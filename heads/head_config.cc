@@ -1,0 +1,50 @@
+#include "heads/head_config.h"
+
+#include <cstdint>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace dflash {
+
+void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
+  if (!head.has_vocab_size()) {
+    problems.Add("head.vocab_size", "is required");
+  } else if (head.vocab_size() <= 0 ||
+             head.vocab_size() > std::numeric_limits<int32_t>::max()) {
+    problems.Add("head.vocab_size",
+                 absl::StrCat("must lie in [1, 2147483647] (target ids are "
+                              "int32), got ",
+                              head.vocab_size()));
+  }
+  if (!head.has_hidden_size()) {
+    problems.Add("head.hidden_size", "is required");
+  } else {
+    problems.Above("head.hidden_size", head.hidden_size(), 0);
+  }
+  problems.Specified("head.dtype", head.dtype(),
+                     v1::HeadConfig::DType_Name(head.dtype()));
+  problems.Specified("head.backend", head.backend(),
+                     v1::HeadConfig::Backend_Name(head.backend()));
+  problems.Specified("head.mode", head.mode(),
+                     v1::HeadConfig::ExecutionMode_Name(head.mode()));
+  if (head.has_logit_softcap()) {
+    problems.AtLeast("head.logit_softcap", head.logit_softcap(), 0);
+  }
+  problems.Above("head.logit_scale", head.logit_scale(), 0);
+  problems.AtLeast("head.threads", head.threads(), 0);
+  if (head.backend() == v1::HeadConfig::CUDA &&
+      head.dtype() == v1::HeadConfig::FLOAT64) {
+    problems.Add("head.dtype",
+                 "FLOAT64 is not supported on the CUDA backend (FLOAT32 or "
+                 "BFLOAT16), got FLOAT64");
+  }
+  if (head.backend() == v1::HeadConfig::CPU &&
+      head.dtype() == v1::HeadConfig::BFLOAT16) {
+    problems.Add("head.dtype",
+                 "BFLOAT16 is not supported on the CPU backend (FLOAT32 or "
+                 "FLOAT64), got BFLOAT16");
+  }
+}
+
+}  // namespace dflash
