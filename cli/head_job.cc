@@ -90,15 +90,6 @@ struct InputHeaders {
   int64_t largest_file_bytes = 0;
 };
 
-absl::Status CheckHeader(const NpyHeader& header, const std::string& path,
-                         const std::vector<int64_t>& shape,
-                         const std::vector<NpyType>& types) {
-  NpyArray described;
-  described.type = header.type;
-  described.shape = header.shape;
-  return CheckNpy(described, path, shape, types);
-}
-
 // Reads the headers of every file `config`'s objective needs; shapes are
 // checked as each file's extents become known (hidden.npy gives B, N, K, H).
 absl::StatusOr<InputHeaders> ReadInputHeaders(
@@ -107,7 +98,7 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
   auto read = [&](InputSpec spec) -> absl::StatusOr<const NpyHeader*> {
     const std::string path = Join(dir, spec.name);
     DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ReadNpyHeader(path));
-    DFLASH_RETURN_IF_ERROR(CheckHeader(header, path, spec.shape, *spec.types));
+    DFLASH_RETURN_IF_ERROR(CheckNpy(header, path, spec.shape, *spec.types));
     in.largest_file_bytes = std::max(in.largest_file_bytes, header.data_bytes);
     in.specs.push_back(spec);
     return &(in.headers[spec.name] = std::move(header));
@@ -182,7 +173,7 @@ absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
     }
     return NpyToFloat(array);
   } else {
-    return NpyToDouble(array);
+    return NpyToFloat64(array);
   }
 }
 
@@ -467,6 +458,12 @@ absl::Status CheckStream(std::ostream& report) {
                                    : std::string()));
 }
 
+// The --inputs tensors, their headers already read and checked.
+template <typename T>
+absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
+                                            const InputHeaders& in,
+                                            const v1::ObjectiveConfig& config);
+
 template <typename T>
 absl::StatusOr<HeadJobResult> RunJob(
     const HeadJobOptions& options, const v1::ObjectiveConfig& config,
@@ -494,10 +491,11 @@ absl::StatusOr<HeadJobResult> RunJob(
   DFLASH_RETURN_IF_ERROR(CheckFits(budget, batch_bytes, grad_bytes, 0));
 
   const uint64_t seed = options.seed.value_or(kDefaultSeed);
-  DFLASH_ASSIGN_OR_RETURN(HeadBatch<T> batch,
-                          options.inputs_dir.empty()
-                              ? MakeSyntheticBatch<T>(config, {b, s, n}, seed)
-                              : LoadInputs<T>(options.inputs_dir, config));
+  DFLASH_ASSIGN_OR_RETURN(
+      HeadBatch<T> batch,
+      options.inputs_dir.empty()
+          ? MakeSyntheticBatch<T>(config, {b, s, n}, seed)
+          : LoadInputsFrom<T>(options.inputs_dir, headers, config));
 
   // The head's buffers, from its plan, in every mode the job runs.
   std::vector<v1::ObjectiveConfig> mode_configs;
@@ -638,10 +636,12 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   return config;
 }
 
+namespace {
+
 template <typename T>
-absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
-                                        const v1::ObjectiveConfig& config) {
-  DFLASH_ASSIGN_OR_RETURN(InputHeaders in, ReadInputHeaders(dir, config));
+absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
+                                            const InputHeaders& in,
+                                            const v1::ObjectiveConfig& config) {
   const int64_t b = in.batch, s = in.seq, n = in.anchors, k = in.block,
                 v = in.vocab;
   if (k != config.layout().block_size() || n != config.layout().num_anchors() ||
@@ -695,6 +695,15 @@ absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
     batch.confidence_logits = std::move(values);
   }
   return batch;
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
+                                        const v1::ObjectiveConfig& config) {
+  DFLASH_ASSIGN_OR_RETURN(InputHeaders in, ReadInputHeaders(dir, config));
+  return LoadInputsFrom<T>(dir, in, config);
 }
 
 template <typename T>

@@ -328,23 +328,40 @@ absl::Status StageNpy(OutputFileSet& files, const std::string& path,
   return files.Stage(path, pieces);
 }
 
-absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
-                      absl::Span<const int64_t> shape,
-                      absl::Span<const NpyType> types) {
+namespace {
+
+absl::Status CheckTypeAndShape(NpyType type, const std::vector<int64_t>& actual,
+                               absl::string_view name,
+                               absl::Span<const int64_t> shape,
+                               absl::Span<const NpyType> types) {
   bool type_ok = false;
-  for (NpyType t : types) type_ok |= t == array.type;
-  bool shape_ok = array.shape.size() == shape.size();
+  for (NpyType t : types) type_ok |= t == type;
+  bool shape_ok = actual.size() == shape.size();
   for (size_t i = 0; shape_ok && i < shape.size(); ++i) {
-    shape_ok = shape[i] < 0 || shape[i] == array.shape[i];
+    shape_ok = shape[i] < 0 || shape[i] == actual[i];
   }
   if (type_ok && shape_ok) return absl::OkStatus();
   std::vector<std::string> extents, names;
   for (int64_t d : shape) extents.push_back(d < 0 ? "*" : absl::StrCat(d));
   for (NpyType t : types) names.push_back(std::string(NpyDescr(t)));
-  return absl::InvalidArgumentError(absl::StrCat(
-      name, ": expected shape [", absl::StrJoin(extents, ", "), "] of ",
-      absl::StrJoin(names, " or "), ", got ", array.ShapeString(), " of ",
-      NpyDescr(array.type)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, ": expected shape [", absl::StrJoin(extents, ", "),
+                   "] of ", absl::StrJoin(names, " or "), ", got [",
+                   absl::StrJoin(actual, ", "), "] of ", NpyDescr(type)));
+}
+
+}  // namespace
+
+absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
+                      absl::Span<const int64_t> shape,
+                      absl::Span<const NpyType> types) {
+  return CheckTypeAndShape(array.type, array.shape, name, shape, types);
+}
+
+absl::Status CheckNpy(const NpyHeader& header, absl::string_view name,
+                      absl::Span<const int64_t> shape,
+                      absl::Span<const NpyType> types) {
+  return CheckTypeAndShape(header.type, header.shape, name, shape, types);
 }
 
 namespace {
@@ -365,7 +382,7 @@ std::vector<float> NpyToFloat(const NpyArray& array) {
   return Convert<float, float>(array);
 }
 
-std::vector<double> NpyToDouble(const NpyArray& array) {
+std::vector<double> NpyToFloat64(const NpyArray& array) {
   if (array.type == NpyType::kFloat64) return Convert<double, double>(array);
   return Convert<float, double>(array);
 }

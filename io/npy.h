@@ -76,10 +76,14 @@ absl::Status StageNpy(OutputFileSet& files, const std::string& path,
 absl::Status CheckNpy(const NpyArray& array, absl::string_view name,
                       absl::Span<const int64_t> shape,
                       absl::Span<const NpyType> types);
+// The same from a header, before the data is read.
+absl::Status CheckNpy(const NpyHeader& header, absl::string_view name,
+                      absl::Span<const int64_t> shape,
+                      absl::Span<const NpyType> types);
 // float32 data as floats (float64 is rounded).
 std::vector<float> NpyToFloat(const NpyArray& array);
 // float32 or float64 data as doubles.
-std::vector<double> NpyToDouble(const NpyArray& array);
+std::vector<double> NpyToFloat64(const NpyArray& array);
 
 // An element of an array: its index and value.
 struct NpyElement {

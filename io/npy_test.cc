@@ -239,7 +239,7 @@ TEST(NpyTest, FindsNonFiniteValuesAndFloat32Overflow) {
   const std::vector<double> fine = {1, -3.4e38, 1e-300};
   EXPECT_FALSE(FirstNonFinite(MakeNpy<double>(fine, {3})).has_value());
   EXPECT_FALSE(FirstFloat32Overflow(MakeNpy<double>(fine, {3})).has_value());
-  EXPECT_EQ(NpyToDouble(MakeNpy<double>(fine, {3})), fine);
+  EXPECT_EQ(NpyToFloat64(MakeNpy<double>(fine, {3})), fine);
 }
 
 }  // namespace
