@@ -32,8 +32,7 @@ S Part(S span, int64_t begin, int64_t count) {
 // boundaries (block-level weights stay within a group); the groups' terms
 // are added in group order, so the result does not depend on scheduling.
 template <typename T>
-absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
-                                             const ChunkLossOptions& options,
+absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                                              const ChunkLossInputs<T>& in,
                                              const ChunkLossOutputs& out,
                                              int threads) {
@@ -58,7 +57,7 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
                               Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
                               Part(out.top_k, b * out.k, n * out.k), out.k};
-    results[g] = ChunkLoss<T>(config, options, part, part_out);
+    results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
       results[g] = RowError(b + row->row, row->detail);
@@ -69,8 +68,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const v1::LossConfig& config,
   run(0);
   for (std::thread& worker : workers) worker.join();
   ChunkTerms terms;
-  terms.correct_per_position.assign(options.block_size, 0.0);
-  terms.mask_per_position.assign(options.block_size, 0.0);
+  terms.correct_per_position.assign(loss.options().block_size, 0.0);
+  terms.mask_per_position.assign(loss.options().block_size, 0.0);
   for (absl::StatusOr<ChunkTerms>& result : results) {
     if (!result.ok()) return result.status();
     terms.Add(*result);
@@ -85,9 +84,10 @@ class CpuHeadBackend final : public HeadBackend<T> {
                  TrackingAllocator& allocator)
       : config_(config),
         allocator_(allocator),
+        params_(LossParamsOf(config.loss())),
         options_{config.layout().block_size(), config.head().logit_scale(),
                  config.head().logit_softcap()},
-        confidence_(LossTraitsOf(config.loss()).needs_confidence) {
+        confidence_(LossTraitsOf(params_).needs_confidence) {
     const int32_t threads = config.head().threads();
     threads_ = threads > 0 ? threads
                            : std::max(1u, std::thread::hardware_concurrency());
@@ -107,6 +107,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
         CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                head.vocab_size(), head.hidden_size()));
     projection_ = std::move(projection);
+    DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
+                            CpuChunkLoss<T>::Create(params_, options_));
+    loss_.emplace(std::move(loss));
     const HeadGradients<T>& g = *spec.gradients;
     std::fill(g.hidden.begin(), g.hidden.end(), T(0));
     std::fill(g.weight.begin(), g.weight.end(), T(0));
@@ -151,7 +154,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
         absl::MakeSpan(argmax), absl::MakeSpan(top_k), o.k};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
-        config_.loss(), options_,
+        *loss_,
         {absl::MakeSpan(logits, m * vocab),
          teacher == nullptr ? absl::Span<const T>()
                             : absl::MakeConstSpan(teacher, m * vocab),
@@ -201,7 +204,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
  private:
   const v1::ObjectiveConfig& config_;
   TrackingAllocator& allocator_;
+  const LossParams params_;
   const ChunkLossOptions options_;
+  std::optional<CpuChunkLoss<T>> loss_;  // From Start.
   const bool confidence_;
   int threads_ = 1;
   HeadRunSpec<T> spec_;

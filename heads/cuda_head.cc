@@ -42,7 +42,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     projection_ = std::move(projection);
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
-        CudaChunkLoss<T>::Create(config_.loss(),
+        CudaChunkLoss<T>::Create(LossParamsOf(config_.loss()),
                                  {config_.layout().block_size(),
                                   head.logit_scale(), head.logit_softcap()},
                                  stream_));

@@ -3,29 +3,18 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "losses/loss_family.h"
 
 namespace dflash {
 namespace {
 
-std::string LossFamily(const v1::LossConfig& loss) {
-  switch (loss.family_case()) {
-    case v1::LossConfig::kDflash:
-      return "dflash";
-    case v1::LossConfig::kDpace:
-      return "dpace";
-    case v1::LossConfig::kTv:
-      return "tv";
-    case v1::LossConfig::kLkLambda:
-      return "lk_lambda";
-    case v1::LossConfig::kDspark:
-      return "dspark";
-    case v1::LossConfig::kDistillation:
-      return absl::StrCat("distillation/",
-                          v1::DistillationLoss::Divergence_Name(
-                              loss.distillation().divergence()));
-    default:
-      return "none";
-  }
+// The family's name; distillation adds its divergence.
+std::string LossFamilyName(const v1::LossConfig& loss) {
+  const std::string name = LossTraitsOf(loss).name;
+  if (!loss.has_distillation()) return name;
+  return absl::StrCat(
+      name, "/",
+      v1::DistillationLoss::Divergence_Name(loss.distillation().divergence()));
 }
 
 }  // namespace
@@ -34,7 +23,7 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
                               const HeadResult& r) {
   v1::HeadMetrics m;
   m.set_mode(v1::HeadConfig::ExecutionMode_Name(r.mode));
-  m.set_loss_family(LossFamily(config.loss()));
+  m.set_loss_family(LossFamilyName(config.loss()));
   m.set_loss(r.loss);
   m.set_loss_num(r.terms.loss_num);
   m.set_loss_den(r.terms.loss_den);

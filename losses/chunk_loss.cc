@@ -21,47 +21,6 @@ namespace {
 template <typename T>
 using Work = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// D-PACE block weights (docs/semantics.md section 5.2), without gradient:
-// smooth = m > 0 ? (1-alpha)*q + alpha : 1, prefix = cumprod(smooth),
-// suffix = reverse-cumsum(prefix * m).
-void DPaceWeights(const v1::DPaceLoss& config, absl::Span<const double> q,
-                  absl::Span<const double> mask, absl::Span<double> weights) {
-  const int64_t k_size = static_cast<int64_t>(mask.size());
-  std::vector<double> prefix(k_size), suffix(k_size);
-  double running = 1;
-  for (int64_t k = 0; k < k_size; ++k) {
-    const double smooth = DPaceSmooth(mask[k], q[k], config.alpha());
-    running *= smooth;
-    prefix[k] = running;
-  }
-  double tail = 0;
-  for (int64_t k = k_size - 1; k >= 0; --k) {
-    tail += prefix[k] * mask[k];
-    suffix[k] = tail;
-  }
-  constexpr double kTiny = std::numeric_limits<double>::min();
-  for (int64_t k = 0; k < k_size; ++k) {
-    switch (config.variant()) {
-      case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
-        weights[k] = prefix[k];
-        break;
-      case v1::DPaceLoss::CONTINUATION_VALUE_ONLY:
-        weights[k] = suffix[k] / std::max(prefix[k], kTiny);
-        break;
-      default:
-        weights[k] = suffix[k];
-        break;
-    }
-    weights[k] *= mask[k];
-  }
-}
-
-template <typename Loss>
-double DecayWeight(const Loss& loss, int32_t position, double mask) {
-  return DFlashWeight(loss.has_gamma(), loss.gamma(), position,
-                      static_cast<float>(mask));
-}
-
 // logsumexp(z * inv_t) given max(z).
 template <typename W>
 double ScaledLogSumExp(absl::Span<const W> z, double max, double inv_t) {
@@ -201,57 +160,32 @@ class RowSource {
 // Distillation divergence of one row; writes its gradient times `weight`
 // into z (d/dz' = weight / T * d/du with u = z' / T).
 template <typename W>
-double DistillationRow(const v1::DistillationLoss& config, absl::Span<W> z,
+double DistillationRow(const LossParams& p, absl::Span<W> z,
                        const RowStats& stats, absl::Span<const W> t,
                        const RowStats& teacher_stats, double weight) {
-  const double inv_t = 1 / config.temperature();
+  const double inv_t = p.inv_temperature;
   const double lse = ScaledLogSumExp<W>(z, stats.max_logit, inv_t);
   const double teacher_lse =
       ScaledLogSumExp<W>(t, teacher_stats.max_logit, inv_t);
   const int64_t vocab = static_cast<int64_t>(z.size());
+  const double beta = p.beta;
+  const double log_beta = std::log(beta), log_rest = std::log1p(-beta);
+  auto at = [&](int64_t v) {
+    return DistillationAt<double>(p.divergence, beta, log_beta, log_rest,
+                                  z[v] * inv_t - lse,
+                                  t[v] * inv_t - teacher_lse);
+  };
+  double divergence = 0, student_part = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const DistillationPoint<double> point = at(v);
+    divergence += point.divergence;
+    student_part += point.student_part;
+  }
   const double g = weight * inv_t;
-  double divergence = 0;
-  switch (config.divergence()) {
-    case v1::DistillationLoss::REVERSE_KL: {
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double ls = z[v] * inv_t - lse, lt = t[v] * inv_t - teacher_lse;
-        divergence += std::exp(ls) * (ls - lt);
-      }
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double ls = z[v] * inv_t - lse, lt = t[v] * inv_t - teacher_lse;
-        z[v] = static_cast<W>(g * std::exp(ls) * ((ls - lt) - divergence));
-      }
-      break;
-    }
-    case v1::DistillationLoss::JSD: {
-      const double beta = config.beta();
-      const double log_beta = std::log(beta), log_rest = std::log1p(-beta);
-      double student_to_mixture = 0;
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double ls = z[v] * inv_t - lse, lt = t[v] * inv_t - teacher_lse;
-        const double lm = LogAddExp(log_rest + ls, log_beta + lt);
-        const double s_part = std::exp(ls) * (ls - lm);
-        divergence += beta * std::exp(lt) * (lt - lm) + (1 - beta) * s_part;
-        student_to_mixture += s_part;
-      }
-      // d/ds_v of the JSD is (1 - beta) log(s_v / M_v).
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double ls = z[v] * inv_t - lse, lt = t[v] * inv_t - teacher_lse;
-        const double lm = LogAddExp(log_rest + ls, log_beta + lt);
-        z[v] = static_cast<W>(g * (1 - beta) * std::exp(ls) *
-                              ((ls - lm) - student_to_mixture));
-      }
-      break;
-    }
-    default: {  // FORWARD_KL: KL(t || s), gradient s - t.
-      for (int64_t v = 0; v < vocab; ++v) {
-        const double ls = z[v] * inv_t - lse, lt = t[v] * inv_t - teacher_lse;
-        const double tp = std::exp(lt);
-        divergence += tp * (lt - ls);
-        z[v] = static_cast<W>(g * (std::exp(ls) - tp));
-      }
-      break;
-    }
+  for (int64_t v = 0; v < vocab; ++v) {
+    z[v] = static_cast<W>(DistillationGradientAt<double>(
+        p.divergence, beta, log_beta, log_rest, z[v] * inv_t - lse,
+        t[v] * inv_t - teacher_lse, divergence, student_part, g));
   }
   return divergence;
 }
@@ -275,9 +209,8 @@ double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
   for (int64_t v = 0; v < vocab; ++v) {
     const double p = std::exp(z[v] - stats.logsumexp);
     const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
-    const double sign = (d > 0) - (d < 0);
-    z[v] = static_cast<W>(
-        (grad.softmax + l1_coefficient * (sign - signed_mass)) * p - uniform);
+    z[v] = static_cast<W>(DSparkGradient<double>(grad.softmax, l1_coefficient,
+                                                 signed_mass, uniform, p, d));
   }
   z[target] = static_cast<W>(z[target] - grad.target);
   return l1;
@@ -294,21 +227,10 @@ absl::Status CheckSize(const char* name, size_t size, int64_t expected,
 
 }  // namespace
 
-template <typename T>
-absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
-                                     const ChunkLossOptions& options,
-                                     const ChunkLossInputs<T>& inputs,
-                                     const ChunkLossOutputs& outputs) {
-  if (absl::Status valid = ValidateLossConfig(config); !valid.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk loss: ", valid.message()));
-  }
-  const int64_t block_size = options.block_size, vocab = inputs.vocab;
-  if (block_size <= 0 || vocab <= 0 ||
-      vocab > std::numeric_limits<int32_t>::max()) {
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options) {
+  if (options.block_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk loss: block_size and vocab must lie in [1, 2^31), got ",
-        block_size, " and ", vocab));
+        "chunk loss: block_size must be >= 1, got ", options.block_size));
   }
   if (!(options.logit_scale > 0) || std::isinf(options.logit_scale) ||
       !(options.logit_softcap >= 0) || std::isinf(options.logit_softcap)) {
@@ -317,6 +239,20 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
         "finite and >= 0, got ",
         options.logit_scale, " and ", options.logit_softcap));
   }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ValidateChunkLossInputs(const LossParams& params,
+                                     const ChunkLossOptions& options,
+                                     const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs) {
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
+  const int64_t block_size = options.block_size, vocab = inputs.vocab;
+  if (vocab <= 0 || vocab > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: vocab must lie in [1, 2^31), got ", vocab));
+  }
   const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
   if (static_cast<int64_t>(inputs.logits.size()) != num_rows * vocab) {
     return absl::InvalidArgumentError(
@@ -324,7 +260,7 @@ absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
                      " values, expected ", num_rows, " rows x ", vocab,
                      " vocab"));
   }
-  const LossTraits traits = LossTraitsOf(config);
+  const LossTraits traits = LossTraitsOf(params);
   if (traits.needs_teacher) {
     absl::Status size = CheckSize("teacher_logits", inputs.teacher_logits.size(),
                                   num_rows * vocab, "rows x vocab");
@@ -411,29 +347,11 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   }
 }
 
-double RowLossWeight(const v1::LossConfig& config, int32_t position, double mask) {
-  switch (config.family_case()) {
-    case v1::LossConfig::kDflash:
-      return DecayWeight(config.dflash(), position, mask);
-    case v1::LossConfig::kTv:
-      return DecayWeight(config.tv(), position, mask);
-    case v1::LossConfig::kLkLambda:
-      return DecayWeight(config.lk_lambda(), position, mask);
-    case v1::LossConfig::kDistillation:
-      return DecayWeight(config.distillation(), position, mask);
-    case v1::LossConfig::kDspark: {
-      const double gamma = config.dspark().gamma();
-      return gamma > 0 ? mask * std::exp(-position / gamma) : mask;
-    }
-    default:
-      return mask;  // dpace: replaced by its block weights.
-  }
-}
-
-double DFlashWeight(bool has_gamma, double gamma, int32_t position,
-                    float mask) {
-  if (!has_gamma || gamma == 0) return mask;
-  return mask * std::exp(-std::max(position - 1, 0) / gamma);
+template <typename T>
+absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
+    const LossParams& params, const ChunkLossOptions& options) {
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
+  return CpuChunkLoss(params, options);
 }
 
 template <typename T>
@@ -441,19 +359,29 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossOptions& options,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs) {
-  using W = Work<T>;
-  DFLASH_RETURN_IF_ERROR(
-      ValidateChunkLossInputs(config, options, inputs, outputs));
-  const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
-  const int64_t block_size = options.block_size;
-  const v1::CrossEntropyOptions& ce = config.cross_entropy();
-  RowSource<T> source(inputs, options);
+  absl::StatusOr<LossParams> params = ResolveLoss(config);
+  if (!params.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: ", params.status().message()));
+  }
+  DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
+                          CpuChunkLoss<T>::Create(*params, options));
+  return loss.Run(inputs, outputs);
+}
 
-  // The mask a row counts with: 0 where the target is ignore_index.
+template <typename T>
+absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
+    const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs) const {
+  using W = Work<T>;
+  const LossParams& p = params_;
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(p, options_, inputs, outputs));
+  const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
+  const int64_t block_size = options_.block_size;
+  RowSource<T> source(inputs, options_);
+
   std::vector<double> mask(num_rows);
   for (int64_t r = 0; r < num_rows; ++r) {
-    mask[r] = inputs.rows[r].target == ce.ignore_index() ? 0.0
-                                                         : inputs.rows[r].mask;
+    mask[r] = EffectiveMask(p, inputs.rows[r].target, inputs.rows[r].mask);
   }
 
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -469,12 +397,11 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   // the stats pass and skip the second exponential. Not with label smoothing
   // (it reads z'), a softcap (its chain rule reads z') or teacher families;
   // block-coupled families only where the row is computed in place.
-  const LossTraits traits = LossTraitsOf(config);
-  const double smoothing = traits.has_cross_entropy ? ce.label_smoothing() : 0;
-  const bool keep_exp =
-      std::is_same_v<W, float> && smoothing == 0 &&
-      options.logit_softcap == 0 && !traits.needs_teacher &&
-      (!traits.couples_blocks || std::is_same_v<T, W>);
+  const LossTraits traits = LossTraitsOf(p);
+  const double smoothing = p.label_smoothing;
+  const bool keep_exp = std::is_same_v<W, float> && smoothing == 0 &&
+                        options_.logit_softcap == 0 && !traits.needs_teacher &&
+                        (!traits.couples_blocks || std::is_same_v<T, W>);
 
   std::vector<RowStats> stats(num_rows);
   std::vector<bool> have_stats(num_rows, false);
@@ -511,7 +438,7 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   // Pass 2: each row's loss weight, and lk-lambda's per-block CE share.
   std::vector<double> weight(num_rows), ce_share(num_rows, 1.0);
   for (int64_t r = 0; r < num_rows; ++r) {
-    weight[r] = RowLossWeight(config, inputs.rows[r].position, mask[r]);
+    weight[r] = RowLossWeight(p, inputs.rows[r].position, mask[r]);
   }
   // Block-level weights over each run of rows sharing a block id. Rows
   // without weight may be left out of a chunk: they change neither the
@@ -522,20 +449,13 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
       ++end;
     }
     const int64_t n = end - b;
-    if (config.has_dpace()) {
-      DPaceWeights(config.dpace(), absl::MakeConstSpan(q).subspan(b, n),
-                   absl::MakeConstSpan(mask).subspan(b, n),
-                   absl::MakeSpan(weight).subspan(b, n));
-    } else if (config.has_lk_lambda()) {
-      const v1::LkLambdaLoss& lk = config.lk_lambda();
-      double hit_mass = 0, mass = 0;
-      for (int64_t r = b; r < end; ++r) {
-        hit_mass += q[r] * mask[r];
-        mass += mask[r];
-      }
-      const double acc = mass > 0 ? hit_mass / mass : 0;
-      const double kl_w = LkLambdaKlWeight(lk.kl_scale(), lk.kl_decay(), acc);
-      std::fill(ce_share.begin() + b, ce_share.begin() + end, kl_w);
+    auto q_of = [&](int64_t i) { return q[b + i]; };
+    auto mask_of = [&](int64_t i) { return mask[b + i]; };
+    if (p.family == LossFamily::kDPace) {
+      DPaceBlockWeights(p, n, q_of, mask_of, weight.data() + b);
+    } else if (p.family == LossFamily::kLkLambda) {
+      std::fill(ce_share.begin() + b, ce_share.begin() + end,
+                LkLambdaBlockShare(p, n, q_of, mask_of));
     }
   }
 
@@ -570,12 +490,11 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     terms.loss_den += w;
     source.KeepTransformed(z);
 
-    if (config.has_distillation()) {
+    if (p.family == LossFamily::kDistillation) {
       absl::Span<const W> t = source.Teacher(r);
       absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
       if (!teacher.ok()) return TeacherError(teacher.status());
-      terms.loss_num +=
-          w * DistillationRow<W>(config.distillation(), z, s, t, *teacher, w);
+      terms.loss_num += w * DistillationRow<W>(p, z, s, t, *teacher, w);
       // Log-probability differences make no cheap bound here.
       DFLASH_RETURN_IF_ERROR(source.StoreGradient(
           r, z, w, std::numeric_limits<double>::infinity()));
@@ -583,51 +502,39 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
     }
 
     // Softmax-family terms: CE (label-smoothed), tv and z-loss.
-    const double q_row = std::exp(-neg_log_q);
-    const double ce_weight = config.has_tv() ? 0 : w * ce_share[r];
-    const double tv_weight = config.has_tv()        ? w
-                             : config.has_lk_lambda() ? w * (1 - ce_share[r])
-                                                      : 0;
-    const double z_weight = w * ce.z_loss_scale();
-    double ce_term = neg_log_q;
+    double mean = 0;
     if (smoothing > 0) {
-      double sum = 0;
-      for (W x : z) sum += x;
-      const double mean = sum / static_cast<double>(inputs.vocab);
-      ce_term = (1 - smoothing) * neg_log_q + smoothing * (s.logsumexp - mean);
+      for (W x : z) mean += x;
+      mean /= static_cast<double>(inputs.vocab);
     }
-    terms.loss_num += ce_weight * ce_term + tv_weight * (1 - q_row) +
-                      z_weight * s.logsumexp * s.logsumexp;
-    const SoftmaxGradient grad{
-        ce_weight + tv_weight * q_row + 2 * z_weight * s.logsumexp,
-        ce_weight * (1 - smoothing) + tv_weight * q_row,
-        ce_weight * smoothing};
+    const SoftmaxRowTerms row =
+        SoftmaxFamilyRow(p, w, ce_share[r], neg_log_q, s.logsumexp, mean);
+    terms.loss_num += row.loss;
+    const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
     // |softmax * p - target * onehot - uniform / V| with p <= 1.
     double bound = std::abs(grad.softmax) + std::abs(grad.target) +
                    std::abs(grad.uniform);
 
-    if (config.has_dspark()) {
-      const v1::DSparkLoss& dspark = config.dspark();
+    if (p.family == LossFamily::kDSpark) {
       absl::Span<const W> t = source.Teacher(r);
       absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
       if (!teacher.ok()) return TeacherError(teacher.status());
-      const double l1 = DSparkL1Row<W>(z, meta.target, s, t, *teacher, grad,
-                                       w * dspark.l1_weight());
-      bound += 2 * std::abs(w * dspark.l1_weight());  // |sign - mass| <= 2.
-      terms.loss_num += w * dspark.l1_weight() * l1;
-      if (dspark.confidence_weight() > 0) {
+      const double l1_coefficient = w * p.l1_weight;
+      const double l1 =
+          DSparkL1Row<W>(z, meta.target, s, t, *teacher, grad, l1_coefficient);
+      bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
+      terms.loss_num += l1_coefficient * l1;
+      if (p.confidence_weight > 0) {
         const double accept = DSparkAcceptance(l1);
         const double c = inputs.confidence_logits[r];
         if (!std::isfinite(c)) {
           return RowError(
               r, absl::StrCat("confidence logit is not finite (", c, ")"));
         }
-        terms.loss_num +=
-            w * dspark.confidence_weight() * ConfidenceBce(c, accept);
+        terms.loss_num += w * p.confidence_weight * ConfidenceBce(c, accept);
         if (!outputs.confidence_grad.empty()) {
-          outputs.confidence_grad[r] =
-              static_cast<float>(w * dspark.confidence_weight() *
-                                 ConfidenceBceGradient(c, accept));
+          outputs.confidence_grad[r] = static_cast<float>(
+              w * p.confidence_weight * ConfidenceBceGradient(c, accept));
         }
       }
     } else if constexpr (std::is_same_v<W, float>) {
@@ -645,12 +552,13 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 }
 
 #define DFLASH_INSTANTIATE_CHUNK_LOSS(T)                                     \
+  template class CpuChunkLoss<T>;                                            \
   template absl::StatusOr<ChunkTerms> ChunkLoss<T>(                          \
       const v1::LossConfig&, const ChunkLossOptions&,                        \
       const ChunkLossInputs<T>&, const ChunkLossOutputs&);                   \
   template absl::Status ValidateChunkLossInputs<T>(                          \
-      const v1::LossConfig&, const ChunkLossOptions&,                        \
-      const ChunkLossInputs<T>&, const ChunkLossOutputs&);
+      const LossParams&, const ChunkLossOptions&, const ChunkLossInputs<T>&, \
+      const ChunkLossOutputs&);
 DFLASH_INSTANTIATE_CHUNK_LOSS(float)
 DFLASH_INSTANTIATE_CHUNK_LOSS(double)
 DFLASH_INSTANTIATE_CHUNK_LOSS(BFloat16)

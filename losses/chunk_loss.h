@@ -1,12 +1,13 @@
 #ifndef DFLASH_LOSSES_CHUNK_LOSS_H_
 #define DFLASH_LOSSES_CHUNK_LOSS_H_
 
-// ChunkLoss: the additive loss terms (ChunkTerms), the logits gradient and
-// optional per-row outputs of one chunk of logits, on the CPU, for every
-// v1::LossConfig family (dflash, dpace, tv, lk_lambda, dspark, distillation,
-// cross_entropy); sum the terms over chunks, then divide. Also the row
-// weights (DFlashWeight, RowLossWeight) and the input checks shared with the
-// CUDA loss (ValidateChunkLossInputs).
+// CpuChunkLoss: the additive loss terms (ChunkTerms), the logits gradient
+// and optional per-row outputs of one chunk of logits, on the CPU, for every
+// loss family (dflash, dpace, tv, lk_lambda, dspark, distillation, with the
+// cross_entropy options); sum the terms over chunks, then divide. Created
+// once from resolved LossParams and run per chunk, as CudaChunkLoss is.
+// ChunkLoss runs one chunk straight from a v1::LossConfig. Also the input
+// checks shared with the CUDA loss (ValidateChunkLoss*).
 
 #include <cstdint>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/bfloat16.h"
+#include "losses/loss_params.h"
 #include "losses/row_meta.h"
 #include "proto/loss.pb.h"
 
@@ -30,26 +32,6 @@ struct ChunkTerms {
 
   // Adds `other` (same K) term by term.
   void Add(const ChunkTerms& other);
-};
-
-// The DFlash decay weight of a row: m * exp(-max(k-1, 0) / gamma), no decay
-// when gamma is absent or 0.
-double DFlashWeight(bool has_gamma, double gamma, int32_t position,
-                    float mask);
-
-// A row's loss weight before block-level coupling: DFlashWeight for dflash,
-// tv, lk_lambda and distillation (their gamma), m * exp(-k / gamma) for
-// dspark, m for dpace (whose block weights replace it).
-double RowLossWeight(const v1::LossConfig& config, int32_t position,
-                     double mask);
-
-// How logits z become the loss's logits z': z' = c * tanh(s * z / c) with
-// softcap c > 0, z' = s * z without (HeadConfig.logit_scale/logit_softcap).
-// The teacher's logits, from the same head, get the same transform.
-struct ChunkLossOptions {
-  int64_t block_size = 1;
-  double logit_scale = 1;
-  double logit_softcap = 0;
 };
 
 // One chunk: `rows.size()` rows of `vocab` logits. T is float, double (the
@@ -79,11 +61,11 @@ struct ChunkLossOutputs {
   int32_t k = 0;
 };
 
-// The loss terms of one chunk for any LossConfig family (docs/semantics.md
+// The loss terms of one chunk for any loss family (docs/semantics.md
 // sections 3 to 6), with the cross-entropy options:
-// - dflash: CE weighted by DFlashWeight.
+// - dflash: CE weighted by the row weight (RowLossWeight, loss_math.h).
 // - dpace and its variants: block-level weights from q without gradient.
-// - tv: (1 - q) weighted by DFlashWeight.
+// - tv: (1 - q), weighted as dflash.
 // - lk_lambda: kl_w * CE + (1 - kl_w) * tv, kl_w = kl_scale *
 //   exp(-kl_decay * acc). acc = sum(q m) / sum(m) is taken per anchor block
 //   (without gradient), not per slice as in SpecForge, so that the loss does
@@ -95,8 +77,8 @@ struct ChunkLossOutputs {
 //   confidence_weight * BCE-with-logits(confidence, accept), L1 = sum|p - t|
 //   of draft and teacher softmax, accept = clamp(1 - L1 / 2, 0, 1) without
 //   gradient.
-// - distillation: D(p_teacher, p_draft) at temperature T weighted by
-//   DFlashWeight; forward KL(t || s), reverse KL(s || t), or the generalised
+// - distillation: D(p_teacher, p_draft) at temperature T, weighted as
+//   dflash; forward KL(t || s), reverse KL(s || t), or the generalised
 //   JSD beta * KL(t || M) + (1 - beta) * KL(s || M), M = beta * t +
 //   (1 - beta) * s. Not multiplied by T^2.
 // - cross_entropy: a row whose target is ignore_index carries nothing;
@@ -106,17 +88,49 @@ struct ChunkLossOutputs {
 // double. A row whose weight is 0 gets a zero gradient and no other work.
 // Uses O(vocab) scratch for BFloat16, softcaps and teacher rows.
 template <typename T>
+class CpuChunkLoss {
+ public:
+  // `params` as ResolveLoss (loss_family.h) makes them; the options are
+  // checked here.
+  static absl::StatusOr<CpuChunkLoss> Create(const LossParams& params,
+                                             const ChunkLossOptions& options);
+
+  // One chunk's terms; the logits are overwritten with d(loss_num)/d(logits).
+  // Const and thread-safe: threads may run parts of a chunk at once (at
+  // block boundaries) and add their terms in a fixed order. Unlike the CUDA
+  // loss, the terms come back per chunk: the host has them at once.
+  absl::StatusOr<ChunkTerms> Run(const ChunkLossInputs<T>& inputs,
+                                 const ChunkLossOutputs& outputs = {}) const;
+
+  const LossParams& params() const { return params_; }
+  const ChunkLossOptions& options() const { return options_; }
+
+ private:
+  CpuChunkLoss(const LossParams& params, const ChunkLossOptions& options)
+      : params_(params), options_(options) {}
+
+  LossParams params_;
+  ChunkLossOptions options_;
+};
+
+// One chunk from a loss config: ResolveLoss, CpuChunkLoss::Create, Run. For
+// tests and tools; a head creates its loss once.
+template <typename T>
 absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossOptions& options,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs = {});
 
-// The checks ChunkLoss makes before any work: the config, span sizes, block
+// The options' checks: block_size >= 1, logit_scale finite and > 0,
+// logit_softcap finite and >= 0.
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options);
+
+// The checks CpuChunkLoss::Run makes before any work: span sizes, block
 // positions, masks and, for block-coupled families, row order. Only sizes
 // and `rows` are read, so a backend whose spans are device memory (the CUDA
 // loss) runs the same checks.
 template <typename T>
-absl::Status ValidateChunkLossInputs(const v1::LossConfig& config,
+absl::Status ValidateChunkLossInputs(const LossParams& params,
                                      const ChunkLossOptions& options,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs);

@@ -12,6 +12,8 @@
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "losses/batch_layout.h"
+#include "losses/loss_family.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
 namespace {
@@ -514,12 +516,19 @@ TEST(ChunkLossFixtureTest, PartialTailBlockHasOneFiniteTarget) {
 }
 
 TEST(ChunkLossTest, GammaSevenDecayIsExact) {
-  EXPECT_EQ(DFlashWeight(true, 7, 0, 1.0f), 1.0);
-  EXPECT_EQ(DFlashWeight(true, 7, 1, 1.0f), 1.0);
-  EXPECT_DOUBLE_EQ(DFlashWeight(true, 7, 2, 1.0f), std::exp(-1.0 / 7));
-  EXPECT_DOUBLE_EQ(DFlashWeight(true, 7, 4, 0.5f), 0.5 * std::exp(-3.0 / 7));
-  EXPECT_EQ(DFlashWeight(false, 7, 4, 1.0f), 1.0);  // gamma absent
-  EXPECT_EQ(DFlashWeight(true, 0, 4, 1.0f), 1.0);
+  const LossParams seven = LossParamsOf(Parse("dflash { gamma: 7 }"));
+  EXPECT_EQ(RowLossWeight(seven, 0, 1.0), 1.0);
+  EXPECT_EQ(RowLossWeight(seven, 1, 1.0), 1.0);
+  EXPECT_DOUBLE_EQ(RowLossWeight(seven, 2, 1.0), std::exp(-1.0 / 7));
+  EXPECT_DOUBLE_EQ(RowLossWeight(seven, 4, 0.5), 0.5 * std::exp(-3.0 / 7));
+  // gamma absent or 0: no decay.
+  EXPECT_EQ(RowLossWeight(LossParamsOf(Parse("dflash {}")), 4, 1.0), 1.0);
+  EXPECT_EQ(RowLossWeight(LossParamsOf(Parse("dflash { gamma: 0 }")), 4, 1.0),
+            1.0);
+  // DSpark decays from k = 0: exp(-k / gamma).
+  const LossParams dspark = LossParamsOf(Parse("dspark { gamma: 7 }"));
+  EXPECT_DOUBLE_EQ(RowLossWeight(dspark, 1, 1.0), std::exp(-1.0 / 7));
+  EXPECT_DOUBLE_EQ(RowLossWeight(dspark, 4, 0.5), 0.5 * std::exp(-4.0 / 7));
 }
 
 TEST(ChunkLossTest, TopKMatchesASortOfTheLossLogits) {

@@ -8,61 +8,11 @@
 #include "base/status_macros.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "losses/row_error.h"
 
 namespace dflash {
 namespace {
-
-cuda::LossParams Params(const v1::LossConfig& config,
-                        const ChunkLossOptions& options) {
-  cuda::LossParams p;
-  p.vocab = 0;
-  p.block_size = static_cast<int32_t>(options.block_size);
-  p.logit_scale = options.logit_scale;
-  p.logit_softcap = options.logit_softcap;
-  const v1::CrossEntropyOptions& ce = config.cross_entropy();
-  p.z_loss_scale = ce.z_loss_scale();
-  p.label_smoothing =
-      LossTraitsOf(config).has_cross_entropy ? ce.label_smoothing() : 0;
-  if (config.has_tv()) p.tv = true;
-  if (config.has_dpace()) {
-    p.coupling = cuda::Coupling::kDPace;
-    p.alpha = config.dpace().alpha();
-    switch (config.dpace().variant()) {
-      case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
-        p.dpace_variant = cuda::DPaceVariant::kCumulative;
-        break;
-      case v1::DPaceLoss::CONTINUATION_VALUE_ONLY:
-        p.dpace_variant = cuda::DPaceVariant::kContinuation;
-        break;
-      default:
-        p.dpace_variant = cuda::DPaceVariant::kDPace;
-        break;
-    }
-  }
-  if (config.has_lk_lambda()) {
-    p.coupling = cuda::Coupling::kLkLambda;
-    p.kl_scale = config.lk_lambda().kl_scale();
-    p.kl_decay = config.lk_lambda().kl_decay();
-  }
-  if (config.has_dspark()) {
-    p.family = cuda::Family::kDSpark;
-    p.l1_weight = config.dspark().l1_weight();
-    p.confidence_weight = config.dspark().confidence_weight();
-  }
-  if (config.has_distillation()) {
-    const v1::DistillationLoss& d = config.distillation();
-    p.family = cuda::Family::kDistillation;
-    p.inv_temperature = 1 / d.temperature();
-    p.beta = d.beta();
-    p.divergence = d.divergence() == v1::DistillationLoss::REVERSE_KL
-                       ? cuda::Divergence::kReverseKl
-                   : d.divergence() == v1::DistillationLoss::JSD
-                       ? cuda::Divergence::kJsd
-                       : cuda::Divergence::kForwardKl;
-  }
-  return p;
-}
 
 // Bytes of `count` T, rounded up to 256 so that sub-buffers stay aligned.
 template <typename T>
@@ -74,9 +24,7 @@ int64_t Aligned(int64_t count) {
 
 template <typename T>
 struct CudaChunkLoss<T>::State {
-  v1::LossConfig config;
-  ChunkLossOptions options;
-  cuda::LossParams params;
+  cuda::KernelParams params;
   CudaStream* stream = nullptr;
   TrackedBuffer<double> totals;
   TrackedBuffer<unsigned long long> error;
@@ -95,27 +43,24 @@ CudaChunkLoss<T>::~CudaChunkLoss() = default;
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
-    const v1::LossConfig& config, const ChunkLossOptions& options,
+    const LossParams& params, const ChunkLossOptions& options,
     CudaStream& stream) {
-  if (absl::Status valid = ValidateLossConfig(config); !valid.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk loss: ", valid.message()));
-  }
-  if (options.block_size <= 0 || options.block_size > (1 << 20)) {
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
+  if (options.block_size > (1 << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: block_size must lie in [1, 2^20], got ",
                      options.block_size));
   }
   auto state = std::make_unique<State>();
-  state->config = config;
-  state->options = options;
-  state->params = Params(config, options);
+  state->params.loss = params;
+  state->params.options = options;
   state->stream = &stream;
   TrackingAllocator& allocator = stream.allocator();
   DFLASH_ASSIGN_OR_RETURN(
       TrackedBuffer<double> totals,
       TrackedBuffer<double>::Create(
-          allocator, cuda::TotalsSize(state->params.block_size)));
+          allocator,
+          cuda::TotalsSize(static_cast<int32_t>(options.block_size))));
   state->totals = std::move(totals);
   DFLASH_ASSIGN_OR_RETURN(
       TrackedBuffer<unsigned long long> error,
@@ -158,25 +103,24 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.argmax = share(outputs.argmax, 1);
     check_outputs.top_k = share(outputs.top_k, outputs.k);
   }
-  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(s.config, s.options,
+  const LossParams& loss = s.params.loss;
+  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
                                                  check_inputs, check_outputs));
   if (n == 0) return absl::OkStatus();
   const int64_t vocab = inputs.vocab;
-  const int64_t ignore = s.config.cross_entropy().ignore_index();
   std::vector<cuda::Row> rows(n);
   for (int64_t r = 0; r < n; ++r) {
     const RowMeta& meta = inputs.rows[r];
-    const float mask = meta.target == ignore ? 0.0f : meta.mask;
+    const float mask = EffectiveMask(loss, meta.target, meta.mask);
     if (mask != 0 && (meta.target < 0 || meta.target >= vocab)) {
       return RowError(r, absl::StrCat("target id ", meta.target,
                                       " is outside [0, ", vocab, ")"));
     }
-    rows[r] = {
-        mask != 0 ? meta.target : 0, meta.position, mask,
-        static_cast<float>(RowLossWeight(s.config, meta.position, mask))};
+    rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
+               static_cast<float>(RowLossWeight(loss, meta.position, mask))};
   }
   std::vector<int32_t> block_begin;
-  if (LossTraitsOf(s.config).couples_blocks) {
+  if (CouplesBlocks(loss)) {
     for (int64_t r = 0; r < n; ++r) {
       if (r == 0 || inputs.rows[r].block != inputs.rows[r - 1].block) {
         block_begin.push_back(static_cast<int32_t>(r));
@@ -240,7 +184,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.k = outputs.top_k.empty() ? 0 : outputs.k;
   args.totals = record ? s.totals.data() : nullptr;
   args.error = s.error.data();
-  cuda::LossParams params = s.params;
+  cuda::KernelParams params = s.params;
   params.vocab = vocab;
   cuda::LaunchChunkLoss<T>(params, args, s.stream->stream());
   return s.stream->LaunchStatus("chunk loss kernels");
@@ -275,7 +219,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   std::vector<double> totals(s.totals.size());
   DFLASH_RETURN_IF_ERROR(
       s.stream->CopyToHost(totals.data(), s.totals.data(), s.totals.bytes()));
-  const int64_t k = s.params.block_size;
+  const int64_t k = s.params.options.block_size;
   ChunkTerms terms;
   terms.loss_num = totals[0];
   terms.loss_den = totals[1];
@@ -336,8 +280,13 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         top_k.status()}) {
     if (!status.ok()) return status;
   }
+  absl::StatusOr<LossParams> params = ResolveLoss(config);
+  if (!params.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: ", params.status().message()));
+  }
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaChunkLoss<T>> loss,
-                          CudaChunkLoss<T>::Create(config, options, stream));
+                          CudaChunkLoss<T>::Create(*params, options, stream));
   const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};

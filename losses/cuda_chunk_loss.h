@@ -16,15 +16,16 @@
 #include "base/cuda_stream.h"
 #include "base/tracking_allocator.h"
 #include "losses/chunk_loss.h"
+#include "losses/loss_params.h"
 #include "proto/loss.pb.h"
 
 namespace dflash {
 
-// ChunkLoss on a CUDA device: the same families, options, terms, gradient
+// CpuChunkLoss on a CUDA device: the same families, options, terms, gradient
 // and per-row outputs (chunk_loss.h), T = float or BFloat16 (computed in
 // FP32, the gradient rounded to bfloat16 once). The logits, teacher logits,
 // confidence logits and every output span are device memory; the rows'
-// metadata stays on the host, where it is validated as ChunkLoss does.
+// metadata stays on the host, where it is validated as on the CPU.
 //
 // Chunks are queued on the stream without waiting for the device; their
 // terms accumulate on the device, and Terms() waits once and reads them.
@@ -33,8 +34,9 @@ namespace dflash {
 template <typename T>
 class CudaChunkLoss {
  public:
+  // `params` as ResolveLoss (loss_family.h) makes them.
   static absl::StatusOr<std::unique_ptr<CudaChunkLoss>> Create(
-      const v1::LossConfig& config, const ChunkLossOptions& options,
+      const LossParams& params, const ChunkLossOptions& options,
       CudaStream& stream);
   ~CudaChunkLoss();
 

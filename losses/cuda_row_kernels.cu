@@ -34,6 +34,9 @@ __device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
 
 // z -> z' (logit scale and tanh softcap) and its chain rule.
 struct Transform {
+  __device__ __forceinline__ explicit Transform(const ChunkLossOptions& o)
+      : scale(static_cast<float>(o.logit_scale)),
+        cap(static_cast<float>(o.logit_softcap)) {}
   float scale, cap;
   __device__ __forceinline__ float operator()(float z) const {
     return TransformLogit(z, scale, cap);
@@ -245,15 +248,14 @@ __device__ __forceinline__ Online Merge(Online a, Online b, float inv_t,
 // Pass 1: the row's statistics (of z' and of the teacher's t').
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    StatsKernel(LossParams p, ChunkArgs<T> a) {
+    StatsKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const Row meta = a.meta[r];
   if (meta.mask == 0) return;
   const int64_t v = p.vocab;
-  const Transform transform{static_cast<float>(p.logit_scale),
-                            static_cast<float>(p.logit_softcap)};
-  const bool distill = p.family == Family::kDistillation;
-  const float inv_t = static_cast<float>(p.inv_temperature);
+  const Transform transform(p.options);
+  const bool distill = p.loss.family == LossFamily::kDistillation;
+  const float inv_t = static_cast<float>(p.loss.inv_temperature);
   __shared__ float target;
   Online s;
   ForRow(a.logits + r * v, v, [&](int64_t i, float x) {
@@ -293,12 +295,11 @@ __global__ void __launch_bounds__(kThreads)
 // index: k passes, each the block's maximum below the previous pick.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    TopKKernel(LossParams p, ChunkArgs<T> a) {
+    TopKKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const int64_t out = OutRow(a.out_rows, r);
   const Row meta = a.meta[r];
-  const Transform transform{static_cast<float>(p.logit_scale),
-                            static_cast<float>(p.logit_softcap)};
+  const Transform transform(p.options);
   struct Pick {
     float value;
     int32_t index;
@@ -333,58 +334,29 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= blocks) return;
   const int32_t begin = block_begin[b], end = block_begin[b + 1];
-  auto q = [&](int32_t r) {
+  auto q = [&](int64_t i) {
+    const int64_t r = begin + i;
     return meta[r].mask > 0
                ? exp(static_cast<double>(stats[r].target) - stats[r].lse)
                : 0.0;
   };
-  if (p.coupling == Coupling::kLkLambda) {
-    double hits = 0, mass = 0;
-    for (int32_t r = begin; r < end; ++r) {
-      hits += q(r) * meta[r].mask;
-      mass += meta[r].mask;
-    }
-    const double acc = mass > 0 ? hits / mass : 0;
-    const double kl_w = LkLambdaKlWeight(p.kl_scale, p.kl_decay, acc);
+  auto mask = [&](int64_t i) { return double{meta[begin + i].mask}; };
+  if (p.family == LossFamily::kLkLambda) {
+    const double share = LkLambdaBlockShare(p, end - begin, q, mask);
     for (int32_t r = begin; r < end; ++r) {
       weight[r] = meta[r].weight;
-      ce_share[r] = kl_w;
+      ce_share[r] = share;
     }
     return;
   }
-  // D-PACE: smooth = m > 0 ? (1 - alpha) q + alpha : 1; prefix = cumprod;
-  // suffix = reverse cumsum(prefix * m). Prefixes go in `weight` first.
-  double running = 1;
-  for (int32_t r = begin; r < end; ++r) {
-    const double smooth = DPaceSmooth(meta[r].mask, q(r), p.alpha);
-    running *= smooth;
-    weight[r] = running;
-    ce_share[r] = 1;
-  }
-  double tail = 0;
-  for (int32_t r = end - 1; r >= begin; --r) {
-    const double prefix = weight[r], mask = meta[r].mask;
-    tail += prefix * mask;
-    double w;
-    switch (p.dpace_variant) {
-      case DPaceVariant::kCumulative:
-        w = prefix;
-        break;
-      case DPaceVariant::kContinuation:
-        w = tail / fmax(prefix, DBL_MIN);
-        break;
-      default:
-        w = tail;
-        break;
-    }
-    weight[r] = w * mask;
-  }
+  DPaceBlockWeights(p, end - begin, q, mask, weight + begin);
+  for (int32_t r = begin; r < end; ++r) ce_share[r] = 1;
 }
 
 // Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    LossKernel(LossParams p, ChunkArgs<T> a) {
+    LossKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const int64_t v = p.vocab;
   const int64_t out = OutRow(a.out_rows, r);
@@ -406,8 +378,7 @@ __global__ void __launch_bounds__(kThreads)
   const double lse = s.lse;
   const double neg_log_q = lse - s.target;
   const double hit = meta.mask > 0.5f && s.argmax == meta.target;
-  const double w =
-      p.coupling != Coupling::kNone ? a.weight[r] : double{meta.weight};
+  const double w = CouplesBlocks(p.loss) ? a.weight[r] : double{meta.weight};
   if (threadIdx.x == 0) {
     terms[1] = w;
     terms[2] = hit;
@@ -422,60 +393,36 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) terms[0] = 0;
     return;
   }
-  const Transform transform{static_cast<float>(p.logit_scale),
-                            static_cast<float>(p.logit_softcap)};
+  const Transform transform(p.options);
 
-  if (p.family == Family::kDistillation) {
-    const float inv_t = static_cast<float>(p.inv_temperature);
+  if (p.loss.family == LossFamily::kDistillation) {
+    const float inv_t = static_cast<float>(p.loss.inv_temperature);
     const float lse_s = s.lse_t, lse_t = s.t_lse;
-    const float beta = static_cast<float>(p.beta);
+    const Divergence divergence = p.loss.divergence;
+    const float beta = static_cast<float>(p.loss.beta);
     const float log_beta = logf(beta), log_rest = log1pf(-beta);
     auto logs = [&](float x, float y, float& ls, float& lt) {
       ls = transform(x) * inv_t - lse_s;
       lt = transform(y) * inv_t - lse_t;
     };
-    auto mix = [&](float ls, float lt) {
-      return LogAddExp(log_rest + ls, log_beta + lt);
-    };
     Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
       float ls, lt;
       logs(x, y, ls, lt);
-      switch (p.divergence) {
-        case Divergence::kReverseKl:
-          acc.a += expf(ls) * (ls - lt);
-          break;
-        case Divergence::kJsd: {
-          const float lm = mix(ls, lt);
-          const float s_part = expf(ls) * (ls - lm);
-          acc.a += beta * expf(lt) * (lt - lm) + (1 - beta) * s_part;
-          acc.b += s_part;
-          break;
-        }
-        default:
-          acc.a += expf(lt) * (lt - ls);
-          break;
-      }
+      const DistillationPoint<float> point =
+          DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+      acc.a += point.divergence;
+      acc.b += point.student_part;
     });
     acc = BlockReduce(acc, AddPairs);
     if (threadIdx.x == 0) terms[0] = w * acc.a;
-    const float g = static_cast<float>(w * p.inv_temperature);
+    const float g = static_cast<float>(w * p.loss.inv_temperature);
     bool bad = false;
     MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
       float ls, lt;
       logs(x, y, ls, lt);
-      float grad;
-      switch (p.divergence) {
-        case Divergence::kReverseKl:
-          grad = g * expf(ls) * ((ls - lt) - acc.a);
-          break;
-        case Divergence::kJsd:
-          grad = g * (1 - beta) * expf(ls) * ((ls - mix(ls, lt)) - acc.b);
-          break;
-        default:
-          grad = g * (expf(ls) - expf(lt));
-          break;
-      }
+      const float grad = DistillationGradientAt(
+          divergence, beta, log_beta, log_rest, ls, lt, acc.a, acc.b, g);
       const float chained = transform.Chain(grad, transform(x));
       bad |= !isfinite(chained);
       return chained;
@@ -487,25 +434,17 @@ __global__ void __launch_bounds__(kThreads)
   // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
   // the confidence BCE.
   const double ce_share =
-      p.coupling == Coupling::kLkLambda ? a.ce_share[r] : 1.0;
-  const double q = exp(-neg_log_q);
-  const double eps = p.label_smoothing;
-  const double ce_w = p.tv ? 0 : w * ce_share;
-  const double tv_w = p.tv                                ? w
-                      : p.coupling == Coupling::kLkLambda ? w * (1 - ce_share)
-                                                          : 0;
-  const double z_w = w * p.z_loss_scale;
-  double ce_term = neg_log_q;
-  if (eps > 0) {
-    ce_term = (1 - eps) * neg_log_q + eps * (lse - double{s.sum} / v);
-  }
-  double num = ce_w * ce_term + tv_w * (1 - q) + z_w * lse * lse;
-  const float softmax = static_cast<float>(ce_w + tv_w * q + 2 * z_w * lse);
-  const float on_target = static_cast<float>(ce_w * (1 - eps) + tv_w * q);
-  const float uniform = static_cast<float>(ce_w * eps / v);
+      p.loss.family == LossFamily::kLkLambda ? a.ce_share[r] : 1.0;
+  const SoftmaxRowTerms row =
+      SoftmaxFamilyRow(p.loss, w, ce_share, neg_log_q, lse,
+                       p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
+  double num = row.loss;
+  const float softmax = static_cast<float>(row.softmax);
+  const float on_target = static_cast<float>(row.target);
+  const float uniform = static_cast<float>(row.uniform / v);
   const float lse_f = s.lse;
 
-  if (p.family == Family::kDSpark) {
+  if (p.loss.family == LossFamily::kDSpark) {
     const float t_lse = s.t_lse;
     Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
@@ -516,30 +455,29 @@ __global__ void __launch_bounds__(kThreads)
     });
     acc = BlockReduce(acc, AddPairs);
     const double l1 = acc.a;
-    num += w * p.l1_weight * l1;
-    if (p.confidence_weight > 0) {
+    num += w * p.loss.l1_weight * l1;
+    if (p.loss.confidence_weight > 0) {
       const double accept = DSparkAcceptance(l1);
       const double c = a.confidence[out];
       if (!isfinite(c)) {
         if (threadIdx.x == 0) ReportError(a.error, out, kConfidenceNotFinite);
       } else {
-        num += w * p.confidence_weight * ConfidenceBce(c, accept);
+        num += w * p.loss.confidence_weight * ConfidenceBce(c, accept);
         if (threadIdx.x == 0 && a.confidence_grad != nullptr) {
           a.confidence_grad[out] = static_cast<float>(
-              w * p.confidence_weight * ConfidenceBceGradient(c, accept));
+              w * p.loss.confidence_weight * ConfidenceBceGradient(c, accept));
         }
       }
     }
     if (threadIdx.x == 0) terms[0] = num;
-    const float l1c = static_cast<float>(w * p.l1_weight);
+    const float l1c = static_cast<float>(w * p.loss.l1_weight);
     const float signed_mass = acc.b;
     bool bad = false;
     MapRow(z_row, t_row, v, [&](int64_t i, float x, float y) {
       const float zp = transform(x);
       const float pz = expf(zp - lse_f);
       const float d = pz - expf(transform(y) - t_lse);
-      const float sign = (d > 0) - (d < 0);
-      float g = (softmax + l1c * (sign - signed_mass)) * pz - uniform;
+      float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
       if (i == meta.target) g -= on_target;
       const float chained = transform.Chain(g, zp);
       bad |= !isfinite(chained);
@@ -605,7 +543,7 @@ __global__ void ScaleKernel(T* data, int64_t count, const double* den,
 }  // namespace
 
 template <typename T>
-void LaunchChunkLoss(const LossParams& params, const ChunkArgs<T>& args,
+void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream) {
   if (args.rows == 0) return;
   const dim3 rows(static_cast<unsigned>(args.rows));
@@ -613,17 +551,18 @@ void LaunchChunkLoss(const LossParams& params, const ChunkArgs<T>& args,
   if (args.top_k != nullptr && args.k > 0) {
     TopKKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
   }
-  if (params.coupling != Coupling::kNone && args.blocks > 0) {
+  if (CouplesBlocks(params.loss) && args.blocks > 0) {
     constexpr int kPerBlock = 128;
     BlockWeightsKernel<<<(args.blocks + kPerBlock - 1) / kPerBlock, kPerBlock,
-                         0, stream>>>(params, args.meta, args.stats,
+                         0, stream>>>(params.loss, args.meta, args.stats,
                                       args.block_begin, args.blocks,
                                       args.weight, args.ce_share);
   }
   LossKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
   if (args.totals != nullptr) {
     ReduceTermsKernel<<<1, kThreads, 0, stream>>>(
-        args.meta, args.row_terms, args.rows, params.block_size, args.totals);
+        args.meta, args.row_terms, args.rows,
+        static_cast<int32_t>(params.options.block_size), args.totals);
   }
 }
 
@@ -637,9 +576,9 @@ void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
                    0, stream>>>(data, count, den, upstream);
 }
 
-template void LaunchChunkLoss<float>(const LossParams&, const ChunkArgs<float>&,
-                                     CUstream_st*);
-template void LaunchChunkLoss<BFloat16>(const LossParams&,
+template void LaunchChunkLoss<float>(const KernelParams&,
+                                     const ChunkArgs<float>&, CUstream_st*);
+template void LaunchChunkLoss<BFloat16>(const KernelParams&,
                                         const ChunkArgs<BFloat16>&,
                                         CUstream_st*);
 template void LaunchScaleByUpstreamOverDen<float>(float*, int64_t,

@@ -2,42 +2,24 @@
 #define DFLASH_LOSSES_CUDA_ROW_KERNELS_H_
 
 // The CUDA row kernels of every //losses family, the device twin of
-// row_kernels.h + chunk_loss.cc. Plain types only: nvcc compiles the .cu,
-// and //losses:cuda_chunk_loss (host C++) prepares these structs from a
-// LossConfig and launches them.
+// row_kernels.h + chunk_loss.cc, with the same formulas (loss_math.h).
+// Plain types only: nvcc compiles the .cu, and //losses:cuda_chunk_loss
+// (host C++) prepares these structs from LossParams and launches them.
 
 #include <cstdint>
+
+#include "losses/loss_params.h"
 
 struct CUstream_st;
 
 namespace dflash {
 namespace cuda {
 
-enum class Family : int32_t { kSoftmax = 0, kDSpark = 1, kDistillation = 2 };
-enum class Coupling : int32_t { kNone = 0, kDPace = 1, kLkLambda = 2 };
-// DPaceLoss.Variant and DistillationLoss.Divergence (mapped on the host).
-enum class DPaceVariant : int32_t {
-  kDPace = 0,
-  kCumulative = 1,
-  kContinuation = 2
-};
-enum class Divergence : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
-
-// One LossConfig and ChunkLossOptions, resolved (see chunk_loss.h).
-struct LossParams {
-  Family family = Family::kSoftmax;
-  Coupling coupling = Coupling::kNone;
-  bool tv = false;  // tv's (1 - q) instead of CE.
-  DPaceVariant dpace_variant = DPaceVariant::kDPace;
-  double alpha = 0;                   // D-PACE smoothing.
-  double kl_scale = 0, kl_decay = 0;  // lk-lambda.
-  double label_smoothing = 0, z_loss_scale = 0;
-  double logit_scale = 1, logit_softcap = 0;
-  double l1_weight = 0, confidence_weight = 0;  // DSpark.
-  Divergence divergence = Divergence::kForwardKl;
-  double inv_temperature = 1, beta = 0.5;  // Distillation.
+// The loss and the head's options, resolved on the host (loss_params.h).
+struct KernelParams {
+  LossParams loss;
+  ChunkLossOptions options;
   int64_t vocab = 0;
-  int32_t block_size = 1;
 };
 
 // A chunk row, prepared on the host: mask is 0 where the target is
@@ -109,7 +91,7 @@ struct ChunkArgs {
 // loss terms with the gradient written in place, and the terms' reduction
 // into `totals` in a fixed order. T is float or BFloat16 (dflash::BFloat16).
 template <typename T>
-void LaunchChunkLoss(const LossParams& params, const ChunkArgs<T>& args,
+void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream);
 
 // data[i] *= upstream / den[0] for i < count (0 when den[0] is 0): the

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace dflash {
 namespace {
@@ -14,39 +15,115 @@ void Gamma(const std::string& path, const Loss& loss, ProblemList& problems) {
 
 }  // namespace
 
-LossTraits LossTraitsOf(const v1::LossConfig& loss) {
+LossTraits LossTraitsOf(const LossParams& loss) {
   LossTraits traits;
-  switch (loss.family_case()) {
-    case v1::LossConfig::kDflash:
+  switch (loss.family) {
+    case LossFamily::kDFlash:
       traits.name = "dflash";
       break;
-    case v1::LossConfig::kDpace:
+    case LossFamily::kDPace:
       traits.name = "dpace";
       traits.couples_blocks = true;
       break;
-    case v1::LossConfig::kTv:
+    case LossFamily::kTv:
       traits.name = "tv";
       traits.has_cross_entropy = false;
       break;
-    case v1::LossConfig::kLkLambda:
+    case LossFamily::kLkLambda:
       traits.name = "lk_lambda";
       traits.couples_blocks = true;
       break;
-    case v1::LossConfig::kDspark:
+    case LossFamily::kDSpark:
       traits.name = "dspark";
       traits.needs_teacher = true;
-      traits.needs_confidence = loss.dspark().confidence_weight() > 0;
+      traits.needs_confidence = loss.confidence_weight > 0;
       traits.labeling = Labeling::kDSpark;
       break;
-    case v1::LossConfig::kDistillation:
+    case LossFamily::kDistillation:
       traits.name = "distillation";
       traits.needs_teacher = true;
       traits.has_cross_entropy = false;
       break;
-    case v1::LossConfig::FAMILY_NOT_SET:
+    case LossFamily::kNone:
       break;
   }
   return traits;
+}
+
+LossTraits LossTraitsOf(const v1::LossConfig& loss) {
+  return LossTraitsOf(LossParamsOf(loss));
+}
+
+LossParams LossParamsOf(const v1::LossConfig& loss) {
+  LossParams p;
+  // An absent gamma reads as 0: no decay.
+  auto decay = [&p](const auto& family, int32_t from) {
+    p.gamma = family.has_gamma() ? family.gamma() : 0;
+    p.decay_from = from;
+  };
+  switch (loss.family_case()) {
+    case v1::LossConfig::kDflash:
+      p.family = LossFamily::kDFlash;
+      decay(loss.dflash(), 1);
+      break;
+    case v1::LossConfig::kDpace:
+      p.family = LossFamily::kDPace;
+      p.alpha = loss.dpace().alpha();
+      switch (loss.dpace().variant()) {
+        case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
+          p.dpace_variant = DPaceVariant::kCumulative;
+          break;
+        case v1::DPaceLoss::CONTINUATION_VALUE_ONLY:
+          p.dpace_variant = DPaceVariant::kContinuation;
+          break;
+        default:
+          p.dpace_variant = DPaceVariant::kDPace;
+          break;
+      }
+      break;
+    case v1::LossConfig::kTv:
+      p.family = LossFamily::kTv;
+      decay(loss.tv(), 1);
+      break;
+    case v1::LossConfig::kLkLambda:
+      p.family = LossFamily::kLkLambda;
+      decay(loss.lk_lambda(), 1);
+      p.kl_scale = loss.lk_lambda().kl_scale();
+      p.kl_decay = loss.lk_lambda().kl_decay();
+      break;
+    case v1::LossConfig::kDspark:
+      p.family = LossFamily::kDSpark;
+      decay(loss.dspark(), 0);
+      p.l1_weight = loss.dspark().l1_weight();
+      p.confidence_weight = loss.dspark().confidence_weight();
+      break;
+    case v1::LossConfig::kDistillation: {
+      const v1::DistillationLoss& d = loss.distillation();
+      p.family = LossFamily::kDistillation;
+      decay(d, 1);
+      p.inv_temperature = 1 / d.temperature();
+      p.beta = d.beta();
+      p.divergence = d.divergence() == v1::DistillationLoss::REVERSE_KL
+                         ? Divergence::kReverseKl
+                     : d.divergence() == v1::DistillationLoss::JSD
+                         ? Divergence::kJsd
+                         : Divergence::kForwardKl;
+      break;
+    }
+    case v1::LossConfig::FAMILY_NOT_SET:
+      break;
+  }
+  const v1::CrossEntropyOptions& ce = loss.cross_entropy();
+  p.ignore_index = ce.ignore_index();
+  p.label_smoothing =
+      LossTraitsOf(p).has_cross_entropy ? ce.label_smoothing() : 0;
+  p.z_loss_scale = ce.z_loss_scale();
+  return p;
+}
+
+absl::StatusOr<LossParams> ResolveLoss(const v1::LossConfig& loss) {
+  DFLASH_RETURN_IF_ERROR(ValidateLossConfig(loss));
+  return LossParamsOf(loss);
 }
 
 void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {

@@ -1,15 +1,17 @@
 #ifndef DFLASH_LOSSES_LOSS_FAMILY_H_
 #define DFLASH_LOSSES_LOSS_FAMILY_H_
 
-// LossTraitsOf: what a loss family needs from the batch and the head (a
+// The one place that reads a v1::LossConfig: its validation, its
+// resolution into LossParams (what the CPU loss and the CUDA kernels read),
+// and LossTraitsOf, what a family needs from the batch and the head (a
 // teacher projection, whole blocks per chunk, a cross-entropy term, the
-// confidence head, which labels), read once from a v1::LossConfig. The one
-// place these facts live: the losses, heads, command and config checks ask
-// here instead of testing the config's family themselves. Also the loss
-// config's validation, next to the facts it checks.
+// confidence head, which labels). The losses, heads, command and config
+// checks ask here instead of testing the config's family themselves.
 
+#include "absl/status/statusor.h"
 #include "base/problem_list.h"
 #include "losses/batch_layout.h"
+#include "losses/loss_params.h"
 #include "proto/loss.pb.h"
 
 namespace dflash {
@@ -28,7 +30,15 @@ struct LossTraits {
   Labeling labeling = Labeling::kDFlash;
 };
 
+LossTraits LossTraitsOf(const LossParams& loss);
 LossTraits LossTraitsOf(const v1::LossConfig& loss);
+
+// The config's values as LossParams, unchecked: for configs already
+// validated (the objective's, once parsed).
+LossParams LossParamsOf(const v1::LossConfig& loss);
+
+// ValidateLossConfig, then LossParamsOf.
+absl::StatusOr<LossParams> ResolveLoss(const v1::LossConfig& loss);
 
 // Every problem of a loss config (paths under "loss."), into `problems`: the
 // family's fields and the cross-entropy options it accepts.

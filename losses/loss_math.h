@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "base/host_device.h"
+#include "losses/loss_params.h"
 
 namespace dflash {
 
@@ -66,6 +67,169 @@ DFLASH_HOST_DEVICE inline R ChainTransformedLogit(R grad, R transformed,
     return grad * scale * (1 - t * t);
   }
   return grad * scale;
+}
+
+// The mask a row counts with: 0 where its target is ignore_index.
+DFLASH_HOST_DEVICE inline float EffectiveMask(const LossParams& p,
+                                              int32_t target, float mask) {
+  return target == p.ignore_index ? 0.0f : mask;
+}
+
+// A row's loss weight before block-level coupling: the family's decay of
+// its mask (LossParams::gamma); D-PACE's block weights replace it.
+DFLASH_HOST_DEVICE inline double RowLossWeight(const LossParams& p,
+                                               int32_t position, double mask) {
+  if (p.gamma == 0) return mask;
+  const int32_t steps = position > p.decay_from ? position - p.decay_from : 0;
+  return mask * exp(-steps / p.gamma);
+}
+
+// Whether a family's row weights depend on the other rows of its block.
+DFLASH_HOST_DEVICE inline bool CouplesBlocks(const LossParams& p) {
+  return p.family == LossFamily::kDPace || p.family == LossFamily::kLkLambda;
+}
+
+// lk_lambda's share of cross-entropy for a block of n rows: LkLambdaKlWeight
+// of the block's mask-weighted mean target probability. q(i) and mask(i)
+// read the block's row i.
+template <typename Q, typename Mask>
+DFLASH_HOST_DEVICE inline double LkLambdaBlockShare(const LossParams& p,
+                                                    int64_t n, Q q, Mask mask) {
+  double hits = 0, mass = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    hits += q(i) * mask(i);
+    mass += mask(i);
+  }
+  return LkLambdaKlWeight(p.kl_scale, p.kl_decay, mass > 0 ? hits / mass : 0);
+}
+
+// D-PACE's weights of a block of n rows, into weight[0, n), without
+// gradient (docs/semantics.md section 5.2): smooth = DPaceSmooth, prefix =
+// cumprod(smooth), suffix = reverse-cumsum(prefix * m); the variant picks
+// suffix, prefix or suffix / prefix, times m. q(i) and mask(i) read the
+// block's row i.
+template <typename Q, typename Mask>
+DFLASH_HOST_DEVICE inline void DPaceBlockWeights(const LossParams& p, int64_t n,
+                                                 Q q, Mask mask,
+                                                 double* weight) {
+  double running = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    running *= DPaceSmooth(mask(i), q(i), p.alpha);
+    weight[i] = running;  // The prefix, until the pass below.
+  }
+  constexpr double kTiny = 2.2250738585072014e-308;  // DBL_MIN.
+  double tail = 0;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const double prefix = weight[i];
+    tail += prefix * mask(i);
+    double w;
+    switch (p.dpace_variant) {
+      case DPaceVariant::kCumulative:
+        w = prefix;
+        break;
+      case DPaceVariant::kContinuation:
+        w = tail / (prefix > kTiny ? prefix : kTiny);
+        break;
+      default:
+        w = tail;
+        break;
+    }
+    weight[i] = w * mask(i);
+  }
+}
+
+// The softmax-family terms of one row with weight w (CE, label-smoothed;
+// tv's 1 - q; lk_lambda's mix of the two by ce_share; the z-loss), from the
+// row's -log q, logsumexp and mean logit z' (read only with label
+// smoothing). Its gradient in z' is softmax * p - target * onehot -
+// uniform / V.
+struct SoftmaxRowTerms {
+  double loss = 0;
+  double softmax = 0;
+  double target = 0;
+  double uniform = 0;
+};
+DFLASH_HOST_DEVICE inline SoftmaxRowTerms SoftmaxFamilyRow(
+    const LossParams& p, double w, double ce_share, double neg_log_q,
+    double lse, double mean_logit) {
+  const bool tv = p.family == LossFamily::kTv;
+  const double q = exp(-neg_log_q);
+  const double eps = p.label_smoothing;
+  const double ce_w = tv ? 0 : w * ce_share;
+  const double tv_w = tv                                  ? w
+                      : p.family == LossFamily::kLkLambda ? w * (1 - ce_share)
+                                                          : 0;
+  const double z_w = w * p.z_loss_scale;
+  const double ce_term =
+      eps > 0 ? (1 - eps) * neg_log_q + eps * (lse - mean_logit) : neg_log_q;
+  SoftmaxRowTerms t;
+  t.loss = ce_w * ce_term + tv_w * (1 - q) + z_w * lse * lse;
+  t.softmax = ce_w + tv_w * q + 2 * z_w * lse;
+  t.target = ce_w * (1 - eps) + tv_w * q;
+  t.uniform = ce_w * eps;
+  return t;
+}
+
+// DSpark's L1 gradient at one logit: d/dz' of softmax-family terms plus
+// l1_coefficient * |p - t|_1, given p = softmax(z'), d = p - t and the row's
+// signed mass sum_w p_w sign(d_w); the target's term is left to the caller.
+template <typename R>
+DFLASH_HOST_DEVICE inline R DSparkGradient(R softmax, R l1_coefficient,
+                                           R signed_mass, R uniform_over_v, R p,
+                                           R d) {
+  const R sign = static_cast<R>((d > 0) - (d < 0));
+  return (softmax + l1_coefficient * (sign - signed_mass)) * p - uniform_over_v;
+}
+
+// Distillation at one logit, with ls and lt the student's and teacher's
+// log-probabilities at temperature T: Divergence part of the row's
+// divergence, and JsdStudentPart the sum its gradient needs (0 otherwise).
+// log_beta = log(beta), log_rest = log(1 - beta).
+template <typename R>
+struct DistillationPoint {
+  R divergence = 0;
+  R student_part = 0;
+};
+template <typename R>
+DFLASH_HOST_DEVICE inline DistillationPoint<R> DistillationAt(
+    Divergence divergence, R beta, R log_beta, R log_rest, R ls, R lt) {
+  DistillationPoint<R> d;
+  switch (divergence) {
+    case Divergence::kReverseKl:
+      d.divergence = exp(ls) * (ls - lt);
+      break;
+    case Divergence::kJsd: {
+      const R lm = LogAddExp(log_rest + ls, log_beta + lt);
+      d.student_part = exp(ls) * (ls - lm);
+      d.divergence = beta * exp(lt) * (lt - lm) + (1 - beta) * d.student_part;
+      break;
+    }
+    default:  // Forward KL(t || s).
+      d.divergence = exp(lt) * (lt - ls);
+      break;
+  }
+  return d;
+}
+
+// d(divergence)/du at one logit (u = z' / T), times g, given the row's
+// divergence and, for the JSD, its summed student part: reverse KL s (ls -
+// lt - D), JSD (1 - beta) s (log(s / M) - sum), forward KL s - t.
+template <typename R>
+DFLASH_HOST_DEVICE inline R DistillationGradientAt(Divergence divergence,
+                                                   R beta, R log_beta,
+                                                   R log_rest, R ls, R lt,
+                                                   R row_divergence,
+                                                   R row_student_part, R g) {
+  switch (divergence) {
+    case Divergence::kReverseKl:
+      return g * exp(ls) * ((ls - lt) - row_divergence);
+    case Divergence::kJsd: {
+      const R lm = LogAddExp(log_rest + ls, log_beta + lt);
+      return g * (1 - beta) * exp(ls) * ((ls - lm) - row_student_part);
+    }
+    default:
+      return g * (exp(ls) - exp(lt));
+  }
 }
 
 }  // namespace dflash

@@ -14,6 +14,7 @@
 #include "base/bfloat16.h"
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
+#include "losses/loss_family.h"
 #include "proto/config.h"
 #include "python/native/cuda_run.h"
 
@@ -160,18 +161,12 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
   return absl::OkStatus();
 }
 
-std::string FamilyName(const v1::LossConfig& loss) {
-  const google::protobuf::FieldDescriptor* field =
-      loss.GetReflection()->GetOneofFieldDescriptor(
-          loss, loss.GetDescriptor()->FindOneofByName("family"));
-  return field == nullptr ? "none" : field->name();
-}
-
 absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,
                              const ObjectiveTensors& t) {
   const v1::LossConfig& loss = config.loss();
-  const std::string family = absl::StrCat("loss.", FamilyName(loss));
-  const bool teacher = LossNeedsTeacher(loss);
+  const LossTraits traits = LossTraitsOf(loss);
+  const std::string family = absl::StrCat("loss.", traits.name);
+  const bool teacher = traits.needs_teacher;
   if (teacher != t.teacher_hidden.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "teacher_hidden: ",
@@ -182,8 +177,7 @@ absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,
                                " reads no teacher, got a tensor (pass "
                                "None)")));
   }
-  const bool confidence =
-      loss.has_dspark() && loss.dspark().confidence_weight() > 0;
+  const bool confidence = traits.needs_confidence;
   if (confidence != t.confidence_logits.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "confidence_logits: ",

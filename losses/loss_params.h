@@ -1,0 +1,66 @@
+#ifndef DFLASH_LOSSES_LOSS_PARAMS_H_
+#define DFLASH_LOSSES_LOSS_PARAMS_H_
+
+// LossParams: a v1::LossConfig resolved into plain values, the only form of
+// the loss config that the CPU loss and the CUDA kernels read (ResolveLoss
+// in loss_family.h makes one). ChunkLossOptions: what the head adds (block
+// size, logit scale and softcap). Plain types without protobuf, so that
+// nvcc and the host share them.
+
+#include <cstdint>
+
+namespace dflash {
+
+// The loss family, as LossConfig's `family` oneof sets it.
+enum class LossFamily : int32_t {
+  kNone = 0,
+  kDFlash,
+  kDPace,
+  kTv,
+  kLkLambda,
+  kDSpark,
+  kDistillation,
+};
+
+// DPaceLoss.Variant and DistillationLoss.Divergence.
+enum class DPaceVariant : int32_t {
+  kDPace = 0,
+  kCumulative = 1,
+  kContinuation = 2
+};
+enum class Divergence : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+
+struct LossParams {
+  LossFamily family = LossFamily::kNone;
+  // A row's decay: m * exp(-max(k - decay_from, 0) / gamma), none when
+  // gamma is 0 (absent). decay_from is 1 for the DFlash decay, 0 for DSpark.
+  double gamma = 0;
+  int32_t decay_from = 1;
+  // D-PACE.
+  DPaceVariant dpace_variant = DPaceVariant::kDPace;
+  double alpha = 0;
+  // lk_lambda.
+  double kl_scale = 0, kl_decay = 0;
+  // DSpark.
+  double l1_weight = 0, confidence_weight = 0;
+  // Distillation.
+  Divergence divergence = Divergence::kForwardKl;
+  double inv_temperature = 1, beta = 0.5;
+  // Cross-entropy options; label_smoothing is 0 for families without a
+  // cross-entropy term.
+  int64_t ignore_index = -100;
+  double label_smoothing = 0, z_loss_scale = 0;
+};
+
+// How logits z become the loss's logits z': z' = c * tanh(s * z / c) with
+// softcap c > 0, z' = s * z without (HeadConfig.logit_scale/logit_softcap).
+// The teacher's logits, from the same head, get the same transform.
+struct ChunkLossOptions {
+  int64_t block_size = 1;
+  double logit_scale = 1;
+  double logit_softcap = 0;
+};
+
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_LOSS_PARAMS_H_
