@@ -122,6 +122,11 @@ BENCHMARK_CAPTURE(BM_ChunkLossFp32, dspark, "dspark { gamma: 7 }")
     ->Arg(32768)->Arg(151936)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_ChunkLossFp32, forward_kl, "distillation {}")
     ->Arg(32768)->Arg(151936)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ChunkLossFp32, reverse_kl,
+                  "distillation { divergence: REVERSE_KL }")
+    ->Arg(32768)->Arg(151936)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_ChunkLossFp32, jsd, "distillation { divergence: JSD }")
+    ->Arg(32768)->Arg(151936)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace dflash

@@ -175,13 +175,21 @@ double DistillationRow(const LossParams& p, absl::Span<W> z,
                                   z[v] * inv_t - lse,
                                   t[v] * inv_t - teacher_lse);
   };
+  const double g = weight * inv_t;
   double divergence = 0, student_part = 0;
+  if (p.divergence == Divergence::kForwardKl) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const DistillationPoint<double> point = at(v);
+      divergence += point.divergence;
+      z[v] = static_cast<W>(g * point.forward_gradient);
+    }
+    return divergence;
+  }
   for (int64_t v = 0; v < vocab; ++v) {
     const DistillationPoint<double> point = at(v);
     divergence += point.divergence;
     student_part += point.student_part;
   }
-  const double g = weight * inv_t;
   for (int64_t v = 0; v < vocab; ++v) {
     z[v] = static_cast<W>(DistillationGradientAt<double>(
         p.divergence, beta, log_beta, log_rest, z[v] * inv_t - lse,

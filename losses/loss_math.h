@@ -182,13 +182,15 @@ DFLASH_HOST_DEVICE inline R DSparkGradient(R softmax, R l1_coefficient,
 }
 
 // Distillation at one logit, with ls and lt the student's and teacher's
-// log-probabilities at temperature T: Divergence part of the row's
-// divergence, and JsdStudentPart the sum its gradient needs (0 otherwise).
-// log_beta = log(beta), log_rest = log(1 - beta).
+// log-probabilities at temperature T: its part of the row's divergence;
+// for the JSD, the student part whose row sum its gradient needs; for the
+// forward KL, its gradient in u = z' / T (s - t), which needs no row sum,
+// so that one pass does. log_beta = log(beta), log_rest = log(1 - beta).
 template <typename R>
 struct DistillationPoint {
   R divergence = 0;
   R student_part = 0;
+  R forward_gradient = 0;
 };
 template <typename R>
 DFLASH_HOST_DEVICE inline DistillationPoint<R> DistillationAt(
@@ -204,9 +206,12 @@ DFLASH_HOST_DEVICE inline DistillationPoint<R> DistillationAt(
       d.divergence = beta * exp(lt) * (lt - lm) + (1 - beta) * d.student_part;
       break;
     }
-    default:  // Forward KL(t || s).
-      d.divergence = exp(lt) * (lt - ls);
+    default: {  // Forward KL(t || s).
+      const R t = exp(lt);
+      d.divergence = t * (lt - ls);
+      d.forward_gradient = exp(ls) - t;
       break;
+    }
   }
   return d;
 }
