@@ -210,7 +210,7 @@ double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
     const double p = std::exp(z[v] - stats.logsumexp);
     const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
     l1 += std::abs(d);
-    signed_mass += p * ((d > 0) - (d < 0));
+    signed_mass += p * SignOf(d);
   }
   // d|p - t|_1 / dz_v = p_v (sign_v - sum_w p_w sign_w).
   const double uniform = grad.uniform / static_cast<double>(vocab);

@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kThreads)
       const float pz = expf(transform(x) - lse_f);
       const float d = pz - expf(transform(y) - t_lse);
       acc.a += fabsf(d);
-      acc.b += pz * ((d > 0) - (d < 0));
+      acc.b += pz * SignOf(d);
     });
     acc = BlockReduce(acc, AddPairs);
     const double l1 = acc.a;

@@ -170,6 +170,13 @@ DFLASH_HOST_DEVICE inline SoftmaxRowTerms SoftmaxFamilyRow(
   return t;
 }
 
+// DSpark's L1 at one logit, d = p - t: |d| adds to the row's L1 and
+// p * sign(d) to its signed mass.
+template <typename R>
+DFLASH_HOST_DEVICE inline R SignOf(R d) {
+  return static_cast<R>((d > 0) - (d < 0));
+}
+
 // DSpark's L1 gradient at one logit: d/dz' of softmax-family terms plus
 // l1_coefficient * |p - t|_1, given p = softmax(z'), d = p - t and the row's
 // signed mass sum_w p_w sign(d_w); the target's term is left to the caller.
@@ -177,8 +184,7 @@ template <typename R>
 DFLASH_HOST_DEVICE inline R DSparkGradient(R softmax, R l1_coefficient,
                                            R signed_mass, R uniform_over_v, R p,
                                            R d) {
-  const R sign = static_cast<R>((d > 0) - (d < 0));
-  return (softmax + l1_coefficient * (sign - signed_mass)) * p - uniform_over_v;
+  return (softmax + l1_coefficient * (SignOf(d) - signed_mass)) * p - uniform_over_v;
 }
 
 // Distillation at one logit, with ls and lt the student's and teacher's
