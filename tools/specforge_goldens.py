@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Makes the SpecForge parity goldens by running SpecForge's own code.
+
+For each case, SpecForge's `OnlineDFlashModel.forward` runs on a small fixed
+batch (its labels, weight masks, chunked objective, LK composition and
+denominators), with the draft network replaced by given output states: the
+goldens hold what SpecForge computes from those states, and the gradient of
+its loss with respect to them. Everything runs in float64, so the goldens
+are the exact reference for dflash's float64 path.
+
+    python3 tools/specforge_goldens.py --specforge /path/to/SpecForge \\
+        --out tests/goldens/specforge_dflash
+
+`--specforge` is a checkout of sgl-project/SpecForge (the commit this
+project matches is in tests/goldens/README.md); nothing of it is copied
+here. Needs torch >= 2.1. Each case directory gets:
+
+  config.textproto   the dflash ObjectiveConfig that computes the same loss
+  input_ids.npy      int64 [B, S]
+  loss_mask.npy      uint8 [B, S]
+  anchors.npy        int64 [B, N]  anchor positions
+  keep.npy           uint8 [B, N]  anchor keep mask
+  hidden.npy         float64 [B * N * K, H]  the draft's output states
+  weight.npy         float64 [V, H]  the frozen lm_head weight
+  grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
+  terms.npy          float64, in TERMS order (below)
+  position.npy       float64 [4, K]: per block position k >= 1 (column 0
+                     is 0), the weight mask's sum, argmax hits, target
+                     probability and loss weight, from SpecForge's metrics
+"""
+
+import argparse
+import os
+import sys
+import types
+
+import numpy as np
+import torch
+
+TERMS = (
+    "ce_loss_num",
+    "tv_loss_num",
+    "loss_den",
+    "target_probability_num",
+    "correct_num",
+    "accuracy_den",
+    "loss_num",
+    "loss",
+    "accuracy",
+)
+
+B, S, N, K, H, V = 2, 24, 3, 4, 8, 37
+
+# name: (SpecForge constructor arguments, the dflash LossConfig body).
+CASES = {
+    "dflash_gamma7": (
+        dict(loss_type="dflash", loss_decay_gamma=7.0),
+        "dflash { gamma: 7 }",
+    ),
+    "dflash_lk_alpha": (
+        dict(loss_type="dflash", lk_loss_type="alpha"),
+        "dflash {}",
+    ),
+    "dflash_lk_tv_gamma3": (
+        dict(loss_type="dflash", loss_decay_gamma=3.0, lk_loss_type="tv"),
+        "tv { gamma: 3 }",
+    ),
+    "dpace": (
+        dict(loss_type="dpace", dpace_alpha=0.5),
+        "dpace { alpha: 0.5 }",
+    ),
+    "dpace_cumulative": (
+        dict(loss_type="dpace-cumulative-confidence-only", dpace_alpha=0.3),
+        "dpace { alpha: 0.3 variant: CUMULATIVE_CONFIDENCE_ONLY }",
+    ),
+    "dpace_continuation": (
+        dict(loss_type="dpace-continuation-value-only", dpace_alpha=0.7),
+        "dpace { alpha: 0.7 variant: CONTINUATION_VALUE_ONLY }",
+    ),
+}
+
+
+def import_specforge(root):
+    """Imports SpecForge's DFlash model module from a checkout.
+
+    The module imports the draft network and the attention backend at load
+    time; the objective never calls them, so light stand-ins take their place
+    (the real ones need transformers and a GPU attention stack).
+    """
+    sys.path.insert(0, root)
+    draft = types.ModuleType("specforge.modeling.draft.dflash")
+    draft.DFlashDraftModel = torch.nn.Module
+    backend = types.ModuleType(
+        "specforge.modeling.draft.flex_attention_backend")
+    backend.flex_attention_backend = lambda: "TRITON"
+    for name in ("specforge.modeling", "specforge.modeling.draft"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["specforge.modeling.draft.dflash"] = draft
+    sys.modules["specforge.modeling.draft.flex_attention_backend"] = backend
+    from specforge.algorithms.common import dflash_family_model
+    return dflash_family_model
+
+
+def make_batch(seed):
+    """A token batch with masked spans, anchors (one padding anchor)."""
+    rng = np.random.default_rng(seed)
+    input_ids = rng.integers(0, V, size=(B, S), dtype=np.int64)
+    loss_mask = np.ones((B, S), dtype=np.uint8)
+    loss_mask[0, :3] = 0
+    loss_mask[0, 13] = 0
+    loss_mask[1, :5] = 0
+    loss_mask[1, 18:] = 0
+    # Sequence 0 ends with an anchor whose block runs past S; sequence 1
+    # has two anchors and a padding slot.
+    anchors = np.array([[3, 9, 21], [5, 11, 0]], dtype=np.int64)
+    keep = np.array([[1, 1, 1], [1, 1, 0]], dtype=np.uint8)
+    hidden = rng.standard_normal((B, N * K, H))
+    weight = rng.standard_normal((V, H)) * 0.7
+    return input_ids, loss_mask, anchors, keep, hidden, weight
+
+
+class DraftStandIn(torch.nn.Module):
+    """The draft network's attributes the objective reads."""
+
+    sliding_window = None
+
+
+def run_case(module, kwargs, batch):
+    """SpecForge's forward and backward on the batch.
+
+    Returns its loss, accuracy, metrics, d(loss)/d(states), and the sum of
+    the additive terms its chunk function returned in the forward pass.
+    """
+    input_ids, loss_mask, anchors, keep, hidden, weight = batch
+    lm_head = torch.nn.Linear(H, V, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.from_numpy(weight))
+    lm_head.requires_grad_(False)
+    embed = torch.nn.Embedding(V, 4, dtype=torch.float64)
+    model = module.OnlineDFlashModel(
+        draft_model=DraftStandIn(),
+        target_lm_head=lm_head,
+        target_embed_tokens=embed,
+        mask_token_id=0,
+        block_size=K,
+        attention_backend="sdpa",
+        num_anchors=N,
+        objective_chunk_blocks=2,
+        **kwargs,
+    )
+    states = torch.from_numpy(hidden).clone().requires_grad_(True)
+    anchor_t = torch.from_numpy(anchors)
+    keep_t = torch.from_numpy(keep).bool()
+    # The draft's forward: the given states for the given anchors.
+    model._forward_draft_blocks = (
+        lambda *args, **kw: (anchor_t, keep_t, states))
+    # The chunk function's terms as forward sums them (recomputations in
+    # backward are not counted).
+    chunk_terms = []
+    recording = [True]
+    objective = model._dflash_objective_chunk_terms
+
+    def recorded(*args):
+        terms = objective(*args)
+        if recording[0]:
+            chunk_terms.append([float(t) for t in terms])
+        return terms
+
+    model._dflash_objective_chunk_terms = recorded
+    loss, accuracy, metrics = model(
+        input_ids=torch.from_numpy(input_ids),
+        hidden_states=torch.zeros(B, S, H, dtype=torch.float64),
+        loss_mask=torch.from_numpy(loss_mask).double(),
+    )
+    recording[0] = False
+    loss.backward()
+    terms = np.sum(np.array(chunk_terms), axis=0)
+    return loss, accuracy, metrics, states.grad, terms
+
+
+def position_metrics(metrics):
+    """Per block position k >= 1, from SpecForge's ratio metrics: the
+    weight mask's sum, argmax hits, target probability and loss weight."""
+    ratios = metrics["ratio_metrics"]
+    table = np.zeros((4, K))
+    for k in range(1, K):
+        hits, den = ratios[f"position_{k}/hard_label/unary_top1_accuracy"]
+        probability, _ = ratios[f"position_{k}/hard_label/unary_probability"]
+        weight, _ = ratios[f"position_{k}/objective/loss_weight_share"]
+        table[:, k] = [float(den), float(hits), float(probability),
+                       float(weight)]
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--specforge", required=True,
+                        help="a checkout of sgl-project/SpecForge")
+    parser.add_argument("--out", required=True, help="the goldens directory")
+    parser.add_argument("--seed", type=int, default=20261203)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    module = import_specforge(os.path.abspath(args.specforge))
+    batch = make_batch(args.seed)
+    input_ids, loss_mask, anchors, keep, hidden, weight = batch
+    for name, (kwargs, loss_text) in CASES.items():
+        loss, accuracy, metrics, grad, terms = run_case(module, kwargs, batch)
+        position = position_metrics(metrics)
+        loss_num, loss_den = metrics["loss_terms"]
+        values = [float(t) for t in terms[:6]] + [
+            float(loss_num), float(loss), float(accuracy)]
+        # The chunk function's terms and forward's must tell one story.
+        assert abs(values[2] - float(loss_den)) <= 1e-12 * max(
+            1.0, abs(values[2])), name
+        directory = os.path.join(args.out, name)
+        os.makedirs(directory, exist_ok=True)
+        arrays = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "anchors": anchors,
+            "keep": keep,
+            "hidden": hidden.reshape(B * N * K, H),
+            "weight": weight,
+            "grad_hidden": grad.numpy().reshape(B * N * K, H),
+            "terms": np.array(values, dtype=np.float64),
+            "position": position,
+        }
+        for key, array in arrays.items():
+            np.save(os.path.join(directory, key + ".npy"), array)
+        with open(os.path.join(directory, "config.textproto"), "w") as f:
+            f.write(
+                f"# SpecForge OnlineDFlashModel({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})\n"
+                f"layout {{ block_size: {K} num_anchors: {N} }}\n"
+                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
+                f"loss {{ {loss_text} }}\n")
+        print(f"{name}: loss {float(loss):.12g}")
+
+
+if __name__ == "__main__":
+    main()
