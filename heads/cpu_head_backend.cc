@@ -15,6 +15,7 @@
 #include "heads/head_backend.h"
 #include "heads/row_compaction.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
 
@@ -186,7 +187,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   absl::StatusOr<ChunkTerms> Finish(double upstream) override {
     // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
     const double den = terms_.loss_den;
-    const T scale = den > 0 ? static_cast<T>(upstream / den) : T(0);
+    const T scale = static_cast<T>(upstream / FlooredLossDen(den));
     const HeadGradients<T>& g = *spec_.gradients;
     const int64_t hidden = config_.head().hidden_size();
     for (int64_t r : spec_.active) {

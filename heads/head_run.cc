@@ -16,6 +16,7 @@
 #include "heads/head_plan.h"
 #include "heads/projection.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "losses/row_error.h"
 #include "proto/config.h"
 
@@ -351,7 +352,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   result.terms = std::move(terms);
 
   const double den = result.terms.loss_den;
-  result.loss = den > 0 ? result.terms.loss_num / den : 0;
+  result.loss = result.terms.loss_num / FlooredLossDen(den);
   result.accuracy = result.terms.accuracy_den > 0
                         ? result.terms.correct / result.terms.accuracy_den
                         : 0;

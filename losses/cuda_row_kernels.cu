@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void ScaleKernel(T* data, int64_t count, const double* den,
                             double upstream) {
-  const float scale = den[0] > 0 ? static_cast<float>(upstream / den[0]) : 0;
+  const float scale = static_cast<float>(upstream / FlooredLossDen(den[0]));
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     data[i] = FromF<T>(ToF(data[i]) * scale);

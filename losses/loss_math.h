@@ -69,6 +69,15 @@ DFLASH_HOST_DEVICE inline R ChainTransformedLogit(R grad, R transformed,
   return grad * scale;
 }
 
+// The loss's denominator after the reduction over every chunk, floored at
+// float32's smallest normal number as SpecForge floors it
+// (`clamp_min(finfo.tiny)`): a batch without weight has loss 0 and zero
+// gradients, and the loss does not depend on which chunks were empty.
+DFLASH_HOST_DEVICE inline double FlooredLossDen(double den) {
+  constexpr double kFloat32Tiny = 1.1754943508222875e-38;
+  return den > kFloat32Tiny ? den : kFloat32Tiny;
+}
+
 // The mask a row counts with: 0 where its target is ignore_index.
 DFLASH_HOST_DEVICE inline float EffectiveMask(const LossParams& p,
                                               int32_t target, float mask) {

@@ -163,7 +163,7 @@ def run_case(module, kwargs, batch):
     def recorded(*args):
         terms = objective(*args)
         if recording[0]:
-            chunk_terms.append([float(t) for t in terms])
+            chunk_terms.append([float(t.detach()) for t in terms])
         return terms
 
     model._dflash_objective_chunk_terms = recorded

@@ -38,7 +38,9 @@ class ObjectiveTerms(NamedTuple):
 
     @property
     def loss(self):
-        return self.loss_num / self.loss_den
+        # Floored as SpecForge floors it: an all-masked batch gives 0.
+        return self.loss_num / self.loss_den.clamp_min(
+            torch.finfo(self.loss_den.dtype).tiny)
 
     @property
     def accuracy_per_position(self):

@@ -1,0 +1,201 @@
+// SpecForge parity: each case in tests/goldens/specforge_dflash holds a
+// token batch, anchors, the draft's output states and a frozen lm_head, and
+// what SpecForge's own OnlineDFlashModel computed from them in float64
+// (tools/specforge_goldens.py; the matched commit is in
+// tests/goldens/README.md). The dflash head, configured by the case's
+// config.textproto, labels the same batch and must give the same loss,
+// terms, per-position metrics and d(loss)/d(hidden), in every execution
+// mode and at every chunk size.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/error_norms.h"
+#include "base/tracking_allocator.h"
+#include "gtest/gtest.h"
+#include "heads/cpu_head.h"
+#include "io/npy.h"
+#include "losses/batch_layout.h"
+#include "losses/loss_family.h"
+#include "proto/config.h"
+
+namespace dflash {
+namespace {
+
+constexpr char kGoldens[] = "tests/goldens/specforge_dflash";
+
+// terms.npy, in tools/specforge_goldens.py's TERMS order.
+enum Term {
+  kCeLossNum,
+  kTvLossNum,
+  kLossDen,
+  kTargetProbabilityNum,
+  kCorrectNum,
+  kAccuracyDen,
+  kLossNum,
+  kLoss,
+  kAccuracy,
+  kTermCount,
+};
+
+// position.npy rows.
+enum PositionRow { kMaskSum, kHits, kTargetProbability, kLossWeight };
+
+struct Golden {
+  std::string name;
+  v1::ObjectiveConfig config;
+  int64_t batch = 0, seq_len = 0, num_anchors = 0;
+  std::vector<int64_t> input_ids, anchors;
+  std::vector<uint8_t> loss_mask, keep;
+  std::vector<double> hidden, weight, grad_hidden, terms, position;
+};
+
+NpyArray Read(const std::string& dir, const std::string& name) {
+  absl::StatusOr<NpyArray> array = ReadNpy(absl::StrCat(dir, "/", name, ".npy"));
+  EXPECT_TRUE(array.ok()) << array.status();
+  return array.ok() ? *std::move(array) : NpyArray{};
+}
+
+std::vector<uint8_t> ToBytes(const NpyArray& array) {
+  std::vector<uint8_t> out;
+  for (int64_t v : NpyToInt64(array)) out.push_back(static_cast<uint8_t>(v));
+  return out;
+}
+
+Golden Load(const std::filesystem::path& dir) {
+  Golden g;
+  g.name = dir.filename().string();
+  const std::string d = dir.string();
+  absl::StatusOr<v1::ObjectiveConfig> config =
+      LoadObjectiveConfigFromFile(d + "/config.textproto");
+  EXPECT_TRUE(config.ok()) << config.status();
+  if (config.ok()) g.config = *config;
+  const NpyArray ids = Read(d, "input_ids");
+  const NpyArray anchors = Read(d, "anchors");
+  if (ids.shape.size() == 2 && anchors.shape.size() == 2) {
+    g.batch = ids.shape[0];
+    g.seq_len = ids.shape[1];
+    g.num_anchors = anchors.shape[1];
+  }
+  g.input_ids = NpyToInt64(ids);
+  g.anchors = NpyToInt64(anchors);
+  g.loss_mask = ToBytes(Read(d, "loss_mask"));
+  g.keep = ToBytes(Read(d, "keep"));
+  g.hidden = NpyToFloat64(Read(d, "hidden"));
+  g.weight = NpyToFloat64(Read(d, "weight"));
+  g.grad_hidden = NpyToFloat64(Read(d, "grad_hidden"));
+  g.terms = NpyToFloat64(Read(d, "terms"));
+  g.position = NpyToFloat64(Read(d, "position"));
+  return g;
+}
+
+std::vector<Golden> LoadAll() {
+  std::vector<Golden> goldens;
+  for (const auto& entry : std::filesystem::directory_iterator(kGoldens)) {
+    if (entry.is_directory()) goldens.push_back(Load(entry.path()));
+  }
+  return goldens;
+}
+
+struct HeadRun {
+  HeadResult result;
+  std::vector<double> grad_hidden;
+};
+
+absl::StatusOr<HeadRun> RunGolden(const Golden& g,
+                              const v1::ObjectiveConfig& config) {
+  const int64_t block_size = config.layout().block_size();
+  const int64_t vocab = config.head().vocab_size();
+  const int64_t hidden = config.head().hidden_size();
+  const TokenBatch tokens{g.batch, g.seq_len, g.input_ids, g.loss_mask};
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      LabelRows(tokens, g.anchors, g.keep, g.num_anchors, block_size, vocab,
+                LossTraitsOf(config.loss()).labeling);
+  if (!rows.ok()) return rows.status();
+  HeadRun run;
+  run.grad_hidden.assign(rows->size() * hidden, 7);  // Must be overwritten.
+  const HeadInputs<double> inputs{g.hidden, {}, {}, *rows, g.weight, {}};
+  const HeadGradients<double> gradients{absl::MakeSpan(run.grad_hidden),
+                                        {}, {}, {}};
+  TrackingAllocator allocator;
+  absl::StatusOr<HeadResult> result =
+      RunHead<double>(config, inputs, gradients, allocator);
+  if (!result.ok()) return result.status();
+  run.result = *std::move(result);
+  return run;
+}
+
+// Relative tolerance: float64 round-off, except where SpecForge rounds its
+// decay weights exp(-max(k - 1, 0) / gamma) to float32 (it builds them
+// with `.float()`) and dflash keeps them in double: then float32's.
+double Tolerance(const v1::ObjectiveConfig& config) {
+  return LossParamsOf(config.loss()).gamma > 0 ? 3e-7 : 1e-12;
+}
+
+void ExpectNear(double actual, double expected, double tolerance,
+                const std::string& what) {
+  EXPECT_NEAR(actual, expected, tolerance * std::max(1.0, std::abs(expected)))
+      << what;
+}
+
+TEST(SpecForgeParityTest, GoldensAreThere) {
+  const std::vector<Golden> goldens = LoadAll();
+  EXPECT_GE(goldens.size(), 6u);
+  for (const Golden& g : goldens) {
+    SCOPED_TRACE(g.name);
+    EXPECT_EQ(g.terms.size(), static_cast<size_t>(kTermCount));
+    EXPECT_EQ(g.grad_hidden.size(), g.hidden.size());
+    EXPECT_EQ(g.position.size(),
+              static_cast<size_t>(4 * g.config.layout().block_size()));
+  }
+}
+
+// Every execution mode, at chunks of one block up to the
+// whole batch, with 1 and 2 threads.
+TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
+  for (const Golden& g : LoadAll()) {
+    ASSERT_EQ(g.terms.size(), static_cast<size_t>(kTermCount)) << g.name;
+    const int64_t k = g.config.layout().block_size();
+    const int64_t blocks = g.batch * g.num_anchors;
+    for (const char* mode :
+         {"fused", "checkpoint", "selective", "save", "materialize"}) {
+      for (int64_t per_chunk : {int64_t{1}, int64_t{2}, blocks}) {
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE(absl::StrCat(g.name, " ", mode, " blocks_per_chunk ",
+                                    per_chunk, " threads ", threads));
+          v1::ObjectiveConfig config = g.config;
+          ASSERT_TRUE(SetModeByName("mode", mode, config).ok());
+          config.mutable_chunking()->set_blocks_per_chunk(per_chunk);
+          config.mutable_head()->set_threads(threads);
+          absl::StatusOr<HeadRun> run = RunGolden(g, config);
+          ASSERT_TRUE(run.ok()) << run.status();
+          const HeadResult& r = run->result;
+          const double tol = Tolerance(config);
+          ExpectNear(r.loss, g.terms[kLoss], tol, "loss");
+          ExpectNear(r.terms.loss_num, g.terms[kLossNum], tol, "loss_num");
+          ExpectNear(r.terms.loss_den, g.terms[kLossDen], tol, "loss_den");
+          ExpectNear(r.terms.correct, g.terms[kCorrectNum], 0, "correct");
+          ExpectNear(r.terms.accuracy_den, g.terms[kAccuracyDen], 1e-12,
+                     "accuracy_den");
+          ExpectNear(r.accuracy, g.terms[kAccuracy], 1e-12, "accuracy");
+          for (int64_t p = 1; p < k; ++p) {
+            ExpectNear(r.terms.mask_per_position[p],
+                       g.position[kMaskSum * k + p], 1e-12,
+                       absl::StrCat("mask at position ", p));
+            ExpectNear(r.terms.correct_per_position[p],
+                       g.position[kHits * k + p], 0,
+                       absl::StrCat("hits at position ", p));
+          }
+          EXPECT_LE(RelativeMaxError<double>(run->grad_hidden,
+                                             g.grad_hidden),
+                    tol)
+              << "d(loss)/d(hidden)";
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dflash
