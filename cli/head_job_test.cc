@@ -121,6 +121,9 @@ TEST(HeadJobTest, InputsFromNpyReproduceTheInProcessRun) {
     EXPECT_EQ(parsed.accuracy_per_position_size(), 4);
     EXPECT_GT(parsed.peak_bytes(), 0);
     EXPECT_GT(parsed.weighted_rows(), 0);
+    // A mean of probabilities over the supervised rows.
+    EXPECT_GT(parsed.target_probability(), 0);
+    EXPECT_LE(parsed.target_probability(), 1);
     EXPECT_DOUBLE_EQ(parsed.gemms(), std::string(loss) == "dflash" ? 2 : 3);
     auto grad = ReadNpy(from_files.out_dir + "/grad_hidden.npy");
     ASSERT_TRUE(grad.ok()) << grad.status();

@@ -28,6 +28,10 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
   m.set_loss_num(r.terms.loss_num);
   m.set_loss_den(r.terms.loss_den);
   m.set_accuracy(r.accuracy);
+  m.set_target_probability(r.terms.accuracy_den > 0
+                               ? r.terms.target_probability /
+                                     r.terms.accuracy_den
+                               : 0);
   for (double a : r.accuracy_per_position) m.add_accuracy_per_position(a);
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);

@@ -345,6 +345,7 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   loss_den += other.loss_den;
   correct += other.correct;
   accuracy_den += other.accuracy_den;
+  target_probability += other.target_probability;
   correct_per_position.resize(
       std::max(correct_per_position.size(), other.correct_per_position.size()));
   mask_per_position.resize(
@@ -488,6 +489,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const double hit = mask[r] > 0.5 && s.argmax == meta.target;
     terms.correct += hit;
     terms.accuracy_den += mask[r];
+    terms.target_probability += mask[r] * std::exp(-neg_log_q);
     terms.correct_per_position[meta.position] += hit;
     terms.mask_per_position[meta.position] += mask[r];
     const double w = weight[r];

@@ -27,6 +27,9 @@ struct ChunkTerms {
   double loss_den = 0;
   double correct = 0;       // argmax == target where m > 0.5.
   double accuracy_den = 0;  // sum(m).
+  // sum(q * m), q = exp(-neg_log_q) without gradient: SpecForge's
+  // target_probability_num; over accuracy_den, the mean acceptance.
+  double target_probability = 0;
   std::vector<double> correct_per_position;  // Size K.
   std::vector<double> mask_per_position;     // Size K: sum(m) at each k.
 

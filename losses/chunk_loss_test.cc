@@ -69,7 +69,7 @@ struct Detached {
 };
 
 struct Reference {
-  double num = 0, den = 0, correct = 0, acc_den = 0;
+  double num = 0, den = 0, correct = 0, acc_den = 0, target_probability = 0;
   std::vector<double> correct_per_position = std::vector<double>(kK, 0.0);
   std::vector<double> neg_log_q = std::vector<double>(kRows, 0.0);
   std::vector<int> argmax = std::vector<int>(kRows, -1);
@@ -183,6 +183,7 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
     ref.correct += hit;
     ref.correct_per_position[m.position] += hit;
     ref.acc_den += mask[r];
+    ref.target_probability += mask[r] * std::exp(z[r][m.target] - lse[r]);
     const double w = d.weights[r];
     ref.den += w;
     const double eps = ce.label_smoothing();
@@ -329,6 +330,7 @@ TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
   EXPECT_NEAR(terms->loss_den, ref.den, 1e-10);
   EXPECT_EQ(terms->correct, ref.correct);
   EXPECT_EQ(terms->accuracy_den, ref.acc_den);
+  EXPECT_NEAR(terms->target_probability, ref.target_probability, 1e-12);
   EXPECT_EQ(terms->correct_per_position, ref.correct_per_position);
   for (int64_t r = 0; r < kRows; ++r) {
     EXPECT_NEAR(neg_log_q[r], ref.neg_log_q[r], 1e-6) << "row " << r;

@@ -135,7 +135,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   const int64_t blocks_bytes = Aligned<int32_t>(block_begin.size());
   const int64_t stats_bytes = Aligned<cuda::RowStats>(n);
   const int64_t row_bytes = Aligned<double>(n);
-  const int64_t terms_bytes = Aligned<double>(4 * n);
+  const int64_t terms_bytes = Aligned<double>(cuda::kTermSlots * n);
   DFLASH_ASSIGN_OR_RETURN(
       TrackedBuffer<char> scratch,
       TrackedBuffer<char>::Create(s.stream->allocator(),
@@ -225,6 +225,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.loss_den = totals[1];
   terms.correct = totals[2];
   terms.accuracy_den = totals[3];
+  terms.target_probability = totals[4];
   terms.correct_per_position.assign(totals.begin() + cuda::kTermSlots,
                                     totals.begin() + cuda::kTermSlots + k);
   terms.mask_per_position.assign(totals.begin() + cuda::kTermSlots + k,

@@ -180,6 +180,9 @@ TEST_P(CudaChunkLossTest, Float32MatchesTheCpuInFloat64) {
                 1e-6 * want.terms->loss_den);
     EXPECT_EQ(got.terms->correct, want.terms->correct);
     EXPECT_EQ(got.terms->accuracy_den, want.terms->accuracy_den);
+    EXPECT_NEAR(got.terms->target_probability,
+                want.terms->target_probability,
+                1e-5 * (1 + want.terms->target_probability));
     EXPECT_EQ(got.terms->correct_per_position,
               want.terms->correct_per_position);
     EXPECT_EQ(got.terms->mask_per_position, want.terms->mask_per_position);

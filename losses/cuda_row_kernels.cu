@@ -362,12 +362,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t out = OutRow(a.out_rows, r);
   T* z_row = a.logits + r * v;
   const T* t_row = a.teacher != nullptr ? a.teacher + r * v : nullptr;
-  double* terms = a.row_terms + 4 * r;
+  double* terms = a.row_terms + kTermSlots * r;
   const Row meta = a.meta[r];
   if (meta.mask == 0) {
     ZeroRow(z_row, v);
     if (threadIdx.x == 0) {
-      terms[0] = terms[1] = terms[2] = terms[3] = 0;
+      for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
       if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
@@ -383,6 +383,7 @@ __global__ void __launch_bounds__(kThreads)
     terms[1] = w;
     terms[2] = hit;
     terms[3] = meta.mask;
+    terms[4] = meta.mask * exp(-neg_log_q);
     if (a.neg_log_q != nullptr)
       a.neg_log_q[out] = static_cast<float>(neg_log_q);
     if (a.argmax != nullptr) a.argmax[out] = s.argmax;
@@ -509,7 +510,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kTermSlots; ++j) {
     double sum = 0;
     for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
-      sum += row_terms[4 * r + j];
+      sum += row_terms[kTermSlots * r + j];
     }
     sum = BlockReduce(sum, add);
     if (threadIdx.x == 0) totals[j] += sum;
@@ -518,8 +519,8 @@ __global__ void __launch_bounds__(kThreads)
     double correct = 0, mass = 0;
     for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
       if (meta[r].position != k) continue;
-      correct += row_terms[4 * r + 2];
-      mass += row_terms[4 * r + 3];
+      correct += row_terms[kTermSlots * r + 2];
+      mass += row_terms[kTermSlots * r + 3];
     }
     correct = BlockReduce(correct, add);
     mass = BlockReduce(mass, add);

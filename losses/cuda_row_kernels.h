@@ -44,8 +44,10 @@ struct RowStats {
 };
 
 // Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
-// accuracy_den, then correct_per_position[K], mask_per_position[K].
-constexpr int kTermSlots = 4;
+// accuracy_den, target_probability, then correct_per_position[K],
+// mask_per_position[K]. A chunk's row_terms hold the first kTermSlots per
+// row.
+constexpr int kTermSlots = 5;
 inline int64_t TotalsSize(int32_t block_size) {
   return kTermSlots + 2 * int64_t{block_size};
 }
@@ -78,7 +80,7 @@ struct ChunkArgs {
   int32_t* argmax = nullptr;          // By out row.
   int32_t* top_k = nullptr;           // [out row, k].
   int32_t k = 0;
-  // Scratch, [rows] each (row_terms [rows, 4]).
+  // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;
   double* ce_share = nullptr;

@@ -179,6 +179,8 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
           ExpectNear(r.terms.accuracy_den, g.terms[kAccuracyDen], 1e-12,
                      "accuracy_den");
           ExpectNear(r.accuracy, g.terms[kAccuracy], 1e-12, "accuracy");
+          ExpectNear(r.terms.target_probability, g.terms[kTargetProbabilityNum],
+                     1e-12, "target_probability_num");
           for (int64_t p = 1; p < k; ++p) {
             ExpectNear(r.terms.mask_per_position[p],
                        g.position[kMaskSum * k + p], 1e-12,

@@ -185,6 +185,7 @@ py::dict ResultOf(const HeadResult& r) {
   d["loss_den"] = r.terms.loss_den;
   d["correct"] = r.terms.correct;
   d["accuracy_den"] = r.terms.accuracy_den;
+  d["target_probability"] = r.terms.target_probability;
   d["correct_per_position"] = r.terms.correct_per_position;
   d["mask_per_position"] = r.terms.mask_per_position;
   d["stats"] = stats;

@@ -58,7 +58,7 @@ class ObjectiveParityTest(unittest.TestCase):
         (terms.loss_num / terms.loss_den).backward()
         (want[0] / want[1]).backward()
         names = ["loss_num", "loss_den", "correct_num", "accuracy_den",
-                 "position_correct", "position_den"]
+                 "position_correct", "position_den", "target_probability_num"]
         for name, actual, wanted in zip(names, terms, want):
             self.assertClose(actual, wanted.detach(), rtol, name)
         for name, leaf, want_leaf in zip(

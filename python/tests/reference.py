@@ -133,7 +133,8 @@ def divergence(z, t, f):
 def objective(f, hidden, weight, target_ids, weight_mask, bias=None,
               teacher=None, confidence=None):
     """(loss_num, loss_den, correct, accuracy_den, position_correct,
-    position_den) in float64, differentiable where dflash's are."""
+    position_den, target_probability_num) in float64, differentiable where
+    dflash's are."""
     hidden, weight = hidden.double(), weight.double()
     mask = weight_mask.double() * (target_ids != f.ignore_index)
     target = torch.where(mask > 0, target_ids, torch.zeros_like(target_ids))
@@ -185,7 +186,7 @@ def objective(f, hidden, weight, target_ids, weight_mask, bias=None,
 
     hit = ((z.detach().argmax(-1) == target) & (mask > 0.5)).double()
     return (num, den, hit.sum(), mask.sum(), hit.sum(dim=(0, 1)),
-            mask.sum(dim=(0, 1)))
+            mask.sum(dim=(0, 1)), (q.detach() * mask).sum())
 
 
 def batch(seed, B=2, N=3, K=4, H=8, V=13, dtype=torch.float64):

@@ -28,6 +28,9 @@ class ObjectiveTerms(NamedTuple):
     accuracy_den: torch.Tensor  # 0-dim: sum of weight_mask.
     position_correct: torch.Tensor  # [K]: correct_num per block position.
     position_den: torch.Tensor  # [K]: accuracy_den per block position.
+    # 0-dim: sum of q * weight_mask, q the target's probability (no
+    # gradient); over accuracy_den, SpecForge's target_probability metric.
+    target_probability_num: torch.Tensor
     neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
     argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
     top_k: Optional[torch.Tensor] = None  # [B, N, K, k] int64, when asked.
@@ -105,12 +108,14 @@ class _Objective(torch.autograd.Function):
                         else hidden.dtype)
         values = torch.tensor(
             [result["loss_num"], result["loss_den"], result["correct"],
-             result["accuracy_den"]] + result["correct_per_position"]
-            + result["mask_per_position"], dtype=torch.float64)
+             result["accuracy_den"], result["target_probability"]]
+            + result["correct_per_position"] + result["mask_per_position"],
+            dtype=torch.float64)
         values = values.to(device=device, dtype=scalar_dtype)
         k = len(result["correct_per_position"])
         terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
-                                     values[4:4 + k], values[4 + k:])]
+                                     values[5:5 + k], values[5 + k:],
+                                     values[4])]
         extras = [
             outputs["neg_log_q"],
             None if outputs["argmax"] is None else outputs["argmax"].long(),
@@ -193,8 +198,8 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
         lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
         _on_host(weight_mask))
-    terms = list(results[:6])
-    extras = iter(results[6:])
+    terms = list(results[:7])
+    extras = iter(results[7:])
     for wanted in (return_rows, return_rows, top_k > 0):
         terms.append(next(extras) if wanted else None)
     return ObjectiveTerms(*terms, stats=stats)
