@@ -255,7 +255,6 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
                                      const ChunkLossOptions& options,
                                      const ChunkLossInputs<T>& inputs,
                                      const ChunkLossOutputs& outputs) {
-  DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
   const int64_t block_size = options.block_size, vocab = inputs.vocab;
   if (vocab <= 0 || vocab > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
@@ -363,18 +362,23 @@ absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
   return CpuChunkLoss(params, options);
 }
 
-template <typename T>
-absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
-                                     const ChunkLossOptions& options,
-                                     const ChunkLossInputs<T>& inputs,
-                                     const ChunkLossOutputs& outputs) {
+absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config) {
   absl::StatusOr<LossParams> params = ResolveLoss(config);
   if (!params.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: ", params.status().message()));
   }
+  return params;
+}
+
+template <typename T>
+absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
+                                     const ChunkLossOptions& options,
+                                     const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs) {
+  DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
   DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
-                          CpuChunkLoss<T>::Create(*params, options));
+                          CpuChunkLoss<T>::Create(params, options));
   return loss.Run(inputs, outputs);
 }
 

@@ -116,7 +116,10 @@ class CpuChunkLoss {
   ChunkLossOptions options_;
 };
 
-// One chunk from a loss config: ResolveLoss, CpuChunkLoss::Create, Run. For
+// ResolveLoss (loss_family.h) with its errors prefixed "chunk loss: ".
+absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config);
+
+// One chunk from a loss config: ResolveChunkLoss, CpuChunkLoss::Create, Run. For
 // tests and tools; a head creates its loss once.
 template <typename T>
 absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
@@ -129,7 +132,8 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options);
 
 // The checks CpuChunkLoss::Run makes before any work: span sizes, block
-// positions, masks and, for block-coupled families, row order. Only sizes
+// positions, masks and, for block-coupled families, row order. The options
+// are checked once, by Create (ValidateChunkLossOptions). Only sizes
 // and `rows` are read, so a backend whose spans are device memory (the CUDA
 // loss) runs the same checks.
 template <typename T>

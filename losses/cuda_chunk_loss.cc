@@ -281,13 +281,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         top_k.status()}) {
     if (!status.ok()) return status;
   }
-  absl::StatusOr<LossParams> params = ResolveLoss(config);
-  if (!params.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk loss: ", params.status().message()));
-  }
+  DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaChunkLoss<T>> loss,
-                          CudaChunkLoss<T>::Create(*params, options, stream));
+                          CudaChunkLoss<T>::Create(params, options, stream));
   const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};

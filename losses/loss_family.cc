@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
 namespace {
@@ -23,7 +24,6 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       break;
     case LossFamily::kDPace:
       traits.name = "dpace";
-      traits.couples_blocks = true;
       break;
     case LossFamily::kTv:
       traits.name = "tv";
@@ -31,7 +31,6 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       break;
     case LossFamily::kLkLambda:
       traits.name = "lk_lambda";
-      traits.couples_blocks = true;
       break;
     case LossFamily::kDSpark:
       traits.name = "dspark";
@@ -47,6 +46,7 @@ LossTraits LossTraitsOf(const LossParams& loss) {
     case LossFamily::kNone:
       break;
   }
+  traits.couples_blocks = CouplesBlocks(loss);
   return traits;
 }
 
