@@ -56,8 +56,11 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
         Part(in.logits, b * v, n * v), Part(in.teacher_logits, b * v, n * v),
         Part(in.confidence_logits, b, n), in.rows.subspan(b, n), v};
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
-                              Part(out.neg_log_q, b, n), Part(out.argmax, b, n),
-                              Part(out.top_k, b * out.k, n * out.k), out.k};
+                              Part(out.neg_log_q, b, n),
+                              Part(out.argmax, b, n),
+                              Part(out.top_k, b * out.k, n * out.k),
+                              out.k,
+                              Part(out.target_probability, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -120,6 +123,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
+    if (params_.lk == LkMode::kLambdaBatch) {
+      row_q_.assign(spec.inputs->rows.size(), 0.0);
+    }
     return absl::OkStatus();
   }
 
@@ -150,9 +156,12 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> confidence_grad(record && confidence_ ? m : 0);
+    // A recomputation writes the same q again.
+    std::vector<double> q(row_q_.empty() ? 0 : m);
     const ChunkLossOutputs outputs{
         absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
-        absl::MakeSpan(argmax), absl::MakeSpan(top_k), o.k};
+        absl::MakeSpan(argmax),          absl::MakeSpan(top_k),
+        o.k,                             absl::MakeSpan(q)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
@@ -178,26 +187,30 @@ class CpuHeadBackend final : public HeadBackend<T> {
       if (!confidence_grad.empty()) {
         spec_.gradients->confidence[r] = confidence_grad[i];
       }
+      if (!q.empty()) row_q_[r] = q[i];
     }
     return absl::OkStatus();
   }
 
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  absl::StatusOr<ChunkTerms> Finish(double upstream) override {
-    // d(loss)/d(.) = upstream / den * d(loss_num)/d(.).
-    const double den = terms_.loss_den;
-    const T scale = static_cast<T>(upstream / FlooredLossDen(den));
+  absl::StatusOr<ChunkTerms> Terms() override { return terms_; }
+
+  absl::Status ScaleGradients(double scale,
+                              std::optional<double> kl_weight) override {
     const HeadGradients<T>& g = *spec_.gradients;
     const int64_t hidden = config_.head().hidden_size();
     for (int64_t r : spec_.active) {
+      const T row_scale = static_cast<T>(
+          kl_weight ? scale * LkDeferredFactor(*kl_weight, row_q_[r]) : scale);
       T* row = g.hidden.data() + r * hidden;
-      for (int64_t h = 0; h < hidden; ++h) row[h] *= scale;
+      for (int64_t h = 0; h < hidden; ++h) row[h] *= row_scale;
       if (confidence_) g.confidence[r] *= static_cast<float>(scale);
     }
-    for (T& x : g.weight) x *= scale;
-    for (T& x : g.bias) x *= scale;
-    return terms_;
+    const T all = static_cast<T>(scale);
+    for (T& x : g.weight) x *= all;
+    for (T& x : g.bias) x *= all;
+    return absl::OkStatus();
   }
 
   double loss_seconds() const override { return loss_seconds_; }
@@ -213,6 +226,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
   ChunkTerms terms_;
+  std::vector<double> row_q_;  // By batch row: the batch-level LK lambda's q.
   double loss_seconds_ = 0;
 };
 

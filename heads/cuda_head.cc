@@ -1,6 +1,7 @@
 #include "heads/cuda_head.h"
 
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,6 +72,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
                           stream_.stream());
     cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
+    if (LossParamsOf(config_.loss()).lk == LkMode::kLambdaBatch) {
+      DFLASH_ASSIGN_OR_RETURN(
+          TrackedBuffer<double> q,
+          TrackedBuffer<double>::Create(
+              allocator(), static_cast<int64_t>(spec.inputs->rows.size())));
+      row_q_ = std::move(q);
+    }
     return stream_.LaunchStatus("head start");
   }
 
@@ -107,7 +115,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
         confidence_ ? if_recorded(spec_.gradients->confidence)
                     : absl::Span<float>(),
         if_recorded(o.neg_log_q),
-        if_recorded(o.argmax), if_recorded(o.top_k), o.k};
+        if_recorded(o.argmax), if_recorded(o.top_k), o.k,
+        // A recomputation writes the same q again.
+        absl::MakeSpan(row_q_.data(), row_q_.size())};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
@@ -119,21 +129,25 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Synchronize() override { return stream_.Synchronize(); }
 
-  absl::StatusOr<ChunkTerms> Finish(double upstream) override {
+  absl::StatusOr<ChunkTerms> Terms() override { return loss_->Terms(); }
+
+  absl::Status ScaleGradients(double scale,
+                              std::optional<double> kl_weight) override {
     const HeadGradients<T>& g = *spec_.gradients;
-    const double* den = loss_->device_loss_den();
-    cuda::LaunchScaleByUpstreamOverDen<T>(g.hidden.data(), g.hidden.size(), den,
-                                          upstream, stream_.stream());
-    cuda::LaunchScaleByUpstreamOverDen<T>(g.weight.data(), g.weight.size(), den,
-                                          upstream, stream_.stream());
-    cuda::LaunchScaleByUpstreamOverDen<T>(g.bias.data(), g.bias.size(), den,
-                                          upstream, stream_.stream());
-    cuda::LaunchScaleByUpstreamOverDen<float>(g.confidence.data(),
-                                              g.confidence.size(), den,
-                                              upstream, stream_.stream());
+    CUstream_st* stream = stream_.stream();
+    if (kl_weight) {
+      cuda::LaunchScaleRowsByLkFactor<T>(
+          g.hidden.data(), config_.head().hidden_size(), active_.data(),
+          active_.size(), row_q_.data(), *kl_weight, scale, stream);
+    } else {
+      cuda::LaunchScale<T>(g.hidden.data(), g.hidden.size(), scale, stream);
+    }
+    cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
+    cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
+    cuda::LaunchScale<float>(g.confidence.data(), g.confidence.size(), scale,
+                             stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
-    // Waits for the device and reads the terms.
-    return loss_->Terms();
+    return stream_.Synchronize();
   }
 
   double loss_seconds() const override { return 0; }
@@ -147,6 +161,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<CudaChunkLoss<T>> loss_;
   TrackedBuffer<int64_t> active_;
+  TrackedBuffer<double> row_q_;  // By batch row: the batch-level LK lambda's q.
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
 };

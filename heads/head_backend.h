@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -65,9 +66,15 @@ class HeadBackend {
   // Waits for the work issued so far; the head times its phases with it.
   virtual absl::Status Synchronize() = 0;
 
-  // After all chunks: scales the gradients by upstream / loss_den and
-  // returns the run's terms.
-  virtual absl::StatusOr<ChunkTerms> Finish(double upstream) = 0;
+  // After all chunks: waits for the device and returns the run's terms.
+  virtual absl::StatusOr<ChunkTerms> Terms() = 0;
+
+  // Multiplies every gradient by `scale`, and each row's hidden-state
+  // gradient also by LkDeferredFactor(*kl_weight, q of the row) when
+  // kl_weight is set (the batch-level LK lambda; the loss recorded each
+  // row's q). Returns when the gradients are final.
+  virtual absl::Status ScaleGradients(double scale,
+                                      std::optional<double> kl_weight) = 0;
 
   // Host seconds spent in the loss so far (0 where it runs asynchronously).
   virtual double loss_seconds() const = 0;

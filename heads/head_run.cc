@@ -52,8 +52,9 @@ class HeadRun {
         vocab_(head_.vocab_size()),
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
-        teacher_(LossTraitsOf(config.loss()).needs_teacher),
-        confidence_(LossTraitsOf(config.loss()).needs_confidence) {}
+        params_(LossParamsOf(config.loss())),
+        teacher_(LossTraitsOf(params_).needs_teacher),
+        confidence_(LossTraitsOf(params_).needs_confidence) {}
 
   absl::Status Validate() const;
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
@@ -98,6 +99,7 @@ class HeadRun {
   HeadBackend<T>& backend_;
   TrackingAllocator& allocator_;
   const int64_t vocab_, hidden_, block_size_;
+  const LossParams params_;
   const bool teacher_, confidence_;
 
   std::unique_ptr<CheckpointContext> context_;
@@ -345,14 +347,16 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
       report();
     }
   }
-  DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms,
-                          backend_.Finish(options.upstream_gradient));
+  DFLASH_ASSIGN_OR_RETURN(result.terms, backend_.Terms());
+  // d(loss)/d(.) = upstream / den * d(loss_num)/d(.), the latter complete
+  // once the composition is.
+  result.lk_kl_weight = FinishTerms(params_, result.terms);
+  const double den = FlooredLossDen(result.terms.loss_den);
+  DFLASH_RETURN_IF_ERROR(backend_.ScaleGradients(
+      options.upstream_gradient / den, result.lk_kl_weight));
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.backward_seconds = Since(backward);
-  result.terms = std::move(terms);
-
-  const double den = result.terms.loss_den;
-  result.loss = result.terms.loss_num / FlooredLossDen(den);
+  result.loss = result.terms.loss_num / den;
   result.accuracy = result.terms.accuracy_den > 0
                         ? result.terms.correct / result.terms.accuracy_den
                         : 0;

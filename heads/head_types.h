@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -69,6 +70,9 @@ struct HeadStats {
 struct HeadResult {
   double loss = 0;  // loss_num / loss_den; 0 when nothing carries weight.
   ChunkTerms terms;
+  // The batch-level LK lambda's CE weight kl_w (FinishTerms); unset for
+  // other compositions.
+  std::optional<double> lk_kl_weight;
   double accuracy = 0;                        // correct / accuracy_den.
   std::vector<double> accuracy_per_position;  // Size K; 0 where no mask.
   v1::HeadConfig::ExecutionMode mode = v1::HeadConfig::FUSED;

@@ -283,11 +283,18 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
        {std::pair<const char*, size_t>{"outputs.neg_log_q",
                                        outputs.neg_log_q.size()},
         {"outputs.argmax", outputs.argmax.size()},
-        {"outputs.confidence_grad", outputs.confidence_grad.size()}}) {
+        {"outputs.confidence_grad", outputs.confidence_grad.size()},
+        {"outputs.target_probability", outputs.target_probability.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
     }
+  }
+  if (params.lk == LkMode::kLambdaBatch && outputs.target_probability.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk loss: outputs.target_probability must hold ", num_rows,
+        " values (one per row: the batch-level LK lambda scales each row's "
+        "gradient by its q once the batch is done), got none"));
   }
   if (!outputs.top_k.empty()) {
     if (outputs.k < 1 || outputs.k > 64 || outputs.k > vocab) {
@@ -345,6 +352,8 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   correct += other.correct;
   accuracy_den += other.accuracy_den;
   target_probability += other.target_probability;
+  ce_num += other.ce_num;
+  tv_num += other.tv_num;
   correct_per_position.resize(
       std::max(correct_per_position.size(), other.correct_per_position.size()));
   mask_per_position.resize(
@@ -353,6 +362,15 @@ void ChunkTerms::Add(const ChunkTerms& other) {
     correct_per_position[k] += other.correct_per_position[k];
     mask_per_position[k] += other.mask_per_position[k];
   }
+}
+
+std::optional<double> FinishTerms(const LossParams& params,
+                                  ChunkTerms& terms) {
+  if (params.lk != LkMode::kLambdaBatch) return std::nullopt;
+  const double kl_weight = BatchLkKlWeight(params, terms.target_probability,
+                                           terms.accuracy_den);
+  terms.loss_num = kl_weight * terms.ce_num + (1 - kl_weight) * terms.tv_num;
+  return kl_weight;
 }
 
 template <typename T>
@@ -404,6 +422,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
       std::fill_n(outputs.top_k.begin() + r * outputs.k, outputs.k, -1);
     }
     if (!outputs.confidence_grad.empty()) outputs.confidence_grad[r] = 0;
+    if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
   }
 
   // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
@@ -466,7 +485,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     auto mask_of = [&](int64_t i) { return mask[b + i]; };
     if (p.family == LossFamily::kDPace) {
       DPaceBlockWeights(p, n, q_of, mask_of, weight.data() + b);
-    } else if (p.family == LossFamily::kLkLambda) {
+    } else if (p.lk == LkMode::kLambdaBlock) {
       std::fill(ce_share.begin() + b, ce_share.begin() + end,
                 LkLambdaBlockShare(p, n, q_of, mask_of));
     }
@@ -502,6 +521,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
       continue;
     }
     terms.loss_den += w;
+    if (!outputs.target_probability.empty()) {
+      outputs.target_probability[r] = std::exp(-neg_log_q);
+    }
     source.KeepTransformed(z);
 
     if (p.family == LossFamily::kDistillation) {
@@ -524,6 +546,8 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const SoftmaxRowTerms row =
         SoftmaxFamilyRow(p, w, ce_share[r], neg_log_q, s.logsumexp, mean);
     terms.loss_num += row.loss;
+    terms.ce_num += row.ce;
+    terms.tv_num += row.tv;
     const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
     // |softmax * p - target * onehot - uniform / V| with p <= 1.
     double bound = std::abs(grad.softmax) + std::abs(grad.target) +

@@ -10,6 +10,7 @@
 // checks shared with the CUDA loss (ValidateChunkLoss*).
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -30,6 +31,10 @@ struct ChunkTerms {
   // sum(q * m), q = exp(-neg_log_q) without gradient: SpecForge's
   // target_probability_num; over accuracy_den, the mean acceptance.
   double target_probability = 0;
+  // SpecForge's ce_loss_num and tv_loss_num: sum(w * CE) for the softmax
+  // families, and sum(w * (1 - q)) where the LK composition has a tv part.
+  double ce_num = 0;
+  double tv_num = 0;
   std::vector<double> correct_per_position;  // Size K.
   std::vector<double> mask_per_position;     // Size K: sum(m) at each k.
 
@@ -62,6 +67,10 @@ struct ChunkLossOutputs {
   absl::Span<int32_t> argmax;         // [rows]
   absl::Span<int32_t> top_k;          // [rows x k], largest first.
   int32_t k = 0;
+  // [rows], q = exp(-neg_log_q) in double, 0 where the row has no weight.
+  // Required by the batch-level LK lambda, whose gradients FinishTerms'
+  // LkDeferredFactor(kl_w, q) scales.
+  absl::Span<double> target_probability;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md
@@ -69,10 +78,12 @@ struct ChunkLossOutputs {
 // - dflash: CE weighted by the row weight (RowLossWeight, loss_math.h).
 // - dpace and its variants: block-level weights from q without gradient.
 // - tv: (1 - q), weighted as dflash.
-// - lk_lambda: kl_w * CE + (1 - kl_w) * tv, kl_w = kl_scale *
-//   exp(-kl_decay * acc). acc = sum(q m) / sum(m) is taken per anchor block
-//   (without gradient), not per slice as in SpecForge, so that the loss does
-//   not change with the chunk size.
+// - the LK composition of dflash and dpace (SpecForge's lk_loss_type): tv
+//   as the tv family; lambda kl_w * CE + (1 - kl_w) * tv with kl_w from the
+//   whole batch's acc = sum(q m) / max(sum(m), 1), so loss_num is composed
+//   by FinishTerms after the last chunk.
+// - lk_lambda: the same mix with acc taken per anchor block (without
+//   gradient), so that a block's loss does not depend on the others.
 // For these two, each block's rows must be together in position order, and
 // a chunk must hold every weighted row of its blocks (rows without weight may
 // be left out).
@@ -115,6 +126,14 @@ class CpuChunkLoss {
   LossParams params_;
   ChunkLossOptions options_;
 };
+
+// After the reduction over every chunk (and micro-batch, if the caller
+// normalises globally): for the batch-level LK lambda (LkMode::kLambdaBatch)
+// sets terms.loss_num = kl_w * ce_num + (1 - kl_w) * tv_num and returns kl_w
+// (BatchLkKlWeight); each row's gradient, written as w (p - onehot), is then
+// to be multiplied by LkDeferredFactor(kl_w, q) (loss_math.h). For every
+// other composition loss_num is already final: returns nullopt.
+std::optional<double> FinishTerms(const LossParams& params, ChunkTerms& terms);
 
 // ResolveLoss (loss_family.h) with its errors prefixed "chunk loss: ".
 absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config);

@@ -102,6 +102,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.neg_log_q = share(outputs.neg_log_q, 1);
     check_outputs.argmax = share(outputs.argmax, 1);
     check_outputs.top_k = share(outputs.top_k, outputs.k);
+    check_outputs.target_probability = share(outputs.target_probability, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -182,6 +183,9 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.argmax = outputs.argmax.empty() ? nullptr : outputs.argmax.data();
   args.top_k = outputs.top_k.empty() ? nullptr : outputs.top_k.data();
   args.k = outputs.top_k.empty() ? 0 : outputs.k;
+  args.target_probability = outputs.target_probability.empty()
+                                ? nullptr
+                                : outputs.target_probability.data();
   args.totals = record ? s.totals.data() : nullptr;
   args.error = s.error.data();
   cuda::KernelParams params = s.params;
@@ -226,16 +230,13 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.correct = totals[2];
   terms.accuracy_den = totals[3];
   terms.target_probability = totals[4];
+  terms.ce_num = totals[5];
+  terms.tv_num = totals[6];
   terms.correct_per_position.assign(totals.begin() + cuda::kTermSlots,
                                     totals.begin() + cuda::kTermSlots + k);
   terms.mask_per_position.assign(totals.begin() + cuda::kTermSlots + k,
                                  totals.end());
   return terms;
-}
-
-template <typename T>
-const double* CudaChunkLoss<T>::device_loss_den() const {
-  return state_->totals.data() + 1;
 }
 
 namespace {
@@ -275,10 +276,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto neg_log_q = Upload<float>(outputs.neg_log_q, stream);
   auto argmax = Upload<int32_t>(outputs.argmax, stream);
   auto top_k = Upload<int32_t>(outputs.top_k, stream);
+  auto target_probability = Upload<double>(outputs.target_probability, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
-        top_k.status()}) {
+        top_k.status(), target_probability.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
@@ -289,7 +291,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                                          inputs.vocab};
   const ChunkLossOutputs device_outputs{View(*confidence_grad),
                                         View(*neg_log_q), View(*argmax),
-                                        View(*top_k), outputs.k};
+                                        View(*top_k), outputs.k,
+                                        View(*target_probability)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -304,7 +307,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
              confidence_grad->bytes()},
         Back{outputs.neg_log_q.data(), neg_log_q->data(), neg_log_q->bytes()},
         Back{outputs.argmax.data(), argmax->data(), argmax->bytes()},
-        Back{outputs.top_k.data(), top_k->data(), top_k->bytes()}}) {
+        Back{outputs.top_k.data(), top_k->data(), top_k->bytes()},
+        Back{outputs.target_probability.data(), target_probability->data(),
+             target_probability->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

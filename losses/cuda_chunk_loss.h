@@ -52,10 +52,6 @@ class CudaChunkLoss {
   // Waits for the device; the terms of every recorded chunk.
   absl::StatusOr<ChunkTerms> Terms();
 
-  // The running loss_den on the device (a double), for scaling gradients
-  // without a round trip to the host.
-  const double* device_loss_den() const;
-
  private:
   struct State;
   explicit CudaChunkLoss(std::unique_ptr<State> state);

@@ -341,7 +341,7 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
                : 0.0;
   };
   auto mask = [&](int64_t i) { return double{meta[begin + i].mask}; };
-  if (p.family == LossFamily::kLkLambda) {
+  if (p.lk == LkMode::kLambdaBlock) {
     const double share = LkLambdaBlockShare(p, end - begin, q, mask);
     for (int32_t r = begin; r < end; ++r) {
       weight[r] = meta[r].weight;
@@ -369,6 +369,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) {
       for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
       if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
+      if (a.target_probability != nullptr) a.target_probability[out] = 0;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
     }
@@ -384,6 +385,11 @@ __global__ void __launch_bounds__(kThreads)
     terms[2] = hit;
     terms[3] = meta.mask;
     terms[4] = meta.mask * exp(-neg_log_q);
+    terms[5] = 0;
+    terms[6] = 0;
+    if (a.target_probability != nullptr) {
+      a.target_probability[out] = w != 0 ? exp(-neg_log_q) : 0.0;
+    }
     if (a.neg_log_q != nullptr)
       a.neg_log_q[out] = static_cast<float>(neg_log_q);
     if (a.argmax != nullptr) a.argmax[out] = s.argmax;
@@ -435,11 +441,15 @@ __global__ void __launch_bounds__(kThreads)
   // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
   // the confidence BCE.
   const double ce_share =
-      p.loss.family == LossFamily::kLkLambda ? a.ce_share[r] : 1.0;
+      p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[r] : 1.0;
   const SoftmaxRowTerms row =
       SoftmaxFamilyRow(p.loss, w, ce_share, neg_log_q, lse,
                        p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
   double num = row.loss;
+  if (threadIdx.x == 0) {
+    terms[5] = row.ce;
+    terms[6] = row.tv;
+  }
   const float softmax = static_cast<float>(row.softmax);
   const float on_target = static_cast<float>(row.target);
   const float uniform = static_cast<float>(row.uniform / v);
@@ -532,12 +542,26 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-__global__ void ScaleKernel(T* data, int64_t count, const double* den,
-                            double upstream) {
-  const float scale = static_cast<float>(upstream / FlooredLossDen(den[0]));
+__global__ void ScaleKernel(T* data, int64_t count, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     data[i] = FromF<T>(ToF(data[i]) * scale);
+  }
+}
+
+template <typename T>
+__global__ void ScaleRowsByLkFactorKernel(T* data, int64_t width,
+                                          const int64_t* rows, int64_t count,
+                                          const double* q, double kl_weight,
+                                          double scale) {
+  for (int64_t i = blockIdx.x; i < count; i += gridDim.x) {
+    const int64_t row = rows[i];
+    const float factor =
+        static_cast<float>(scale * LkDeferredFactor(kl_weight, q[row]));
+    T* values = data + row * width;
+    for (int64_t h = threadIdx.x; h < width; h += blockDim.x) {
+      values[h] = FromF<T>(ToF(values[h]) * factor);
+    }
   }
 }
 
@@ -568,13 +592,24 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
 }
 
 template <typename T>
-void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
-                                  double upstream, CUstream_st* stream) {
+void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream) {
   if (count == 0) return;
   constexpr int kBlock = 256;
   const int64_t blocks = (count + kBlock - 1) / kBlock;
   ScaleKernel<T><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
-                   0, stream>>>(data, count, den, upstream);
+                   0, stream>>>(data, count, static_cast<float>(scale));
+}
+
+template <typename T>
+void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
+                               int64_t count, const double* q,
+                               double kl_weight, double scale,
+                               CUstream_st* stream) {
+  if (count == 0) return;
+  const int64_t blocks = count < 65535 ? count : 65535;
+  ScaleRowsByLkFactorKernel<T><<<static_cast<unsigned>(blocks), 256, 0,
+                                 stream>>>(data, width, rows, count, q,
+                                           kl_weight, scale);
 }
 
 template void LaunchChunkLoss<float>(const KernelParams&,
@@ -582,12 +617,15 @@ template void LaunchChunkLoss<float>(const KernelParams&,
 template void LaunchChunkLoss<BFloat16>(const KernelParams&,
                                         const ChunkArgs<BFloat16>&,
                                         CUstream_st*);
-template void LaunchScaleByUpstreamOverDen<float>(float*, int64_t,
+template void LaunchScale<float>(float*, int64_t, double, CUstream_st*);
+template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*);
+template void LaunchScaleRowsByLkFactor<float>(float*, int64_t, const int64_t*,
+                                               int64_t, const double*, double,
+                                               double, CUstream_st*);
+template void LaunchScaleRowsByLkFactor<BFloat16>(BFloat16*, int64_t,
+                                                  const int64_t*, int64_t,
                                                   const double*, double,
-                                                  CUstream_st*);
-template void LaunchScaleByUpstreamOverDen<BFloat16>(BFloat16*, int64_t,
-                                                     const double*, double,
-                                                     CUstream_st*);
+                                                  double, CUstream_st*);
 
 }  // namespace cuda
 }  // namespace dflash

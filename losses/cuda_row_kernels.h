@@ -44,10 +44,10 @@ struct RowStats {
 };
 
 // Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
-// accuracy_den, target_probability, then correct_per_position[K],
-// mask_per_position[K]. A chunk's row_terms hold the first kTermSlots per
-// row.
-constexpr int kTermSlots = 5;
+// accuracy_den, target_probability, ce_num, tv_num, then
+// correct_per_position[K], mask_per_position[K]. A chunk's row_terms hold
+// the first kTermSlots per row.
+constexpr int kTermSlots = 7;
 inline int64_t TotalsSize(int32_t block_size) {
   return kTermSlots + 2 * int64_t{block_size};
 }
@@ -80,6 +80,7 @@ struct ChunkArgs {
   int32_t* argmax = nullptr;          // By out row.
   int32_t* top_k = nullptr;           // [out row, k].
   int32_t k = 0;
+  double* target_probability = nullptr;  // By out row.
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;
@@ -96,12 +97,19 @@ template <typename T>
 void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream);
 
-// data[i] *= upstream / den[0] for i < count (0 when den[0] is 0): the
-// gradients' final scale, read from the device totals so that nobody waits
-// to learn the denominator. T is float or BFloat16.
+// data[i] *= scale for i < count: the gradients' final scale. T is float
+// or BFloat16.
 template <typename T>
-void LaunchScaleByUpstreamOverDen(T* data, int64_t count, const double* den,
-                                  double upstream, CUstream_st* stream);
+void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream);
+
+// The batch-level LK lambda's deferred factor: data[rows[i], :] *=
+// scale * LkDeferredFactor(kl_weight, q[rows[i]]) for i < count, rows of
+// `width` values. T is float or BFloat16.
+template <typename T>
+void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
+                               int64_t count, const double* q,
+                               double kl_weight, double scale,
+                               CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace dflash

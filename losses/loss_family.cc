@@ -14,6 +14,38 @@ void Gamma(const std::string& path, const Loss& loss, ProblemList& problems) {
   if (loss.has_gamma()) problems.AtLeast(path + ".gamma", loss.gamma(), 0);
 }
 
+void Lk(const std::string& path, const v1::LkComposition& lk,
+        ProblemList& problems) {
+  problems.Specified(path + ".type", lk.type(),
+                     v1::LkComposition::Type_Name(lk.type()));
+  problems.AtLeast(path + ".kl_scale", lk.kl_scale(), 0);
+  problems.AtLeast(path + ".kl_decay", lk.kl_decay(), 0);
+}
+
+// The family's LK composition, read from its `lk` field.
+void ReadLk(const v1::LkComposition& lk, LossParams& p) {
+  switch (lk.type()) {
+    case v1::LkComposition::TV:
+      p.lk = LkMode::kTv;
+      break;
+    case v1::LkComposition::LAMBDA:
+      p.lk = LkMode::kLambdaBatch;
+      p.kl_scale = lk.kl_scale();
+      p.kl_decay = lk.kl_decay();
+      break;
+    default:
+      p.lk = LkMode::kCrossEntropy;
+      break;
+  }
+}
+
+// The path of the family's `lk` field, or empty when it has none set.
+std::string LkPath(const v1::LossConfig& loss) {
+  if (loss.has_dflash() && loss.dflash().has_lk()) return "loss.dflash.lk";
+  if (loss.has_dpace() && loss.dpace().has_lk()) return "loss.dpace.lk";
+  return "";
+}
+
 }  // namespace
 
 LossTraits LossTraitsOf(const LossParams& loss) {
@@ -27,7 +59,6 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       break;
     case LossFamily::kTv:
       traits.name = "tv";
-      traits.has_cross_entropy = false;
       break;
     case LossFamily::kLkLambda:
       traits.name = "lk_lambda";
@@ -46,6 +77,7 @@ LossTraits LossTraitsOf(const LossParams& loss) {
     case LossFamily::kNone:
       break;
   }
+  if (loss.lk == LkMode::kTv) traits.has_cross_entropy = false;
   traits.couples_blocks = CouplesBlocks(loss);
   return traits;
 }
@@ -65,6 +97,7 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
     case v1::LossConfig::kDflash:
       p.family = LossFamily::kDFlash;
       decay(loss.dflash(), 1);
+      ReadLk(loss.dflash().lk(), p);
       break;
     case v1::LossConfig::kDpace:
       p.family = LossFamily::kDPace;
@@ -80,13 +113,16 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
           p.dpace_variant = DPaceVariant::kDPace;
           break;
       }
+      ReadLk(loss.dpace().lk(), p);
       break;
     case v1::LossConfig::kTv:
       p.family = LossFamily::kTv;
+      p.lk = LkMode::kTv;
       decay(loss.tv(), 1);
       break;
     case v1::LossConfig::kLkLambda:
       p.family = LossFamily::kLkLambda;
+      p.lk = LkMode::kLambdaBlock;
       decay(loss.lk_lambda(), 1);
       p.kl_scale = loss.lk_lambda().kl_scale();
       p.kl_decay = loss.lk_lambda().kl_decay();
@@ -130,11 +166,17 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
   switch (loss.family_case()) {
     case v1::LossConfig::kDflash:
       Gamma("loss.dflash", loss.dflash(), problems);
+      if (loss.dflash().has_lk()) {
+        Lk("loss.dflash.lk", loss.dflash().lk(), problems);
+      }
       break;
     case v1::LossConfig::kDpace:
       problems.Within("loss.dpace.alpha", loss.dpace().alpha(), 0, 1);
       problems.Specified("loss.dpace.variant", loss.dpace().variant(),
                          v1::DPaceLoss::Variant_Name(loss.dpace().variant()));
+      if (loss.dpace().has_lk()) {
+        Lk("loss.dpace.lk", loss.dpace().lk(), problems);
+      }
       break;
     case v1::LossConfig::kTv:
       Gamma("loss.tv", loss.tv(), problems);
@@ -187,8 +229,33 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
   // Label smoothing reshapes a cross-entropy term; tv and distillation have
   // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
   // distillation at another temperature never forms.
-  const LossTraits traits = LossTraitsOf(loss);
-  if (smoothing > 0 && !traits.has_cross_entropy) {
+  const LossParams params = LossParamsOf(loss);
+  const LossTraits traits = LossTraitsOf(params);
+  const std::string lk_path = LkPath(loss);
+  // The batch-level lambda defers each row's gradient factor until the
+  // batch's acceptance is known (LkDeferredFactor); that needs every part of
+  // the row's gradient along p - onehot, which label smoothing and the
+  // z-loss are not. SpecForge's composition has neither.
+  if (params.lk == LkMode::kLambdaBatch || params.lk == LkMode::kTv) {
+    const char* type = params.lk == LkMode::kTv ? "TV" : "LAMBDA";
+    if (smoothing > 0 && !lk_path.empty()) {
+      problems.Add("loss.cross_entropy.label_smoothing",
+                   absl::StrCat("does not apply with ", lk_path, ".type ",
+                                type, " (the LK composition is defined on "
+                                "plain cross-entropy), got ",
+                                ProblemNumber(smoothing)));
+    }
+    if (ce.z_loss_scale() > 0 && params.lk == LkMode::kLambdaBatch) {
+      problems.Add("loss.cross_entropy.z_loss_scale",
+                   absl::StrCat("does not apply with ", lk_path,
+                                ".type LAMBDA (its batch-level CE weight scales "
+                                "each row's gradient after the last chunk, "
+                                "which the z-loss's part would not follow; "
+                                "loss.lk_lambda takes it), got ",
+                                ProblemNumber(ce.z_loss_scale())));
+    }
+  }
+  if (smoothing > 0 && !traits.has_cross_entropy && lk_path.empty()) {
     problems.Add("loss.cross_entropy.label_smoothing",
                  absl::StrCat("applies to cross-entropy terms, which loss.",
                               traits.name,

@@ -95,7 +95,25 @@ DFLASH_HOST_DEVICE inline double RowLossWeight(const LossParams& p,
 
 // Whether a family's row weights depend on the other rows of its block.
 DFLASH_HOST_DEVICE inline bool CouplesBlocks(const LossParams& p) {
-  return p.family == LossFamily::kDPace || p.family == LossFamily::kLkLambda;
+  return p.family == LossFamily::kDPace || p.lk == LkMode::kLambdaBlock;
+}
+
+// SpecForge's batch-level LK lambda: the CE weight from the batch's
+// target-probability sum over its mask sum, the latter clamped at 1.
+DFLASH_HOST_DEVICE inline double BatchLkKlWeight(const LossParams& p,
+                                                 double target_probability,
+                                                 double accuracy_den) {
+  return LkLambdaKlWeight(
+      p.kl_scale, p.kl_decay,
+      target_probability / (accuracy_den > 1 ? accuracy_den : 1.0));
+}
+
+// Under the batch-level LK lambda a row's d(loss_num)/dz' is
+// w (p - onehot) (kl_w + (1 - kl_w) q): the loss writes w (p - onehot),
+// and the head multiplies the row's gradients by this factor once kl_w is
+// known.
+DFLASH_HOST_DEVICE inline double LkDeferredFactor(double kl_weight, double q) {
+  return kl_weight + (1 - kl_weight) * q;
 }
 
 // lk_lambda's share of cross-entropy for a block of n rows: LkLambdaKlWeight
@@ -151,9 +169,14 @@ DFLASH_HOST_DEVICE inline void DPaceBlockWeights(const LossParams& p, int64_t n,
 // tv's 1 - q; lk_lambda's mix of the two by ce_share; the z-loss), from the
 // row's -log q, logsumexp and mean logit z' (read only with label
 // smoothing). Its gradient in z' is softmax * p - target * onehot -
-// uniform / V.
+// uniform / V. ce and tv are the row's parts of SpecForge's ce_loss_num and
+// tv_loss_num (tv only where the composition has one). Under the batch-level
+// lambda, loss is 0 (composed from ce and tv after the reduction) and the
+// gradient is w (p - onehot), to be scaled by LkDeferredFactor.
 struct SoftmaxRowTerms {
   double loss = 0;
+  double ce = 0;
+  double tv = 0;
   double softmax = 0;
   double target = 0;
   double uniform = 0;
@@ -161,17 +184,23 @@ struct SoftmaxRowTerms {
 DFLASH_HOST_DEVICE inline SoftmaxRowTerms SoftmaxFamilyRow(
     const LossParams& p, double w, double ce_share, double neg_log_q,
     double lse, double mean_logit) {
-  const bool tv = p.family == LossFamily::kTv;
   const double q = exp(-neg_log_q);
   const double eps = p.label_smoothing;
-  const double ce_w = tv ? 0 : w * ce_share;
-  const double tv_w = tv                                  ? w
-                      : p.family == LossFamily::kLkLambda ? w * (1 - ce_share)
-                                                          : 0;
-  const double z_w = w * p.z_loss_scale;
   const double ce_term =
       eps > 0 ? (1 - eps) * neg_log_q + eps * (lse - mean_logit) : neg_log_q;
   SoftmaxRowTerms t;
+  t.ce = w * ce_term;
+  t.tv = p.lk == LkMode::kCrossEntropy ? 0 : w * (1 - q);
+  if (p.lk == LkMode::kLambdaBatch) {
+    t.softmax = w;
+    t.target = w;
+    return t;
+  }
+  const bool tv = p.lk == LkMode::kTv;
+  const double ce_w = tv ? 0 : w * ce_share;
+  const double tv_w =
+      tv ? w : p.lk == LkMode::kLambdaBlock ? w * (1 - ce_share) : 0;
+  const double z_w = w * p.z_loss_scale;
   t.loss = ce_w * ce_term + tv_w * (1 - q) + z_w * lse * lse;
   t.softmax = ce_w + tv_w * q + 2 * z_w * lse;
   t.target = ce_w * (1 - eps) + tv_w * q;

@@ -30,6 +30,18 @@ enum class DPaceVariant : int32_t {
 };
 enum class Divergence : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
 
+// How a softmax family's cross-entropy and total-variation parts combine
+// (LkComposition, and the tv and lk_lambda families): cross-entropy only;
+// tv only; SpecForge's LK lambda with one CE weight for the batch, known
+// only after the last chunk; dflash's lk_lambda with a CE weight per anchor
+// block.
+enum class LkMode : int32_t {
+  kCrossEntropy = 0,
+  kTv = 1,
+  kLambdaBatch = 2,
+  kLambdaBlock = 3
+};
+
 struct LossParams {
   LossFamily family = LossFamily::kNone;
   // A row's decay: m * exp(-max(k - decay_from, 0) / gamma), none when
@@ -39,7 +51,8 @@ struct LossParams {
   // D-PACE.
   DPaceVariant dpace_variant = DPaceVariant::kDPace;
   double alpha = 0;
-  // lk_lambda.
+  // The LK composition; kl_scale and kl_decay for the two lambdas.
+  LkMode lk = LkMode::kCrossEntropy;
   double kl_scale = 0, kl_decay = 0;
   // DSpark.
   double l1_weight = 0, confidence_weight = 0;

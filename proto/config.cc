@@ -155,6 +155,17 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
                  "SELECTIVE needs checkpoint.preset or checkpoint.rules to say "
                  "what to keep, got neither");
   }
+  // The batch-level LK lambda scales each row's hidden-state gradient once
+  // the batch's acceptance is known; a weight gradient sums rows before
+  // that, and would need a second V x H accumulator.
+  if (head.trainable() &&
+      LossParamsOf(config.loss()).lk == LkMode::kLambdaBatch) {
+    problems.Add("head.trainable",
+                 "must be false with an lk composition of type LAMBDA (its CE "
+                 "weight comes from the whole batch, after the weight "
+                 "gradient's rows are summed; loss.lk_lambda takes it per "
+                 "anchor block and trains), got true");
+  }
 }
 
 }  // namespace
