@@ -66,10 +66,12 @@ Problem MakeProblem(uint32_t seed, const ChunkLossOptions& options) {
 // finite differences hold them fixed.
 struct Detached {
   std::vector<double> weights, ce_share, accept;
+  double kl_weight = 1;  // The batch-level LK lambda's.
 };
 
 struct Reference {
   double num = 0, den = 0, correct = 0, acc_den = 0, target_probability = 0;
+  double ce_num = 0, tv_num = 0;
   std::vector<double> correct_per_position = std::vector<double>(kK, 0.0);
   std::vector<double> neg_log_q = std::vector<double>(kRows, 0.0);
   std::vector<int> argmax = std::vector<int>(kRows, -1);
@@ -191,8 +193,25 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
     const double ce_term = (1 - eps) * (lse[r] - z[r][m.target]) +
                            eps * (lse[r] - mean);
     const double z_term = ce.z_loss_scale() * lse[r] * lse[r];
+    // SpecForge's ce_loss_num and tv_loss_num, for every softmax family.
+    const v1::LkComposition::Type lk_type =
+        c.has_dflash()  ? c.dflash().lk().type()
+        : c.has_dpace() ? c.dpace().lk().type()
+                        : v1::LkComposition::ALPHA;
+    if (!c.has_distillation()) ref.ce_num += w * ce_term;
+    if (c.has_tv() || c.has_lk_lambda() ||
+        lk_type != v1::LkComposition::ALPHA) {
+      ref.tv_num += w * (1 - q[r]);
+    }
     if (c.has_dflash() || c.has_dpace()) {
-      ref.num += w * (ce_term + z_term);
+      const v1::LkComposition& lk =
+          c.has_dflash() ? c.dflash().lk() : c.dpace().lk();
+      // LAMBDA's numerator is composed below, from the batch's sums.
+      if (lk.type() == v1::LkComposition::TV) {
+        ref.num += w * ((1 - q[r]) + z_term);
+      } else if (lk.type() == v1::LkComposition::ALPHA) {
+        ref.num += w * (ce_term + z_term);
+      }
     } else if (c.has_tv()) {
       ref.num += w * ((1 - q[r]) + z_term);
     } else if (c.has_lk_lambda()) {
@@ -230,6 +249,17 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
       }
       ref.num += w * divergence;
     }
+  }
+  const v1::LkComposition& lk =
+      c.has_dflash() ? c.dflash().lk() : c.dpace().lk();
+  if ((c.has_dflash() || c.has_dpace()) &&
+      lk.type() == v1::LkComposition::LAMBDA) {
+    if (fixed == nullptr) {
+      d.kl_weight =
+          lk.kl_scale() * std::exp(-lk.kl_decay() * ref.target_probability /
+                                   std::max(ref.acc_den, 1.0));
+    }
+    ref.num = d.kl_weight * ref.ce_num + (1 - d.kl_weight) * ref.tv_num;
   }
   return ref;
 }
@@ -270,12 +300,20 @@ std::vector<Case> AllCases() {
       {"DFlashGamma2p5", "dflash { gamma: 2.5 }"},
       {"DFlashLabelSmoothing",
        "dflash { gamma: 7 } cross_entropy { label_smoothing: 0.1 }"},
-      {"DFlashZLoss", "dflash { gamma: 7 } cross_entropy { z_loss_scale: 0.01 }"},
-      {"DFlashIgnoreIndex", "dflash { gamma: 7 } cross_entropy { ignore_index: 3 }"},
+      {"DFlashZLoss",
+       "dflash { gamma: 7 } cross_entropy { z_loss_scale: 0.01 }"},
+      {"DFlashIgnoreIndex",
+       "dflash { gamma: 7 } cross_entropy { ignore_index: 3 }"},
       {"DFlashSoftcapAndScale", "dflash { gamma: 7 }", {kK, 0.7, 5}},
       {"DFlashScale", "dflash {}", {kK, 2, 0}},
       {"Tv", "tv { gamma: 7 }"},
-      {"TvNoGammaScaledZLoss", "tv {} cross_entropy { z_loss_scale: 0.02 }",
+      {"DFlashLkTvZLoss",
+       "dflash { gamma: 7 lk { type: TV } } cross_entropy { z_loss_scale: "
+       "0.01 }"},
+      {"DPaceLkTv", "dpace { alpha: 0.3 lk { type: TV } }"},
+      {"DPaceLkAlpha", "dpace { alpha: 0.3 lk { type: ALPHA } }"},
+      {"TvNoGammaScaledZLoss",
+       "tv {} cross_entropy { z_loss_scale: 0.02 }",
        {kK, 1.5, 0}},
       {"DPace", "dpace { alpha: 0.3 }"},
       {"DPaceCumulativeConfidenceOnly",
@@ -283,7 +321,8 @@ std::vector<Case> AllCases() {
       {"DPaceContinuationValueOnly",
        "dpace { alpha: 0.3 variant: CONTINUATION_VALUE_ONLY }"},
       {"DPaceAlphaZeroSmoothedSoftcap",
-       "dpace { alpha: 0 } cross_entropy { label_smoothing: 0.2 }", {kK, 1, 4}},
+       "dpace { alpha: 0 } cross_entropy { label_smoothing: 0.2 }",
+       {kK, 1, 4}},
       {"LkLambda", "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }"},
       {"LkLambdaZLossSmoothing",
        "lk_lambda { kl_scale: 1 kl_decay: 0.5 } cross_entropy { z_loss_scale: "
@@ -296,8 +335,9 @@ std::vector<Case> AllCases() {
       {"DSparkNoConfidence", "dspark { confidence_weight: 0 }"},
       {"ForwardKlTemperature2",
        "distillation { divergence: FORWARD_KL temperature: 2 }"},
-      {"ReverseKl", "distillation { divergence: REVERSE_KL temperature: 1.5 "
-                    "gamma: 7 }"},
+      {"ReverseKl",
+       "distillation { divergence: REVERSE_KL temperature: 1.5 "
+       "gamma: 7 }"},
       {"Jsd", "distillation { divergence: JSD beta: 0.3 }"},
       {"JsdSoftcapIgnoreIndex",
        "distillation { divergence: JSD beta: 0.5 temperature: 0.8 } "
@@ -331,6 +371,8 @@ TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
   EXPECT_EQ(terms->correct, ref.correct);
   EXPECT_EQ(terms->accuracy_den, ref.acc_den);
   EXPECT_NEAR(terms->target_probability, ref.target_probability, 1e-12);
+  EXPECT_NEAR(terms->ce_num, ref.ce_num, 1e-10);
+  EXPECT_NEAR(terms->tv_num, ref.tv_num, 1e-10);
   EXPECT_EQ(terms->correct_per_position, ref.correct_per_position);
   for (int64_t r = 0; r < kRows; ++r) {
     EXPECT_NEAR(neg_log_q[r], ref.neg_log_q[r], 1e-6) << "row " << r;
@@ -671,6 +713,69 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
   EXPECT_EQ(RunLoss("dflash {}", good, outputs).message(),
             "chunk loss: outputs.argmax must hold 20 values (one per row), "
             "got 3");
+}
+
+// SpecForge's lk_loss_type="lambda": the CE weight comes from the whole
+// batch, so each chunk leaves loss_num to FinishTerms and writes w (p -
+// onehot) and q per row; the batch's gradient is that times
+// LkDeferredFactor. Against the naive reference's composed numerator and its
+// finite differences (with kl_w and the D-PACE weights held, as SpecForge
+// detaches them), over two chunks of whole blocks.
+TEST(ChunkLossTest, BatchLkLambdaComposesAfterTheLastChunk) {
+  for (const char* text :
+       {"dflash { gamma: 7 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2 } }",
+        "dpace { alpha: 0.3 lk { type: LAMBDA kl_scale: 1.3 kl_decay: 0.5 } }",
+        "dpace { alpha: 0.6 variant: CONTINUATION_VALUE_ONLY lk { type: "
+        "LAMBDA } }"}) {
+    SCOPED_TRACE(text);
+    const v1::LossConfig c = Parse(text);
+    const Problem p = MakeProblem(5, {kK});
+    const Reference ref = Naive(c, p);
+    std::vector<double> grad = p.logits, q(kRows, -1);
+    ChunkTerms terms;
+    const int64_t half = (kRows / kK / 2) * kK;
+    for (const auto& [begin, end] :
+         {std::pair<int64_t, int64_t>{0, half}, {half, kRows}}) {
+      const int64_t n = end - begin;
+      ChunkLossOutputs outputs;
+      outputs.target_probability = absl::MakeSpan(q).subspan(begin, n);
+      absl::StatusOr<ChunkTerms> chunk = ChunkLoss<double>(
+          c, p.options,
+          {absl::MakeSpan(grad).subspan(begin * kV, n * kV),
+           absl::MakeConstSpan(p.teacher).subspan(begin * kV, n * kV),
+           {},
+           absl::MakeConstSpan(p.rows).subspan(begin, n),
+           kV},
+          outputs);
+      ASSERT_TRUE(chunk.ok()) << chunk.status();
+      EXPECT_EQ(chunk->loss_num, 0);
+      terms.Add(*chunk);
+    }
+    const std::optional<double> kl_weight = FinishTerms(*ResolveLoss(c), terms);
+    ASSERT_TRUE(kl_weight.has_value());
+    EXPECT_NEAR(*kl_weight, ref.detached.kl_weight, 1e-14);
+    EXPECT_NEAR(terms.loss_num, ref.num, 1e-10);
+    EXPECT_NEAR(terms.ce_num, ref.ce_num, 1e-10);
+    EXPECT_NEAR(terms.tv_num, ref.tv_num, 1e-10);
+    const double h = 1e-6;
+    for (int64_t i = 0; i < kRows * kV; ++i) {
+      const int64_t r = i / kV;
+      Problem plus = p, minus = p;
+      plus.logits[i] += h;
+      minus.logits[i] -= h;
+      const double numeric = (Naive(c, plus, &ref.detached).num -
+                              Naive(c, minus, &ref.detached).num) /
+                             (2 * h);
+      ASSERT_NEAR(grad[i] * LkDeferredFactor(*kl_weight, q[r]), numeric, 1e-8)
+          << "logit " << i;
+    }
+  }
+  // Without the per-row q, the gradient could not be finished.
+  const Problem p = MakeProblem(1, {kK});
+  EXPECT_EQ(RunLoss("dflash { lk { type: LAMBDA } }", p).message(),
+            "chunk loss: outputs.target_probability must hold 20 values (one "
+            "per row: the batch-level LK lambda scales each row's gradient by "
+            "its q once the batch is done), got none");
 }
 
 // The confidence gradient is an optional output like the others: without

@@ -89,6 +89,7 @@ struct Outcome {
   std::vector<double> grad;
   std::vector<float> confidence_grad, neg_log_q;
   std::vector<int32_t> argmax, top_k;
+  std::vector<double> target_probability;
 };
 
 constexpr int32_t kTopK = 4;
@@ -106,6 +107,7 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
   out.neg_log_q.assign(kRows, 7);
   out.argmax.assign(kRows, 7);
   out.top_k.assign(kRows * top_k, 7);
+  out.target_probability.assign(kRows, 7);
   const bool needs_teacher = config.has_dspark() || config.has_distillation();
   const ChunkLossInputs<T> inputs{
       absl::MakeSpan(logits),
@@ -113,9 +115,12 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
       confidence ? absl::MakeConstSpan(p.confidence)
                  : absl::Span<const float>(),
       p.rows, p.vocab};
-  const ChunkLossOutputs outputs{
-      absl::MakeSpan(out.confidence_grad), absl::MakeSpan(out.neg_log_q),
-      absl::MakeSpan(out.argmax), absl::MakeSpan(out.top_k), top_k};
+  const ChunkLossOutputs outputs{absl::MakeSpan(out.confidence_grad),
+                                 absl::MakeSpan(out.neg_log_q),
+                                 absl::MakeSpan(out.argmax),
+                                 absl::MakeSpan(out.top_k),
+                                 top_k,
+                                 absl::MakeSpan(out.target_probability)};
   if constexpr (std::is_same_v<T, double>) {
     out.terms =
         ChunkLoss<T>(config, options, inputs, outputs);  // No FP64 on CUDA.
@@ -152,6 +157,9 @@ const Case kCases[] = {
      "dpace { alpha: 0.4 variant: CONTINUATION_VALUE_ONLY }"},
     {"tv", "tv { gamma: 7 }"},
     {"lk_lambda", "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }"},
+    {"dpace_lk_tv", "dpace { alpha: 0.3 lk { type: TV } }"},
+    {"dflash_lk_lambda_batch",
+     "dflash { gamma: 7 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2 } }"},
     {"dspark", "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }"},
     {"forward_kl", "distillation { divergence: FORWARD_KL temperature: 2 }"},
     {"reverse_kl", "distillation { divergence: REVERSE_KL temperature: 0.7 }"},
@@ -183,11 +191,17 @@ TEST_P(CudaChunkLossTest, Float32MatchesTheCpuInFloat64) {
     EXPECT_NEAR(got.terms->target_probability,
                 want.terms->target_probability,
                 1e-5 * (1 + want.terms->target_probability));
+    EXPECT_NEAR(got.terms->ce_num, want.terms->ce_num,
+                1e-5 * (1 + std::abs(want.terms->ce_num)));
+    EXPECT_NEAR(got.terms->tv_num, want.terms->tv_num,
+                1e-5 * (1 + std::abs(want.terms->tv_num)));
     EXPECT_EQ(got.terms->correct_per_position,
               want.terms->correct_per_position);
     EXPECT_EQ(got.terms->mask_per_position, want.terms->mask_per_position);
     EXPECT_LT(RelativeNormError(got.grad, want.grad), 1e-5);
     for (int64_t r = 0; r < kRows; ++r) {
+      EXPECT_NEAR(got.target_probability[r], want.target_probability[r], 1e-6)
+          << "row " << r;
       EXPECT_NEAR(got.neg_log_q[r], want.neg_log_q[r],
                   1e-5 * (1 + std::abs(want.neg_log_q[r])))
           << "row " << r;

@@ -194,7 +194,8 @@ INSTANTIATE_TEST_SUITE_P(
                   "ACTION_UNSPECIFIED"},
         BadConfig{"PresetAndRules",
                   "checkpoint { preset: SAVE_ALL rules { action: MUST_SAVE } "
-                  "} " + kHead + kLoss,
+                  "} " +
+                      kHead + kLoss,
                   "checkpoint.rules: must be empty when checkpoint.preset is "
                   "set, got 1 rule(s) with preset SAVE_ALL"},
         BadConfig{"NeverRecomputeButMustRecompute",
@@ -216,26 +217,26 @@ INSTANTIATE_TEST_SUITE_P(
                   "head { vocab_size: 100 hidden_size: 8 logit_softcap: -1 } " +
                       kLoss,
                   "head.logit_softcap: must be >= 0, got -1"},
-        BadConfig{"ZeroLogitScale",
-                  "head { vocab_size: 100 hidden_size: 8 logit_scale: 0 } " +
-                      kLoss,
-                  "head.logit_scale: must be > 0, got 0"},
+        BadConfig{
+            "ZeroLogitScale",
+            "head { vocab_size: 100 hidden_size: 8 logit_scale: 0 } " + kLoss,
+            "head.logit_scale: must be > 0, got 0"},
         BadConfig{"Float64OnCuda",
                   "head { vocab_size: 100 hidden_size: 8 backend: CUDA dtype: "
-                  "FLOAT64 } " + kLoss,
+                  "FLOAT64 } " +
+                      kLoss,
                   "head.dtype: FLOAT64 is not supported on the CUDA backend"},
-        BadConfig{"BFloat16OnCpu",
-                  "head { vocab_size: 100 hidden_size: 8 dtype: BFLOAT16 } " +
-                      kLoss,
-                  "head.dtype: BFLOAT16 is not supported on the CPU backend "
-                  "(FLOAT32 or FLOAT64), got BFLOAT16"},
-        BadConfig{"SelectiveWithoutPolicy",
-                  "head { vocab_size: 100 hidden_size: 8 mode: SELECTIVE } " +
-                      kLoss,
-                  "head.mode: SELECTIVE needs checkpoint.preset or "
-                  "checkpoint.rules"},
-        BadConfig{"DpaceAlphaAboveOne",
-                  kHead + "loss { dpace { alpha: 1.5 } }",
+        BadConfig{
+            "BFloat16OnCpu",
+            "head { vocab_size: 100 hidden_size: 8 dtype: BFLOAT16 } " + kLoss,
+            "head.dtype: BFLOAT16 is not supported on the CPU backend "
+            "(FLOAT32 or FLOAT64), got BFLOAT16"},
+        BadConfig{
+            "SelectiveWithoutPolicy",
+            "head { vocab_size: 100 hidden_size: 8 mode: SELECTIVE } " + kLoss,
+            "head.mode: SELECTIVE needs checkpoint.preset or "
+            "checkpoint.rules"},
+        BadConfig{"DpaceAlphaAboveOne", kHead + "loss { dpace { alpha: 1.5 } }",
                   "loss.dpace.alpha: must lie in [0, 1], got 1.5"},
         BadConfig{"DpaceAlphaNaN", kHead + "loss { dpace { alpha: nan } }",
                   "loss.dpace.alpha: must lie in [0, 1], got nan"},
@@ -247,6 +248,37 @@ INSTANTIATE_TEST_SUITE_P(
                   "chunking { rows_per_chunk: 5 align_to_blocks: false } " +
                       kHead + "loss { lk_lambda {} }",
                   "chunking.align_to_blocks: must be true for loss.lk_lambda"},
+        BadConfig{"LkTypeUnspecified",
+                  kHead + "loss { dflash { lk { type: TYPE_UNSPECIFIED } } }",
+                  "loss.dflash.lk.type: must be set, got TYPE_UNSPECIFIED"},
+        BadConfig{"LkNegativeKlScale",
+                  kHead + "loss { dpace { lk { type: LAMBDA kl_scale: -1 } } }",
+                  "loss.dpace.lk.kl_scale: must be >= 0, got -1"},
+        BadConfig{
+            "LkNegativeKlDecay",
+            kHead + "loss { dflash { lk { type: LAMBDA kl_decay: -2 } } }",
+            "loss.dflash.lk.kl_decay: must be >= 0, got -2"},
+        BadConfig{"LkTvWithLabelSmoothing",
+                  kHead + "loss { dflash { lk { type: TV } } cross_entropy { "
+                          "label_smoothing: 0.1 } }",
+                  "loss.cross_entropy.label_smoothing: does not apply with "
+                  "loss.dflash.lk.type TV (the LK composition is defined on "
+                  "plain cross-entropy), got 0.1"},
+        BadConfig{"LkLambdaWithLabelSmoothing",
+                  kHead + "loss { dpace { lk { type: LAMBDA } } cross_entropy "
+                          "{ label_smoothing: 0.2 } }",
+                  "loss.cross_entropy.label_smoothing: does not apply with "
+                  "loss.dpace.lk.type LAMBDA"},
+        BadConfig{"LkLambdaWithZLoss",
+                  kHead + "loss { dflash { lk { type: LAMBDA } } cross_entropy "
+                          "{ z_loss_scale: 0.1 } }",
+                  "loss.cross_entropy.z_loss_scale: does not apply with "
+                  "loss.dflash.lk.type LAMBDA"},
+        BadConfig{"LkLambdaTrainable",
+                  "head { vocab_size: 100 hidden_size: 8 trainable: true } "
+                  "loss { dflash { lk { type: LAMBDA } } }",
+                  "head.trainable: must be false with an lk composition of "
+                  "type LAMBDA"},
         BadConfig{"NoLossFamily", kHead + "loss { cross_entropy {} }",
                   "loss: one loss family must be set"},
         BadConfig{"UnknownLossType", kHead + "loss { focal {} }",
@@ -260,10 +292,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"ZeroTemperature",
                   kHead + "loss { distillation { temperature: 0 } }",
                   "loss.distillation.temperature: must be > 0, got 0"},
-        BadConfig{"JsdBetaNegative",
-                  kHead + "loss { distillation { divergence: JSD beta: -0.1 } }",
-                  "loss.distillation.beta: must lie in (0, 1) for JSD (use "
-                  "FORWARD_KL or REVERSE_KL for the end points), got -0.1"},
+        BadConfig{
+            "JsdBetaNegative",
+            kHead + "loss { distillation { divergence: JSD beta: -0.1 } }",
+            "loss.distillation.beta: must lie in (0, 1) for JSD (use "
+            "FORWARD_KL or REVERSE_KL for the end points), got -0.1"},
         BadConfig{"JsdBetaOne",
                   kHead + "loss { distillation { divergence: JSD beta: 1 } }",
                   "loss.distillation.beta: must lie in (0, 1) for JSD"},
@@ -280,7 +313,8 @@ INSTANTIATE_TEST_SUITE_P(
                           "z_loss_scale: 1e-4 } }",
                   "loss.cross_entropy.z_loss_scale: does not apply to "
                   "loss.distillation, got 0.0001"},
-        BadConfig{"NegativeKlDecay", kHead + "loss { lk_lambda { kl_decay: -1 } }",
+        BadConfig{"NegativeKlDecay",
+                  kHead + "loss { lk_lambda { kl_decay: -1 } }",
                   "loss.lk_lambda.kl_decay: must be >= 0, got -1"},
         BadConfig{"TeacherBudgetCountsTwoBuffers",
                   "chunking { logits_budget_bytes: 6400 } " + kHead +

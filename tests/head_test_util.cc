@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "losses/batch_layout.h"
+#include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -71,24 +73,33 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
   ref.neg_log_q.assign(n, 0);
   ref.argmax.assign(n, 0);
   ref.top_k.assign(n * kTopK, 0);
-  ChunkLossOutputs outputs{
-      absl::MakeSpan(ref.grad_confidence), absl::MakeSpan(ref.neg_log_q),
-      absl::MakeSpan(ref.argmax), absl::MakeSpan(ref.top_k), kTopK};
+  std::vector<double> q(n);
+  ChunkLossOutputs outputs{absl::MakeSpan(ref.grad_confidence),
+                           absl::MakeSpan(ref.neg_log_q),
+                           absl::MakeSpan(ref.argmax),
+                           absl::MakeSpan(ref.top_k),
+                           kTopK,
+                           absl::MakeSpan(q)};
   auto terms = ChunkLoss<double>(
       config.loss(),
       {kK, config.head().logit_scale(), config.head().logit_softcap()},
       {absl::MakeSpan(d), t, confidence, b.rows, kV}, outputs);
   EXPECT_TRUE(terms.ok()) << terms.status();
   ref.terms = *terms;
-  const double den = terms->loss_den;
-  ref.loss = den > 0 ? terms->loss_num / den : 0;
+  // The whole batch in one chunk: the batch-level LK lambda is composed here.
+  const std::optional<double> kl_weight =
+      FinishTerms(LossParamsOf(config.loss()), ref.terms);
+  const double den = ref.terms.loss_den;
+  ref.loss = den > 0 ? ref.terms.loss_num / den : 0;
   const double s = den > 0 ? 1 / den : 0;
   ref.grad_hidden.assign(n * kH, 0);
   ref.grad_weight.assign(kV * kH, 0);
   ref.grad_bias.assign(kV, 0);
   for (int64_t r = 0; r < n; ++r) {
+    const double row_scale =
+        kl_weight ? s * LkDeferredFactor(*kl_weight, q[r]) : s;
     for (int64_t v = 0; v < kV; ++v) {
-      const double g = s * d[r * kV + v];
+      const double g = row_scale * d[r * kV + v];
       ref.grad_bias[v] += g;
       for (int64_t h = 0; h < kH; ++h) {
         ref.grad_hidden[r * kH + h] += g * b.weight[v * kH + h];
@@ -98,6 +109,11 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
     ref.grad_confidence[r] = static_cast<float>(ref.grad_confidence[r] * s);
   }
   return ref;
+}
+
+bool TrainsWith(const std::string& loss) {
+  return LossParamsOf(ConfigBuilder(loss).Build().loss()).lk !=
+         LkMode::kLambdaBatch;
 }
 
 v1::ObjectiveConfig ConfigBuilder::Build() const {

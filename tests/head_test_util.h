@@ -125,10 +125,16 @@ inline const char* const kLosses[] = {
     "dpace { alpha: 0.3 }",
     "tv { gamma: 7 }",
     "lk_lambda { gamma: 7 kl_scale: 0.8 kl_decay: 2 }",
+    "dflash { gamma: 7 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2 } }",
+    "dpace { alpha: 0.3 lk { type: TV } }",
     "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
     "distillation { divergence: FORWARD_KL temperature: 2 }",
     "distillation { divergence: JSD beta: 0.3 }",
 };
+// Whether a head with `loss` may train its projection (the batch-level LK
+// lambda may not: proto/config.cc says why).
+bool TrainsWith(const std::string& loss);
+
 inline const char* const kModes[] = {"MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
                                      "SELECTIVE", "FUSED"};
 

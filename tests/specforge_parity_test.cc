@@ -103,8 +103,11 @@ struct HeadRun {
   std::vector<double> grad_hidden;
 };
 
+// The golden through the head in T (double or float), its gradient in
+// double.
+template <typename T>
 absl::StatusOr<HeadRun> RunGolden(const Golden& g,
-                              const v1::ObjectiveConfig& config) {
+                                  const v1::ObjectiveConfig& config) {
   const int64_t block_size = config.layout().block_size();
   const int64_t vocab = config.head().vocab_size();
   const int64_t hidden = config.head().hidden_size();
@@ -113,16 +116,18 @@ absl::StatusOr<HeadRun> RunGolden(const Golden& g,
       LabelRows(tokens, g.anchors, g.keep, g.num_anchors, block_size, vocab,
                 LossTraitsOf(config.loss()).labeling);
   if (!rows.ok()) return rows.status();
-  HeadRun run;
-  run.grad_hidden.assign(rows->size() * hidden, 7);  // Must be overwritten.
-  const HeadInputs<double> inputs{g.hidden, {}, {}, *rows, g.weight, {}};
-  const HeadGradients<double> gradients{absl::MakeSpan(run.grad_hidden),
-                                        {}, {}, {}};
+  const std::vector<T> states(g.hidden.begin(), g.hidden.end());
+  const std::vector<T> weight(g.weight.begin(), g.weight.end());
+  std::vector<T> grad(rows->size() * hidden, T(7));  // Must be overwritten.
+  const HeadInputs<T> inputs{states, {}, {}, *rows, weight, {}};
+  const HeadGradients<T> gradients{absl::MakeSpan(grad), {}, {}, {}};
   TrackingAllocator allocator;
   absl::StatusOr<HeadResult> result =
-      RunHead<double>(config, inputs, gradients, allocator);
+      RunHead<T>(config, inputs, gradients, allocator);
   if (!result.ok()) return result.status();
+  HeadRun run;
   run.result = *std::move(result);
+  run.grad_hidden.assign(grad.begin(), grad.end());
   return run;
 }
 
@@ -141,7 +146,7 @@ void ExpectNear(double actual, double expected, double tolerance,
 
 TEST(SpecForgeParityTest, GoldensAreThere) {
   const std::vector<Golden> goldens = LoadAll();
-  EXPECT_GE(goldens.size(), 6u);
+  EXPECT_GE(goldens.size(), 12u);
   for (const Golden& g : goldens) {
     SCOPED_TRACE(g.name);
     EXPECT_EQ(g.terms.size(), static_cast<size_t>(kTermCount));
@@ -168,13 +173,15 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
           ASSERT_TRUE(SetModeByName("mode", mode, config).ok());
           config.mutable_chunking()->set_blocks_per_chunk(per_chunk);
           config.mutable_head()->set_threads(threads);
-          absl::StatusOr<HeadRun> run = RunGolden(g, config);
+          absl::StatusOr<HeadRun> run = RunGolden<double>(g, config);
           ASSERT_TRUE(run.ok()) << run.status();
           const HeadResult& r = run->result;
           const double tol = Tolerance(config);
           ExpectNear(r.loss, g.terms[kLoss], tol, "loss");
           ExpectNear(r.terms.loss_num, g.terms[kLossNum], tol, "loss_num");
           ExpectNear(r.terms.loss_den, g.terms[kLossDen], tol, "loss_den");
+          ExpectNear(r.terms.ce_num, g.terms[kCeLossNum], tol, "ce_loss_num");
+          ExpectNear(r.terms.tv_num, g.terms[kTvLossNum], tol, "tv_loss_num");
           ExpectNear(r.terms.correct, g.terms[kCorrectNum], 0, "correct");
           ExpectNear(r.terms.accuracy_den, g.terms[kAccuracyDen], 1e-12,
                      "accuracy_den");
@@ -195,6 +202,32 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
               << "d(loss)/d(hidden)";
         }
       }
+    }
+  }
+}
+
+// The float32 path against the same goldens: SpecForge computed in float64,
+// dflash rounds the inputs to float and computes its rows in float.
+TEST(SpecForgeParityTest, Float32MatchesSpecForgeInEveryMode) {
+  for (const Golden& g : LoadAll()) {
+    ASSERT_EQ(g.terms.size(), static_cast<size_t>(kTermCount)) << g.name;
+    for (const char* mode :
+         {"fused", "checkpoint", "selective", "save", "materialize"}) {
+      SCOPED_TRACE(absl::StrCat(g.name, " ", mode));
+      v1::ObjectiveConfig config = g.config;
+      ASSERT_TRUE(SetModeByName("mode", mode, config).ok());
+      config.mutable_chunking()->set_blocks_per_chunk(2);
+      config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+      absl::StatusOr<HeadRun> run = RunGolden<float>(g, config);
+      ASSERT_TRUE(run.ok()) << run.status();
+      const HeadResult& r = run->result;
+      ExpectNear(r.loss, g.terms[kLoss], 1e-5, "loss");
+      ExpectNear(r.terms.loss_num, g.terms[kLossNum], 1e-5, "loss_num");
+      ExpectNear(r.terms.loss_den, g.terms[kLossDen], 1e-5, "loss_den");
+      ExpectNear(r.terms.target_probability, g.terms[kTargetProbabilityNum],
+                 1e-5, "target_probability_num");
+      EXPECT_LE(RelativeMaxError<double>(run->grad_hidden, g.grad_hidden), 1e-5)
+          << "d(loss)/d(hidden)";
     }
   }
 }

@@ -57,6 +57,19 @@ CASES = {
         dict(loss_type="dflash", loss_decay_gamma=7.0),
         "dflash { gamma: 7 }",
     ),
+    "dflash_gamma0": (
+        dict(loss_type="dflash", loss_decay_gamma=0.0),
+        "dflash { gamma: 0 }",
+    ),
+    "dflash_lk_lambda": (
+        dict(loss_type="dflash", lk_loss_type="lambda"),
+        "dflash { lk { type: LAMBDA } }",
+    ),
+    "dflash_lk_lambda_gamma7": (
+        dict(loss_type="dflash", loss_decay_gamma=7.0, lk_loss_type="lambda",
+             kl_scale=0.8, kl_decay=2.5),
+        "dflash { gamma: 7 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2.5 } }",
+    ),
     "dflash_lk_alpha": (
         dict(loss_type="dflash", lk_loss_type="alpha"),
         "dflash {}",
@@ -69,6 +82,15 @@ CASES = {
         dict(loss_type="dpace", dpace_alpha=0.5),
         "dpace { alpha: 0.5 }",
     ),
+    "dpace_lk_tv": (
+        dict(loss_type="dpace", dpace_alpha=0.5, lk_loss_type="tv"),
+        "dpace { alpha: 0.5 lk { type: TV } }",
+    ),
+    "dpace_lk_lambda": (
+        dict(loss_type="dpace", dpace_alpha=0.4, lk_loss_type="lambda",
+             kl_scale=1.2, kl_decay=0.5),
+        "dpace { alpha: 0.4 lk { type: LAMBDA kl_scale: 1.2 kl_decay: 0.5 } }",
+    ),
     "dpace_cumulative": (
         dict(loss_type="dpace-cumulative-confidence-only", dpace_alpha=0.3),
         "dpace { alpha: 0.3 variant: CUMULATIVE_CONFIDENCE_ONLY }",
@@ -76,6 +98,12 @@ CASES = {
     "dpace_continuation": (
         dict(loss_type="dpace-continuation-value-only", dpace_alpha=0.7),
         "dpace { alpha: 0.7 variant: CONTINUATION_VALUE_ONLY }",
+    ),
+    "dpace_continuation_lk_lambda": (
+        dict(loss_type="dpace-continuation-value-only", dpace_alpha=0.6,
+             lk_loss_type="lambda"),
+        "dpace { alpha: 0.6 variant: CONTINUATION_VALUE_ONLY "
+        "lk { type: LAMBDA } }",
     ),
 }
 
