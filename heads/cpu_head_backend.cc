@@ -158,10 +158,12 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<float> confidence_grad(record && confidence_ ? m : 0);
     // A recomputation writes the same q again.
     std::vector<double> q(row_q_.empty() ? 0 : m);
-    const ChunkLossOutputs outputs{
-        absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
-        absl::MakeSpan(argmax),          absl::MakeSpan(top_k),
-        o.k,                             absl::MakeSpan(q)};
+    const ChunkLossOutputs outputs{absl::MakeSpan(confidence_grad),
+                                   absl::MakeSpan(neg_log_q),
+                                   absl::MakeSpan(argmax),
+                                   absl::MakeSpan(top_k),
+                                   o.k,
+                                   absl::MakeSpan(q)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,

@@ -114,8 +114,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const ChunkLossOutputs outputs{
         confidence_ ? if_recorded(spec_.gradients->confidence)
                     : absl::Span<float>(),
-        if_recorded(o.neg_log_q),
-        if_recorded(o.argmax), if_recorded(o.top_k), o.k,
+        if_recorded(o.neg_log_q), if_recorded(o.argmax), if_recorded(o.top_k),
+        o.k,
         // A recomputation writes the same q again.
         absl::MakeSpan(row_q_.data(), row_q_.size())};
     absl::Status done =

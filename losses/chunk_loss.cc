@@ -364,11 +364,10 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   }
 }
 
-std::optional<double> FinishTerms(const LossParams& params,
-                                  ChunkTerms& terms) {
+std::optional<double> FinishTerms(const LossParams& params, ChunkTerms& terms) {
   if (params.lk != LkMode::kLambdaBatch) return std::nullopt;
-  const double kl_weight = BatchLkKlWeight(params, terms.target_probability,
-                                           terms.accuracy_den);
+  const double kl_weight =
+      BatchLkKlWeight(params, terms.target_probability, terms.accuracy_den);
   terms.loss_num = kl_weight * terms.ce_num + (1 - kl_weight) * terms.tv_num;
   return kl_weight;
 }

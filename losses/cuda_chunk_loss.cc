@@ -289,10 +289,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};
-  const ChunkLossOutputs device_outputs{View(*confidence_grad),
-                                        View(*neg_log_q), View(*argmax),
-                                        View(*top_k), outputs.k,
-                                        View(*target_probability)};
+  const ChunkLossOutputs device_outputs{
+      View(*confidence_grad), View(*neg_log_q), View(*argmax),
+      View(*top_k),           outputs.k,        View(*target_probability)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());

@@ -602,14 +602,13 @@ void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream) {
 
 template <typename T>
 void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
-                               int64_t count, const double* q,
-                               double kl_weight, double scale,
-                               CUstream_st* stream) {
+                               int64_t count, const double* q, double kl_weight,
+                               double scale, CUstream_st* stream) {
   if (count == 0) return;
   const int64_t blocks = count < 65535 ? count : 65535;
-  ScaleRowsByLkFactorKernel<T><<<static_cast<unsigned>(blocks), 256, 0,
-                                 stream>>>(data, width, rows, count, q,
-                                           kl_weight, scale);
+  ScaleRowsByLkFactorKernel<T>
+      <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+          data, width, rows, count, q, kl_weight, scale);
 }
 
 template void LaunchChunkLoss<float>(const KernelParams&,
@@ -624,8 +623,8 @@ template void LaunchScaleRowsByLkFactor<float>(float*, int64_t, const int64_t*,
                                                double, CUstream_st*);
 template void LaunchScaleRowsByLkFactor<BFloat16>(BFloat16*, int64_t,
                                                   const int64_t*, int64_t,
-                                                  const double*, double,
-                                                  double, CUstream_st*);
+                                                  const double*, double, double,
+                                                  CUstream_st*);
 
 }  // namespace cuda
 }  // namespace dflash

@@ -107,9 +107,8 @@ void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream);
 // `width` values. T is float or BFloat16.
 template <typename T>
 void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
-                               int64_t count, const double* q,
-                               double kl_weight, double scale,
-                               CUstream_st* stream);
+                               int64_t count, const double* q, double kl_weight,
+                               double scale, CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace dflash

@@ -240,19 +240,20 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
     const char* type = params.lk == LkMode::kTv ? "TV" : "LAMBDA";
     if (smoothing > 0 && !lk_path.empty()) {
       problems.Add("loss.cross_entropy.label_smoothing",
-                   absl::StrCat("does not apply with ", lk_path, ".type ",
-                                type, " (the LK composition is defined on "
+                   absl::StrCat("does not apply with ", lk_path, ".type ", type,
+                                " (the LK composition is defined on "
                                 "plain cross-entropy), got ",
                                 ProblemNumber(smoothing)));
     }
     if (ce.z_loss_scale() > 0 && params.lk == LkMode::kLambdaBatch) {
-      problems.Add("loss.cross_entropy.z_loss_scale",
-                   absl::StrCat("does not apply with ", lk_path,
-                                ".type LAMBDA (its batch-level CE weight scales "
-                                "each row's gradient after the last chunk, "
-                                "which the z-loss's part would not follow; "
-                                "loss.lk_lambda takes it), got ",
-                                ProblemNumber(ce.z_loss_scale())));
+      problems.Add(
+          "loss.cross_entropy.z_loss_scale",
+          absl::StrCat("does not apply with ", lk_path,
+                       ".type LAMBDA (its batch-level CE weight scales "
+                       "each row's gradient after the last chunk, "
+                       "which the z-loss's part would not follow; "
+                       "loss.lk_lambda takes it), got ",
+                       ProblemNumber(ce.z_loss_scale())));
     }
   }
   if (smoothing > 0 && !traits.has_cross_entropy && lk_path.empty()) {

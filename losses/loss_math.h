@@ -198,8 +198,9 @@ DFLASH_HOST_DEVICE inline SoftmaxRowTerms SoftmaxFamilyRow(
   }
   const bool tv = p.lk == LkMode::kTv;
   const double ce_w = tv ? 0 : w * ce_share;
-  const double tv_w =
-      tv ? w : p.lk == LkMode::kLambdaBlock ? w * (1 - ce_share) : 0;
+  const double tv_w = tv                             ? w
+                      : p.lk == LkMode::kLambdaBlock ? w * (1 - ce_share)
+                                                     : 0;
   const double z_w = w * p.z_loss_scale;
   t.loss = ce_w * ce_term + tv_w * (1 - q) + z_w * lse * lse;
   t.softmax = ce_w + tv_w * q + 2 * z_w * lse;
