@@ -33,6 +33,13 @@ ABSL_FLAG(std::string, loss, "",
           "dpace-continuation-value-only, tv, lk-lambda, dspark, kl, "
           "reverse-kl, jsd.");
 ABSL_FLAG(std::optional<double>, gamma, std::nullopt, "Loss decay gamma.");
+ABSL_FLAG(std::string, lk, "",
+          "LK composition of the dflash or dpace loss (SpecForge's "
+          "lk_loss_type): alpha, tv or lambda.");
+ABSL_FLAG(std::optional<double>, kl_scale, std::nullopt,
+          "--lk=lambda's kl_scale (default 1).");
+ABSL_FLAG(std::optional<double>, kl_decay, std::nullopt,
+          "--lk=lambda's kl_decay (default 1).");
 ABSL_FLAG(std::string, mode, "",
           "materialize, save, checkpoint, selective or fused.");
 ABSL_FLAG(std::optional<int64_t>, chunk_blocks, std::nullopt,
@@ -82,9 +89,9 @@ absl::Status CheckNotEmpty(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;
-    for (const char* name :
-         {"gamma", "chunk_blocks", "threads", "seed", "batch", "seq", "anchors",
-          "block", "hidden", "vocab", "memory_limit"}) {
+    for (const char* name : {"gamma", "kl_scale", "kl_decay", "chunk_blocks",
+                             "threads", "seed", "batch", "seq", "anchors",
+                             "block", "hidden", "vocab", "memory_limit"}) {
       if (arg == absl::StrCat("--", name, "=") ||
           arg == absl::StrCat("-", name, "=")) {
         return absl::InvalidArgumentError(
@@ -122,6 +129,9 @@ absl::StatusOr<dflash::HeadJobOptions> OptionsFromFlags() {
   options.config_path = UserPath(absl::GetFlag(FLAGS_config));
   options.loss = absl::GetFlag(FLAGS_loss);
   options.gamma = absl::GetFlag(FLAGS_gamma);
+  options.lk = absl::GetFlag(FLAGS_lk);
+  options.kl_scale = absl::GetFlag(FLAGS_kl_scale);
+  options.kl_decay = absl::GetFlag(FLAGS_kl_decay);
   options.mode = absl::GetFlag(FLAGS_mode);
   options.chunk_blocks = absl::GetFlag(FLAGS_chunk_blocks);
   options.threads = absl::GetFlag(FLAGS_threads);

@@ -601,6 +601,14 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
     DFLASH_RETURN_IF_ERROR(
         SetLossGamma("--gamma", *options.gamma, *config.mutable_loss()));
   }
+  if (!options.lk.empty()) {
+    DFLASH_RETURN_IF_ERROR(SetLkByName("--lk", options.lk, options.kl_scale,
+                                       options.kl_decay,
+                                       *config.mutable_loss()));
+  } else if (options.kl_scale.has_value() || options.kl_decay.has_value()) {
+    return absl::InvalidArgumentError(
+        "--kl_scale, --kl_decay: set with --lk=lambda, got no --lk");
+  }
   if (!options.mode.empty()) {
     DFLASH_RETURN_IF_ERROR(SetModeByName("--mode", options.mode, config));
   }

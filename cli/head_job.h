@@ -30,6 +30,8 @@ struct HeadJobOptions {
   std::string config_path;  // Empty: the built-in configs/dflash_default.
   std::string loss;         // dflash, dpace, ..., kl, reverse-kl, jsd.
   std::optional<double> gamma;
+  std::string lk;  // alpha, tv or lambda: SpecForge's lk_loss_type.
+  std::optional<double> kl_scale, kl_decay;
   std::string mode;  // materialize, save, checkpoint, selective, fused.
   std::optional<int64_t> chunk_blocks;
   std::optional<int32_t> threads;

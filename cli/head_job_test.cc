@@ -267,6 +267,26 @@ TEST(HeadJobTest, BadFlagsAreClearErrors) {
   options.block = 0;
   EXPECT_THAT(JobConfig(options).status().message(),
               HasSubstr("layout.block_size: must be > 0, got 0"));
+  options = Small("tv");
+  options.lk = "lambda";
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--lk: applies to the dflash and dpace loss families, got tv");
+  options = Small("dflash");
+  options.kl_decay = 2;
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--kl_scale, --kl_decay: set with --lk=lambda, got no --lk");
+}
+
+// --lk, --kl_scale and --kl_decay: SpecForge's lk_loss_type and its weights.
+TEST(HeadJobTest, LkFlagsSetTheComposition) {
+  HeadJobOptions options = Small("dflash");
+  options.lk = "lambda";
+  options.kl_scale = 0.7;
+  absl::StatusOr<v1::ObjectiveConfig> config = JobConfig(options);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->loss().dflash().lk().type(), v1::LkComposition::LAMBDA);
+  EXPECT_EQ(config->loss().dflash().lk().kl_scale(), 0.7);
+  EXPECT_EQ(config->loss().dflash().lk().kl_decay(), 1);
 }
 
 // With --inputs the files give the shapes: the synthetic batch's flags are

@@ -281,6 +281,37 @@ absl::Status SetLossByName(absl::string_view option, absl::string_view name,
   return absl::OkStatus();
 }
 
+absl::Status SetLkByName(absl::string_view option, absl::string_view name,
+                         std::optional<double> kl_scale,
+                         std::optional<double> kl_decay, v1::LossConfig& loss) {
+  v1::LkComposition* lk =
+      loss.has_dflash()  ? loss.mutable_dflash()->mutable_lk()
+      : loss.has_dpace() ? loss.mutable_dpace()->mutable_lk()
+                         : nullptr;
+  if (lk == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        option, ": applies to the dflash and dpace loss families, got ",
+        loss.family_case() == v1::LossConfig::FAMILY_NOT_SET
+            ? std::string("none")
+            : std::string(LossTraitsOf(loss).name)));
+  }
+  v1::LkComposition::Type type;
+  if (name == "alpha") {
+    type = v1::LkComposition::ALPHA;
+  } else if (name == "tv") {
+    type = v1::LkComposition::TV;
+  } else if (name == "lambda") {
+    type = v1::LkComposition::LAMBDA;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        option, ": must be one of alpha, tv, lambda, got '", name, "'"));
+  }
+  lk->set_type(type);
+  if (kl_scale.has_value()) lk->set_kl_scale(*kl_scale);
+  if (kl_decay.has_value()) lk->set_kl_decay(*kl_decay);
+  return absl::OkStatus();
+}
+
 absl::Status SetLossGamma(absl::string_view option, double gamma,
                           v1::LossConfig& loss) {
   switch (loss.family_case()) {

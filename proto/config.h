@@ -8,6 +8,7 @@
 // from a config (PresetRules, BytesPerLogit, LossNeedsTeacher) and
 // ToTextFormat for printing one.
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,12 @@ std::vector<v1::CheckpointRule> PresetRules(
 // (the family's other fields reset; cross_entropy kept).
 absl::Status SetLossByName(absl::string_view option, absl::string_view name,
                            v1::LossConfig& loss);
+// SpecForge's lk_loss_type on the dflash or dpace family: alpha
+// (cross-entropy), tv or lambda; the composition's kl_scale and kl_decay,
+// when given, too (lambda only).
+absl::Status SetLkByName(absl::string_view option, absl::string_view name,
+                         std::optional<double> kl_scale,
+                         std::optional<double> kl_decay, v1::LossConfig& loss);
 // The decay gamma of the config's loss family (D-PACE has none).
 absl::Status SetLossGamma(absl::string_view option, double gamma,
                           v1::LossConfig& loss);

@@ -12,7 +12,8 @@ def objective_config(config=None, **overrides):
     config: None (configs/dflash_default.textproto: dflash loss, gamma 7,
     chunks of 128 blocks, fused head), an ObjectiveConfig, a path
     (os.PathLike, or a str naming an existing file) or protobuf text format.
-    overrides: loss_type, gamma, mode, chunk_blocks, segment_chunks, threads,
+    overrides: loss_type, lk_loss_type, kl_scale, kl_decay, gamma, mode,
+    chunk_blocks, segment_chunks, threads,
     ignore_index, label_smoothing, z_loss_scale
     (ObjectiveConfig.with_overrides).
     The tensors of each call fill in the layout and head sizes; the whole

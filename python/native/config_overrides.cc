@@ -20,6 +20,15 @@ absl::Status ApplyOverrides(const ConfigOverrides& overrides,
   if (overrides.gamma.has_value()) {
     DFLASH_RETURN_IF_ERROR(SetLossGamma("gamma", *overrides.gamma, loss));
   }
+  if (overrides.lk_loss_type.has_value()) {
+    DFLASH_RETURN_IF_ERROR(SetLkByName("lk_loss_type", *overrides.lk_loss_type,
+                                       overrides.kl_scale, overrides.kl_decay,
+                                       loss));
+  } else if (overrides.kl_scale.has_value() || overrides.kl_decay.has_value()) {
+    return absl::InvalidArgumentError(
+        "kl_scale, kl_decay: set with lk_loss_type='lambda', got no "
+        "lk_loss_type");
+  }
   if (overrides.mode.has_value()) {
     DFLASH_RETURN_IF_ERROR(SetModeByName("mode", *overrides.mode, config));
   }

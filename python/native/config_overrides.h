@@ -19,6 +19,9 @@ struct ConfigOverrides {
   // jsd: a fresh family (its own fields at their defaults), keeping the
   // cross-entropy options.
   std::optional<std::string> loss_type;
+  // SpecForge's lk_loss_type (alpha, tv, lambda), kl_scale and kl_decay.
+  std::optional<std::string> lk_loss_type;
+  std::optional<double> kl_scale, kl_decay;
   std::optional<double> gamma;          // The family's decay; D-PACE has none.
   std::optional<std::string> mode;      // materialize, save, checkpoint,
                                         // selective, fused.

@@ -102,6 +102,12 @@ ConfigOverrides OverridesOf(const py::kwargs& kwargs) {
     const std::string key = py::str(key_handle);
     if (key == "loss_type") {
       o.loss_type = Cast<std::string>(key, value, "a str");
+    } else if (key == "lk_loss_type") {
+      o.lk_loss_type = Cast<std::string>(key, value, "a str");
+    } else if (key == "kl_scale") {
+      o.kl_scale = Cast<double>(key, value, "a float");
+    } else if (key == "kl_decay") {
+      o.kl_decay = Cast<double>(key, value, "a float");
     } else if (key == "gamma") {
       o.gamma = Cast<double>(key, value, "a float");
     } else if (key == "mode") {
@@ -121,7 +127,8 @@ ConfigOverrides OverridesOf(const py::kwargs& kwargs) {
     } else {
       RaiseType(absl::StrCat(
           "unexpected keyword override '", key,
-          "'; the overrides are loss_type, gamma, mode, chunk_blocks, "
+          "'; the overrides are loss_type, lk_loss_type, kl_scale, "
+          "kl_decay, gamma, mode, chunk_blocks, "
           "segment_chunks, threads, ignore_index, label_smoothing, "
           "z_loss_scale (anything else: text format in config=)"));
     }
@@ -186,6 +193,10 @@ py::dict ResultOf(const HeadResult& r) {
   d["correct"] = r.terms.correct;
   d["accuracy_den"] = r.terms.accuracy_den;
   d["target_probability"] = r.terms.target_probability;
+  d["ce_num"] = r.terms.ce_num;
+  d["tv_num"] = r.terms.tv_num;
+  d["lk_kl_weight"] = r.lk_kl_weight ? py::object(py::float_(*r.lk_kl_weight))
+                                     : py::object(py::none());
   d["correct_per_position"] = r.terms.correct_per_position;
   d["mask_per_position"] = r.terms.mask_per_position;
   d["stats"] = stats;
@@ -263,7 +274,8 @@ PYBIND11_MODULE(_core, m) {
             if (!applied.ok()) dp::Raise(applied);
             return changed;
           },
-          "A copy with keyword overrides: loss_type, gamma, mode, "
+          "A copy with keyword overrides: loss_type, lk_loss_type, "
+          "kl_scale, kl_decay, gamma, mode, "
           "chunk_blocks, segment_chunks, threads, ignore_index, "
           "label_smoothing, z_loss_scale.")
       .def_property_readonly(

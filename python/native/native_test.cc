@@ -127,6 +127,42 @@ TEST(OverridesTest, ChangeTheFamilyKeepingCrossEntropyOptions) {
   EXPECT_EQ(config->checkpoint().segment_chunks(), 4);
 }
 
+// SpecForge's lk_loss_type, kl_scale and kl_decay, on dflash and dpace only.
+TEST(OverridesTest, LkCompositionAsSpecForgeNamesIt) {
+  absl::StatusOr<v1::ObjectiveConfig> config = DefaultConfig();
+  ASSERT_TRUE(config.ok()) << config.status();
+  ConfigOverrides overrides;
+  overrides.loss_type = "dpace";
+  overrides.lk_loss_type = "lambda";
+  overrides.kl_scale = 0.5;
+  overrides.kl_decay = 3;
+  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
+  const v1::LkComposition& lk = config->loss().dpace().lk();
+  EXPECT_EQ(lk.type(), v1::LkComposition::LAMBDA);
+  EXPECT_EQ(lk.kl_scale(), 0.5);
+  EXPECT_EQ(lk.kl_decay(), 3);
+  overrides = {};
+  overrides.lk_loss_type = "tv";
+  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
+  EXPECT_EQ(config->loss().dpace().lk().type(), v1::LkComposition::TV);
+
+  overrides = {};
+  overrides.lk_loss_type = "beta";
+  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
+            "lk_loss_type: must be one of alpha, tv, lambda, got 'beta'");
+  overrides = {};
+  overrides.kl_scale = 2;
+  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
+            "kl_scale, kl_decay: set with lk_loss_type='lambda', got no "
+            "lk_loss_type");
+  overrides = {};
+  overrides.loss_type = "kl";
+  overrides.lk_loss_type = "tv";
+  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
+            "lk_loss_type: applies to the dflash and dpace loss families, got "
+            "distillation");
+}
+
 TEST(OverridesTest, UnknownNamesAndDPaceGammaAreErrors) {
   v1::ObjectiveConfig config;
   ConfigOverrides overrides;

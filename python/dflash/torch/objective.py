@@ -31,6 +31,13 @@ class ObjectiveTerms(NamedTuple):
     # 0-dim: sum of q * weight_mask, q the target's probability (no
     # gradient); over accuracy_den, SpecForge's target_probability metric.
     target_probability_num: torch.Tensor
+    # 0-dim, no gradient: SpecForge's ce_loss_num (sum of w * CE) and
+    # tv_loss_num (sum of w * (1 - q), 0 unless the LK composition has a tv
+    # part); loss_num is composed from them.
+    ce_loss_num: Optional[torch.Tensor] = None
+    tv_loss_num: Optional[torch.Tensor] = None
+    # lk_loss_type="lambda": the batch's CE weight kl_w (a float); else None.
+    lk_kl_weight: Optional[float] = None
     neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
     argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
     top_k: Optional[torch.Tensor] = None  # [B, N, K, k] int64, when asked.
@@ -108,20 +115,22 @@ class _Objective(torch.autograd.Function):
                         else hidden.dtype)
         values = torch.tensor(
             [result["loss_num"], result["loss_den"], result["correct"],
-             result["accuracy_den"], result["target_probability"]]
+             result["accuracy_den"], result["target_probability"],
+             result["ce_num"], result["tv_num"]]
             + result["correct_per_position"] + result["mask_per_position"],
             dtype=torch.float64)
         values = values.to(device=device, dtype=scalar_dtype)
         k = len(result["correct_per_position"])
         terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
-                                     values[5:5 + k], values[5 + k:],
-                                     values[4])]
+                                     values[7:7 + k], values[7 + k:],
+                                     values[4], values[5], values[6])]
         extras = [
             outputs["neg_log_q"],
             None if outputs["argmax"] is None else outputs["argmax"].long(),
             None if outputs["top_k"] is None else outputs["top_k"].long(),
         ]
         run_info.update(result["stats"])
+        run_info["lk_kl_weight"] = result["lk_kl_weight"]
         ctx.den = result["loss_den"]
         ctx.grads = grads
         returned = terms + [e for e in extras if e is not None]
@@ -198,8 +207,9 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
         lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
         _on_host(weight_mask))
-    terms = list(results[:7])
-    extras = iter(results[7:])
-    for wanted in (return_rows, return_rows, top_k > 0):
-        terms.append(next(extras) if wanted else None)
-    return ObjectiveTerms(*terms, stats=stats)
+    terms = list(results[:9])
+    lk_kl_weight = stats.pop("lk_kl_weight")
+    extras = iter(results[9:])
+    rows = [next(extras) if wanted else None
+            for wanted in (return_rows, return_rows, top_k > 0)]
+    return ObjectiveTerms(*terms, lk_kl_weight, *rows, stats=stats)

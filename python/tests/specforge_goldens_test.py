@@ -1,0 +1,102 @@
+"""dflash_objective against SpecForge's own OnlineDFlashModel, through
+autograd: the goldens in tests/goldens/specforge_dflash (made by
+tools/specforge_goldens.py from SpecForge's code; the matched commit is in
+tests/goldens/README.md) hold a token batch, anchors, the draft's output
+states, the frozen lm_head, and SpecForge's terms, loss and d(loss)/d(states).
+"""
+
+import os
+import unittest
+
+import numpy as np
+import torch
+
+from dflash.torch import dflash_objective
+
+GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                       "tests", "goldens", "specforge_dflash")
+# terms.npy's order (tools/specforge_goldens.py TERMS).
+CE_NUM, TV_NUM, LOSS_DEN, PROB_NUM, CORRECT, ACC_DEN, LOSS_NUM, LOSS, ACC = \
+    range(9)
+
+
+def load(directory):
+    arrays = {name[:-4]: np.load(os.path.join(directory, name))
+              for name in os.listdir(directory) if name.endswith(".npy")}
+    with open(os.path.join(directory, "config.textproto")) as f:
+        arrays["config"] = f.read()
+    return arrays
+
+
+def labels(g, block_size):
+    """SpecForge's labels: slot k of an anchor predicts token anchor + k;
+    the weight mask is keep x in range x (k > 0) x loss mask, written here
+    from its definition."""
+    input_ids = torch.from_numpy(g["input_ids"])
+    loss_mask = torch.from_numpy(g["loss_mask"]).double()
+    anchors = torch.from_numpy(g["anchors"])
+    keep = torch.from_numpy(g["keep"]).double()
+    seq_len = input_ids.shape[1]
+    index = anchors.unsqueeze(-1) + torch.arange(block_size)
+    in_range = (index < seq_len).double()
+    index = index.clamp(max=seq_len - 1)
+    rows = torch.arange(input_ids.shape[0]).view(-1, 1, 1)
+    target_ids = input_ids[rows, index]
+    not_anchor = (torch.arange(block_size) > 0).double()
+    weight_mask = keep.unsqueeze(-1) * in_range * not_anchor * loss_mask[
+        rows, index]
+    return target_ids, weight_mask
+
+
+class SpecForgeGoldensTest(unittest.TestCase):
+
+    def test_every_golden_in_fused_and_checkpoint_mode(self):
+        names = sorted(os.listdir(GOLDENS))
+        self.assertGreaterEqual(len(names), 12)
+        for name in names:
+            g = load(os.path.join(GOLDENS, name))
+            batch, num_anchors = g["anchors"].shape
+            hidden_size = g["hidden"].shape[1]
+            block_size = g["hidden"].shape[0] // (batch * num_anchors)
+            target_ids, weight_mask = labels(g, block_size)
+            # SpecForge rounds its decay weights to float32.
+            rtol = 3e-7 if "gamma: 7" in g["config"] or "gamma: 3" in g[
+                "config"] else 1e-10
+            for mode in ("fused", "checkpoint"):
+                with self.subTest(case=name, mode=mode):
+                    hidden = torch.from_numpy(g["hidden"]).reshape(
+                        batch, num_anchors, block_size, hidden_size)
+                    hidden.requires_grad_(True)
+                    terms = dflash_objective(
+                        hidden, torch.from_numpy(g["weight"]), target_ids,
+                        weight_mask, config=g["config"], mode=mode,
+                        chunk_blocks=2)
+                    terms.loss.backward()
+                    want = g["terms"]
+                    for label, actual, index in (
+                            ("loss", terms.loss, LOSS),
+                            ("loss_num", terms.loss_num, LOSS_NUM),
+                            ("loss_den", terms.loss_den, LOSS_DEN),
+                            ("ce_loss_num", terms.ce_loss_num, CE_NUM),
+                            ("tv_loss_num", terms.tv_loss_num, TV_NUM),
+                            ("target_probability_num",
+                             terms.target_probability_num, PROB_NUM),
+                            ("correct_num", terms.correct_num, CORRECT),
+                            ("accuracy_den", terms.accuracy_den, ACC_DEN)):
+                        self.assertAlmostEqual(
+                            float(actual), float(want[index]),
+                            delta=rtol * max(1.0, abs(float(want[index]))),
+                            msg=label)
+                    grad = hidden.grad.reshape(-1, hidden_size).numpy()
+                    scale = np.abs(g["grad_hidden"]).max()
+                    self.assertLessEqual(
+                        np.abs(grad - g["grad_hidden"]).max() / scale, rtol,
+                        "d(loss)/d(hidden)")
+                    if "LAMBDA" in g["config"]:
+                        self.assertIsNotNone(terms.lk_kl_weight)
+                    else:
+                        self.assertIsNone(terms.lk_kl_weight)
+
+
+if __name__ == "__main__":
+    unittest.main()
