@@ -287,6 +287,21 @@ TEST(HeadJobTest, LkFlagsSetTheComposition) {
   EXPECT_EQ(config->loss().dflash().lk().type(), v1::LkComposition::LAMBDA);
   EXPECT_EQ(config->loss().dflash().lk().kl_scale(), 0.7);
   EXPECT_EQ(config->loss().dflash().lk().kl_decay(), 1);
+
+  // The run reports SpecForge's LK metrics, and the fused head still makes
+  // two GEMM passes: the batch's CE weight scales rows after the last chunk.
+  std::ostringstream report;
+  auto run = RunHeadJob(options, report);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const v1::HeadMetrics& m = run->metrics;
+  EXPECT_EQ(m.loss_family(), "dflash/lk-lambda");
+  EXPECT_DOUBLE_EQ(m.gemms(), 2);
+  EXPECT_NEAR(m.lk_kl_weight(), 0.7 * std::exp(-m.target_probability()), 1e-12);
+  EXPECT_NEAR(m.loss_num(),
+              m.lk_kl_weight() * m.ce_loss_num() +
+                  (1 - m.lk_kl_weight()) * m.tv_loss_num(),
+              1e-9 * m.loss_num());
+  EXPECT_GT(m.tv_loss_num(), 0);
 }
 
 // With --inputs the files give the shapes: the synthetic batch's flags are

@@ -8,9 +8,18 @@
 namespace dflash {
 namespace {
 
-// The family's name; distillation adds its divergence.
+// The family's name; distillation adds its divergence, dflash and dpace
+// their LK composition other than ALPHA.
 std::string LossFamilyName(const v1::LossConfig& loss) {
   const std::string name = LossTraitsOf(loss).name;
+  const v1::LkComposition::Type lk =
+      loss.has_dflash()  ? loss.dflash().lk().type()
+      : loss.has_dpace() ? loss.dpace().lk().type()
+                         : v1::LkComposition::ALPHA;
+  if (lk != v1::LkComposition::ALPHA) {
+    return absl::StrCat(name, "/lk-",
+                        lk == v1::LkComposition::TV ? "tv" : "lambda");
+  }
   if (!loss.has_distillation()) return name;
   return absl::StrCat(
       name, "/",
@@ -32,6 +41,9 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
                                ? r.terms.target_probability /
                                      r.terms.accuracy_den
                                : 0);
+  m.set_ce_loss_num(r.terms.ce_num);
+  m.set_tv_loss_num(r.terms.tv_num);
+  m.set_lk_kl_weight(r.lk_kl_weight.value_or(0));
   for (double a : r.accuracy_per_position) m.add_accuracy_per_position(a);
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);
