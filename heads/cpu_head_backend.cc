@@ -14,6 +14,7 @@
 #include "heads/cpu_projection.h"
 #include "heads/head_backend.h"
 #include "heads/row_compaction.h"
+#include "losses/accepted_length.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
@@ -60,7 +61,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                               Part(out.argmax, b, n),
                               Part(out.top_k, b * out.k, n * out.k),
                               out.k,
-                              Part(out.target_probability, b, n)};
+                              Part(out.target_probability, b, n),
+                              Part(out.target_rank, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -71,9 +73,7 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
   for (int g = 1; g < groups; ++g) workers.emplace_back(run, g);
   run(0);
   for (std::thread& worker : workers) worker.join();
-  ChunkTerms terms;
-  terms.correct_per_position.assign(loss.options().block_size, 0.0);
-  terms.mask_per_position.assign(loss.options().block_size, 0.0);
+  ChunkTerms terms = ChunkTerms::Zero(loss.options().block_size);
   for (absl::StatusOr<ChunkTerms>& result : results) {
     if (!result.ok()) return result.status();
     terms.Add(*result);
@@ -89,14 +89,12 @@ class CpuHeadBackend final : public HeadBackend<T> {
       : config_(config),
         allocator_(allocator),
         params_(LossParamsOf(config.loss())),
-        options_{config.layout().block_size(), config.head().logit_scale(),
-                 config.head().logit_softcap()},
+        options_(ChunkLossOptionsOf(config)),
         confidence_(LossTraitsOf(params_).needs_confidence) {
     const int32_t threads = config.head().threads();
     threads_ = threads > 0 ? threads
                            : std::max(1u, std::thread::hardware_concurrency());
-    terms_.correct_per_position.assign(options_.block_size, 0.0);
-    terms_.mask_per_position.assign(options_.block_size, 0.0);
+    terms_ = ChunkTerms::Zero(options_.block_size);
   }
 
   Device device() const override { return Device::kCpu; }
@@ -123,9 +121,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
-    if (params_.lk == LkMode::kLambdaBatch) {
-      row_q_.assign(spec.inputs->rows.size(), 0.0);
-    }
+    const size_t rows = spec.inputs->rows.size();
+    row_q_.assign(rows, 0.0);
+    row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
     return absl::OkStatus();
   }
 
@@ -156,14 +154,16 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> confidence_grad(record && confidence_ ? m : 0);
-    // A recomputation writes the same q again.
-    std::vector<double> q(row_q_.empty() ? 0 : m);
+    // A recomputation writes the same q and rank again.
+    std::vector<double> q(m);
+    std::vector<int32_t> rank(row_rank_.empty() ? 0 : m);
     const ChunkLossOutputs outputs{absl::MakeSpan(confidence_grad),
                                    absl::MakeSpan(neg_log_q),
                                    absl::MakeSpan(argmax),
                                    absl::MakeSpan(top_k),
                                    o.k,
-                                   absl::MakeSpan(q)};
+                                   absl::MakeSpan(q),
+                                   absl::MakeSpan(rank)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
@@ -189,14 +189,20 @@ class CpuHeadBackend final : public HeadBackend<T> {
       if (!confidence_grad.empty()) {
         spec_.gradients->confidence[r] = confidence_grad[i];
       }
-      if (!q.empty()) row_q_[r] = q[i];
+      row_q_[r] = q[i];
+      if (!rank.empty()) row_rank_[r] = rank[i];
     }
     return absl::OkStatus();
   }
 
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  absl::StatusOr<ChunkTerms> Terms() override { return terms_; }
+  absl::StatusOr<ChunkTerms> Terms() override {
+    ChunkTerms terms = terms_;
+    terms.accepted_length = AcceptedLengths(spec_.inputs->rows, row_q_,
+                                            row_rank_, options_.block_size);
+    return terms;
+  }
 
   absl::Status ScaleGradients(double scale,
                               std::optional<double> kl_weight) override {
@@ -228,7 +234,10 @@ class CpuHeadBackend final : public HeadBackend<T> {
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
   ChunkTerms terms_;
-  std::vector<double> row_q_;  // By batch row: the batch-level LK lambda's q.
+  // By batch row: q (the batch-level LK lambda's factor, the accepted
+  // lengths) and the target's top-k rank.
+  std::vector<double> row_q_;
+  std::vector<int32_t> row_rank_;
   double loss_seconds_ = 0;
 };
 

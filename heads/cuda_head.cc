@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "heads/cuda_head_kernels.h"
 #include "heads/head_backend.h"
+#include "losses/accepted_length.h"
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
@@ -44,9 +45,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
         CudaChunkLoss<T>::Create(LossParamsOf(config_.loss()),
-                                 {config_.layout().block_size(),
-                                  head.logit_scale(), head.logit_softcap()},
-                                 stream_));
+                                 ChunkLossOptionsOf(config_), stream_));
     loss_ = std::move(loss);
     // The active rows on the device: chunks index into them, and the loss
     // writes per-row outputs through them.
@@ -72,12 +71,17 @@ class CudaHeadBackend final : public HeadBackend<T> {
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
                           stream_.stream());
     cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
-    if (LossParamsOf(config_.loss()).lk == LkMode::kLambdaBatch) {
+    const int64_t rows = static_cast<int64_t>(spec.inputs->rows.size());
+    DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> q,
+                            TrackedBuffer<double>::Create(allocator(), rows));
+    row_q_ = std::move(q);
+    DFLASH_RETURN_IF_ERROR(stream_.Zero(row_q_.data(), row_q_.bytes()));
+    if (ChunkLossOptionsOf(config_).metric_top_k > 0) {
       DFLASH_ASSIGN_OR_RETURN(
-          TrackedBuffer<double> q,
-          TrackedBuffer<double>::Create(
-              allocator(), static_cast<int64_t>(spec.inputs->rows.size())));
-      row_q_ = std::move(q);
+          TrackedBuffer<int32_t> rank,
+          TrackedBuffer<int32_t>::Create(allocator(), rows));
+      row_rank_ = std::move(rank);
+      cuda::LaunchFillInt32(row_rank_.data(), rows, -1, stream_.stream());
     }
     return stream_.LaunchStatus("head start");
   }
@@ -116,8 +120,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
                     : absl::Span<float>(),
         if_recorded(o.neg_log_q), if_recorded(o.argmax), if_recorded(o.top_k),
         o.k,
-        // A recomputation writes the same q again.
-        absl::MakeSpan(row_q_.data(), row_q_.size())};
+        // A recomputation writes the same q and rank again.
+        absl::MakeSpan(row_q_.data(), row_q_.size()),
+        absl::MakeSpan(row_rank_.data(), row_rank_.size())};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
@@ -129,7 +134,19 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Synchronize() override { return stream_.Synchronize(); }
 
-  absl::StatusOr<ChunkTerms> Terms() override { return loss_->Terms(); }
+  absl::StatusOr<ChunkTerms> Terms() override {
+    DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss_->Terms());
+    // The accepted lengths chain whole blocks: from the rows' q and rank.
+    std::vector<double> q(row_q_.size());
+    std::vector<int32_t> rank(row_rank_.size());
+    DFLASH_RETURN_IF_ERROR(
+        stream_.CopyToHost(q.data(), row_q_.data(), row_q_.bytes()));
+    DFLASH_RETURN_IF_ERROR(
+        stream_.CopyToHost(rank.data(), row_rank_.data(), row_rank_.bytes()));
+    terms.accepted_length = AcceptedLengths(spec_.inputs->rows, q, rank,
+                                            config_.layout().block_size());
+    return terms;
+  }
 
   absl::Status ScaleGradients(double scale,
                               std::optional<double> kl_weight) override {
@@ -161,7 +178,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<CudaChunkLoss<T>> loss_;
   TrackedBuffer<int64_t> active_;
-  TrackedBuffer<double> row_q_;  // By batch row: the batch-level LK lambda's q.
+  // By batch row: q (the batch-level LK lambda's factor, the accepted
+  // lengths) and the target's top-k rank.
+  TrackedBuffer<double> row_q_;
+  TrackedBuffer<int32_t> row_rank_;
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
 };

@@ -33,6 +33,7 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
   }
   problems.Above("head.logit_scale", head.logit_scale(), 0);
   problems.AtLeast("head.threads", head.threads(), 0);
+  problems.Within("head.metric_top_k", head.metric_top_k(), 0, 64);
   if (head.backend() == v1::HeadConfig::CUDA &&
       head.dtype() == v1::HeadConfig::FLOAT64) {
     problems.Add("head.dtype",

@@ -6,6 +6,7 @@
 // alike: HeadInputs, HeadGradients, HeadRowOutputs and HeadOptions in;
 // HeadResult (terms, accuracy, plan, HeadStats) out.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -79,6 +80,16 @@ struct HeadResult {
   ChunkPlan plan;
   HeadStats stats;
 };
+
+// What the head adds to its loss: the layout's block size, the head's logit
+// transform and its metric_top_k (capped at the vocabulary).
+inline ChunkLossOptions ChunkLossOptionsOf(const v1::ObjectiveConfig& config) {
+  const v1::HeadConfig& head = config.head();
+  return {config.layout().block_size(), head.logit_scale(),
+          head.logit_softcap(),
+          static_cast<int32_t>(
+              std::min<int64_t>(head.metric_top_k(), head.vocab_size()))};
+}
 
 struct HeadOptions {
   // d(objective)/d(loss) from the caller; gradients are scaled by it.

@@ -247,6 +247,11 @@ absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options) {
         "finite and >= 0, got ",
         options.logit_scale, " and ", options.logit_softcap));
   }
+  if (options.metric_top_k < 0 || options.metric_top_k > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: metric_top_k must lie in [0, 64], got ",
+                     options.metric_top_k));
+  }
   return absl::OkStatus();
 }
 
@@ -284,11 +289,17 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
                                        outputs.neg_log_q.size()},
         {"outputs.argmax", outputs.argmax.size()},
         {"outputs.confidence_grad", outputs.confidence_grad.size()},
-        {"outputs.target_probability", outputs.target_probability.size()}}) {
+        {"outputs.target_probability", outputs.target_probability.size()},
+        {"outputs.target_rank", outputs.target_rank.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
     }
+  }
+  if (!outputs.target_rank.empty() && options.metric_top_k == 0) {
+    return absl::InvalidArgumentError(
+        "chunk loss: outputs.target_rank needs options.metric_top_k > 0, got "
+        "0");
   }
   if (params.lk == LkMode::kLambdaBatch && outputs.target_probability.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -346,6 +357,17 @@ absl::Status TeacherError(const absl::Status& status) {
 
 }  // namespace
 
+ChunkTerms ChunkTerms::Zero(int64_t block_size) {
+  ChunkTerms terms;
+  for (std::vector<double>* v :
+       {&terms.correct_per_position, &terms.mask_per_position,
+        &terms.target_probability_per_position, &terms.loss_weight_per_position,
+        &terms.top_k_recall_per_position, &terms.top_k_mass_per_position}) {
+    v->assign(block_size, 0.0);
+  }
+  return terms;
+}
+
 void ChunkTerms::Add(const ChunkTerms& other) {
   loss_num += other.loss_num;
   loss_den += other.loss_den;
@@ -354,13 +376,20 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   target_probability += other.target_probability;
   ce_num += other.ce_num;
   tv_num += other.tv_num;
-  correct_per_position.resize(
-      std::max(correct_per_position.size(), other.correct_per_position.size()));
-  mask_per_position.resize(
-      std::max(mask_per_position.size(), other.mask_per_position.size()));
-  for (size_t k = 0; k < other.correct_per_position.size(); ++k) {
-    correct_per_position[k] += other.correct_per_position[k];
-    mask_per_position[k] += other.mask_per_position[k];
+  accepted_length.block_den += other.accepted_length.block_den;
+  accepted_length.expected_num += other.accepted_length.expected_num;
+  accepted_length.oracle_num += other.accepted_length.oracle_num;
+  const std::pair<std::vector<double>*, const std::vector<double>*> pairs[] = {
+      {&correct_per_position, &other.correct_per_position},
+      {&mask_per_position, &other.mask_per_position},
+      {&target_probability_per_position,
+       &other.target_probability_per_position},
+      {&loss_weight_per_position, &other.loss_weight_per_position},
+      {&top_k_recall_per_position, &other.top_k_recall_per_position},
+      {&top_k_mass_per_position, &other.top_k_mass_per_position}};
+  for (const auto& [mine, theirs] : pairs) {
+    mine->resize(std::max(mine->size(), theirs->size()));
+    for (size_t k = 0; k < theirs->size(); ++k) (*mine)[k] += (*theirs)[k];
   }
 }
 
@@ -422,6 +451,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     }
     if (!outputs.confidence_grad.empty()) outputs.confidence_grad[r] = 0;
     if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
+    if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
   }
 
   // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
@@ -436,23 +466,41 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
 
   std::vector<RowStats> stats(num_rows);
   std::vector<bool> have_stats(num_rows, false);
+  // One top-k serves the caller's k and the diagnostics' (the shorter list
+  // is a prefix of the longer: ties go to the lower index in both).
+  const int32_t caller_k = outputs.top_k.empty() ? 0 : outputs.k;
+  const int32_t metric_k = static_cast<int32_t>(
+      std::min<int64_t>(options_.metric_top_k, inputs.vocab));
+  const int32_t top_k = std::max(caller_k, metric_k);
+  std::vector<int32_t> ids(top_k);
+  std::vector<int32_t> rank(num_rows, -1);
+  std::vector<double> top_mass(num_rows, 0.0);
   // Top-k reads z' before the stats pass may overwrite it.
   auto analyse = [&](int64_t r, absl::Span<W> z) -> absl::Status {
-    if (!outputs.top_k.empty()) {
-      absl::Status top = TopK<W>(
-          z, outputs.k, outputs.top_k.subspan(r * outputs.k, outputs.k));
-      if (!top.ok()) return top;
+    const int32_t target = inputs.rows[r].target;
+    if (top_k > 0) {
+      DFLASH_RETURN_IF_ERROR(TopK<W>(z, top_k, absl::MakeSpan(ids)));
+      std::copy_n(ids.begin(), caller_k, outputs.top_k.begin() + r * caller_k);
     }
     absl::StatusOr<RowStats> row_stats;
     if constexpr (std::is_same_v<W, float>) {
-      row_stats = keep_exp ? ComputeRowStatsKeepExp(z, inputs.rows[r].target, r)
-                           : ComputeRowStats<W>(z, inputs.rows[r].target, r);
+      row_stats = keep_exp ? ComputeRowStatsKeepExp(z, target, r)
+                           : ComputeRowStats<W>(z, target, r);
     } else {
-      row_stats = ComputeRowStats<W>(z, inputs.rows[r].target, r);
+      row_stats = ComputeRowStats<W>(z, target, r);
     }
     if (!row_stats.ok()) return row_stats.status();
-    stats[r] = *row_stats;
+    const RowStats& s = *row_stats;
+    stats[r] = s;
     have_stats[r] = true;
+    // p = exp(z' - lse); ComputeRowStatsKeepExp left exp(z' - max) in z.
+    const bool exps = keep_exp && std::is_same_v<W, float>;
+    const double from_exp = std::exp(s.max_logit - s.logsumexp);
+    for (int32_t j = 0; j < metric_k; ++j) {
+      if (ids[j] == target) rank[r] = j;
+      top_mass[r] +=
+          exps ? z[ids[j]] * from_exp : std::exp(z[ids[j]] - s.logsumexp);
+    }
     return absl::OkStatus();
   };
 
@@ -491,9 +539,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
   }
 
   // Pass 3: metrics, terms and d(loss_num)/d(logits), row by row.
-  ChunkTerms terms;
-  terms.correct_per_position.assign(block_size, 0.0);
-  terms.mask_per_position.assign(block_size, 0.0);
+  ChunkTerms terms = ChunkTerms::Zero(block_size);
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
     if (mask[r] == 0) {
@@ -509,20 +555,27 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = neg_log_q;
     if (!outputs.argmax.empty()) outputs.argmax[r] = s.argmax;
     const double hit = mask[r] > 0.5 && s.argmax == meta.target;
+    const double q_r = std::exp(-neg_log_q);
+    const int32_t k = meta.position;
     terms.correct += hit;
     terms.accuracy_den += mask[r];
-    terms.target_probability += mask[r] * std::exp(-neg_log_q);
-    terms.correct_per_position[meta.position] += hit;
-    terms.mask_per_position[meta.position] += mask[r];
+    terms.target_probability += mask[r] * q_r;
+    terms.correct_per_position[k] += hit;
+    terms.mask_per_position[k] += mask[r];
+    terms.target_probability_per_position[k] += mask[r] * q_r;
+    terms.top_k_recall_per_position[k] += rank[r] >= 0 ? mask[r] : 0.0;
+    terms.top_k_mass_per_position[k] += mask[r] * top_mass[r];
+    if (!outputs.target_probability.empty()) {
+      outputs.target_probability[r] = q_r;
+    }
+    if (!outputs.target_rank.empty()) outputs.target_rank[r] = rank[r];
     const double w = weight[r];
     if (w == 0) {
       source.StoreZero(r);
       continue;
     }
     terms.loss_den += w;
-    if (!outputs.target_probability.empty()) {
-      outputs.target_probability[r] = std::exp(-neg_log_q);
-    }
+    terms.loss_weight_per_position[k] += w;
     source.KeepTransformed(z);
 
     if (p.family == LossFamily::kDistillation) {

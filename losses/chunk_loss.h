@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/bfloat16.h"
+#include "losses/accepted_length.h"
 #include "losses/loss_params.h"
 #include "losses/row_meta.h"
 #include "proto/loss.pb.h"
@@ -35,9 +36,22 @@ struct ChunkTerms {
   // families, and sum(w * (1 - q)) where the LK composition has a tv part.
   double ce_num = 0;
   double tv_num = 0;
-  std::vector<double> correct_per_position;  // Size K.
-  std::vector<double> mask_per_position;     // Size K: sum(m) at each k.
+  // Per block position k, size K each: SpecForge's per-position
+  // diagnostics (`_dflash_metric_chunk_terms`).
+  std::vector<double> correct_per_position;  // argmax == target, m > 0.5.
+  std::vector<double> mask_per_position;     // sum(m).
+  std::vector<double> target_probability_per_position;  // sum(q * m).
+  std::vector<double> loss_weight_per_position;         // sum(w).
+  // With ChunkLossOptions::metric_top_k: sum(m) where the target is among
+  // the k largest z', and sum(m * their softmax mass).
+  std::vector<double> top_k_recall_per_position;
+  std::vector<double> top_k_mass_per_position;
+  // Over whole blocks, so not from a chunk: a head sets them after its last
+  // chunk (losses/accepted_length.h).
+  AcceptedLengthTerms accepted_length;
 
+  // Zero terms for blocks of `block_size` positions.
+  static ChunkTerms Zero(int64_t block_size);
   // Adds `other` (same K) term by term.
   void Add(const ChunkTerms& other);
 };
@@ -67,10 +81,14 @@ struct ChunkLossOutputs {
   absl::Span<int32_t> argmax;         // [rows]
   absl::Span<int32_t> top_k;          // [rows x k], largest first.
   int32_t k = 0;
-  // [rows], q = exp(-neg_log_q) in double, 0 where the row has no weight.
+  // [rows], q = exp(-neg_log_q) in double, 0 where the row has no mask.
   // Required by the batch-level LK lambda, whose gradients FinishTerms'
   // LkDeferredFactor(kl_w, q) scales.
   absl::Span<double> target_probability;
+  // [rows], with options.metric_top_k: the target's place among the
+  // metric_top_k largest z' (0 for the largest), -1 where it is not among
+  // them or the row has no mask.
+  absl::Span<int32_t> target_rank;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md

@@ -715,6 +715,105 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
             "got 3");
 }
 
+// The diagnostics (metric_top_k): per position, the target among the k
+// largest z' (recall) and their softmax mass, the target probability and
+// loss weight, and per row the target's rank and q; against a stable sort of
+// z' in float64. A caller's top-k, shorter or longer than the metric's,
+// comes from the same list. Float rows keep exp(z' - max) in place (no
+// softcap), so the float path is checked too.
+TEST(ChunkLossTest, DiagnosticsMatchASortOfTheLossLogits) {
+  for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
+    for (int32_t caller_k : {0, 2, 6}) {
+      for (bool in_float : {false, true}) {
+        SCOPED_TRACE(
+            absl::StrCat(loss, " caller k ", caller_k, " float ", in_float));
+        Problem p = MakeProblem(4, {kK});
+        p.options.metric_top_k = 4;
+        for (int64_t i = 0; i < kRows * kV; i += 5) p.logits[i] = 0.25;
+        std::vector<int32_t> top(kRows * caller_k), rank(kRows);
+        std::vector<double> q(kRows);
+        ChunkLossOutputs outputs;
+        outputs.top_k = absl::MakeSpan(top);
+        outputs.k = caller_k;
+        outputs.target_probability = absl::MakeSpan(q);
+        outputs.target_rank = absl::MakeSpan(rank);
+        absl::StatusOr<ChunkTerms> terms;
+        if (in_float) {
+          std::vector<float> logits(p.logits.begin(), p.logits.end());
+          terms = ChunkLoss<float>(Parse(loss), p.options,
+                                   {absl::MakeSpan(logits), {}, {}, p.rows, kV},
+                                   outputs);
+        } else {
+          std::vector<double> logits = p.logits;
+          terms = ChunkLoss<double>(
+              Parse(loss), p.options,
+              {absl::MakeSpan(logits), {}, {}, p.rows, kV}, outputs);
+        }
+        ASSERT_TRUE(terms.ok()) << terms.status();
+        const Reference ref = Naive(Parse(loss), p);
+        std::vector<double> recall(kK), mass(kK), probability(kK), weight(kK);
+        for (int64_t r = 0; r < kRows; ++r) {
+          const RowMeta& m = p.rows[r];
+          std::vector<int32_t> order(kV);
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(),
+                           [&](int32_t a, int32_t b) {
+                             return p.logits[r * kV + a] > p.logits[r * kV + b];
+                           });
+          if (caller_k > 0) {
+            const std::vector<int32_t> want =
+                m.mask > 0 ? std::vector<int32_t>(order.begin(),
+                                                  order.begin() + caller_k)
+                           : std::vector<int32_t>(caller_k, -1);
+            EXPECT_EQ(std::vector<int32_t>(top.begin() + r * caller_k,
+                                           top.begin() + (r + 1) * caller_k),
+                      want)
+                << "row " << r;
+          }
+          if (m.mask == 0) {
+            EXPECT_EQ(rank[r], -1);
+            EXPECT_EQ(q[r], 0);
+            continue;
+          }
+          const double q_r = std::exp(-ref.neg_log_q[r]);
+          int32_t want_rank = -1;
+          double top_mass = 0;
+          for (int32_t j = 0; j < 4; ++j) {
+            if (order[j] == m.target) want_rank = j;
+            top_mass +=
+                std::exp(p.logits[r * kV + order[j]] -
+                         p.logits[r * kV + m.target] - ref.neg_log_q[r]);
+          }
+          EXPECT_EQ(rank[r], want_rank) << "row " << r;
+          EXPECT_NEAR(q[r], q_r, 1e-6) << "row " << r;
+          recall[m.position] += want_rank >= 0 ? m.mask : 0.0;
+          mass[m.position] += m.mask * top_mass;
+          probability[m.position] += m.mask * q_r;
+          weight[m.position] += ref.detached.weights[r];
+        }
+        for (int64_t k = 0; k < kK; ++k) {
+          EXPECT_EQ(terms->top_k_recall_per_position[k], recall[k]);
+          EXPECT_NEAR(terms->top_k_mass_per_position[k], mass[k], 1e-6);
+          EXPECT_NEAR(terms->target_probability_per_position[k], probability[k],
+                      1e-6);
+          EXPECT_NEAR(terms->loss_weight_per_position[k], weight[k], 1e-6);
+        }
+      }
+    }
+  }
+  // A rank needs the diagnostics' k.
+  std::vector<int32_t> rank(kRows);
+  ChunkLossOutputs outputs;
+  outputs.target_rank = absl::MakeSpan(rank);
+  EXPECT_EQ(RunLoss("dflash {}", MakeProblem(1, {kK}), outputs).message(),
+            "chunk loss: outputs.target_rank needs options.metric_top_k > 0, "
+            "got 0");
+  Problem p = MakeProblem(1, {kK});
+  p.options.metric_top_k = 65;
+  EXPECT_EQ(RunLoss("dflash {}", p).message(),
+            "chunk loss: metric_top_k must lie in [0, 64], got 65");
+}
+
 // SpecForge's lk_loss_type="lambda": the CE weight comes from the whole
 // batch, so each chunk leaves loss_num to FinishTerms and writes w (p -
 // onehot) and q per row; the batch's gradient is that times

@@ -103,6 +103,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.argmax = share(outputs.argmax, 1);
     check_outputs.top_k = share(outputs.top_k, outputs.k);
     check_outputs.target_probability = share(outputs.target_probability, 1);
+    check_outputs.target_rank = share(outputs.target_rank, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -186,6 +187,10 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.target_probability = outputs.target_probability.empty()
                                 ? nullptr
                                 : outputs.target_probability.data();
+  args.metric_k = static_cast<int32_t>(
+      std::min<int64_t>(s.params.options.metric_top_k, vocab));
+  args.target_rank =
+      outputs.target_rank.empty() ? nullptr : outputs.target_rank.data();
   args.totals = record ? s.totals.data() : nullptr;
   args.error = s.error.data();
   cuda::KernelParams params = s.params;
@@ -232,10 +237,17 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.target_probability = totals[4];
   terms.ce_num = totals[5];
   terms.tv_num = totals[6];
-  terms.correct_per_position.assign(totals.begin() + cuda::kTermSlots,
-                                    totals.begin() + cuda::kTermSlots + k);
-  terms.mask_per_position.assign(totals.begin() + cuda::kTermSlots + k,
-                                 totals.end());
+  std::vector<double>* per_position[cuda::kPositionTerms] = {
+      &terms.correct_per_position,
+      &terms.mask_per_position,
+      &terms.target_probability_per_position,
+      &terms.loss_weight_per_position,
+      &terms.top_k_recall_per_position,
+      &terms.top_k_mass_per_position};
+  for (int t = 0; t < cuda::kPositionTerms; ++t) {
+    const auto begin = totals.begin() + cuda::kTermSlots + t * k;
+    per_position[t]->assign(begin, begin + k);
+  }
   return terms;
 }
 
@@ -277,10 +289,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto argmax = Upload<int32_t>(outputs.argmax, stream);
   auto top_k = Upload<int32_t>(outputs.top_k, stream);
   auto target_probability = Upload<double>(outputs.target_probability, stream);
+  auto target_rank = Upload<int32_t>(outputs.target_rank, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
-        top_k.status(), target_probability.status()}) {
+        top_k.status(), target_probability.status(), target_rank.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
@@ -291,7 +304,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                                          inputs.vocab};
   const ChunkLossOutputs device_outputs{
       View(*confidence_grad), View(*neg_log_q), View(*argmax),
-      View(*top_k),           outputs.k,        View(*target_probability)};
+      View(*top_k),           outputs.k,        View(*target_probability),
+      View(*target_rank)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -308,7 +322,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{outputs.argmax.data(), argmax->data(), argmax->bytes()},
         Back{outputs.top_k.data(), top_k->data(), top_k->bytes()},
         Back{outputs.target_probability.data(), target_probability->data(),
-             target_probability->bytes()}}) {
+             target_probability->bytes()},
+        Back{outputs.target_rank.data(), target_rank->data(),
+             target_rank->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

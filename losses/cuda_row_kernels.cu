@@ -292,7 +292,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The k largest z' of each row with mask, largest first, ties to the lower
-// index: k passes, each the block's maximum below the previous pick.
+// index: k passes, each the block's maximum below the previous pick. One
+// list serves the caller's top-k and the diagnostics' (the shorter is a
+// prefix of the longer); the latter's target rank and softmax mass go to
+// row_terms' slots 7 and 8, times the mask.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     TopKKernel(KernelParams p, ChunkArgs<T> a) {
@@ -300,6 +303,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t out = OutRow(a.out_rows, r);
   const Row meta = a.meta[r];
   const Transform transform(p.options);
+  const int32_t caller_k = a.top_k != nullptr ? a.k : 0;
+  const int32_t picks = caller_k > a.metric_k ? caller_k : a.metric_k;
+  const float lse = a.stats[r].lse;
+  int32_t rank = -1;
+  double mass = 0;
   struct Pick {
     float value;
     int32_t index;
@@ -309,9 +317,9 @@ __global__ void __launch_bounds__(kThreads)
                                                                           : x;
   };
   Pick last{INFINITY, -1};
-  for (int32_t j = 0; j < a.k; ++j) {
+  for (int32_t j = 0; j < picks; ++j) {
     if (meta.mask == 0) {
-      if (threadIdx.x == 0) a.top_k[out * a.k + j] = -1;
+      if (threadIdx.x == 0 && j < caller_k) a.top_k[out * a.k + j] = -1;
       continue;
     }
     Pick best{-INFINITY, INT32_MAX};
@@ -321,8 +329,19 @@ __global__ void __launch_bounds__(kThreads)
       if (after) best = better(best, Pick{z, static_cast<int32_t>(i)});
     });
     best = BlockReduce(best, better);
-    if (threadIdx.x == 0) a.top_k[out * a.k + j] = best.index;
+    if (threadIdx.x == 0) {
+      if (j < caller_k) a.top_k[out * a.k + j] = best.index;
+      if (j < a.metric_k) {
+        if (best.index == meta.target) rank = j;
+        mass += exp(static_cast<double>(best.value) - lse);
+      }
+    }
     last = best;
+  }
+  if (threadIdx.x == 0) {
+    a.row_terms[kTermSlots * r + 7] = rank >= 0 ? double{meta.mask} : 0.0;
+    a.row_terms[kTermSlots * r + 8] = meta.mask * mass;
+    if (a.target_rank != nullptr) a.target_rank[out] = rank;
   }
 }
 
@@ -370,6 +389,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
       if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
       if (a.target_probability != nullptr) a.target_probability[out] = 0;
+      if (a.target_rank != nullptr) a.target_rank[out] = -1;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
     }
@@ -387,8 +407,12 @@ __global__ void __launch_bounds__(kThreads)
     terms[4] = meta.mask * exp(-neg_log_q);
     terms[5] = 0;
     terms[6] = 0;
+    if (a.metric_k == 0) {  // Else TopKKernel wrote them.
+      terms[7] = 0;
+      terms[8] = 0;
+    }
     if (a.target_probability != nullptr) {
-      a.target_probability[out] = w != 0 ? exp(-neg_log_q) : 0.0;
+      a.target_probability[out] = exp(-neg_log_q);
     }
     if (a.neg_log_q != nullptr)
       a.neg_log_q[out] = static_cast<float>(neg_log_q);
@@ -526,17 +550,14 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) totals[j] += sum;
   }
   for (int32_t k = 0; k < block_size; ++k) {
-    double correct = 0, mass = 0;
-    for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
-      if (meta[r].position != k) continue;
-      correct += row_terms[kTermSlots * r + 2];
-      mass += row_terms[kTermSlots * r + 3];
-    }
-    correct = BlockReduce(correct, add);
-    mass = BlockReduce(mass, add);
-    if (threadIdx.x == 0) {
-      totals[kTermSlots + k] += correct;
-      totals[kTermSlots + block_size + k] += mass;
+    for (int t = 0; t < kPositionTerms; ++t) {
+      double sum = 0;
+      for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
+        if (meta[r].position == k)
+          sum += row_terms[kTermSlots * r + PositionSlot(t)];
+      }
+      sum = BlockReduce(sum, add);
+      if (threadIdx.x == 0) totals[kTermSlots + t * block_size + k] += sum;
     }
   }
 }
@@ -573,7 +594,7 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   if (args.rows == 0) return;
   const dim3 rows(static_cast<unsigned>(args.rows));
   StatsKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
-  if (args.top_k != nullptr && args.k > 0) {
+  if ((args.top_k != nullptr && args.k > 0) || args.metric_k > 0) {
     TopKKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
   }
   if (CouplesBlocks(params.loss) && args.blocks > 0) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "base/host_device.h"
 #include "losses/loss_params.h"
 
 struct CUstream_st;
@@ -44,12 +45,19 @@ struct RowStats {
 };
 
 // Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
-// accuracy_den, target_probability, ce_num, tv_num, then
-// correct_per_position[K], mask_per_position[K]. A chunk's row_terms hold
-// the first kTermSlots per row.
-constexpr int kTermSlots = 7;
+// accuracy_den, target_probability, ce_num, tv_num, top-k recall, top-k
+// mass (one kTermSlots row per chunk row in row_terms), then, per block
+// position, the sums of the slots PositionSlot names, [K] each, in
+// ChunkTerms' order: correct, mask, target probability, loss weight, top-k
+// recall, top-k mass.
+constexpr int kTermSlots = 9;
+constexpr int kPositionTerms = 6;
+DFLASH_HOST_DEVICE constexpr int PositionSlot(int t) {
+  constexpr int kSlots[kPositionTerms] = {2, 3, 4, 1, 7, 8};
+  return kSlots[t];
+}
 inline int64_t TotalsSize(int32_t block_size) {
-  return kTermSlots + 2 * int64_t{block_size};
+  return kTermSlots + kPositionTerms * int64_t{block_size};
 }
 
 // Error codes the kernels report through an atomic minimum; the host reads
@@ -81,6 +89,9 @@ struct ChunkArgs {
   int32_t* top_k = nullptr;           // [out row, k].
   int32_t k = 0;
   double* target_probability = nullptr;  // By out row.
+  // The diagnostics' top-k width (0: none) and the target's rank by out row.
+  int32_t metric_k = 0;
+  int32_t* target_rank = nullptr;
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;

@@ -68,10 +68,13 @@ struct LossParams {
 // How logits z become the loss's logits z': z' = c * tanh(s * z / c) with
 // softcap c > 0, z' = s * z without (HeadConfig.logit_scale/logit_softcap).
 // The teacher's logits, from the same head, get the same transform.
+// metric_top_k > 0 adds the top-k diagnostics (the target among the k
+// largest z', their probability mass) to the terms; at most min(64, V).
 struct ChunkLossOptions {
   int64_t block_size = 1;
   double logit_scale = 1;
   double logit_softcap = 0;
+  int32_t metric_top_k = 0;
 };
 
 }  // namespace dflash

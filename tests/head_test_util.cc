@@ -80,10 +80,9 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
                            absl::MakeSpan(ref.top_k),
                            kTopK,
                            absl::MakeSpan(q)};
-  auto terms = ChunkLoss<double>(
-      config.loss(),
-      {kK, config.head().logit_scale(), config.head().logit_softcap()},
-      {absl::MakeSpan(d), t, confidence, b.rows, kV}, outputs);
+  auto terms = ChunkLoss<double>(config.loss(), ChunkLossOptionsOf(config),
+                                 {absl::MakeSpan(d), t, confidence, b.rows, kV},
+                                 outputs);
   EXPECT_TRUE(terms.ok()) << terms.status();
   ref.terms = *terms;
   // The whole batch in one chunk: the batch-level LK lambda is composed here.

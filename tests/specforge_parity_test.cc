@@ -39,8 +39,22 @@ enum Term {
   kTermCount,
 };
 
-// position.npy rows.
-enum PositionRow { kMaskSum, kHits, kTargetProbability, kLossWeight };
+// position.npy rows and accepted.npy entries.
+enum PositionRow {
+  kMaskSum,
+  kHits,
+  kTargetProbability,
+  kLossWeight,
+  kTopKRecall,
+  kTopKMass,
+  kPositionRows,
+};
+enum Accepted { kBlockDen, kOracleNum, kExpectedNum, kAcceptedCount };
+
+// SpecForge's diagnostics take softmax in float32 (`.float()`), so its
+// probability-based metrics, and D-PACE's metric weights, carry float32
+// rounding.
+constexpr double kFloat32Metric = 2e-6;
 
 struct Golden {
   std::string name;
@@ -48,7 +62,7 @@ struct Golden {
   int64_t batch = 0, seq_len = 0, num_anchors = 0;
   std::vector<int64_t> input_ids, anchors;
   std::vector<uint8_t> loss_mask, keep;
-  std::vector<double> hidden, weight, grad_hidden, terms, position;
+  std::vector<double> hidden, weight, grad_hidden, terms, position, accepted;
 };
 
 NpyArray Read(const std::string& dir, const std::string& name) {
@@ -87,6 +101,7 @@ Golden Load(const std::filesystem::path& dir) {
   g.grad_hidden = NpyToFloat64(Read(d, "grad_hidden"));
   g.terms = NpyToFloat64(Read(d, "terms"));
   g.position = NpyToFloat64(Read(d, "position"));
+  g.accepted = NpyToFloat64(Read(d, "accepted"));
   return g;
 }
 
@@ -151,8 +166,10 @@ TEST(SpecForgeParityTest, GoldensAreThere) {
     SCOPED_TRACE(g.name);
     EXPECT_EQ(g.terms.size(), static_cast<size_t>(kTermCount));
     EXPECT_EQ(g.grad_hidden.size(), g.hidden.size());
-    EXPECT_EQ(g.position.size(),
-              static_cast<size_t>(4 * g.config.layout().block_size()));
+    EXPECT_EQ(
+        g.position.size(),
+        static_cast<size_t>(kPositionRows * g.config.layout().block_size()));
+    EXPECT_EQ(g.accepted.size(), static_cast<size_t>(kAcceptedCount));
   }
 }
 
@@ -195,7 +212,26 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
             ExpectNear(r.terms.correct_per_position[p],
                        g.position[kHits * k + p], 0,
                        absl::StrCat("hits at position ", p));
+            ExpectNear(r.terms.target_probability_per_position[p],
+                       g.position[kTargetProbability * k + p], kFloat32Metric,
+                       absl::StrCat("target probability at position ", p));
+            ExpectNear(r.terms.loss_weight_per_position[p],
+                       g.position[kLossWeight * k + p],
+                       std::max(tol, kFloat32Metric),
+                       absl::StrCat("loss weight at position ", p));
+            ExpectNear(r.terms.top_k_recall_per_position[p],
+                       g.position[kTopKRecall * k + p], 0,
+                       absl::StrCat("top-16 recall at position ", p));
+            ExpectNear(r.terms.top_k_mass_per_position[p],
+                       g.position[kTopKMass * k + p], kFloat32Metric,
+                       absl::StrCat("top-16 mass at position ", p));
           }
+          const AcceptedLengthTerms& accepted = r.terms.accepted_length;
+          ExpectNear(accepted.block_den, g.accepted[kBlockDen], 0, "block_den");
+          ExpectNear(accepted.oracle_num, g.accepted[kOracleNum], 0,
+                     "oracle accepted length");
+          ExpectNear(accepted.expected_num, g.accepted[kExpectedNum],
+                     kFloat32Metric, "expected accepted length");
           EXPECT_LE(RelativeMaxError<double>(run->grad_hidden,
                                              g.grad_hidden),
                     tol)

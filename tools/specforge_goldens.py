@@ -24,9 +24,12 @@ here. Needs torch >= 2.1. Each case directory gets:
   weight.npy         float64 [V, H]  the frozen lm_head weight
   grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
   terms.npy          float64, in TERMS order (below)
-  position.npy       float64 [4, K]: per block position k >= 1 (column 0
-                     is 0), the weight mask's sum, argmax hits, target
-                     probability and loss weight, from SpecForge's metrics
+  position.npy       float64 [6, K]: per block position k >= 1 (column 0
+                     is 0), from SpecForge's metrics: the weight mask's sum,
+                     argmax hits, target probability, loss weight, top-16
+                     recall and top-16 mass (the numerators)
+  accepted.npy       float64 [3]: block_den, the top-16 oracle accepted
+                     length's and the expected accepted length's numerators
 """
 
 import argparse
@@ -206,18 +209,38 @@ def run_case(module, kwargs, batch):
     return loss, accuracy, metrics, states.grad, terms
 
 
+# SpecForge's metric_top_k default, under V.
+METRIC_TOP_K = 16
+
+
 def position_metrics(metrics):
     """Per block position k >= 1, from SpecForge's ratio metrics: the
-    weight mask's sum, argmax hits, target probability and loss weight."""
+    weight mask's sum, argmax hits, target probability, loss weight, top-k
+    recall and top-k mass (the ratios' numerators)."""
     ratios = metrics["ratio_metrics"]
-    table = np.zeros((4, K))
+    table = np.zeros((6, K))
     for k in range(1, K):
-        hits, den = ratios[f"position_{k}/hard_label/unary_top1_accuracy"]
-        probability, _ = ratios[f"position_{k}/hard_label/unary_probability"]
-        weight, _ = ratios[f"position_{k}/objective/loss_weight_share"]
-        table[:, k] = [float(den), float(hits), float(probability),
-                       float(weight)]
+        def num(name):
+            return float(ratios[f"position_{k}/{name}"][0])
+
+        table[:, k] = [
+            float(ratios[f"position_{k}/hard_label/unary_top1_accuracy"][1]),
+            num("hard_label/unary_top1_accuracy"),
+            num("hard_label/unary_probability"),
+            num("objective/loss_weight_share"),
+            num(f"hard_label/unary_top{METRIC_TOP_K}_recall"),
+            num(f"hard_label/unary_top{METRIC_TOP_K}_mass"),
+        ]
     return table
+
+
+def accepted_lengths(metrics):
+    """block_den and the oracle and expected accepted lengths' numerators."""
+    ratios = metrics["ratio_metrics"]
+    oracle, den = ratios[
+        f"dflash/hard_label/unary_top{METRIC_TOP_K}_oracle_accepted_length"]
+    expected, _ = ratios["dflash/hard_label/expected_accepted_length"]
+    return np.array([float(den), float(oracle), float(expected)])
 
 
 def main():
@@ -252,6 +275,7 @@ def main():
             "grad_hidden": grad.numpy().reshape(B * N * K, H),
             "terms": np.array(values, dtype=np.float64),
             "position": position,
+            "accepted": accepted_lengths(metrics),
         }
         for key, array in arrays.items():
             np.save(os.path.join(directory, key + ".npy"), array)

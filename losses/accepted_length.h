@@ -1,0 +1,38 @@
+#ifndef DFLASH_LOSSES_ACCEPTED_LENGTH_H_
+#define DFLASH_LOSSES_ACCEPTED_LENGTH_H_
+
+// SpecForge's accepted-length diagnostics of a DFlash batch: how many tokens
+// each anchor block would accept, from its rows' target probabilities (the
+// expected length) or from whether each target is among the draft's top-k
+// candidates (the oracle length). They chain the positions of a block, so
+// they are taken over whole blocks once every chunk is done.
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "losses/row_meta.h"
+
+namespace dflash {
+
+// Sums over blocks; over block_den, the mean accepted lengths.
+struct AcceptedLengthTerms {
+  // Blocks with a supervised slot k >= 1 (m > 0.5).
+  double block_den = 0;
+  // Sum over those blocks of 1 + sum_{k>=1} prod_{j=1..k} q_j [m_j > 0.5].
+  double expected_num = 0;
+  // The same with [target among the top-k] for q; 0 without `rank`.
+  double oracle_num = 0;
+};
+
+// Rows are grouped by RowMeta::block, in any order; position 0 is the
+// anchor and never counts. q[r] is row r's target probability, rank[r] its
+// target's place among the top-k or -1 (rank may be empty). A chain stops at
+// the first unsupervised slot.
+AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
+                                    absl::Span<const double> q,
+                                    absl::Span<const int32_t> rank,
+                                    int64_t block_size);
+
+}  // namespace dflash
+
+#endif  // DFLASH_LOSSES_ACCEPTED_LENGTH_H_
