@@ -198,6 +198,18 @@ void WriteSoftmaxGradientFromExp(absl::Span<float> exps, int32_t target,
   exps[target] = static_cast<float>(exps[target] - grad.target);
 }
 
+namespace {
+
+// max(x[0, count)); a NaN is not propagated (the stats pass reports it).
+template <typename T>
+DFLASH_CPU_DISPATCH T SpanMax(const T* __restrict x, int64_t count) {
+  T max = x[0];
+  for (int64_t i = 1; i < count; ++i) max = x[i] > max ? x[i] : max;
+  return max;
+}
+
+}  // namespace
+
 template <typename T>
 absl::Status TopK(absl::Span<const T> logits, int32_t k,
                   absl::Span<int32_t> indices) {
@@ -211,18 +223,29 @@ absl::Status TopK(absl::Span<const T> logits, int32_t k,
         "top-k: indices holds ", indices.size(), " entries, need ", k));
   }
   // Insertion into a sorted list of k: strict ">" keeps the earlier index
-  // ahead on ties.
+  // ahead on ties. Once the list is full, whole spans of kSpan logits none
+  // of which beats its last entry are skipped after a vectorised maximum.
+  constexpr int64_t kSpan = 64;
   int32_t count = 0;
-  for (int64_t v = 0; v < vocab; ++v) {
+  T last = T(0);  // logits[indices[k - 1]] once count == k.
+  auto insert = [&](int64_t v) {
     const T x = logits[v];
-    if (count == k && !(x > logits[indices[k - 1]])) continue;
+    if (count == k && !(x > last)) return;
     int32_t at = count < k ? count++ : k - 1;
     while (at > 0 && x > logits[indices[at - 1]]) {
       indices[at] = indices[at - 1];
       --at;
     }
     indices[at] = static_cast<int32_t>(v);
+    if (count == k) last = logits[indices[k - 1]];
+  };
+  int64_t v = 0;
+  for (; v < vocab && count < k; ++v) insert(v);
+  for (; v + kSpan <= vocab; v += kSpan) {
+    if (!(SpanMax(logits.data() + v, kSpan) > last)) continue;
+    for (int64_t i = v; i < v + kSpan; ++i) insert(i);
   }
+  for (; v < vocab; ++v) insert(v);
   return absl::OkStatus();
 }
 

@@ -93,6 +93,21 @@ TEST(RowKernelsTest, ArgmaxAndTopKTiesGoToLowestIndex) {
       EXPECT_EQ(got, SortTopK(x, k)) << "trial " << trial << " k " << k;
     }
   }
+  // Long rows take the span-skipping path: ties and risers anywhere, also
+  // across span boundaries and in the tail.
+  std::uniform_real_distribution<double> wide(-3, 3);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<double> x(1000 + 37 * trial);
+    for (double& v : x) v = trial % 2 ? few(rng) : std::round(wide(rng) * 4);
+    for (int k : {1, 16, 64}) {
+      std::vector<int32_t> got(k);
+      ASSERT_TRUE(TopK<double>(x, k, absl::MakeSpan(got)).ok());
+      EXPECT_EQ(got, SortTopK(x, k)) << "long trial " << trial << " k " << k;
+      const std::vector<float> xf(x.begin(), x.end());
+      ASSERT_TRUE(TopK<float>(xf, k, absl::MakeSpan(got)).ok());
+      EXPECT_EQ(got, SortTopK(x, k)) << "long float trial " << trial;
+    }
+  }
   std::vector<float> flat(100, 2.0f);
   std::vector<int32_t> top(64);
   ASSERT_TRUE(TopK<float>(flat, 64, absl::MakeSpan(top)).ok());
