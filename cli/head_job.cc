@@ -370,6 +370,17 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
   out << absl::StrFormat(
       "  accuracy     %.4f; per position: %s\n", r.accuracy,
       per_k.empty() ? "none supervised" : absl::StrJoin(per_k, "  "));
+  const AcceptedLengthTerms& accepted = r.terms.accepted_length;
+  if (accepted.block_den > 0) {
+    const int32_t top_k = ChunkLossOptionsOf(c).metric_top_k;
+    out << absl::StrFormat(
+        "  accepted     %.3f tokens per block expected%s\n",
+        accepted.expected_num / accepted.block_den,
+        top_k > 0
+            ? absl::StrFormat(", %.3f oracle (target in top-%d)",
+                              accepted.oracle_num / accepted.block_den, top_k)
+            : "");
+  }
   out << absl::StrFormat("  GEMMs        %.3g passes (%d calls), %.3f TFLOP\n",
                          s.gemm_passes, s.gemm_calls, s.gemm_flops / 1e12);
   out << absl::StrFormat(

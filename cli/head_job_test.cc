@@ -124,6 +124,18 @@ TEST(HeadJobTest, InputsFromNpyReproduceTheInProcessRun) {
     // A mean of probabilities over the supervised rows.
     EXPECT_GT(parsed.target_probability(), 0);
     EXPECT_LE(parsed.target_probability(), 1);
+    // The diagnostics: per position, and accepted lengths in [1, K].
+    EXPECT_EQ(parsed.metric_top_k(), 16);
+    EXPECT_EQ(parsed.top_k_recall_per_position_size(), 4);
+    EXPECT_EQ(parsed.top_k_mass_per_position_size(), 4);
+    EXPECT_EQ(parsed.target_probability_per_position_size(), 4);
+    double share = 0;
+    for (double s : parsed.loss_weight_share_per_position()) share += s;
+    EXPECT_NEAR(share, 1, 1e-12);
+    EXPECT_GE(parsed.expected_accepted_length(), 1);
+    EXPECT_LE(parsed.expected_accepted_length(), 4);
+    EXPECT_GE(parsed.oracle_accepted_length(), 1);
+    EXPECT_LE(parsed.oracle_accepted_length(), 4);
     EXPECT_DOUBLE_EQ(parsed.gemms(), std::string(loss) == "dflash" ? 2 : 3);
     auto grad = ReadNpy(from_files.out_dir + "/grad_hidden.npy");
     ASSERT_TRUE(grad.ok()) << grad.status();

@@ -45,6 +45,25 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
   m.set_tv_loss_num(r.terms.tv_num);
   m.set_lk_kl_weight(r.lk_kl_weight.value_or(0));
   for (double a : r.accuracy_per_position) m.add_accuracy_per_position(a);
+  const ChunkTerms& t = r.terms;
+  auto ratio = [](double num, double den) { return den > 0 ? num / den : 0; };
+  double weight = 0;
+  for (double w : t.loss_weight_per_position) weight += w;
+  for (size_t k = 0; k < t.mask_per_position.size(); ++k) {
+    const double mass = t.mask_per_position[k];
+    m.add_target_probability_per_position(
+        ratio(t.target_probability_per_position[k], mass));
+    m.add_loss_weight_share_per_position(
+        ratio(t.loss_weight_per_position[k], weight));
+    m.add_top_k_recall_per_position(
+        ratio(t.top_k_recall_per_position[k], mass));
+    m.add_top_k_mass_per_position(ratio(t.top_k_mass_per_position[k], mass));
+  }
+  m.set_metric_top_k(ChunkLossOptionsOf(config).metric_top_k);
+  m.set_expected_accepted_length(
+      ratio(t.accepted_length.expected_num, t.accepted_length.block_den));
+  m.set_oracle_accepted_length(
+      ratio(t.accepted_length.oracle_num, t.accepted_length.block_den));
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);
   m.set_flops(r.stats.gemm_flops);

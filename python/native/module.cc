@@ -197,6 +197,18 @@ py::dict ResultOf(const HeadResult& r) {
   d["tv_num"] = r.terms.tv_num;
   d["lk_kl_weight"] = r.lk_kl_weight ? py::object(py::float_(*r.lk_kl_weight))
                                      : py::object(py::none());
+  py::dict diagnostics;
+  diagnostics["target_probability_per_position"] =
+      r.terms.target_probability_per_position;
+  diagnostics["loss_weight_per_position"] = r.terms.loss_weight_per_position;
+  diagnostics["top_k_recall_per_position"] = r.terms.top_k_recall_per_position;
+  diagnostics["top_k_mass_per_position"] = r.terms.top_k_mass_per_position;
+  diagnostics["block_den"] = r.terms.accepted_length.block_den;
+  diagnostics["expected_accepted_length_num"] =
+      r.terms.accepted_length.expected_num;
+  diagnostics["oracle_accepted_length_num"] =
+      r.terms.accepted_length.oracle_num;
+  d["diagnostics"] = diagnostics;
   d["correct_per_position"] = r.terms.correct_per_position;
   d["mask_per_position"] = r.terms.mask_per_position;
   d["stats"] = stats;

@@ -92,6 +92,25 @@ class SpecForgeGoldensTest(unittest.TestCase):
                     self.assertLessEqual(
                         np.abs(grad - g["grad_hidden"]).max() / scale, rtol,
                         "d(loss)/d(hidden)")
+                    # The diagnostics: SpecForge takes its softmax in
+                    # float32 for them (position.npy, accepted.npy).
+                    d = terms.diagnostics
+                    position = g["position"]
+                    for row, name, tol in (
+                            (2, "target_probability_per_position", 2e-6),
+                            (3, "loss_weight_per_position", 2e-6),
+                            (4, "top_k_recall_per_position", 0),
+                            (5, "top_k_mass_per_position", 2e-6)):
+                        np.testing.assert_allclose(
+                            d[name].numpy()[1:], position[row, 1:],
+                            rtol=tol, atol=tol, err_msg=name)
+                    accepted = g["accepted"]
+                    self.assertEqual(float(d["block_den"]), accepted[0])
+                    self.assertEqual(float(d["oracle_accepted_length_num"]),
+                                     accepted[1])
+                    self.assertAlmostEqual(
+                        float(d["expected_accepted_length_num"]), accepted[2],
+                        delta=2e-6 * accepted[2])
                     if "LAMBDA" in g["config"]:
                         self.assertIsNotNone(terms.lk_kl_weight)
                     else:

@@ -38,6 +38,14 @@ class ObjectiveTerms(NamedTuple):
     tv_loss_num: Optional[torch.Tensor] = None
     # lk_loss_type="lambda": the batch's CE weight kl_w (a float); else None.
     lk_kl_weight: Optional[float] = None
+    # SpecForge's DFlash diagnostics as numerators (float64 CPU tensors, no
+    # gradient; sum them over micro-batches, then divide):
+    # target_probability_per_position, top_k_recall_per_position and
+    # top_k_mass_per_position [K] over position_den; loss_weight_per_position
+    # [K] over its sum; expected_accepted_length_num and
+    # oracle_accepted_length_num over block_den (anchor blocks with a
+    # supervised slot). Top-k is the config's head.metric_top_k (default 16).
+    diagnostics: Optional[dict] = None
     neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
     argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
     top_k: Optional[torch.Tensor] = None  # [B, N, K, k] int64, when asked.
@@ -131,6 +139,9 @@ class _Objective(torch.autograd.Function):
         ]
         run_info.update(result["stats"])
         run_info["lk_kl_weight"] = result["lk_kl_weight"]
+        run_info["diagnostics"] = {
+            name: torch.tensor(value, dtype=torch.float64)
+            for name, value in result["diagnostics"].items()}
         ctx.den = result["loss_den"]
         ctx.grads = grads
         returned = terms + [e for e in extras if e is not None]
@@ -209,7 +220,9 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         _on_host(weight_mask))
     terms = list(results[:9])
     lk_kl_weight = stats.pop("lk_kl_weight")
+    diagnostics = stats.pop("diagnostics")
     extras = iter(results[9:])
     rows = [next(extras) if wanted else None
             for wanted in (return_rows, return_rows, top_k > 0)]
-    return ObjectiveTerms(*terms, lk_kl_weight, *rows, stats=stats)
+    return ObjectiveTerms(*terms, lk_kl_weight, diagnostics, *rows,
+                          stats=stats)
