@@ -62,7 +62,9 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                               Part(out.top_k, b * out.k, n * out.k),
                               out.k,
                               Part(out.target_probability, b, n),
-                              Part(out.target_rank, b, n)};
+                              Part(out.target_rank, b, n),
+                              Part(out.top_k_values, b * out.k, n * out.k),
+                              Part(out.loss_weight, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -121,6 +123,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
+    std::fill(o.top_k_values.begin(), o.top_k_values.end(), 0.0f);
+    std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0f);
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
@@ -153,6 +157,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
     std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
+    std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
+                                                                      : 0);
+    std::vector<float> loss_weight(record && !o.loss_weight.empty() ? m : 0);
     std::vector<float> confidence_grad(record && confidence_ ? m : 0);
     // A recomputation writes the same q and rank again.
     std::vector<double> q(m);
@@ -163,7 +170,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
                                    absl::MakeSpan(top_k),
                                    o.k,
                                    absl::MakeSpan(q),
-                                   absl::MakeSpan(rank)};
+                                   absl::MakeSpan(rank),
+                                   absl::MakeSpan(top_k_values),
+                                   absl::MakeSpan(loss_weight)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
@@ -186,6 +195,11 @@ class CpuHeadBackend final : public HeadBackend<T> {
       if (!top_k.empty()) {
         std::copy_n(top_k.begin() + i * o.k, o.k, o.top_k.begin() + r * o.k);
       }
+      if (!top_k_values.empty()) {
+        std::copy_n(top_k_values.begin() + i * o.k, o.k,
+                    o.top_k_values.begin() + r * o.k);
+      }
+      if (!loss_weight.empty()) o.loss_weight[r] = loss_weight[i];
       if (!confidence_grad.empty()) {
         spec_.gradients->confidence[r] = confidence_grad[i];
       }

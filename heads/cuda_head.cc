@@ -65,7 +65,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
           {g.weight.data(), g.weight.size() * sizeof(T)},
           {g.bias.data(), g.bias.size() * sizeof(T)},
           {g.confidence.data(), g.confidence.size() * sizeof(float)},
-          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)}}) {
+          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)},
+          {o.top_k_values.data(), o.top_k_values.size() * sizeof(float)},
+          {o.loss_weight.data(), o.loss_weight.size() * sizeof(float)}}) {
       DFLASH_RETURN_IF_ERROR(stream_.Zero(data, static_cast<int64_t>(bytes)));
     }
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
@@ -122,7 +124,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
         o.k,
         // A recomputation writes the same q and rank again.
         absl::MakeSpan(row_q_.data(), row_q_.size()),
-        absl::MakeSpan(row_rank_.data(), row_rank_.size())};
+        absl::MakeSpan(row_rank_.data(), row_rank_.size()),
+        if_recorded(o.top_k_values), if_recorded(o.loss_weight)};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {

@@ -188,7 +188,8 @@ absl::Status HeadRun<T>::Validate() const {
   for (const auto& [name, size] :
        {std::pair<const char*, size_t>{"row_outputs.neg_log_q",
                                        row_outputs_.neg_log_q.size()},
-        {"row_outputs.argmax", row_outputs_.argmax.size()}}) {
+        {"row_outputs.argmax", row_outputs_.argmax.size()},
+        {"row_outputs.loss_weight", row_outputs_.loss_weight.size()}}) {
     if (size != 0 && static_cast<int64_t>(size) != rows) {
       return SizeError(name, size, rows, "one per row");
     }
@@ -198,6 +199,14 @@ absl::Status HeadRun<T>::Validate() const {
           rows * row_outputs_.k) {
     return SizeError("row_outputs.top_k", row_outputs_.top_k.size(),
                      rows * row_outputs_.k, "rows x k");
+  }
+  if (!row_outputs_.top_k_values.empty() &&
+      (row_outputs_.top_k.empty() ||
+       row_outputs_.top_k_values.size() != row_outputs_.top_k.size())) {
+    return SizeError("row_outputs.top_k_values",
+                     row_outputs_.top_k_values.size(),
+                     static_cast<int64_t>(row_outputs_.top_k.size()),
+                     "rows x k, beside row_outputs.top_k");
   }
   return absl::OkStatus();
 }

@@ -48,6 +48,11 @@ struct HeadRowOutputs {
   absl::Span<int32_t> argmax;
   absl::Span<int32_t> top_k;  // [rows, k]
   int32_t k = 0;
+  // [rows, k] with top_k: the loss's logits z' at those ids, the unary
+  // logits a DFlash2 candidate selector scores (gradients back through
+  // AddTopKValueGradients, heads/top_k_gradient.h).
+  absl::Span<float> top_k_values;
+  absl::Span<float> loss_weight;  // [rows]: w, SpecForge's loss_weights.
 };
 
 struct HeadStats {

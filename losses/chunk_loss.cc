@@ -290,7 +290,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
         {"outputs.argmax", outputs.argmax.size()},
         {"outputs.confidence_grad", outputs.confidence_grad.size()},
         {"outputs.target_probability", outputs.target_probability.size()},
-        {"outputs.target_rank", outputs.target_rank.size()}}) {
+        {"outputs.target_rank", outputs.target_rank.size()},
+        {"outputs.loss_weight", outputs.loss_weight.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
@@ -316,6 +317,15 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
     absl::Status size = CheckSize("outputs.top_k", outputs.top_k.size(),
                                   num_rows * outputs.k, "rows x k");
     if (!size.ok()) return size;
+  }
+  if (!outputs.top_k_values.empty()) {
+    if (outputs.top_k.empty()) {
+      return absl::InvalidArgumentError(
+          "chunk loss: outputs.top_k_values needs outputs.top_k, got none");
+    }
+    DFLASH_RETURN_IF_ERROR(CheckSize("outputs.top_k_values",
+                                     outputs.top_k_values.size(),
+                                     num_rows * outputs.k, "rows x k"));
   }
   const bool coupled = traits.couples_blocks;
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -452,6 +462,11 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     if (!outputs.confidence_grad.empty()) outputs.confidence_grad[r] = 0;
     if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
     if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
+    if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
+    if (!outputs.top_k_values.empty()) {
+      std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
+                  0.0f);
+    }
   }
 
   // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
@@ -481,6 +496,12 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     if (top_k > 0) {
       DFLASH_RETURN_IF_ERROR(TopK<W>(z, top_k, absl::MakeSpan(ids)));
       std::copy_n(ids.begin(), caller_k, outputs.top_k.begin() + r * caller_k);
+      if (!outputs.top_k_values.empty()) {
+        for (int32_t j = 0; j < caller_k; ++j) {
+          outputs.top_k_values[r * caller_k + j] =
+              static_cast<float>(z[ids[j]]);
+        }
+      }
     }
     absl::StatusOr<RowStats> row_stats;
     if constexpr (std::is_same_v<W, float>) {
@@ -576,6 +597,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     }
     terms.loss_den += w;
     terms.loss_weight_per_position[k] += w;
+    if (!outputs.loss_weight.empty()) {
+      outputs.loss_weight[r] = static_cast<float>(w);
+    }
     source.KeepTransformed(z);
 
     if (p.family == LossFamily::kDistillation) {

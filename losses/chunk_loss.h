@@ -89,6 +89,11 @@ struct ChunkLossOutputs {
   // metric_top_k largest z' (0 for the largest), -1 where it is not among
   // them or the row has no mask.
   absl::Span<int32_t> target_rank;
+  // [rows x k], with top_k: z' at those ids (DFlash2's unary logits), 0
+  // where the row has no mask.
+  absl::Span<float> top_k_values;
+  // [rows], the row's loss weight w (D-PACE's block weight), 0 where none.
+  absl::Span<float> loss_weight;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md

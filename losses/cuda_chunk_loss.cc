@@ -104,6 +104,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.top_k = share(outputs.top_k, outputs.k);
     check_outputs.target_probability = share(outputs.target_probability, 1);
     check_outputs.target_rank = share(outputs.target_rank, 1);
+    check_outputs.top_k_values = share(outputs.top_k_values, outputs.k);
+    check_outputs.loss_weight = share(outputs.loss_weight, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -191,6 +193,10 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
       std::min<int64_t>(s.params.options.metric_top_k, vocab));
   args.target_rank =
       outputs.target_rank.empty() ? nullptr : outputs.target_rank.data();
+  args.top_k_values =
+      outputs.top_k_values.empty() ? nullptr : outputs.top_k_values.data();
+  args.loss_weight =
+      outputs.loss_weight.empty() ? nullptr : outputs.loss_weight.data();
   args.totals = record ? s.totals.data() : nullptr;
   args.error = s.error.data();
   cuda::KernelParams params = s.params;
@@ -290,10 +296,13 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto top_k = Upload<int32_t>(outputs.top_k, stream);
   auto target_probability = Upload<double>(outputs.target_probability, stream);
   auto target_rank = Upload<int32_t>(outputs.target_rank, stream);
+  auto top_k_values = Upload<float>(outputs.top_k_values, stream);
+  auto loss_weight = Upload<float>(outputs.loss_weight, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
-        top_k.status(), target_probability.status(), target_rank.status()}) {
+        top_k.status(), target_probability.status(), target_rank.status(),
+        top_k_values.status(), loss_weight.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
@@ -303,9 +312,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};
   const ChunkLossOutputs device_outputs{
-      View(*confidence_grad), View(*neg_log_q), View(*argmax),
-      View(*top_k),           outputs.k,        View(*target_probability),
-      View(*target_rank)};
+      View(*confidence_grad), View(*neg_log_q),    View(*argmax),
+      View(*top_k),           outputs.k,           View(*target_probability),
+      View(*target_rank),     View(*top_k_values), View(*loss_weight)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -324,7 +333,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{outputs.target_probability.data(), target_probability->data(),
              target_probability->bytes()},
         Back{outputs.target_rank.data(), target_rank->data(),
-             target_rank->bytes()}}) {
+             target_rank->bytes()},
+        Back{outputs.top_k_values.data(), top_k_values->data(),
+             top_k_values->bytes()},
+        Back{outputs.loss_weight.data(), loss_weight->data(),
+             loss_weight->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

@@ -319,7 +319,10 @@ __global__ void __launch_bounds__(kThreads)
   Pick last{INFINITY, -1};
   for (int32_t j = 0; j < picks; ++j) {
     if (meta.mask == 0) {
-      if (threadIdx.x == 0 && j < caller_k) a.top_k[out * a.k + j] = -1;
+      if (threadIdx.x == 0 && j < caller_k) {
+        a.top_k[out * a.k + j] = -1;
+        if (a.top_k_values != nullptr) a.top_k_values[out * a.k + j] = 0;
+      }
       continue;
     }
     Pick best{-INFINITY, INT32_MAX};
@@ -330,7 +333,12 @@ __global__ void __launch_bounds__(kThreads)
     });
     best = BlockReduce(best, better);
     if (threadIdx.x == 0) {
-      if (j < caller_k) a.top_k[out * a.k + j] = best.index;
+      if (j < caller_k) {
+        a.top_k[out * a.k + j] = best.index;
+        if (a.top_k_values != nullptr) {
+          a.top_k_values[out * a.k + j] = best.value;
+        }
+      }
       if (j < a.metric_k) {
         if (best.index == meta.target) rank = j;
         mass += exp(static_cast<double>(best.value) - lse);
@@ -390,6 +398,7 @@ __global__ void __launch_bounds__(kThreads)
       if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
       if (a.target_probability != nullptr) a.target_probability[out] = 0;
       if (a.target_rank != nullptr) a.target_rank[out] = -1;
+      if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
     }
@@ -414,6 +423,7 @@ __global__ void __launch_bounds__(kThreads)
     if (a.target_probability != nullptr) {
       a.target_probability[out] = exp(-neg_log_q);
     }
+    if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(w);
     if (a.neg_log_q != nullptr)
       a.neg_log_q[out] = static_cast<float>(neg_log_q);
     if (a.argmax != nullptr) a.argmax[out] = s.argmax;

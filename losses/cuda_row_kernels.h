@@ -92,6 +92,8 @@ struct ChunkArgs {
   // The diagnostics' top-k width (0: none) and the target's rank by out row.
   int32_t metric_k = 0;
   int32_t* target_rank = nullptr;
+  float* top_k_values = nullptr;  // [out row, k], beside top_k.
+  float* loss_weight = nullptr;   // By out row.
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;
