@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "heads/cuda_head_kernels.h"
 #include "heads/head_backend.h"
+#include "heads/top_k_gradient.h"
 #include "losses/accepted_length.h"
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
@@ -215,6 +216,52 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
   if (!result.ok()) blas.stream().Synchronize().IgnoreError();
   return result;
 }
+
+template <typename T>
+absl::Status AddCudaTopKValueGradients(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    absl::Span<const int32_t> ids, absl::Span<const float> values,
+    absl::Span<const float> grad_values, int32_t k,
+    const HeadGradients<T>& gradients, CudaStream& stream) {
+  const v1::HeadConfig& head = config.head();
+  if (head.trainable() && !std::is_same_v<T, float>) {
+    return absl::UnimplementedError(
+        "head.trainable: the top-k values' weight gradient is added with "
+        "FP32 atomics; a BFLOAT16 weight gradient is not supported, got "
+        "trainable BFLOAT16");
+  }
+  std::vector<int32_t> host_ids(ids.size());
+  DFLASH_RETURN_IF_ERROR(stream.CopyToHost(host_ids.data(), ids.data(),
+                                           ids.size() * sizeof(int32_t)));
+  const int64_t rows = k > 0 ? static_cast<int64_t>(ids.size()) / k : 0;
+  DFLASH_RETURN_IF_ERROR(ValidateTopKValueGradients(
+      config, rows, inputs.hidden.size(), inputs.weight.size(),
+      gradients.hidden.size(), gradients.weight.size(), host_ids, values.size(),
+      grad_values.size(), k));
+  float* grad_weight = nullptr;
+  float* grad_bias = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (head.trainable()) {
+      grad_weight = gradients.weight.data();
+      if (!gradients.bias.empty()) grad_bias = gradients.bias.data();
+    }
+  }
+  cuda::LaunchAddTopKValueGradients<T>(
+      inputs.hidden.data(), inputs.weight.data(), ids.data(), values.data(),
+      grad_values.data(), rows, k, head.hidden_size(), head.logit_scale(),
+      head.logit_softcap(), gradients.hidden.data(), grad_weight, grad_bias,
+      stream.stream());
+  return stream.LaunchStatus("top-k value gradients");
+}
+
+template absl::Status AddCudaTopKValueGradients<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,
+    int32_t, const HeadGradients<float>&, CudaStream&);
+template absl::Status AddCudaTopKValueGradients<BFloat16>(
+    const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
+    absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,
+    int32_t, const HeadGradients<BFloat16>&, CudaStream&);
 
 template absl::StatusOr<HeadResult> RunCudaHead<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,

@@ -34,6 +34,18 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        const HeadRowOutputs& row_outputs = {},
                                        const HeadOptions& options = {});
 
+// AddTopKValueGradients (heads/top_k_gradient.h) on a CUDA device: every
+// span is device memory, work goes on `stream`. The ids are copied to the
+// host and checked first (rows x k int32, small). A trainable head's weight
+// gradient is added with FP32 atomics, so T = BFloat16 with head.trainable
+// is refused (Unimplemented); the hidden-state gradient takes either type.
+template <typename T>
+absl::Status AddCudaTopKValueGradients(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    absl::Span<const int32_t> ids, absl::Span<const float> values,
+    absl::Span<const float> grad_values, int32_t k,
+    const HeadGradients<T>& gradients, CudaStream& stream);
+
 }  // namespace dflash
 
 #endif  // DFLASH_HEADS_CUDA_HEAD_H_

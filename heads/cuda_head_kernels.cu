@@ -2,6 +2,7 @@
 
 #include "base/bfloat16.h"
 #include "heads/cuda_head_kernels.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
 namespace cuda {
@@ -108,21 +109,71 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
          stream>>>(grad_logits, count, vocab, grad_bias);
 }
 
+namespace {
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    TopKValueGradientKernel(const T* hidden, const T* weight,
+                            const int32_t* ids, const float* values,
+                            const float* grad_values, int32_t k, int64_t width,
+                            float scale, float cap, T* grad_hidden,
+                            float* grad_weight, float* grad_bias) {
+  const int64_t r = blockIdx.x;
+  const int32_t* row_ids = ids + r * k;
+  for (int64_t h = threadIdx.x; h < width; h += kThreads) {
+    float sum = 0;
+    const float x = ToF(hidden[r * width + h]);
+    for (int32_t j = 0; j < k; ++j) {
+      const int32_t id = row_ids[j];
+      if (id < 0) continue;
+      const float c = ChainTransformedLogit<float>(
+          grad_values[r * k + j], values[r * k + j], scale, cap);
+      sum += c * ToF(weight[int64_t{id} * width + h]);
+      if (grad_weight != nullptr) {
+        atomicAdd(grad_weight + int64_t{id} * width + h, c * x);
+      }
+      if (grad_bias != nullptr && h == 0) atomicAdd(grad_bias + id, c);
+    }
+    Store(grad_hidden[r * width + h], ToF(grad_hidden[r * width + h]) + sum);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
+                                 const int32_t* ids, const float* values,
+                                 const float* grad_values, int64_t rows,
+                                 int32_t k, int64_t width, double logit_scale,
+                                 double logit_softcap, T* grad_hidden,
+                                 float* grad_weight, float* grad_bias,
+                                 CUstream_st* stream) {
+  if (rows == 0 || k == 0) return;
+  TopKValueGradientKernel<T>
+      <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+          hidden, weight, ids, values, grad_values, k, width,
+          static_cast<float>(logit_scale), static_cast<float>(logit_softcap),
+          grad_hidden, grad_weight, grad_bias);
+}
+
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream) {
   if (count == 0) return;
   FillKernel<<<Blocks(count), kThreads, 0, stream>>>(data, count, value);
 }
 
-#define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                  \
-  template void LaunchGatherRows<T>(const T*, int64_t, const int64_t*,      \
-                                    int64_t, T*, CUstream_st*);             \
-  template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,     \
-                                     int64_t, T*, CUstream_st*);            \
-  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,            \
-                                 CUstream_st*);                             \
-  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t, \
-                                                T*, CUstream_st*);
+#define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                     \
+  template void LaunchGatherRows<T>(const T*, int64_t, const int64_t*,         \
+                                    int64_t, T*, CUstream_st*);                \
+  template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,        \
+                                     int64_t, T*, CUstream_st*);               \
+  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,               \
+                                 CUstream_st*);                                \
+  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t,    \
+                                                T*, CUstream_st*);             \
+  template void LaunchAddTopKValueGradients<T>(                                \
+      const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
+      int32_t, int64_t, double, double, T*, float*, float*, CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
 #undef DFLASH_INSTANTIATE_HEAD_KERNELS

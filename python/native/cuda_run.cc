@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -74,16 +75,11 @@ class DeviceScope {
   bool entered_ = false;
 };
 
-}  // namespace
-
-bool BuiltWithCuda() { return true; }
-
-template <typename T>
-absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
-                                            const HeadInputs<T>& inputs,
-                                            const HeadGradients<T>& gradients,
-                                            const HeadRowOutputs& row_outputs,
-                                            int device, uintptr_t stream) {
+// Runs `work(state)` on the device's head stream, after the work queued on
+// torch's `stream` and before the work queued on it next.
+template <typename Work>
+auto OnHeadStream(int device, uintptr_t stream, Work work)
+    -> decltype(work(std::declval<DeviceState&>())) {
   DeviceScope scope;
   DFLASH_RETURN_IF_ERROR(scope.Enter(device));
   DFLASH_ASSIGN_OR_RETURN(DeviceState* const state, StateOf(device));
@@ -96,8 +92,7 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
   DFLASH_RETURN_IF_ERROR(
       Check(cudaStreamWaitEvent(head_stream, state->after_torch, 0),
             "cudaStreamWaitEvent"));
-  absl::StatusOr<HeadResult> result =
-      RunCudaHead<T>(config, inputs, gradients, *state->blas, row_outputs);
+  auto result = work(*state);
   // Also after a failure: torch must not reuse memory the head may still
   // be writing.
   absl::Status ordered = Check(cudaEventRecord(state->after_head, head_stream),
@@ -106,9 +101,36 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
     ordered = Check(cudaStreamWaitEvent(torch_stream, state->after_head, 0),
                     "cudaStreamWaitEvent");
   }
-  if (!result.ok()) return result.status();
+  if (!result.ok()) return result;
   if (!ordered.ok()) return ordered;
   return result;
+}
+
+}  // namespace
+
+bool BuiltWithCuda() { return true; }
+
+template <typename T>
+absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
+                                            const HeadInputs<T>& inputs,
+                                            const HeadGradients<T>& gradients,
+                                            const HeadRowOutputs& row_outputs,
+                                            int device, uintptr_t stream) {
+  return OnHeadStream(device, stream, [&](DeviceState& state) {
+    return RunCudaHead<T>(config, inputs, gradients, *state.blas, row_outputs);
+  });
+}
+
+template <typename T>
+absl::Status AddTopKValueGradientsOnTorchStream(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    absl::Span<const int32_t> ids, absl::Span<const float> values,
+    absl::Span<const float> grad_values, int32_t k,
+    const HeadGradients<T>& gradients, int device, uintptr_t stream) {
+  return OnHeadStream(device, stream, [&](DeviceState& state) {
+    return AddCudaTopKValueGradients<T>(
+        config, inputs, ids, values, grad_values, k, gradients, *state.stream);
+  });
 }
 
 absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
@@ -126,5 +148,14 @@ template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+#define DFLASH_INSTANTIATE_TOP_K_BACKWARD(T)                          \
+  template absl::Status AddTopKValueGradientsOnTorchStream<T>(        \
+      const v1::ObjectiveConfig&, const HeadInputs<T>&,               \
+      absl::Span<const int32_t>, absl::Span<const float>,             \
+      absl::Span<const float>, int32_t, const HeadGradients<T>&, int, \
+      uintptr_t);
+DFLASH_INSTANTIATE_TOP_K_BACKWARD(float)
+DFLASH_INSTANTIATE_TOP_K_BACKWARD(BFloat16)
+#undef DFLASH_INSTANTIATE_TOP_K_BACKWARD
 
 }  // namespace dflash::python

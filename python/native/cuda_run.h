@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "heads/head_types.h"
 #include "proto/objective.pb.h"
 
@@ -25,6 +26,15 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadGradients<T>& gradients,
                                             const HeadRowOutputs& row_outputs,
                                             int device, uintptr_t stream);
+
+// AddCudaTopKValueGradients (heads/cuda_head.h) ordered on torch's
+// `stream` as RunOnTorchStream is.
+template <typename T>
+absl::Status AddTopKValueGradientsOnTorchStream(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    absl::Span<const int32_t> ids, absl::Span<const float> values,
+    absl::Span<const float> grad_values, int32_t k,
+    const HeadGradients<T>& gradients, int device, uintptr_t stream);
 
 // Copies `bytes` from device memory at `source` on `device` to `host`,
 // waiting for the device. Without CUDA in the build: Unimplemented.

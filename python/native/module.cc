@@ -221,7 +221,8 @@ py::dict RunObjectiveFromPython(
     py::handle teacher_hidden, py::handle confidence_logits,
     py::handle grad_hidden, py::handle grad_weight, py::handle grad_bias,
     py::handle grad_confidence, py::handle neg_log_q, py::handle argmax,
-    py::handle top_k, bool trainable, uintptr_t cuda_stream) {
+    py::handle top_k, py::handle top_k_values, py::handle loss_weight,
+    bool trainable, uintptr_t cuda_stream) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -235,13 +236,39 @@ py::dict RunObjectiveFromPython(
                            ArgOf("grad_confidence", grad_confidence),
                            ArgOf("neg_log_q", neg_log_q),
                            ArgOf("argmax", argmax),
-                           ArgOf("top_k", top_k)};
+                           ArgOf("top_k", top_k),
+                           ArgOf("top_k_values", top_k_values),
+                           ArgOf("loss_weight", loss_weight)};
   absl::StatusOr<HeadResult> result;
   {
     py::gil_scoped_release release;
     result = RunObjective(config, tensors, outputs, {trainable, cuda_stream});
   }
   return ResultOf(ValueOrRaise(std::move(result)));
+}
+
+void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
+                                 py::handle hidden, py::handle weight,
+                                 py::handle bias, py::handle top_k,
+                                 py::handle top_k_values,
+                                 py::handle grad_values, py::handle grad_hidden,
+                                 py::handle grad_weight, py::handle grad_bias,
+                                 bool trainable, uintptr_t cuda_stream) {
+  const TopKBackwardTensors tensors{RequiredArgOf("hidden", hidden),
+                                    RequiredArgOf("lm_head_weight", weight),
+                                    ArgOf("lm_head_bias", bias),
+                                    RequiredArgOf("top_k", top_k),
+                                    RequiredArgOf("top_k_values", top_k_values),
+                                    RequiredArgOf("grad_values", grad_values),
+                                    RequiredArgOf("grad_hidden", grad_hidden),
+                                    ArgOf("grad_weight", grad_weight),
+                                    ArgOf("grad_bias", grad_bias)};
+  absl::Status done;
+  {
+    py::gil_scoped_release release;
+    done = RunTopKValueBackward(config, tensors, {trainable, cuda_stream});
+  }
+  if (!done.ok()) Raise(done);
 }
 
 }  // namespace
@@ -312,10 +339,19 @@ PYBIND11_MODULE(_core, m) {
         py::arg("confidence_logits"), py::arg("grad_hidden"),
         py::arg("grad_weight"), py::arg("grad_bias"),
         py::arg("grad_confidence"), py::arg("neg_log_q"), py::arg("argmax"),
-        py::arg("top_k"), py::arg("trainable"), py::arg("cuda_stream"),
+        py::arg("top_k"), py::arg("top_k_values"), py::arg("loss_weight"),
+        py::arg("trainable"), py::arg("cuda_stream"),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_den. Returns the terms and stats. "
         "The GIL is released while it runs.");
+  m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
+        py::arg("config"), py::arg("hidden"), py::arg("weight"),
+        py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),
+        py::arg("grad_values"), py::arg("grad_hidden"), py::arg("grad_weight"),
+        py::arg("grad_bias"), py::arg("trainable"), py::arg("cuda_stream"),
+        "Adds d(objective)/d(top-k values) to grad_hidden (and grad_weight, "
+        "grad_bias when trainable) in place: the sparse update "
+        "sum_j g * dz'/dz * W[id]. The GIL is released while it runs.");
   m.def("built_with_cuda", &dp::BuiltWithCuda,
         "Whether this build runs CUDA tensors.");
   m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,

@@ -17,6 +17,15 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
 
+template <typename T>
+absl::Status AddTopKValueGradientsOnTorchStream(
+    const v1::ObjectiveConfig&, const HeadInputs<T>&, absl::Span<const int32_t>,
+    absl::Span<const float>, absl::Span<const float>, int32_t,
+    const HeadGradients<T>&, int, uintptr_t) {
+  return absl::UnimplementedError(
+      "this dflash was built without CUDA (no toolkit when it was built)");
+}
+
 absl::Status CopyFromDevice(int, uintptr_t, void*, int64_t) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
@@ -28,5 +37,13 @@ template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+template absl::Status AddTopKValueGradientsOnTorchStream<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&,
+    absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,
+    int32_t, const HeadGradients<float>&, int, uintptr_t);
+template absl::Status AddTopKValueGradientsOnTorchStream<BFloat16>(
+    const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
+    absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,
+    int32_t, const HeadGradients<BFloat16>&, int, uintptr_t);
 
 }  // namespace dflash::python

@@ -14,6 +14,7 @@
 #include "base/bfloat16.h"
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
+#include "heads/top_k_gradient.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
 #include "python/native/cuda_run.h"
@@ -157,6 +158,16 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
     shape.push_back(k.size() == 4 ? k[3] : 0);
     DFLASH_RETURN_IF_ERROR(
         CheckBeside(*o.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
+    if (o.top_k_values.has_value()) {
+      DFLASH_RETURN_IF_ERROR(CheckBeside(*o.top_k_values, t.hidden, shape,
+                                         "[B, N, K, k]", "float32"));
+    }
+  } else if (o.top_k_values.has_value()) {
+    return Invalid(*o.top_k_values, "needs top_k beside it, got none");
+  }
+  if (o.loss_weight.has_value()) {
+    DFLASH_RETURN_IF_ERROR(
+        CheckBeside(*o.loss_weight, t.hidden, bnk, "[B, N, K]", "float32"));
   }
   return absl::OkStatus();
 }
@@ -325,6 +336,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   row_outputs.top_k = MutableSpanOf<int32_t>(o.top_k);
   row_outputs.k =
       o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;
+  row_outputs.top_k_values = MutableSpanOf<float>(o.top_k_values);
+  row_outputs.loss_weight = MutableSpanOf<float>(o.loss_weight);
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
@@ -439,6 +452,82 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
     return ExplainFailure(result.status(), tensors, rows);
   }
   return result;
+}
+
+namespace {
+
+template <typename T>
+absl::Status TopKBackward(const v1::ObjectiveConfig& config,
+                          const TopKBackwardTensors& t, int32_t k,
+                          uintptr_t cuda_stream) {
+  const HeadInputs<T> inputs{
+      t.hidden.span<const T>(), {}, {}, {}, t.weight.span<const T>(),
+      SpanOf<T>(t.bias)};
+  const HeadGradients<T> gradients{t.grad_hidden.span<T>(),
+                                   MutableSpanOf<T>(t.grad_weight),
+                                   MutableSpanOf<T>(t.grad_bias),
+                                   {}};
+  const auto ids = t.top_k.span<const int32_t>();
+  const auto values = t.values.span<const float>();
+  const auto grad_values = t.grad_values.span<const float>();
+  if constexpr (!std::is_same_v<T, double>) {
+    if (t.hidden.on_cuda()) {
+      return AddTopKValueGradientsOnTorchStream<T>(
+          config, inputs, ids, values, grad_values, k, gradients,
+          t.hidden.cuda_index(), cuda_stream);
+    }
+  }
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return Invalid(t.hidden, "bfloat16 runs on CUDA only");
+  } else {
+    return AddTopKValueGradients<T>(config, inputs, ids, values, grad_values, k,
+                                    gradients);
+  }
+}
+
+}  // namespace
+
+absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
+                                  const TopKBackwardTensors& t,
+                                  const ObjectiveOptions& options) {
+  DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
+  const std::vector<int64_t>& s = t.hidden.shape;
+  const TensorArg& w = t.weight;
+  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != s[3]) {
+    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
+                                   s[3], " (hidden's last dimension), got ",
+                                   ShapeString(w.shape)));
+  }
+  DFLASH_RETURN_IF_ERROR(CheckBeside(w, t.hidden, w.shape, "[V, H]"));
+  const int64_t k = t.top_k.shape.size() == 4 ? t.top_k.shape[3] : 0;
+  const std::vector<int64_t> shape = {s[0], s[1], s[2], k};
+  DFLASH_RETURN_IF_ERROR(
+      CheckBeside(t.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
+  DFLASH_RETURN_IF_ERROR(
+      CheckBeside(t.values, t.hidden, shape, "[B, N, K, k]", "float32"));
+  DFLASH_RETURN_IF_ERROR(
+      CheckBeside(t.grad_values, t.hidden, shape, "[B, N, K, k]", "float32"));
+  DFLASH_RETURN_IF_ERROR(
+      CheckBeside(t.grad_hidden, t.hidden, s, "[B, N, K, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(t.grad_weight, options.trainable,
+                                     "grad_weight", "with a trainable head",
+                                     t.hidden, w.shape, "[V, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(
+      t.grad_bias, options.trainable && t.bias.has_value(), "grad_bias",
+      "with a trainable head and a bias", t.hidden, {w.shape[0]}, "[V]"));
+  v1::ObjectiveConfig bound = config;
+  v1::HeadConfig& head = *bound.mutable_head();
+  head.set_vocab_size(w.shape[0]);
+  head.set_hidden_size(s[3]);
+  head.set_trainable(options.trainable);
+  head.set_bias(t.bias.has_value());
+  const std::string& dtype = t.hidden.dtype;
+  const int32_t top_k = static_cast<int32_t>(k);
+  return dtype == "float64"
+             ? TopKBackward<double>(bound, t, top_k, options.cuda_stream)
+         : dtype == "bfloat16"
+             ? TopKBackward<BFloat16>(bound, t, top_k, options.cuda_stream)
+             : TopKBackward<float>(bound, t, top_k, options.cuda_stream);
 }
 
 void ReleaseCachedHostMemory() {

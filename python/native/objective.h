@@ -41,6 +41,8 @@ struct ObjectiveOutputs {
   std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
   std::optional<TensorArg> argmax;           // [B, N, K] int32.
   std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
+  std::optional<TensorArg> top_k_values;     // [B, N, K, k] float32.
+  std::optional<TensorArg> loss_weight;      // [B, N, K] float32.
 };
 
 struct ObjectiveOptions {
@@ -74,6 +76,23 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                         const ObjectiveTensors& tensors,
                                         const ObjectiveOutputs& outputs,
                                         const ObjectiveOptions& options);
+
+// The backward of the top-k values (AddTopKValueGradients, or its CUDA
+// version): adds d(objective)/d(values) to grad_hidden (and grad_weight,
+// grad_bias when `trainable`), on hidden's device. `config` is the one the
+// forward ran (its logit transform), its sizes taken from the tensors.
+struct TopKBackwardTensors {
+  TensorArg hidden, weight;
+  std::optional<TensorArg> bias;
+  TensorArg top_k;        // [B, N, K, k] int32, from the forward.
+  TensorArg values;       // [B, N, K, k] float32, from the forward.
+  TensorArg grad_values;  // [B, N, K, k] float32, contiguous.
+  TensorArg grad_hidden;  // Like hidden.
+  std::optional<TensorArg> grad_weight, grad_bias;
+};
+absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
+                                  const TopKBackwardTensors& tensors,
+                                  const ObjectiveOptions& options);
 
 // CPU runs keep their freed workspaces for the next call, as PyTorch's
 // caching allocator does (fresh pages cost a first step ~0.6 ns a byte);

@@ -48,7 +48,17 @@ class ObjectiveTerms(NamedTuple):
     diagnostics: Optional[dict] = None
     neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
     argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
-    top_k: Optional[torch.Tensor] = None  # [B, N, K, k] int64, when asked.
+    # With top_k = k: the strict top-k of the loss's logits (ties to the lower
+    # id; -1 where the row has no mask) as ids [B, N, K, k] int64 and values
+    # [B, N, K, k] float32 (differentiable: a DFlash2 selector's unary
+    # logits), and whether and where the target is among them [B, N, K].
+    top_k: Optional[torch.Tensor] = None
+    top_k_values: Optional[torch.Tensor] = None
+    target_is_candidate: Optional[torch.Tensor] = None  # bool.
+    target_candidate_index: Optional[torch.Tensor] = None  # int64, 0 if not.
+    # [B, N, K] float32, no gradient: each row's loss weight (SpecForge's
+    # loss_weights, D-PACE's block weights), with return_rows or top_k.
+    loss_weight: Optional[torch.Tensor] = None
     # The head's run: mode, chunks, projected_rows, gemm_calls, gemm_passes,
     # segment_recomputes, peak_bytes (its own buffers), forward_seconds,
     # backward_seconds.
@@ -108,6 +118,10 @@ class _Objective(torch.autograd.Function):
             "neg_log_q": empty(rows, torch.float32) if return_rows else None,
             "argmax": empty(rows, torch.int32) if return_rows else None,
             "top_k": empty(rows + (top_k,), torch.int32) if top_k else None,
+            "top_k_values": (empty(rows + (top_k,), torch.float32)
+                             if top_k else None),
+            "loss_weight": (empty(rows, torch.float32)
+                            if return_rows or top_k else None),
         }
         stream = (torch.cuda.current_stream(device).cuda_stream
                   if hidden.is_cuda else 0)
@@ -136,6 +150,8 @@ class _Objective(torch.autograd.Function):
             outputs["neg_log_q"],
             None if outputs["argmax"] is None else outputs["argmax"].long(),
             None if outputs["top_k"] is None else outputs["top_k"].long(),
+            outputs["top_k_values"],
+            outputs["loss_weight"],
         ]
         run_info.update(result["stats"])
         run_info["lk_kl_weight"] = result["lk_kl_weight"]
@@ -144,8 +160,22 @@ class _Objective(torch.autograd.Function):
             for name, value in result["diagnostics"].items()}
         ctx.den = result["loss_den"]
         ctx.grads = grads
+        ctx.config = config
+        ctx.trainable = trainable
+        ctx.stream = stream
         returned = terms + [e for e in extras if e is not None]
-        ctx.mark_non_differentiable(*returned[1:])
+        values = outputs["top_k_values"]
+        # The top-k values carry a gradient back through the projection's
+        # rows they came from (their backward is a sparse update).
+        ctx.values_at = None
+        if values is not None:
+            ctx.values_at = next(i for i, e in enumerate(returned)
+                                 if e is values)
+            ctx.top_k = outputs["top_k"]
+            ctx.save_for_backward(hidden, weight, bias, values)
+        ctx.mark_non_differentiable(
+            *[e for i, e in enumerate(returned)
+              if i != 0 and i != ctx.values_at])
         return tuple(returned)
 
     @staticmethod
@@ -168,6 +198,26 @@ class _Objective(torch.autograd.Function):
         grad_weight = scaled(g["grad_weight"]) if needs[5] else None
         grad_bias = scaled(g["grad_bias"]) if needs[6] else None
         grad_confidence = scaled(g["grad_confidence"]) if needs[8] else None
+        grad_values = (None if ctx.values_at is None
+                       else unused[ctx.values_at - 1])
+        if grad_values is not None and (needs[4] or needs[5] or needs[6]):
+            hidden, weight, bias, values = ctx.saved_tensors
+            if grad_hidden is None:
+                grad_hidden = torch.zeros_like(hidden)
+            trainable = ctx.trainable
+            if trainable and grad_weight is None:
+                grad_weight = torch.zeros_like(weight)
+            if trainable and bias is not None and grad_bias is None:
+                grad_bias = torch.zeros_like(bias)
+            _core.top_k_value_backward(
+                ctx.config, hidden, weight, bias, ctx.top_k, values,
+                grad_values.float().contiguous(), grad_hidden,
+                grad_weight if trainable else None,
+                grad_bias if trainable and bias is not None else None,
+                trainable=trainable, cuda_stream=ctx.stream)
+            grad_hidden = grad_hidden if needs[4] else None
+            grad_weight = grad_weight if needs[5] else None
+            grad_bias = grad_bias if needs[6] else None
         return (None, None, None, None, grad_hidden, grad_weight, grad_bias,
                 None, grad_confidence, None, None)
 
@@ -222,7 +272,19 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
     lk_kl_weight = stats.pop("lk_kl_weight")
     diagnostics = stats.pop("diagnostics")
     extras = iter(results[9:])
-    rows = [next(extras) if wanted else None
-            for wanted in (return_rows, return_rows, top_k > 0)]
-    return ObjectiveTerms(*terms, lk_kl_weight, diagnostics, *rows,
-                          stats=stats)
+    neg_log_q, argmax, ids, values, loss_weight = [
+        next(extras) if wanted else None
+        for wanted in (return_rows, return_rows, top_k > 0, top_k > 0,
+                       return_rows or top_k > 0)]
+    is_candidate = index = None
+    if ids is not None:
+        # As SpecForge: whether the target is among the candidates, and the
+        # first place it is (0 when it is not).
+        matches = ids.eq(target_ids.to(ids.device).long().unsqueeze(-1))
+        is_candidate = matches.any(dim=-1)
+        index = matches.long().argmax(dim=-1)
+    return ObjectiveTerms(
+        *terms, lk_kl_weight=lk_kl_weight, diagnostics=diagnostics,
+        neg_log_q=neg_log_q, argmax=argmax, top_k=ids, top_k_values=values,
+        target_is_candidate=is_candidate, target_candidate_index=index,
+        loss_weight=loss_weight, stats=stats)

@@ -1,0 +1,114 @@
+"""The DFlash2 selector's inputs from dflash_objective: the strict top-k of
+the loss's logits as ids and differentiable values, whether and where the
+target is among them, and the rows' loss weights; against plain torch on
+materialised logits (float64), in every mode, frozen and trainable."""
+
+import unittest
+
+import torch
+
+from dflash.torch import dflash_objective
+
+B, N, K, H, V, TOP_K = 2, 3, 4, 8, 37, 5
+
+
+def batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, N, K, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.5
+    bias = torch.randn(V, generator=gen, dtype=torch.float64) * 0.1
+    target_ids = torch.randint(0, V, (B, N, K), generator=gen)
+    weight_mask = (torch.rand(B, N, K, generator=gen) > 0.25).double()
+    weight_mask[:, :, 0] = 0
+    # Some targets among the top-k: plant them as the row's argmax.
+    logits = hidden @ weight.T + bias
+    target_ids[0, 0] = logits[0, 0].argmax(-1)
+    return hidden, weight, bias, target_ids, weight_mask
+
+
+def reference(hidden, weight, bias, target_ids, weight_mask, cap, probe):
+    """SpecForge's computation on materialised logits: dflash CE with
+    gamma 7, top-k of the transformed logits, a probe objective on them."""
+    logits = hidden @ weight.T + bias
+    z = cap * torch.tanh(logits / cap)
+    nlq = torch.nn.functional.cross_entropy(
+        z.reshape(-1, V), target_ids.reshape(-1), reduction="none"
+    ).reshape(B, N, K)
+    k = torch.arange(K, dtype=torch.float64)
+    w = weight_mask * torch.exp(-(k - 1).clamp(min=0) / 7.0)
+    loss = (nlq * w).sum() / w.sum()
+    values, ids = z.topk(TOP_K, dim=-1)
+    supervised = (weight_mask > 0).unsqueeze(-1)
+    objective = loss + (values * probe * supervised).sum()
+    return objective, ids, values, w
+
+
+class SelectorInputsTest(unittest.TestCase):
+
+    def test_top_k_ids_values_and_their_gradients(self):
+        cap = 6.0
+        for mode in ("fused", "checkpoint", "materialize"):
+            for trainable in (False, True):
+                with self.subTest(mode=mode, trainable=trainable):
+                    hidden, weight, bias, target_ids, weight_mask = batch(3)
+                    probe = torch.randn(B, N, K, TOP_K, dtype=torch.float64,
+                                        generator=torch.Generator()
+                                        .manual_seed(5))
+                    leaves = [t.clone().requires_grad_(
+                        i == 0 or trainable)
+                        for i, t in enumerate((hidden, weight, bias))]
+                    config = (
+                        f"head {{ logit_softcap: {cap} }} "
+                        "loss { dflash { gamma: 7 } }")
+                    terms = dflash_objective(
+                        leaves[0], leaves[1], target_ids, weight_mask,
+                        lm_head_bias=leaves[2], config=config, mode=mode,
+                        chunk_blocks=2, top_k=TOP_K)
+                    supervised = (weight_mask > 0).unsqueeze(-1)
+                    (terms.loss + (terms.top_k_values.double() * probe
+                                   * supervised).sum()).backward()
+
+                    ref_leaves = [t.clone().requires_grad_(
+                        i == 0 or trainable)
+                        for i, t in enumerate((hidden, weight, bias))]
+                    objective, ids, values, w = reference(
+                        *ref_leaves, target_ids, weight_mask, cap, probe)
+                    objective.backward()
+                    mask = weight_mask > 0
+                    self.assertTrue(torch.equal(terms.top_k[mask], ids[mask]))
+                    self.assertTrue(bool((terms.top_k[~mask] == -1).all()))
+                    torch.testing.assert_close(
+                        terms.top_k_values[mask].double(),
+                        values[mask].detach(), rtol=1e-6, atol=1e-6)
+                    matches = ids.eq(target_ids.unsqueeze(-1))
+                    self.assertTrue(torch.equal(
+                        terms.target_is_candidate[mask], matches.any(-1)[mask]))
+                    self.assertTrue(bool(terms.target_is_candidate[0, 0, 1:]
+                                         .all()))
+                    self.assertTrue(torch.equal(
+                        terms.target_candidate_index[mask],
+                        matches.long().argmax(-1)[mask]))
+                    torch.testing.assert_close(terms.loss_weight.double(), w,
+                                               rtol=1e-6, atol=1e-7)
+                    # The values are float32: their dz'/dz is good to ~1e-7.
+                    for name, got, want in zip(
+                            ("hidden", "weight", "bias"), leaves, ref_leaves):
+                        if want.grad is None:
+                            self.assertIsNone(got.grad, name)
+                            continue
+                        torch.testing.assert_close(
+                            got.grad, want.grad, rtol=1e-6, atol=1e-6,
+                            msg=lambda m, name=name: f"d/d{name}: {m}")
+
+    def test_bad_top_k_backward_inputs_raise(self):
+        hidden, weight, _, target_ids, weight_mask = batch(4)
+        hidden.requires_grad_(True)
+        terms = dflash_objective(hidden, weight, target_ids, weight_mask,
+                                 top_k=TOP_K)
+        # A gradient of the wrong shape is autograd's error, before ours.
+        with self.assertRaises(RuntimeError):
+            terms.top_k_values.backward(torch.ones(3))
+
+
+if __name__ == "__main__":
+    unittest.main()
