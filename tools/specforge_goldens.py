@@ -30,6 +30,12 @@ here. Needs torch >= 2.1. Each case directory gets:
                      recall and top-16 mass (the numerators)
   accepted.npy       float64 [3]: block_den, the top-16 oracle accepted
                      length's and the expected accepted length's numerators
+                     (top-5, the selector's, in the selector cases)
+
+The DFlash2 cases (a candidate selector, SelectorStandIn) also have:
+  selector.npy       float64, in SELECTOR_TERMS order
+  selector_embed.npy float64 [V, 4], selector_proj.npy float64 [H, 4]: the
+                     stand-in selector's tables
 """
 
 import argparse
@@ -53,6 +59,22 @@ TERMS = (
 )
 
 B, S, N, K, H, V = 2, 24, 3, 4, 8, 37
+
+# The DFlash2 cases' stand-in selector: its top-k, SpecForge's
+# selector_loss_alpha for it, and the draft's transform_unary_logits, a
+# tanh softcap that dflash's head.logit_softcap reproduces.
+SELECTOR_TOP_K = 5
+UNARY_SOFTCAP = 20.0
+SELECTOR_TERMS = (
+    "selector_ce_num",
+    "selector_probability_num",
+    "selector_correct_num",
+    "selector_weight_den",
+    "selector_covered_num",
+    # The case's settings, for the caller who runs the selector.
+    "selector_loss_alpha",
+    "selector_stop_gradient",
+)
 
 # name: (SpecForge constructor arguments, the dflash LossConfig body).
 CASES = {
@@ -108,7 +130,55 @@ CASES = {
         "dpace { alpha: 0.6 variant: CONTINUATION_VALUE_ONLY "
         "lk { type: LAMBDA } }",
     ),
+    # With a DFlash2 candidate selector (SelectorStandIn below).
+    "dflash_selector": (
+        dict(loss_type="dflash", loss_decay_gamma=7.0, selector_loss_alpha=0.5),
+        "dflash { gamma: 7 }",
+    ),
+    "dpace_lk_tv_selector_stop_gradient": (
+        dict(loss_type="dpace", dpace_alpha=0.5, lk_loss_type="tv",
+             selector_loss_alpha=1.0, selector_stop_gradient=True),
+        "dpace { alpha: 0.5 lk { type: TV } }",
+    ),
 }
+
+
+class SelectorStandIn(torch.nn.Module):
+    """A fixed tiny DFlash2 candidate selector: each candidate's score is
+    0.8 * its unary logit plus its embedding against the projected hidden
+    state and the predecessor's embedding. The goldens hold its tables
+    (selector_embed.npy, selector_proj.npy); //python:specforge_goldens_test
+    runs this class on dflash's top-k."""
+
+    top_k = SELECTOR_TOP_K
+
+    def __init__(self, embed, proj):
+        super().__init__()
+        self.register_buffer("embed", torch.as_tensor(embed))
+        self.register_buffer("proj", torch.as_tensor(proj))
+
+    def score_candidates(self, candidate_ids, unary_logits, hidden_states,
+                         predecessor_ids):
+        context = hidden_states @ self.proj + self.embed[predecessor_ids]
+        return 0.8 * unary_logits + (
+            self.embed[candidate_ids] * context.unsqueeze(-2)).sum(-1)
+
+    def greedy_path(self, candidate_ids, unary_logits, hidden_states,
+                    anchor_token_ids):
+        previous, path = anchor_token_ids, []
+        for slot in range(candidate_ids.shape[1]):
+            scores = self.score_candidates(
+                candidate_ids[:, slot], unary_logits[:, slot],
+                hidden_states[:, slot], previous)
+            previous = candidate_ids[:, slot].gather(
+                -1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+            path.append(previous)
+        return torch.stack(path, dim=1)
+
+
+def selector_tables(seed):
+    rng = np.random.default_rng(seed + 1)
+    return rng.standard_normal((V, 4)) * 0.5, rng.standard_normal((H, 4)) * 0.5
 
 
 def import_specforge(root):
@@ -156,7 +226,19 @@ class DraftStandIn(torch.nn.Module):
     sliding_window = None
 
 
-def run_case(module, kwargs, batch):
+class SelectorDraftStandIn(DraftStandIn):
+    """A DFlash2 draft: a candidate selector and a unary-logit transform."""
+
+    def __init__(self, selector):
+        super().__init__()
+        self.candidate_selector = selector
+
+    @staticmethod
+    def transform_unary_logits(logits):
+        return UNARY_SOFTCAP * torch.tanh(logits / UNARY_SOFTCAP)
+
+
+def run_case(module, kwargs, batch, selector=None):
     """SpecForge's forward and backward on the batch.
 
     Returns its loss, accuracy, metrics, d(loss)/d(states), and the sum of
@@ -169,7 +251,8 @@ def run_case(module, kwargs, batch):
     lm_head.requires_grad_(False)
     embed = torch.nn.Embedding(V, 4, dtype=torch.float64)
     model = module.OnlineDFlashModel(
-        draft_model=DraftStandIn(),
+        draft_model=(DraftStandIn() if selector is None
+                     else SelectorDraftStandIn(selector)),
         target_lm_head=lm_head,
         target_embed_tokens=embed,
         mask_token_id=0,
@@ -209,11 +292,7 @@ def run_case(module, kwargs, batch):
     return loss, accuracy, metrics, states.grad, terms
 
 
-# SpecForge's metric_top_k default, under V.
-METRIC_TOP_K = 16
-
-
-def position_metrics(metrics):
+def position_metrics(metrics, top_k):
     """Per block position k >= 1, from SpecForge's ratio metrics: the
     weight mask's sum, argmax hits, target probability, loss weight, top-k
     recall and top-k mass (the ratios' numerators)."""
@@ -228,17 +307,17 @@ def position_metrics(metrics):
             num("hard_label/unary_top1_accuracy"),
             num("hard_label/unary_probability"),
             num("objective/loss_weight_share"),
-            num(f"hard_label/unary_top{METRIC_TOP_K}_recall"),
-            num(f"hard_label/unary_top{METRIC_TOP_K}_mass"),
+            num(f"hard_label/unary_top{top_k}_recall"),
+            num(f"hard_label/unary_top{top_k}_mass"),
         ]
     return table
 
 
-def accepted_lengths(metrics):
+def accepted_lengths(metrics, top_k):
     """block_den and the oracle and expected accepted lengths' numerators."""
     ratios = metrics["ratio_metrics"]
     oracle, den = ratios[
-        f"dflash/hard_label/unary_top{METRIC_TOP_K}_oracle_accepted_length"]
+        f"dflash/hard_label/unary_top{top_k}_oracle_accepted_length"]
     expected, _ = ratios["dflash/hard_label/expected_accepted_length"]
     return np.array([float(den), float(oracle), float(expected)])
 
@@ -254,9 +333,15 @@ def main():
     module = import_specforge(os.path.abspath(args.specforge))
     batch = make_batch(args.seed)
     input_ids, loss_mask, anchors, keep, hidden, weight = batch
+    embed, proj = selector_tables(args.seed)
     for name, (kwargs, loss_text) in CASES.items():
-        loss, accuracy, metrics, grad, terms = run_case(module, kwargs, batch)
-        position = position_metrics(metrics)
+        with_selector = "selector_loss_alpha" in kwargs
+        selector = SelectorStandIn(embed, proj) if with_selector else None
+        loss, accuracy, metrics, grad, terms = run_case(
+            module, kwargs, batch, selector)
+        # SpecForge's metric top-k: the selector's, else metric_top_k (16).
+        top_k = SELECTOR_TOP_K if with_selector else 16
+        position = position_metrics(metrics, top_k)
         loss_num, loss_den = metrics["loss_terms"]
         values = [float(t) for t in terms[:6]] + [
             float(loss_num), float(loss), float(accuracy)]
@@ -275,15 +360,26 @@ def main():
             "grad_hidden": grad.numpy().reshape(B * N * K, H),
             "terms": np.array(values, dtype=np.float64),
             "position": position,
-            "accepted": accepted_lengths(metrics),
+            "accepted": accepted_lengths(metrics, top_k),
         }
+        if with_selector:
+            arrays["selector"] = np.array(
+                list(terms[6:11]) + [
+                    kwargs["selector_loss_alpha"],
+                    float(kwargs.get("selector_stop_gradient", False))],
+                dtype=np.float64)
+            arrays["selector_embed"] = embed
+            arrays["selector_proj"] = proj
         for key, array in arrays.items():
             np.save(os.path.join(directory, key + ".npy"), array)
         with open(os.path.join(directory, "config.textproto"), "w") as f:
             f.write(
                 f"# SpecForge OnlineDFlashModel({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})\n"
                 f"layout {{ block_size: {K} num_anchors: {N} }}\n"
-                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
+                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64"
+                + (f" logit_softcap: {UNARY_SOFTCAP:g} metric_top_k: "
+                   f"{SELECTOR_TOP_K}" if with_selector else "")
+                + " }\n"
                 f"loss {{ {loss_text} }}\n")
         print(f"{name}: loss {float(loss):.12g}")
 

@@ -5,6 +5,7 @@ tests/goldens/README.md) hold a token batch, anchors, the draft's output
 states, the frozen lm_head, and SpecForge's terms, loss and d(loss)/d(states).
 """
 
+import importlib.util
 import os
 import unittest
 
@@ -13,8 +14,17 @@ import torch
 
 from dflash.torch import dflash_objective
 
-GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                       "tests", "goldens", "specforge_dflash")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+GOLDENS = os.path.join(ROOT, "tests", "goldens", "specforge_dflash")
+
+
+def generator():
+    """tools/specforge_goldens.py, for its stand-in DFlash2 selector."""
+    spec = importlib.util.spec_from_file_location(
+        "specforge_goldens", os.path.join(ROOT, "tools", "specforge_goldens.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 # terms.npy's order (tools/specforge_goldens.py TERMS).
 CE_NUM, TV_NUM, LOSS_DEN, PROB_NUM, CORRECT, ACC_DEN, LOSS_NUM, LOSS, ACC = \
     range(9)
@@ -48,20 +58,47 @@ def labels(g, block_size):
     return target_ids, weight_mask
 
 
+def selector_loss_num(g, terms, hidden, target_ids):
+    """What SpecForge adds for a DFlash2 draft: selector_loss_alpha times the
+    stand-in selector's CE over dflash's top-k, weighted by the loss weight
+    where the target is a candidate; the selector sees detached inputs with
+    selector_stop_gradient."""
+    gen = generator()
+    selector = gen.SelectorStandIn(g["selector_embed"], g["selector_proj"])
+    values = terms.top_k_values.double()
+    alpha, stop_gradient = g["selector"][5], g["selector"][6]
+    if stop_gradient:
+        values, hidden = values.detach(), hidden.detach()
+    predecessor_ids = torch.cat([target_ids[..., :1], target_ids[..., :-1]],
+                                dim=-1)
+    logits = selector.score_candidates(terms.top_k.clamp(min=0), values,
+                                       hidden, predecessor_ids)
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        terms.target_candidate_index.reshape(-1),
+        reduction="none").reshape(target_ids.shape)
+    weights = terms.loss_weight.double() * terms.target_is_candidate.double()
+    return alpha * (ce * weights).sum(), float((ce * weights).sum())
+
+
 class SpecForgeGoldensTest(unittest.TestCase):
 
     def test_every_golden_in_fused_and_checkpoint_mode(self):
         names = sorted(os.listdir(GOLDENS))
-        self.assertGreaterEqual(len(names), 12)
+        self.assertGreaterEqual(len(names), 14)
         for name in names:
             g = load(os.path.join(GOLDENS, name))
             batch, num_anchors = g["anchors"].shape
             hidden_size = g["hidden"].shape[1]
             block_size = g["hidden"].shape[0] // (batch * num_anchors)
             target_ids, weight_mask = labels(g, block_size)
-            # SpecForge rounds its decay weights to float32.
+            with_selector = "selector" in g
+            # SpecForge rounds its decay weights to float32; the selector
+            # reads float32 values and loss weights (dflash's outputs).
             rtol = 3e-7 if "gamma: 7" in g["config"] or "gamma: 3" in g[
                 "config"] else 1e-10
+            if with_selector:
+                rtol = 1e-5
             for mode in ("fused", "checkpoint"):
                 with self.subTest(case=name, mode=mode):
                     hidden = torch.from_numpy(g["hidden"]).reshape(
@@ -70,12 +107,23 @@ class SpecForgeGoldensTest(unittest.TestCase):
                     terms = dflash_objective(
                         hidden, torch.from_numpy(g["weight"]), target_ids,
                         weight_mask, config=g["config"], mode=mode,
-                        chunk_blocks=2)
-                    terms.loss.backward()
+                        chunk_blocks=2,
+                        top_k=5 if with_selector else 0)
+                    loss_num = terms.loss_num
+                    if with_selector:
+                        added, ce_num = selector_loss_num(
+                            g, terms, hidden, target_ids)
+                        loss_num = loss_num + added
+                        self.assertAlmostEqual(
+                            ce_num, g["selector"][0],
+                            delta=rtol * abs(g["selector"][0]),
+                            msg="selector_ce_num")
+                    loss = loss_num / terms.loss_den
+                    loss.backward()
                     want = g["terms"]
                     for label, actual, index in (
-                            ("loss", terms.loss, LOSS),
-                            ("loss_num", terms.loss_num, LOSS_NUM),
+                            ("loss", loss, LOSS),
+                            ("loss_num", loss_num, LOSS_NUM),
                             ("loss_den", terms.loss_den, LOSS_DEN),
                             ("ce_loss_num", terms.ce_loss_num, CE_NUM),
                             ("tv_loss_num", terms.tv_loss_num, TV_NUM),
