@@ -69,8 +69,9 @@ Setup& Shared() {
       s->status = anchors.status();
       return s;
     }
-    auto rows = LabelRows(tokens, anchors->positions, anchors->keep, kAnchors,
-                          kBlock, kVocab, Labeling::kDFlash);
+    auto rows =
+        LabelRows(tokens, anchors->positions, anchors->keep,
+                  anchors->num_anchors, kBlock, kVocab, Labeling::kDFlash);
     if (!rows.ok()) {
       s->status = rows.status();
       return s;

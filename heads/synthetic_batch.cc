@@ -60,10 +60,9 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   b.anchors = std::move(anchors);
   DFLASH_ASSIGN_OR_RETURN(
       std::vector<RowMeta> rows,
-      LabelRows(
-          token_batch, b.anchors.positions, b.anchors.keep, shape.num_anchors,
-          block, vocab,
-          LossTraitsOf(config.loss()).labeling));
+      LabelRows(token_batch, b.anchors.positions, b.anchors.keep,
+                b.anchors.num_anchors, block, vocab,
+                LossTraitsOf(config.loss()).labeling));
   b.rows = std::move(rows);
   const int64_t n = static_cast<int64_t>(b.rows.size());
   std::normal_distribution<float> normal(0, 1), noise(0, 0.3f);

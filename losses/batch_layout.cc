@@ -28,40 +28,54 @@ absl::Status CheckTokens(const TokenBatch& tokens) {
 
 }  // namespace
 
-absl::StatusOr<Anchors> SampleAnchors(const TokenBatch& tokens,
-                                      int64_t num_anchors, uint64_t seed) {
+absl::StatusOr<Anchors> SampleAnchors(
+    const TokenBatch& tokens, int64_t num_anchors, uint64_t seed,
+    std::optional<int64_t> max_valid_anchors) {
   DFLASH_RETURN_IF_ERROR(CheckTokens(tokens));
   if (num_anchors <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "batch layout: num_anchors must be > 0, got ", num_anchors));
   }
-  std::mt19937_64 rng(seed);
-  Anchors anchors;
-  anchors.num_anchors = num_anchors;
-  anchors.positions.assign(tokens.batch * num_anchors, 0);
-  anchors.keep.assign(tokens.batch * num_anchors, 0);
+  if (max_valid_anchors.has_value() && *max_valid_anchors < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch layout: max_valid_anchors must be >= 0, got ",
+                     *max_valid_anchors));
+  }
   const int64_t s_len = tokens.seq_len;
+  std::vector<std::vector<int64_t>> candidates(tokens.batch);
+  int64_t most = 0;
   for (int64_t b = 0; b < tokens.batch; ++b) {
     const uint8_t* mask = tokens.loss_mask.data() + b * s_len;
-    std::vector<int64_t> valid;
     for (int64_t p = 0; p + 1 < s_len; ++p) {
-      if (mask[p] && mask[p + 1]) valid.push_back(p);
+      if (mask[p] && mask[p + 1]) candidates[b].push_back(p);
     }
-    if (valid.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch layout: sequence ", b,
-          ": sampling anchors requires two consecutive supervised tokens, "
-          "got none"));
-    }
-    const int64_t take = std::min<int64_t>(num_anchors, valid.size());
+    most = std::max<int64_t>(most, candidates[b].size());
+  }
+  const int64_t width = std::min(num_anchors, max_valid_anchors.value_or(most));
+  if (width == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch layout: DFlash-family training requires two consecutive "
+        "supervised tokens, got ",
+        most == 0
+            ? absl::StrCat("none in any of the ", tokens.batch, " sequence(s)")
+            : "max_valid_anchors 0"));
+  }
+  std::mt19937_64 rng(seed);
+  Anchors anchors;
+  anchors.num_anchors = width;
+  anchors.positions.assign(tokens.batch * width, 0);
+  anchors.keep.assign(tokens.batch * width, 0);
+  for (int64_t b = 0; b < tokens.batch; ++b) {
+    std::vector<int64_t>& valid = candidates[b];
+    const int64_t take = std::min<int64_t>(width, valid.size());
     for (int64_t i = 0; i < take; ++i) {  // Partial Fisher-Yates.
       std::uniform_int_distribution<int64_t> pick(i, valid.size() - 1);
       std::swap(valid[i], valid[pick(rng)]);
     }
     std::sort(valid.begin(), valid.begin() + take);
     for (int64_t i = 0; i < take; ++i) {
-      anchors.positions[b * num_anchors + i] = valid[i];
-      anchors.keep[b * num_anchors + i] = 1;
+      anchors.positions[b * width + i] = valid[i];
+      anchors.keep[b * width + i] = 1;
     }
   }
   return anchors;

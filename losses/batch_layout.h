@@ -7,6 +7,7 @@
 // id and weight mask (RowMeta), under DFlash or DSpark Labeling.
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,12 +43,17 @@ enum class Labeling {
   kDSpark,
 };
 
-// Up to `num_anchors` anchors per sequence, drawn without replacement (seeded)
-// among positions p in [0, S-2] with loss_mask[p] and loss_mask[p+1] set,
-// sorted; fewer valid positions leave padding anchors (position 0, keep 0).
-// A sequence without a valid position is an error naming it.
-absl::StatusOr<Anchors> SampleAnchors(const TokenBatch& tokens,
-                                      int64_t num_anchors, uint64_t seed);
+// Anchors as SpecForge's `_sample_anchor_positions` draws them. Candidates
+// are the positions p in [0, S-2] with loss_mask[p] and loss_mask[p+1] set.
+// Every sequence gets the same width N = min(num_anchors,
+// max_valid_anchors), max_valid_anchors defaulting to the batch's largest
+// candidate count (pass one value on every rank for equal shapes). A
+// sequence draws min(N, its count) of its candidates without replacement
+// (seeded), sorted; the rest are padding (position 0, keep 0), so a
+// sequence without candidates is all padding. N = 0 is an error.
+absl::StatusOr<Anchors> SampleAnchors(
+    const TokenBatch& tokens, int64_t num_anchors, uint64_t seed,
+    std::optional<int64_t> max_valid_anchors = std::nullopt);
 
 // The rows [batch, num_anchors, block_size] in that order: target ids,
 // block positions, block ids (b * N + n) and weight masks. Rows without

@@ -75,10 +75,18 @@ TEST(SampleAnchorsTest, DrawsSortedValidPositionsAndPads) {
   const std::vector<int64_t> ids(8, 0);
   const std::vector<uint8_t> mask = {0, 1, 1, 1, 0, 1, 1, 0};
   const TokenBatch tokens{1, 8, ids, mask};
+  // The width is the batch's largest candidate count, at most num_anchors.
   auto all = SampleAnchors(tokens, 5, 1);
   ASSERT_TRUE(all.ok());
-  EXPECT_EQ(all->positions, (std::vector<int64_t>{1, 2, 5, 0, 0}));
-  EXPECT_EQ(all->keep, (std::vector<uint8_t>{1, 1, 1, 0, 0}));
+  EXPECT_EQ(all->num_anchors, 3);
+  EXPECT_EQ(all->positions, (std::vector<int64_t>{1, 2, 5}));
+  EXPECT_EQ(all->keep, (std::vector<uint8_t>{1, 1, 1}));
+  // max_valid_anchors (one value on every rank) sets it instead.
+  auto padded = SampleAnchors(tokens, 5, 1, 4);
+  ASSERT_TRUE(padded.ok());
+  EXPECT_EQ(padded->positions, (std::vector<int64_t>{1, 2, 5, 0}));
+  EXPECT_EQ(padded->keep, (std::vector<uint8_t>{1, 1, 1, 0}));
+  EXPECT_EQ(SampleAnchors(tokens, 5, 1, 2)->num_anchors, 2);
   for (uint64_t seed = 0; seed < 20; ++seed) {
     auto two = SampleAnchors(tokens, 2, seed);
     ASSERT_TRUE(two.ok());
@@ -88,15 +96,27 @@ TEST(SampleAnchorsTest, DrawsSortedValidPositionsAndPads) {
   }
 }
 
-TEST(SampleAnchorsTest, NoTwoConsecutiveSupervisedTokensIsAnError) {
+// As SpecForge: a sequence without two consecutive supervised tokens is all
+// padding; a batch where no sequence has them is an error.
+TEST(SampleAnchorsTest, NoTwoConsecutiveSupervisedTokensInTheBatchIsAnError) {
   const std::vector<int64_t> ids(8, 0);
   const std::vector<uint8_t> mask = {1, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0,
                                      1, 0, 1, 0};
-  EXPECT_EQ(SampleAnchors({2, 8, std::vector<int64_t>(16, 0), mask}, 4, 0)
+  auto one = SampleAnchors({2, 8, std::vector<int64_t>(16, 0), mask}, 4, 0);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->positions, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(one->keep, (std::vector<uint8_t>{1, 0}));
+  const std::vector<uint8_t> none = {1, 0, 1, 0, 1, 0, 1, 0,
+                                     1, 0, 1, 0, 1, 0, 1, 0};
+  EXPECT_EQ(SampleAnchors({2, 8, std::vector<int64_t>(16, 0), none}, 4, 0)
                 .status()
                 .message(),
-            "batch layout: sequence 1: sampling anchors requires two "
-            "consecutive supervised tokens, got none");
+            "batch layout: DFlash-family training requires two consecutive "
+            "supervised tokens, got none in any of the 2 sequence(s)");
+  EXPECT_EQ(SampleAnchors({2, 8, std::vector<int64_t>(16, 0), mask}, 4, 0, -1)
+                .status()
+                .message(),
+            "batch layout: max_valid_anchors must be >= 0, got -1");
   EXPECT_EQ(SampleAnchors({1, 8, ids, std::vector<uint8_t>(8, 1)}, 0, 0)
                 .status()
                 .message(),

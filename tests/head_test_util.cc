@@ -28,8 +28,8 @@ Batch MakeBatch(uint32_t seed, int64_t batch, int64_t anchors) {
   const TokenBatch tokens{batch, kS, ids, loss_mask};
   auto sampled = SampleAnchors(tokens, anchors, seed);
   EXPECT_TRUE(sampled.ok()) << sampled.status();
-  auto rows = LabelRows(tokens, sampled->positions, sampled->keep, anchors, kK,
-                        kV, Labeling::kDFlash);
+  auto rows = LabelRows(tokens, sampled->positions, sampled->keep,
+                        sampled->num_anchors, kK, kV, Labeling::kDFlash);
   EXPECT_TRUE(rows.ok()) << rows.status();
   b.rows = *rows;
   const int64_t n = b.num_rows();
