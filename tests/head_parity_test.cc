@@ -192,6 +192,31 @@ TEST(HeadCostTest, GemmCountsMatchTheCostTable) {
   }
 }
 
+// Every LK composition keeps the plain cost: the batch-level lambda's CE
+// weight scales rows after the last chunk, with no second pass.
+TEST(HeadCostTest, EveryCompositionKeepsTheCostTable) {
+  const Batch b = MakeBatch(4);
+  struct Row {
+    const char* mode;
+    double passes;
+  };
+  for (const char* loss :
+       {"dflash { lk { type: LAMBDA } }", "dflash { lk { type: TV } }",
+        "dpace { lk { type: LAMBDA kl_scale: 2 } }", "lk_lambda {}"}) {
+    for (const Row& row : {Row{"MATERIALIZE", 2}, Row{"SAVE_CHUNKS", 2},
+                           Row{"CHECKPOINT", 3}, Row{"SELECTIVE", 3},
+                           Row{"FUSED", 2}}) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", row.mode));
+      TrackingAllocator allocator;
+      HeadRunOutput<double> run =
+          RunOn<double>(ConfigBuilder(loss).Mode(row.mode).Build(), b,
+                        allocator);
+      ASSERT_TRUE(run.result.ok()) << run.result.status();
+      EXPECT_DOUBLE_EQ(run.result->stats.gemm_passes, row.passes);
+    }
+  }
+}
+
 TEST(HeadCostTest, SegmentsSetHowOftenBackwardRecomputes) {
   const Batch b = MakeBatch(5);  // 6 blocks: 6 chunks of one block.
   for (int64_t segment : {1, 2, 3, 6}) {
