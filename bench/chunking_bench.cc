@@ -42,7 +42,8 @@ void BM_ChunkedReduce(benchmark::State& state) {
   const int64_t rows = 65536;
   std::vector<float> hidden(rows * 4);
   FirstElement function;
-  const ChunkedReduceOptions options{.chunk_size = state.range(0), .dim = 0};
+  const ChunkedReduceOptions options{
+      .chunk_size = state.range(0), .dim = 0, .checkpoint = false};
   for (auto _ : state) {
     auto reduction = ChunkedReduction::Run(
         function, {TensorView::Of(hidden.data(), {rows, 4})}, options);

@@ -45,7 +45,8 @@ struct ChunkedReduceOptions {
   int64_t chunk_size = 0;
   // Negative counts from the end, per input (inputs may differ in rank).
   int64_t dim = 0;
-  bool checkpoint = false;
+  // Default true, as SpecForge's `checkpoint` argument.
+  bool checkpoint = true;
   // Whether gradients are enabled (torch.is_grad_enabled()).
   bool grad_enabled = true;
 };

@@ -150,6 +150,17 @@ TEST(ChunkedReduceTest, NoInputNeedingGradientMeansNoCheckpoint) {
   EXPECT_FALSE(no_grad_mode->checkpointed());
 }
 
+// As SpecForge's `checkpoint=True`: a chunked reduction whose inputs need
+// gradients is checkpointed unless told otherwise.
+TEST(ChunkedReduceTest, CheckpointsByDefault) {
+  Fixture f;
+  WeightedSums function;
+  auto reduction = ChunkedReduction::Run(
+      function, f.Inputs(), {.chunk_size = 2, .dim = 1}, f.Grads());
+  ASSERT_TRUE(reduction.ok());
+  EXPECT_TRUE(reduction->checkpointed());
+}
+
 TEST(ChunkedReduceTest, NegativeDimAndMixedRanks) {
   // A [2, 6] tensor and a [6] tensor, both sliced along their last dim.
   std::vector<double> matrix(12, 1.0), vector(6);
