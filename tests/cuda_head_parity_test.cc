@@ -3,8 +3,6 @@
 // float64 reference (FP32 within 1e-5); BF16 within SpecForge's tolerances;
 // device peak bytes within chunk-sized bounds. Skipped, with the reason,
 // where no GPU is usable.
-#include "heads/cuda_head.h"
-
 #include <cmath>
 #include <memory>
 #include <string>
@@ -17,8 +15,11 @@
 #include "base/gpu_test.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
-#include "tests/head_test_util.h"
+#include "heads/cpu_head.h"
+#include "heads/cuda_head.h"
+#include "heads/top_k_gradient.h"
 #include "proto/config.h"
+#include "tests/head_test_util.h"
 
 namespace dflash {
 namespace {
@@ -198,6 +199,140 @@ double RelativeNorm(const std::vector<double>& a,
     norm += b[i] * b[i];
   }
   return std::sqrt(diff / norm);
+}
+
+// The DFlash2 outputs and the diagnostics on the GPU against the CPU head
+// in float32: top-k ids (exact), values and loss weights, the per-position
+// diagnostics and accepted lengths; then the values' backward
+// (AddCudaTopKValueGradients against AddTopKValueGradients), frozen and
+// trainable, with a softcap.
+TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
+  OPEN_GPU_OR_SKIP(gpu);
+  const Batch b = MakeBatch(8);
+  const int64_t n = b.num_rows();
+  for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
+    for (bool trainable : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(loss, " trainable ", trainable));
+      const v1::ObjectiveConfig cpu_config =
+          ConfigBuilder(loss).Mode("CHECKPOINT").Trainable(trainable).Build();
+      v1::ObjectiveConfig f32 = cpu_config;
+      f32.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+      f32.mutable_head()->set_logit_softcap(6);
+      f32.mutable_head()->set_metric_top_k(4);
+      // The CPU head in float32.
+      const std::vector<float> hidden(b.hidden.begin(), b.hidden.end());
+      const std::vector<float> weight(b.weight.begin(), b.weight.end());
+      const std::vector<float> bias(b.bias.begin(), b.bias.end());
+      std::vector<float> grad_hidden(n * kH),
+          grad_weight(trainable ? kV * kH : 0), grad_bias(trainable ? kV : 0),
+          values(n * kTopK), weights(n);
+      std::vector<int32_t> ids(n * kTopK);
+      const HeadInputs<float> inputs{hidden, {}, {}, b.rows, weight, bias};
+      const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden),
+                                           absl::MakeSpan(grad_weight),
+                                           absl::MakeSpan(grad_bias),
+                                           {}};
+      HeadRowOutputs outputs;
+      outputs.top_k = absl::MakeSpan(ids);
+      outputs.k = kTopK;
+      outputs.top_k_values = absl::MakeSpan(values);
+      outputs.loss_weight = absl::MakeSpan(weights);
+      TrackingAllocator allocator;
+      absl::StatusOr<HeadResult> cpu =
+          RunHead<float>(f32, inputs, gradients, allocator, outputs);
+      ASSERT_TRUE(cpu.ok()) << cpu.status();
+
+      // The same on the GPU.
+      CudaStream& stream = *gpu->stream;
+      TrackedBuffer<float> d_hidden = Upload<float>(b.hidden, stream);
+      TrackedBuffer<float> d_weight = Upload<float>(b.weight, stream);
+      TrackedBuffer<float> d_bias = Upload<float>(b.bias, stream);
+      TrackedBuffer<float> d_grad_hidden =
+          Upload<float>(std::vector<double>(n * kH, 7), stream);
+      TrackedBuffer<float> d_grad_weight = Upload<float>(
+          std::vector<double>(trainable ? kV * kH : 0, 7), stream);
+      TrackedBuffer<float> d_grad_bias =
+          Upload<float>(std::vector<double>(trainable ? kV : 0, 7), stream);
+      TrackedBuffer<int32_t> d_ids =
+          Upload<int32_t>(std::vector<int32_t>(n * kTopK, 7), stream);
+      TrackedBuffer<float> d_values =
+          Upload<float>(std::vector<double>(n * kTopK, 7), stream);
+      TrackedBuffer<float> d_weights =
+          Upload<float>(std::vector<double>(n, 7), stream);
+      const HeadInputs<float> d_inputs{Span(d_hidden), {},          {}, b.rows,
+                                       Span(d_weight), Span(d_bias)};
+      const HeadGradients<float> d_gradients{
+          Span(d_grad_hidden), Span(d_grad_weight), Span(d_grad_bias), {}};
+      HeadRowOutputs d_outputs;
+      d_outputs.top_k = Span(d_ids);
+      d_outputs.k = kTopK;
+      d_outputs.top_k_values = Span(d_values);
+      d_outputs.loss_weight = Span(d_weights);
+      absl::StatusOr<HeadResult> gpu_run =
+          RunCudaHead<float>(OnCuda(f32, v1::HeadConfig::FLOAT32), d_inputs,
+                             d_gradients, *gpu->blas, d_outputs);
+      ASSERT_TRUE(gpu_run.ok()) << gpu_run.status();
+      EXPECT_EQ(Download(d_ids, stream), ids);
+      const std::vector<float> got_values = Download(d_values, stream);
+      const std::vector<float> got_weights = Download(d_weights, stream);
+      for (int64_t i = 0; i < n * kTopK; ++i) {
+        EXPECT_NEAR(got_values[i], values[i], 1e-5 * (1 + std::abs(values[i])));
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        EXPECT_NEAR(got_weights[r], weights[r], 1e-6 * (1 + weights[r]));
+      }
+      const ChunkTerms& want = cpu->terms;
+      const ChunkTerms& got = gpu_run->terms;
+      for (const auto& [a, c] :
+           {std::pair{&got.target_probability_per_position,
+                      &want.target_probability_per_position},
+            {&got.loss_weight_per_position, &want.loss_weight_per_position},
+            {&got.top_k_recall_per_position, &want.top_k_recall_per_position},
+            {&got.top_k_mass_per_position, &want.top_k_mass_per_position}}) {
+        ASSERT_EQ(a->size(), c->size());
+        for (size_t k = 0; k < a->size(); ++k) {
+          EXPECT_NEAR((*a)[k], (*c)[k], 1e-5 * (1 + std::abs((*c)[k])));
+        }
+      }
+      EXPECT_EQ(got.accepted_length.block_den, want.accepted_length.block_den);
+      EXPECT_EQ(got.accepted_length.oracle_num,
+                want.accepted_length.oracle_num);
+      EXPECT_NEAR(got.accepted_length.expected_num,
+                  want.accepted_length.expected_num,
+                  1e-5 * want.accepted_length.expected_num);
+
+      // The values' backward, from the same ids and values.
+      std::vector<double> probe(n * kTopK);
+      for (int64_t i = 0; i < n * kTopK; ++i) probe[i] = std::sin(0.7 * i);
+      const std::vector<float> grad_values(probe.begin(), probe.end());
+      ASSERT_TRUE(AddTopKValueGradients<float>(f32, inputs, ids, values,
+                                               grad_values, kTopK, gradients)
+                      .ok());
+      TrackedBuffer<float> d_grad_values = Upload<float>(probe, stream);
+      TrackedBuffer<int32_t> d_cpu_ids = Upload<int32_t>(ids, stream);
+      const std::vector<double> values64(values.begin(), values.end());
+      TrackedBuffer<float> d_cpu_values = Upload<float>(values64, stream);
+      ASSERT_TRUE(
+          AddCudaTopKValueGradients<float>(
+              OnCuda(f32, v1::HeadConfig::FLOAT32), d_inputs,
+              absl::MakeConstSpan(d_cpu_ids.data(), d_cpu_ids.size()),
+              absl::MakeConstSpan(d_cpu_values.data(), d_cpu_values.size()),
+              absl::MakeConstSpan(d_grad_values.data(), d_grad_values.size()),
+              kTopK, d_gradients, stream)
+              .ok());
+      const std::vector<float> got_hidden = Download(d_grad_hidden, stream);
+      EXPECT_LT(RelativeNorm(AsDoubles(got_hidden), AsDoubles(grad_hidden)),
+                1e-5);
+      if (trainable) {
+        EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_weight, stream)),
+                               AsDoubles(grad_weight)),
+                  1e-5);
+        EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_bias, stream)),
+                               AsDoubles(grad_bias)),
+                  1e-5);
+      }
+    }
+  }
 }
 
 // BF16 with inputs on a grid of 1/4 (bias 1/16), so that the GEMM's logits
