@@ -124,7 +124,7 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
   if (config.head().bias()) {
     rest.push_back({"lm_head_bias.npy", {in.vocab}, &kFloats, "(v)"});
   }
-  if (LossTraitsOf(config.loss()).needs_teacher) {
+  if (ProjectsTeacher(config)) {
     rest.push_back(
         {"teacher_hidden.npy", {b, n, k, h}, &kFloats, "(b, n, k, h)"});
   }
@@ -229,7 +229,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   const int64_t k = config.layout().block_size(),
                 h = config.head().hidden_size(), v = config.head().vocab_size(),
                 e = ElementBytes(config);
-  const bool teacher = LossTraitsOf(config.loss()).needs_teacher;
+  const bool teacher = ProjectsTeacher(config);
   const bool trainable = config.head().trainable();
   const std::optional<int64_t> rows = CheckedProduct({b, n, k});
   const std::optional<int64_t> tokens = CheckedMul(b, s);

@@ -64,7 +64,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                               Part(out.target_probability, b, n),
                               Part(out.target_rank, b, n),
                               Part(out.top_k_values, b * out.k, n * out.k),
-                              Part(out.loss_weight, b, n)};
+                              Part(out.loss_weight, b, n),
+                              Part(out.teacher_acceptance, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -128,6 +129,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
+    row_teacher_.assign(config_.head().teacher_diagnostics() ? rows : 0, 0.0);
     return absl::OkStatus();
   }
 
@@ -164,6 +166,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     // A recomputation writes the same q and rank again.
     std::vector<double> q(m);
     std::vector<int32_t> rank(row_rank_.empty() ? 0 : m);
+    std::vector<double> teacher_acceptance(row_teacher_.empty() ? 0 : m);
     const ChunkLossOutputs outputs{absl::MakeSpan(confidence_grad),
                                    absl::MakeSpan(neg_log_q),
                                    absl::MakeSpan(argmax),
@@ -172,7 +175,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
                                    absl::MakeSpan(q),
                                    absl::MakeSpan(rank),
                                    absl::MakeSpan(top_k_values),
-                                   absl::MakeSpan(loss_weight)};
+                                   absl::MakeSpan(loss_weight),
+                                   absl::MakeSpan(teacher_acceptance)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
@@ -205,6 +209,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
       }
       row_q_[r] = q[i];
       if (!rank.empty()) row_rank_[r] = rank[i];
+      if (!teacher_acceptance.empty()) row_teacher_[r] = teacher_acceptance[i];
     }
     return absl::OkStatus();
   }
@@ -213,8 +218,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   absl::StatusOr<ChunkTerms> Terms() override {
     ChunkTerms terms = terms_;
-    terms.accepted_length = AcceptedLengths(spec_.inputs->rows, row_q_,
-                                            row_rank_, options_.block_size);
+    terms.accepted_length =
+        AcceptedLengths(spec_.inputs->rows, row_q_, row_rank_, row_teacher_,
+                        options_.block_size);
     return terms;
   }
 
@@ -252,6 +258,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   // lengths) and the target's top-k rank.
   std::vector<double> row_q_;
   std::vector<int32_t> row_rank_;
+  std::vector<double> row_teacher_;  // The teacher acceptance, when asked.
   double loss_seconds_ = 0;
 };
 

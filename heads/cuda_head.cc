@@ -86,6 +86,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
       row_rank_ = std::move(rank);
       cuda::LaunchFillInt32(row_rank_.data(), rows, -1, stream_.stream());
     }
+    if (head.teacher_diagnostics()) {
+      DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> teacher,
+                              TrackedBuffer<double>::Create(allocator(), rows));
+      row_teacher_ = std::move(teacher);
+      DFLASH_RETURN_IF_ERROR(
+          stream_.Zero(row_teacher_.data(), row_teacher_.bytes()));
+    }
     return stream_.LaunchStatus("head start");
   }
 
@@ -126,7 +133,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
         // A recomputation writes the same q and rank again.
         absl::MakeSpan(row_q_.data(), row_q_.size()),
         absl::MakeSpan(row_rank_.data(), row_rank_.size()),
-        if_recorded(o.top_k_values), if_recorded(o.loss_weight)};
+        if_recorded(o.top_k_values), if_recorded(o.loss_weight),
+        absl::MakeSpan(row_teacher_.data(), row_teacher_.size())};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
@@ -143,12 +151,15 @@ class CudaHeadBackend final : public HeadBackend<T> {
     // The accepted lengths chain whole blocks: from the rows' q and rank.
     std::vector<double> q(row_q_.size());
     std::vector<int32_t> rank(row_rank_.size());
+    std::vector<double> teacher(row_teacher_.size());
     DFLASH_RETURN_IF_ERROR(
         stream_.CopyToHost(q.data(), row_q_.data(), row_q_.bytes()));
     DFLASH_RETURN_IF_ERROR(
         stream_.CopyToHost(rank.data(), row_rank_.data(), row_rank_.bytes()));
-    terms.accepted_length = AcceptedLengths(spec_.inputs->rows, q, rank,
-                                            config_.layout().block_size());
+    DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
+        teacher.data(), row_teacher_.data(), row_teacher_.bytes()));
+    terms.accepted_length = AcceptedLengths(
+        spec_.inputs->rows, q, rank, teacher, config_.layout().block_size());
     return terms;
   }
 
@@ -186,6 +197,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   // lengths) and the target's top-k rank.
   TrackedBuffer<double> row_q_;
   TrackedBuffer<int32_t> row_rank_;
+  TrackedBuffer<double> row_teacher_;  // The teacher acceptance, when asked.
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
 };

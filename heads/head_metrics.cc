@@ -58,12 +58,22 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
     m.add_top_k_recall_per_position(
         ratio(t.top_k_recall_per_position[k], mass));
     m.add_top_k_mass_per_position(ratio(t.top_k_mass_per_position[k], mass));
+    if (config.head().teacher_diagnostics()) {
+      m.add_teacher_acceptance_per_position(
+          ratio(t.teacher_acceptance_per_position[k], mass));
+      m.add_teacher_agreement_per_position(
+          ratio(t.teacher_agreement_per_position[k], mass));
+      m.add_teacher_top_k_mass_per_position(
+          ratio(t.teacher_top_k_mass_per_position[k], mass));
+    }
   }
   m.set_metric_top_k(ChunkLossOptionsOf(config).metric_top_k);
   m.set_expected_accepted_length(
       ratio(t.accepted_length.expected_num, t.accepted_length.block_den));
   m.set_oracle_accepted_length(
       ratio(t.accepted_length.oracle_num, t.accepted_length.block_den));
+  m.set_teacher_expected_accepted_length(ratio(
+      t.accepted_length.teacher_expected_num, t.accepted_length.block_den));
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);
   m.set_flops(r.stats.gemm_flops);

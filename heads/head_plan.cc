@@ -51,7 +51,7 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
       ChunkPlan chunks,
       PlanChunks(chunking,
                  {n, config.layout().block_size(), config.head().vocab_size(),
-                  element_bytes, LossTraitsOf(config.loss()).needs_teacher ? 2 : 1}));
+                  element_bytes, ProjectsTeacher(config) ? 2 : 1}));
   HeadPlan plan;
   plan.chunks = std::move(chunks);
   plan.active =
@@ -80,7 +80,7 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
   DFLASH_ASSIGN_OR_RETURN(HeadPlan plan, PlanHead(config, rows, element_bytes));
   const int64_t v = config.head().vocab_size();
   const int64_t h = config.head().hidden_size();
-  const bool teacher = LossTraitsOf(config.loss()).needs_teacher;
+  const bool teacher = ProjectsTeacher(config);
   const int64_t m = plan.max_chunk_rows;
   const int64_t chunk_logits = m * v * element_bytes;
   const int64_t row_buffers = 2 * m * h * element_bytes;

@@ -53,7 +53,7 @@ class HeadRun {
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
         params_(LossParamsOf(config.loss())),
-        teacher_(LossTraitsOf(params_).needs_teacher),
+        teacher_(ProjectsTeacher(config)),
         confidence_(LossTraitsOf(params_).needs_confidence) {}
 
   absl::Status Validate() const;
@@ -153,7 +153,9 @@ absl::Status HeadRun<T>::Validate() const {
       {"inputs.hidden", inputs_.hidden.size(), rows * hidden_, true,
        "rows x head.hidden_size"},
       {"inputs.teacher_hidden", inputs_.teacher_hidden.size(), rows * hidden_,
-       teacher_, "rows x head.hidden_size, for the loss's teacher"},
+       teacher_,
+       "rows x head.hidden_size, for the loss's teacher or "
+       "head.teacher_diagnostics"},
       {"inputs.confidence_logits", inputs_.confidence_logits.size(), rows,
        confidence_, "one per row, for loss.dspark.confidence_weight"},
       {"inputs.weight", inputs_.weight.size(), vocab_ * hidden_, true,

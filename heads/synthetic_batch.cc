@@ -14,7 +14,7 @@ template <typename T>
 HeadInputs<T> HeadBatch<T>::Inputs(
     const v1::ObjectiveConfig& config) const {
   const LossTraits traits = LossTraitsOf(config.loss());
-  const bool teacher = traits.needs_teacher;
+  const bool teacher = ProjectsTeacher(config);
   const bool confidence = traits.needs_confidence;
   return {hidden,
           teacher ? absl::MakeConstSpan(teacher_hidden)
@@ -89,7 +89,7 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     T* x = b.hidden.data() + r * hidden;
     for (int64_t h = 0; h < hidden; ++h) x[h] += lift * w[h];
   }
-  if (LossTraitsOf(config.loss()).needs_teacher) {
+  if (ProjectsTeacher(config)) {
     b.teacher_hidden.resize(n * hidden);
     for (int64_t i = 0; i < n * hidden; ++i) {
       b.teacher_hidden[i] = b.hidden[i] + noise(rng);

@@ -22,15 +22,19 @@ struct AcceptedLengthTerms {
   double expected_num = 0;
   // The same with [target among the top-k] for q; 0 without `rank`.
   double oracle_num = 0;
+  // The same with the teacher acceptance for q; 0 without it.
+  double teacher_expected_num = 0;
 };
 
 // Rows are grouped by RowMeta::block, in any order; position 0 is the
 // anchor and never counts. q[r] is row r's target probability, rank[r] its
-// target's place among the top-k or -1 (rank may be empty). A chain stops at
-// the first unsupervised slot.
+// target's place among the top-k or -1, teacher[r] its teacher acceptance
+// (rank and teacher may be empty). A chain stops at the first unsupervised
+// slot.
 AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
                                     absl::Span<const double> q,
                                     absl::Span<const int32_t> rank,
+                                    absl::Span<const double> teacher,
                                     int64_t block_size);
 
 }  // namespace dflash

@@ -27,12 +27,19 @@ TEST(AcceptedLengthTest, ChainsEachBlockToItsFirstMiss) {
   const std::vector<double> q = {0.4, 0.9, 0.99, 0.7,  0.5,
                                  0.3, 0.2, 0.99, 0.99, 0.6};
   const std::vector<int32_t> rank = {-1, 0, 0, 0, 0, 0, 2, 0, 0, 0};
-  const AcceptedLengthTerms terms = AcceptedLengths(rows, q, rank, 4);
+  // Teacher acceptances: block 7 has 1, 0.5, 0.5 at k = 1..3: 1 + 1 + .5 +
+  // .25 = 2.75; block 3 stops at once: 1.
+  const std::vector<double> teacher = {0.5, 0.9, 0.9, 0.9, 1.0,
+                                       0.9, 0.5, 0.9, 0.9, 0.9};
+  const AcceptedLengthTerms terms = AcceptedLengths(rows, q, rank, teacher, 4);
   EXPECT_EQ(terms.block_den, 2);
   EXPECT_DOUBLE_EQ(terms.expected_num, 1.74 + 1);
   EXPECT_DOUBLE_EQ(terms.oracle_num, 2 + 1);
-  // Without ranks there is no oracle length.
-  EXPECT_EQ(AcceptedLengths(rows, q, {}, 4).oracle_num, 0);
+  EXPECT_DOUBLE_EQ(terms.teacher_expected_num, 2.75 + 1);
+  // Without ranks or teacher there is no oracle or teacher length.
+  const AcceptedLengthTerms bare = AcceptedLengths(rows, q, {}, {}, 4);
+  EXPECT_EQ(bare.oracle_num, 0);
+  EXPECT_EQ(bare.teacher_expected_num, 0);
 }
 
 }  // namespace

@@ -198,6 +198,26 @@ double DistillationRow(const LossParams& p, absl::Span<W> z,
   return divergence;
 }
 
+// |p - t|_1 between draft and teacher softmax, and the draft's signed mass
+// sum_v p_v sign(p_v - t_v).
+struct SoftmaxDistance {
+  double l1 = 0;
+  double signed_mass = 0;
+};
+template <typename W>
+SoftmaxDistance DistanceToTeacher(absl::Span<const W> z, const RowStats& stats,
+                                  absl::Span<const W> t,
+                                  const RowStats& teacher_stats) {
+  SoftmaxDistance distance;
+  for (size_t v = 0; v < z.size(); ++v) {
+    const double p = std::exp(z[v] - stats.logsumexp);
+    const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
+    distance.l1 += std::abs(d);
+    distance.signed_mass += p * SignOf(d);
+  }
+  return distance;
+}
+
 // DSpark's L1 between draft and teacher softmax, and its gradient times
 // l1_coefficient added to the softmax-family gradient `grad`, written into z.
 template <typename W>
@@ -205,13 +225,8 @@ double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
                    absl::Span<const W> t, const RowStats& teacher_stats,
                    const SoftmaxGradient& grad, double l1_coefficient) {
   const int64_t vocab = static_cast<int64_t>(z.size());
-  double l1 = 0, signed_mass = 0;
-  for (int64_t v = 0; v < vocab; ++v) {
-    const double p = std::exp(z[v] - stats.logsumexp);
-    const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
-    l1 += std::abs(d);
-    signed_mass += p * SignOf(d);
-  }
+  const auto [l1, signed_mass] =
+      DistanceToTeacher<W>(z, stats, t, teacher_stats);
   // d|p - t|_1 / dz_v = p_v (sign_v - sum_w p_w sign_w).
   const double uniform = grad.uniform / static_cast<double>(vocab);
   for (int64_t v = 0; v < vocab; ++v) {
@@ -273,10 +288,18 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
                      " vocab"));
   }
   const LossTraits traits = LossTraitsOf(params);
-  if (traits.needs_teacher) {
-    absl::Status size = CheckSize("teacher_logits", inputs.teacher_logits.size(),
-                                  num_rows * vocab, "rows x vocab");
+  if (traits.needs_teacher || !inputs.teacher_logits.empty()) {
+    absl::Status size = CheckSize(
+        "teacher_logits", inputs.teacher_logits.size(), num_rows * vocab,
+        traits.needs_teacher ? "rows x vocab"
+                             : "rows x vocab, for the teacher diagnostics");
     if (!size.ok()) return size;
+  }
+  if (!outputs.teacher_acceptance.empty() &&
+      (traits.needs_teacher || inputs.teacher_logits.empty())) {
+    return absl::InvalidArgumentError(
+        "chunk loss: outputs.teacher_acceptance needs teacher logits for the "
+        "teacher diagnostics (a loss that reads no teacher), got none");
   }
   if (traits.needs_confidence) {
     absl::Status size =
@@ -291,7 +314,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
         {"outputs.confidence_grad", outputs.confidence_grad.size()},
         {"outputs.target_probability", outputs.target_probability.size()},
         {"outputs.target_rank", outputs.target_rank.size()},
-        {"outputs.loss_weight", outputs.loss_weight.size()}}) {
+        {"outputs.loss_weight", outputs.loss_weight.size()},
+        {"outputs.teacher_acceptance", outputs.teacher_acceptance.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
@@ -369,10 +393,7 @@ absl::Status TeacherError(const absl::Status& status) {
 
 ChunkTerms ChunkTerms::Zero(int64_t block_size) {
   ChunkTerms terms;
-  for (std::vector<double>* v :
-       {&terms.correct_per_position, &terms.mask_per_position,
-        &terms.target_probability_per_position, &terms.loss_weight_per_position,
-        &terms.top_k_recall_per_position, &terms.top_k_mass_per_position}) {
+  for (std::vector<double>* v : terms.PerPosition()) {
     v->assign(block_size, 0.0);
   }
   return terms;
@@ -389,17 +410,15 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   accepted_length.block_den += other.accepted_length.block_den;
   accepted_length.expected_num += other.accepted_length.expected_num;
   accepted_length.oracle_num += other.accepted_length.oracle_num;
-  const std::pair<std::vector<double>*, const std::vector<double>*> pairs[] = {
-      {&correct_per_position, &other.correct_per_position},
-      {&mask_per_position, &other.mask_per_position},
-      {&target_probability_per_position,
-       &other.target_probability_per_position},
-      {&loss_weight_per_position, &other.loss_weight_per_position},
-      {&top_k_recall_per_position, &other.top_k_recall_per_position},
-      {&top_k_mass_per_position, &other.top_k_mass_per_position}};
-  for (const auto& [mine, theirs] : pairs) {
-    mine->resize(std::max(mine->size(), theirs->size()));
-    for (size_t k = 0; k < theirs->size(); ++k) (*mine)[k] += (*theirs)[k];
+  accepted_length.teacher_expected_num +=
+      other.accepted_length.teacher_expected_num;
+  const auto mine = PerPosition();
+  const auto theirs = other.PerPosition();
+  for (int i = 0; i < kPerPositionTerms; ++i) {
+    std::vector<double>& a = *mine[i];
+    const std::vector<double>& b = *theirs[i];
+    a.resize(std::max(a.size(), b.size()));
+    for (size_t k = 0; k < b.size(); ++k) a[k] += b[k];
   }
 }
 
@@ -463,6 +482,7 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
     if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
     if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
+    if (!outputs.teacher_acceptance.empty()) outputs.teacher_acceptance[r] = 0;
     if (!outputs.top_k_values.empty()) {
       std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
                   0.0f);
@@ -475,8 +495,12 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
   // block-coupled families only where the row is computed in place.
   const LossTraits traits = LossTraitsOf(p);
   const double smoothing = p.label_smoothing;
+  // The teacher diagnostics: teacher logits for a loss that reads none.
+  const bool teacher_metrics =
+      !traits.needs_teacher && !inputs.teacher_logits.empty();
   const bool keep_exp = std::is_same_v<W, float> && smoothing == 0 &&
-                        options_.logit_softcap == 0 && !traits.needs_teacher &&
+                        options_.logit_softcap == 0 &&
+                        inputs.teacher_logits.empty() &&
                         (!traits.couples_blocks || std::is_same_v<T, W>);
 
   std::vector<RowStats> stats(num_rows);
@@ -490,6 +514,8 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
   std::vector<int32_t> ids(top_k);
   std::vector<int32_t> rank(num_rows, -1);
   std::vector<double> top_mass(num_rows, 0.0);
+  // The teacher diagnostics read each row's metric top-k again later.
+  std::vector<int32_t> metric_ids(teacher_metrics ? num_rows * metric_k : 0);
   // Top-k reads z' before the stats pass may overwrite it.
   auto analyse = [&](int64_t r, absl::Span<W> z) -> absl::Status {
     const int32_t target = inputs.rows[r].target;
@@ -521,6 +547,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
       if (ids[j] == target) rank[r] = j;
       top_mass[r] +=
           exps ? z[ids[j]] * from_exp : std::exp(z[ids[j]] - s.logsumexp);
+    }
+    if (teacher_metrics) {
+      std::copy_n(ids.begin(), metric_k, metric_ids.begin() + r * metric_k);
     }
     return absl::OkStatus();
   };
@@ -590,6 +619,25 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
       outputs.target_probability[r] = q_r;
     }
     if (!outputs.target_rank.empty()) outputs.target_rank[r] = rank[r];
+    if (teacher_metrics) {
+      // z is z' still: no gradient has been written, no exps kept.
+      absl::Span<const W> t = source.Teacher(r);
+      absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+      if (!teacher.ok()) return TeacherError(teacher.status());
+      const double accept =
+          DSparkAcceptance(DistanceToTeacher<W>(z, s, t, *teacher).l1);
+      double mass = 0;
+      for (int32_t j = 0; j < metric_k; ++j) {
+        mass += std::exp(t[metric_ids[r * metric_k + j]] - teacher->logsumexp);
+      }
+      terms.teacher_acceptance_per_position[k] += mask[r] * accept;
+      terms.teacher_agreement_per_position[k] +=
+          teacher->argmax == s.argmax ? mask[r] : 0.0;
+      terms.teacher_top_k_mass_per_position[k] += mask[r] * mass;
+      if (!outputs.teacher_acceptance.empty()) {
+        outputs.teacher_acceptance[r] = accept;
+      }
+    }
     const double w = weight[r];
     if (w == 0) {
       source.StoreZero(r);

@@ -9,6 +9,7 @@
 // ChunkLoss runs one chunk straight from a v1::LossConfig. Also the input
 // checks shared with the CUDA loss (ValidateChunkLoss*).
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -46,14 +47,46 @@ struct ChunkTerms {
   // the k largest z', and sum(m * their softmax mass).
   std::vector<double> top_k_recall_per_position;
   std::vector<double> top_k_mass_per_position;
+  // With teacher logits for a loss that reads none (the teacher
+  // diagnostics): sum(m * clamp(1 - |p - t|_1 / 2, 0, 1)), sum(m) where
+  // the draft's and the teacher's argmax agree, and sum(m * the teacher's
+  // mass on the draft's top-k).
+  std::vector<double> teacher_acceptance_per_position;
+  std::vector<double> teacher_agreement_per_position;
+  std::vector<double> teacher_top_k_mass_per_position;
   // Over whole blocks, so not from a chunk: a head sets them after its last
   // chunk (losses/accepted_length.h).
   AcceptedLengthTerms accepted_length;
+
+  // The per-position vectors above, in their order here.
+  static constexpr int kPerPositionTerms = 9;
+  std::array<std::vector<double>*, kPerPositionTerms> PerPosition() {
+    return PerPositionOf(*this);
+  }
+  std::array<const std::vector<double>*, kPerPositionTerms> PerPosition()
+      const {
+    return PerPositionOf(*this);
+  }
 
   // Zero terms for blocks of `block_size` positions.
   static ChunkTerms Zero(int64_t block_size);
   // Adds `other` (same K) term by term.
   void Add(const ChunkTerms& other);
+
+ private:
+  template <typename Self>
+  static auto PerPositionOf(Self& self)
+      -> std::array<decltype(&self.correct_per_position), kPerPositionTerms> {
+    return {&self.correct_per_position,
+            &self.mask_per_position,
+            &self.target_probability_per_position,
+            &self.loss_weight_per_position,
+            &self.top_k_recall_per_position,
+            &self.top_k_mass_per_position,
+            &self.teacher_acceptance_per_position,
+            &self.teacher_agreement_per_position,
+            &self.teacher_top_k_mass_per_position};
+  }
 };
 
 // One chunk: `rows.size()` rows of `vocab` logits. T is float, double (the
@@ -64,7 +97,7 @@ struct ChunkLossInputs {
   // [rows x vocab]; overwritten with d(loss_num)/d(logits).
   absl::Span<T> logits;
   // [rows x vocab], no gradient: the frozen teacher projection, for dspark
-  // and distillation.
+  // and distillation; with another loss, for the teacher diagnostics.
   absl::Span<const T> teacher_logits;
   // [rows], dspark's confidence head output, when confidence_weight > 0.
   absl::Span<const float> confidence_logits;
@@ -94,6 +127,9 @@ struct ChunkLossOutputs {
   absl::Span<float> top_k_values;
   // [rows], the row's loss weight w (D-PACE's block weight), 0 where none.
   absl::Span<float> loss_weight;
+  // [rows], with the teacher diagnostics: clamp(1 - |p - t|_1 / 2, 0, 1),
+  // 0 where the row has no mask.
+  absl::Span<double> teacher_acceptance;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md

@@ -814,6 +814,74 @@ TEST(ChunkLossTest, DiagnosticsMatchASortOfTheLossLogits) {
             "chunk loss: metric_top_k must lie in [0, 64], got 65");
 }
 
+// The teacher diagnostics: teacher logits for a loss that reads none give
+// per position the mask-weighted teacher acceptance clamp(1 - |p - t|_1 / 2,
+// 0, 1), top-1 agreement and the teacher's mass on the draft's top-k, and
+// per row the acceptance; the loss itself does not change. Against a
+// float64 reference.
+TEST(ChunkLossTest, TeacherDiagnosticsMatchANaiveReference) {
+  Problem p = MakeProblem(6, {kK});
+  p.options.metric_top_k = 3;
+  const v1::LossConfig c = Parse("dflash { gamma: 7 }");
+  std::vector<double> plain = p.logits, with = p.logits, acceptance(kRows);
+  std::vector<int32_t> rank(kRows);
+  const absl::StatusOr<ChunkTerms> without = ChunkLoss<double>(
+      c, p.options, {absl::MakeSpan(plain), {}, {}, p.rows, kV});
+  ChunkLossOutputs outputs;
+  outputs.teacher_acceptance = absl::MakeSpan(acceptance);
+  const absl::StatusOr<ChunkTerms> terms = ChunkLoss<double>(
+      c, p.options, {absl::MakeSpan(with), p.teacher, {}, p.rows, kV}, outputs);
+  ASSERT_TRUE(without.ok() && terms.ok()) << terms.status();
+  EXPECT_EQ(terms->loss_num, without->loss_num);
+  EXPECT_EQ(with, plain);
+  std::vector<double> accept(kK), agree(kK), mass(kK);
+  for (int64_t r = 0; r < kRows; ++r) {
+    const RowMeta& m = p.rows[r];
+    if (m.mask == 0) {
+      EXPECT_EQ(acceptance[r], 0);
+      continue;
+    }
+    const std::vector<double> z(p.logits.begin() + r * kV,
+                                p.logits.begin() + (r + 1) * kV);
+    const std::vector<double> t(p.teacher.begin() + r * kV,
+                                p.teacher.begin() + (r + 1) * kV);
+    const std::vector<double> ps = Softmax(z, 1), pt = Softmax(t, 1);
+    double l1 = 0;
+    for (int64_t v = 0; v < kV; ++v) l1 += std::abs(ps[v] - pt[v]);
+    const double a = std::clamp(1 - 0.5 * l1, 0.0, 1.0);
+    EXPECT_NEAR(acceptance[r], a, 1e-12) << "row " << r;
+    std::vector<int32_t> order(kV);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t x, int32_t y) { return z[x] > z[y]; });
+    const int32_t teacher_top =
+        static_cast<int32_t>(std::max_element(t.begin(), t.end()) - t.begin());
+    accept[m.position] += m.mask * a;
+    agree[m.position] += order[0] == teacher_top ? m.mask : 0.0;
+    for (int j = 0; j < 3; ++j) mass[m.position] += m.mask * pt[order[j]];
+  }
+  double agreements = 0;
+  for (int64_t k = 0; k < kK; ++k) {
+    EXPECT_NEAR(terms->teacher_acceptance_per_position[k], accept[k], 1e-12);
+    EXPECT_EQ(terms->teacher_agreement_per_position[k], agree[k]);
+    EXPECT_NEAR(terms->teacher_top_k_mass_per_position[k], mass[k], 1e-12);
+    agreements += agree[k];
+  }
+  EXPECT_GT(agreements, 0);  // The fixture's teacher is the draft plus noise.
+  // A row's acceptance needs teacher logits.
+  std::vector<double> alone(kRows);
+  ChunkLossOutputs lone;
+  lone.teacher_acceptance = absl::MakeSpan(alone);
+  std::vector<double> logits = p.logits;
+  EXPECT_EQ(
+      ChunkLoss<double>(c, p.options,
+                        {absl::MakeSpan(logits), {}, {}, p.rows, kV}, lone)
+          .status()
+          .message(),
+      "chunk loss: outputs.teacher_acceptance needs teacher logits for "
+      "the teacher diagnostics (a loss that reads no teacher), got none");
+}
+
 // SpecForge's lk_loss_type="lambda": the CE weight comes from the whole
 // batch, so each chunk leaves loss_num to FinishTerms and writes w (p -
 // onehot) and q per row; the batch's gradient is that times

@@ -106,6 +106,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.target_rank = share(outputs.target_rank, 1);
     check_outputs.top_k_values = share(outputs.top_k_values, outputs.k);
     check_outputs.loss_weight = share(outputs.loss_weight, 1);
+    check_outputs.teacher_acceptance = share(outputs.teacher_acceptance, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -197,6 +198,9 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
       outputs.top_k_values.empty() ? nullptr : outputs.top_k_values.data();
   args.loss_weight =
       outputs.loss_weight.empty() ? nullptr : outputs.loss_weight.data();
+  args.teacher_acceptance = outputs.teacher_acceptance.empty()
+                                ? nullptr
+                                : outputs.teacher_acceptance.data();
   args.totals = record ? s.totals.data() : nullptr;
   args.error = s.error.data();
   cuda::KernelParams params = s.params;
@@ -243,13 +247,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.target_probability = totals[4];
   terms.ce_num = totals[5];
   terms.tv_num = totals[6];
-  std::vector<double>* per_position[cuda::kPositionTerms] = {
-      &terms.correct_per_position,
-      &terms.mask_per_position,
-      &terms.target_probability_per_position,
-      &terms.loss_weight_per_position,
-      &terms.top_k_recall_per_position,
-      &terms.top_k_mass_per_position};
+  static_assert(cuda::kPositionTerms == ChunkTerms::kPerPositionTerms);
+  const auto per_position = terms.PerPosition();
   for (int t = 0; t < cuda::kPositionTerms; ++t) {
     const auto begin = totals.begin() + cuda::kTermSlots + t * k;
     per_position[t]->assign(begin, begin + k);
@@ -298,11 +297,13 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto target_rank = Upload<int32_t>(outputs.target_rank, stream);
   auto top_k_values = Upload<float>(outputs.top_k_values, stream);
   auto loss_weight = Upload<float>(outputs.loss_weight, stream);
+  auto teacher_acceptance = Upload<double>(outputs.teacher_acceptance, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
         top_k.status(), target_probability.status(), target_rank.status(),
-        top_k_values.status(), loss_weight.status()}) {
+        top_k_values.status(), loss_weight.status(),
+        teacher_acceptance.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
@@ -311,10 +312,16 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
                                          View(*confidence), inputs.rows,
                                          inputs.vocab};
-  const ChunkLossOutputs device_outputs{
-      View(*confidence_grad), View(*neg_log_q),    View(*argmax),
-      View(*top_k),           outputs.k,           View(*target_probability),
-      View(*target_rank),     View(*top_k_values), View(*loss_weight)};
+  const ChunkLossOutputs device_outputs{View(*confidence_grad),
+                                        View(*neg_log_q),
+                                        View(*argmax),
+                                        View(*top_k),
+                                        outputs.k,
+                                        View(*target_probability),
+                                        View(*target_rank),
+                                        View(*top_k_values),
+                                        View(*loss_weight),
+                                        View(*teacher_acceptance)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -337,7 +344,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{outputs.top_k_values.data(), top_k_values->data(),
              top_k_values->bytes()},
         Back{outputs.loss_weight.data(), loss_weight->data(),
-             loss_weight->bytes()}}) {
+             loss_weight->bytes()},
+        Back{outputs.teacher_acceptance.data(), teacher_acceptance->data(),
+             teacher_acceptance->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

@@ -183,6 +183,14 @@ __device__ __forceinline__ int64_t OutRow(const int64_t* out_rows, int64_t r) {
   return out_rows != nullptr ? out_rows[r] : r;
 }
 
+// Teacher logits with a loss that reads none: the teacher diagnostics.
+template <typename T>
+__device__ __forceinline__ bool TeacherMetrics(const KernelParams& p,
+                                               const ChunkArgs<T>& a) {
+  return a.teacher != nullptr && p.loss.family != LossFamily::kDSpark &&
+         p.loss.family != LossFamily::kDistillation;
+}
+
 // Online logsumexp at two temperatures (1 and 1/inv_t), argmax (first
 // index), sum, and a finiteness flag, over this thread's elements.
 struct Online {
@@ -288,6 +296,7 @@ __global__ void __launch_bounds__(kThreads)
   stats.argmax = s.argmax;
   if (a.teacher != nullptr) {
     stats.t_lse = t.max * (distill ? inv_t : 1.0f) + logf(t.sum_t);
+    stats.t_argmax = t.argmax;
   }
 }
 
@@ -306,8 +315,10 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t caller_k = a.top_k != nullptr ? a.k : 0;
   const int32_t picks = caller_k > a.metric_k ? caller_k : a.metric_k;
   const float lse = a.stats[r].lse;
+  const bool teacher_metrics = TeacherMetrics(p, a);
+  const float t_lse = a.stats[r].t_lse;
   int32_t rank = -1;
-  double mass = 0;
+  double mass = 0, teacher_mass = 0;
   struct Pick {
     float value;
     int32_t index;
@@ -342,6 +353,10 @@ __global__ void __launch_bounds__(kThreads)
       if (j < a.metric_k) {
         if (best.index == meta.target) rank = j;
         mass += exp(static_cast<double>(best.value) - lse);
+        if (teacher_metrics) {
+          const float t = transform(ToF(a.teacher[r * p.vocab + best.index]));
+          teacher_mass += exp(static_cast<double>(t) - t_lse);
+        }
       }
     }
     last = best;
@@ -349,6 +364,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     a.row_terms[kTermSlots * r + 7] = rank >= 0 ? double{meta.mask} : 0.0;
     a.row_terms[kTermSlots * r + 8] = meta.mask * mass;
+    a.row_terms[kTermSlots * r + 11] = meta.mask * teacher_mass;
     if (a.target_rank != nullptr) a.target_rank[out] = rank;
   }
 }
@@ -399,6 +415,7 @@ __global__ void __launch_bounds__(kThreads)
       if (a.target_probability != nullptr) a.target_probability[out] = 0;
       if (a.target_rank != nullptr) a.target_rank[out] = -1;
       if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
+      if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = 0;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
     }
@@ -419,7 +436,10 @@ __global__ void __launch_bounds__(kThreads)
     if (a.metric_k == 0) {  // Else TopKKernel wrote them.
       terms[7] = 0;
       terms[8] = 0;
+      terms[11] = 0;
     }
+    terms[9] = 0;
+    terms[10] = 0;
     if (a.target_probability != nullptr) {
       a.target_probability[out] = exp(-neg_log_q);
     }
@@ -428,6 +448,22 @@ __global__ void __launch_bounds__(kThreads)
       a.neg_log_q[out] = static_cast<float>(neg_log_q);
     if (a.argmax != nullptr) a.argmax[out] = s.argmax;
     if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
+  }
+  if (TeacherMetrics(p, a)) {
+    // |p - t|_1 before the gradient overwrites z'.
+    const Transform transform(p.options);
+    const float lse_f = s.lse, t_lse = s.t_lse;
+    float l1 = 0;
+    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+      l1 += fabsf(expf(transform(x) - lse_f) - expf(transform(y) - t_lse));
+    });
+    l1 = BlockReduce(l1, [](float x, float y) { return x + y; });
+    if (threadIdx.x == 0) {
+      const double accept = DSparkAcceptance(l1);
+      terms[9] = meta.mask * accept;
+      terms[10] = s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
+      if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = accept;
+    }
   }
   if (w == 0) {
     ZeroRow(z_row, v);

@@ -41,19 +41,19 @@ struct RowStats {
   float sum = 0;     // sum(z'), label smoothing.
   float t_lse = 0;   // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
   int32_t argmax = 0;
-  int32_t pad = 0;
+  int32_t t_argmax = 0;  // Teacher: first index of the maximum.
 };
 
 // Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
 // accuracy_den, target_probability, ce_num, tv_num, top-k recall, top-k
-// mass (one kTermSlots row per chunk row in row_terms), then, per block
-// position, the sums of the slots PositionSlot names, [K] each, in
-// ChunkTerms' order: correct, mask, target probability, loss weight, top-k
-// recall, top-k mass.
-constexpr int kTermSlots = 9;
-constexpr int kPositionTerms = 6;
+// mass, teacher acceptance, teacher agreement, teacher top-k mass (one
+// kTermSlots row per chunk row in row_terms), then, per block position, the
+// sums of the slots PositionSlot names, [K] each, in ChunkTerms::PerPosition
+// order.
+constexpr int kTermSlots = 12;
+constexpr int kPositionTerms = 9;
 DFLASH_HOST_DEVICE constexpr int PositionSlot(int t) {
-  constexpr int kSlots[kPositionTerms] = {2, 3, 4, 1, 7, 8};
+  constexpr int kSlots[kPositionTerms] = {2, 3, 4, 1, 7, 8, 9, 10, 11};
   return kSlots[t];
 }
 inline int64_t TotalsSize(int32_t block_size) {
@@ -94,6 +94,9 @@ struct ChunkArgs {
   int32_t* target_rank = nullptr;
   float* top_k_values = nullptr;  // [out row, k], beside top_k.
   float* loss_weight = nullptr;   // By out row.
+  // The teacher diagnostics (teacher logits for a loss that reads none):
+  // each row's teacher acceptance, by out row.
+  double* teacher_acceptance = nullptr;
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;

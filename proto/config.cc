@@ -105,7 +105,7 @@ void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
        .block_size = config.layout().block_size(),
        .vocab = config.head().vocab_size(),
        .bytes_per_logit = BytesPerLogit(config.head().dtype()),
-       .logits_buffers = LossTraitsOf(config.loss()).needs_teacher ? 2 : 1});
+       .logits_buffers = ProjectsTeacher(config) ? 2 : 1});
   if (!plan.ok()) problems.AddLine(std::string(plan.message()));
   const v1::LossConfig& loss = config.loss();
   const LossTraits traits = LossTraitsOf(loss);
@@ -154,6 +154,12 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
     problems.Add("head.mode",
                  "SELECTIVE needs checkpoint.preset or checkpoint.rules to say "
                  "what to keep, got neither");
+  }
+  if (head.teacher_diagnostics() && LossNeedsTeacher(config.loss())) {
+    problems.Add("head.teacher_diagnostics",
+                 absl::StrCat("applies to losses that read no teacher; loss.",
+                              LossTraitsOf(config.loss()).name,
+                              " projects the teacher already, got true"));
   }
   // The batch-level LK lambda scales each row's hidden-state gradient once
   // the batch's acceptance is known; a weight gradient sums rows before
@@ -383,6 +389,10 @@ int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {
 
 bool LossNeedsTeacher(const v1::LossConfig& loss) {
   return LossTraitsOf(loss).needs_teacher;
+}
+
+bool ProjectsTeacher(const v1::ObjectiveConfig& config) {
+  return LossNeedsTeacher(config.loss()) || config.head().teacher_diagnostics();
 }
 
 std::string ToTextFormat(const google::protobuf::Message& message) {

@@ -82,6 +82,10 @@ int64_t BytesPerLogit(v1::HeadConfig::DType dtype);
 // kept for callers of this library.
 bool LossNeedsTeacher(const v1::LossConfig& loss);
 
+// Whether the head projects the teacher's hidden states: for a loss that
+// reads them, or for head.teacher_diagnostics.
+bool ProjectsTeacher(const v1::ObjectiveConfig& config);
+
 // Text format of any policy message, fields in declaration order.
 std::string ToTextFormat(const google::protobuf::Message& message);
 

@@ -279,6 +279,16 @@ INSTANTIATE_TEST_SUITE_P(
                   "loss { dflash { lk { type: LAMBDA } } }",
                   "head.trainable: must be false with an lk composition of "
                   "type LAMBDA"},
+        BadConfig{"TeacherDiagnosticsWithATeacherLoss",
+                  "head { vocab_size: 100 hidden_size: 8 teacher_diagnostics: "
+                  "true } loss { distillation {} }",
+                  "head.teacher_diagnostics: applies to losses that read no "
+                  "teacher; loss.distillation projects the teacher already, "
+                  "got true"},
+        BadConfig{
+            "MetricTopKAbove64",
+            "head { vocab_size: 100 hidden_size: 8 metric_top_k: 65 } " + kLoss,
+            "head.metric_top_k: must lie in [0, 64], got 65"},
         BadConfig{"NoLossFamily", kHead + "loss { cross_entropy {} }",
                   "loss: one loss family must be set"},
         BadConfig{"UnknownLossType", kHead + "loss { focal {} }",

@@ -85,7 +85,7 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
   {
     const bool trainable = config.head().trainable();
     const bool bias = config.head().bias();
-    const bool teacher = LossNeedsTeacher(config.loss());
+    const bool teacher = ProjectsTeacher(config);
     const bool conf = config.loss().has_dspark() &&
                       config.loss().dspark().confidence_weight() > 0;
     const int64_t n = b.num_rows();

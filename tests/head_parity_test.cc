@@ -47,7 +47,7 @@ HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
   run.grad_hidden.assign(n * kH, T(7));  // Must be overwritten.
   if (trainable) run.grad_weight.assign(kV * kH, T(7));
   if (trainable && bias) run.grad_bias.assign(kV, T(7));
-  const bool teacher_loss = LossNeedsTeacher(config.loss());
+  const bool teacher_loss = ProjectsTeacher(config);
   const bool conf = config.loss().has_dspark() &&
                     config.loss().dspark().confidence_weight() > 0;
   if (conf) run.grad_confidence.assign(n, 7);
@@ -214,6 +214,35 @@ TEST(HeadCostTest, EveryCompositionKeepsTheCostTable) {
       ASSERT_TRUE(run.result.ok()) << run.result.status();
       EXPECT_DOUBLE_EQ(run.result->stats.gemm_passes, row.passes);
     }
+  }
+}
+
+// The teacher diagnostics cost what a teacher loss's projection costs (the
+// teacher column), and change no term of the loss.
+TEST(HeadCostTest, TeacherDiagnosticsCostTheTeacherColumn) {
+  const Batch b = MakeBatch(4);
+  struct Row {
+    const char* mode;
+    double passes;
+  };
+  for (const Row& row :
+       {Row{"MATERIALIZE", 3}, Row{"SAVE_CHUNKS", 3}, Row{"CHECKPOINT", 5},
+        Row{"SELECTIVE", 4}, Row{"FUSED", 3}}) {
+    SCOPED_TRACE(row.mode);
+    TrackingAllocator allocator;
+    HeadRunOutput<double> with =
+        RunOn<double>(ConfigBuilder("dpace {}")
+                          .Mode(row.mode)
+                          .ExtraHead("teacher_diagnostics: true")
+                          .Build(),
+                      b, allocator);
+    HeadRunOutput<double> without = RunOn<double>(
+        ConfigBuilder("dpace {}").Mode(row.mode).Build(), b, allocator);
+    ASSERT_TRUE(with.result.ok()) << with.result.status();
+    ASSERT_TRUE(without.result.ok()) << without.result.status();
+    EXPECT_DOUBLE_EQ(with.result->stats.gemm_passes, row.passes);
+    EXPECT_EQ(with.result->loss, without.result->loss);
+    EXPECT_EQ(with.grad_hidden, without.grad_hidden);
   }
 }
 

@@ -47,9 +47,18 @@ enum PositionRow {
   kLossWeight,
   kTopKRecall,
   kTopKMass,
+  kTeacherAcceptance,
+  kTeacherAgreement,
+  kTeacherTopKMass,
   kPositionRows,
 };
-enum Accepted { kBlockDen, kOracleNum, kExpectedNum, kAcceptedCount };
+enum Accepted {
+  kBlockDen,
+  kOracleNum,
+  kExpectedNum,
+  kTeacherExpectedNum,
+  kAcceptedCount
+};
 
 // SpecForge's diagnostics take softmax in float32 (`.float()`), so its
 // probability-based metrics, and D-PACE's metric weights, carry float32
@@ -63,6 +72,7 @@ struct Golden {
   std::vector<int64_t> input_ids, anchors;
   std::vector<uint8_t> loss_mask, keep;
   std::vector<double> hidden, weight, grad_hidden, terms, position, accepted;
+  std::vector<double> teacher_hidden;  // For the teacher diagnostics.
   // DFlash2 cases: SpecForge's selector terms. Their loss and gradient
   // include the stand-in selector's CE, which runs in the caller's
   // framework (//python:specforge_goldens_test), not in the head.
@@ -103,6 +113,7 @@ Golden Load(const std::filesystem::path& dir) {
   g.hidden = NpyToFloat64(Read(d, "hidden"));
   g.weight = NpyToFloat64(Read(d, "weight"));
   g.grad_hidden = NpyToFloat64(Read(d, "grad_hidden"));
+  g.teacher_hidden = NpyToFloat64(Read(d, "teacher_hidden"));
   g.terms = NpyToFloat64(Read(d, "terms"));
   g.position = NpyToFloat64(Read(d, "position"));
   g.accepted = NpyToFloat64(Read(d, "accepted"));
@@ -140,8 +151,17 @@ absl::StatusOr<HeadRun> RunGolden(const Golden& g,
   if (!rows.ok()) return rows.status();
   const std::vector<T> states(g.hidden.begin(), g.hidden.end());
   const std::vector<T> weight(g.weight.begin(), g.weight.end());
+  const std::vector<T> teacher(g.teacher_hidden.begin(),
+                               g.teacher_hidden.end());
   std::vector<T> grad(rows->size() * hidden, T(7));  // Must be overwritten.
-  const HeadInputs<T> inputs{states, {}, {}, *rows, weight, {}};
+  const HeadInputs<T> inputs{states,
+                             config.head().teacher_diagnostics()
+                                 ? absl::MakeConstSpan(teacher)
+                                 : absl::Span<const T>(),
+                             {},
+                             *rows,
+                             weight,
+                             {}};
   const HeadGradients<T> gradients{absl::MakeSpan(grad), {}, {}, {}};
   TrackingAllocator allocator;
   absl::StatusOr<HeadResult> result =
@@ -197,6 +217,11 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
           ASSERT_TRUE(SetModeByName("mode", mode, config).ok());
           config.mutable_chunking()->set_blocks_per_chunk(per_chunk);
           config.mutable_head()->set_threads(threads);
+          // SpecForge projects the teacher untransformed; the head
+          // transforms its teacher logits as its own, so the teacher
+          // diagnostics match where there is no transform.
+          const bool teacher = !config.head().has_logit_softcap();
+          config.mutable_head()->set_teacher_diagnostics(teacher);
           absl::StatusOr<HeadRun> run = RunGolden<double>(g, config);
           ASSERT_TRUE(run.ok()) << run.status();
           const HeadResult& r = run->result;
@@ -235,6 +260,21 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
             ExpectNear(r.terms.top_k_mass_per_position[p],
                        g.position[kTopKMass * k + p], kFloat32Metric,
                        absl::StrCat("top-16 mass at position ", p));
+            if (!teacher) continue;
+            ExpectNear(r.terms.teacher_acceptance_per_position[p],
+                       g.position[kTeacherAcceptance * k + p], kFloat32Metric,
+                       absl::StrCat("teacher acceptance at position ", p));
+            ExpectNear(r.terms.teacher_agreement_per_position[p],
+                       g.position[kTeacherAgreement * k + p], 0,
+                       absl::StrCat("teacher agreement at position ", p));
+            ExpectNear(r.terms.teacher_top_k_mass_per_position[p],
+                       g.position[kTeacherTopKMass * k + p], kFloat32Metric,
+                       absl::StrCat("teacher top-k mass at position ", p));
+          }
+          if (teacher) {
+            ExpectNear(r.terms.accepted_length.teacher_expected_num,
+                       g.accepted[kTeacherExpectedNum], kFloat32Metric,
+                       "teacher expected accepted length");
           }
           const AcceptedLengthTerms& accepted = r.terms.accepted_length;
           ExpectNear(accepted.block_den, g.accepted[kBlockDen], 0, "block_den");

@@ -24,12 +24,17 @@ here. Needs torch >= 2.1. Each case directory gets:
   weight.npy         float64 [V, H]  the frozen lm_head weight
   grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
   terms.npy          float64, in TERMS order (below)
-  position.npy       float64 [6, K]: per block position k >= 1 (column 0
+  teacher_hidden.npy float64 [B * N * K, H]  the target model's state
+                     behind each row's label (target_last_hidden_states,
+                     aligned by SpecForge), for the teacher diagnostics
+  position.npy       float64 [9, K]: per block position k >= 1 (column 0
                      is 0), from SpecForge's metrics: the weight mask's sum,
                      argmax hits, target probability, loss weight, top-16
-                     recall and top-16 mass (the numerators)
-  accepted.npy       float64 [3]: block_den, the top-16 oracle accepted
-                     length's and the expected accepted length's numerators
+                     recall and top-16 mass, teacher acceptance, top-1
+                     agreement and top-16 mass (the numerators)
+  accepted.npy       float64 [4]: block_den, the top-16 oracle accepted
+                     length's, the expected accepted length's and the
+                     teacher's expected accepted length's numerators
                      (top-5, the selector's, in the selector cases)
 
 The DFlash2 cases (a candidate selector, SelectorStandIn) also have:
@@ -217,7 +222,9 @@ def make_batch(seed):
     keep = np.array([[1, 1, 1], [1, 1, 0]], dtype=np.uint8)
     hidden = rng.standard_normal((B, N * K, H))
     weight = rng.standard_normal((V, H)) * 0.7
-    return input_ids, loss_mask, anchors, keep, hidden, weight
+    # The target model's last hidden states, for the teacher diagnostics.
+    target_states = rng.standard_normal((B, S, H))
+    return input_ids, loss_mask, anchors, keep, hidden, weight, target_states
 
 
 class DraftStandIn(torch.nn.Module):
@@ -244,7 +251,7 @@ def run_case(module, kwargs, batch, selector=None):
     Returns its loss, accuracy, metrics, d(loss)/d(states), and the sum of
     the additive terms its chunk function returned in the forward pass.
     """
-    input_ids, loss_mask, anchors, keep, hidden, weight = batch
+    input_ids, loss_mask, anchors, keep, hidden, weight, target_states = batch
     lm_head = torch.nn.Linear(H, V, bias=False, dtype=torch.float64)
     with torch.no_grad():
         lm_head.weight.copy_(torch.from_numpy(weight))
@@ -285,19 +292,26 @@ def run_case(module, kwargs, batch, selector=None):
         input_ids=torch.from_numpy(input_ids),
         hidden_states=torch.zeros(B, S, H, dtype=torch.float64),
         loss_mask=torch.from_numpy(loss_mask).double(),
+        target_last_hidden_states=torch.from_numpy(target_states),
     )
     recording[0] = False
     loss.backward()
     terms = np.sum(np.array(chunk_terms), axis=0)
-    return loss, accuracy, metrics, states.grad, terms
+    # The target state behind each row's label, as SpecForge aligns it.
+    labels = (anchor_t.unsqueeze(-1) + torch.arange(K)).clamp(max=S - 1)
+    teacher = model._aligned_target_hidden(torch.from_numpy(target_states),
+                                           labels)
+    return (loss, accuracy, metrics, states.grad, terms,
+            teacher.reshape(B * N * K, H).numpy())
 
 
 def position_metrics(metrics, top_k):
     """Per block position k >= 1, from SpecForge's ratio metrics: the
     weight mask's sum, argmax hits, target probability, loss weight, top-k
-    recall and top-k mass (the ratios' numerators)."""
+    recall and top-k mass, teacher acceptance, top-1 agreement and top-k
+    mass (the ratios' numerators)."""
     ratios = metrics["ratio_metrics"]
-    table = np.zeros((6, K))
+    table = np.zeros((9, K))
     for k in range(1, K):
         def num(name):
             return float(ratios[f"position_{k}/{name}"][0])
@@ -309,6 +323,9 @@ def position_metrics(metrics, top_k):
             num("objective/loss_weight_share"),
             num(f"hard_label/unary_top{top_k}_recall"),
             num(f"hard_label/unary_top{top_k}_mass"),
+            num("teacher/expected_acceptance"),
+            num("teacher/unary_top1_agreement"),
+            num(f"teacher/unary_top{top_k}_mass"),
         ]
     return table
 
@@ -319,7 +336,9 @@ def accepted_lengths(metrics, top_k):
     oracle, den = ratios[
         f"dflash/hard_label/unary_top{top_k}_oracle_accepted_length"]
     expected, _ = ratios["dflash/hard_label/expected_accepted_length"]
-    return np.array([float(den), float(oracle), float(expected)])
+    teacher, _ = ratios["dflash/teacher/expected_accepted_length"]
+    return np.array([float(den), float(oracle), float(expected),
+                     float(teacher)])
 
 
 def main():
@@ -332,12 +351,12 @@ def main():
     torch.manual_seed(args.seed)
     module = import_specforge(os.path.abspath(args.specforge))
     batch = make_batch(args.seed)
-    input_ids, loss_mask, anchors, keep, hidden, weight = batch
+    input_ids, loss_mask, anchors, keep, hidden, weight, _ = batch
     embed, proj = selector_tables(args.seed)
     for name, (kwargs, loss_text) in CASES.items():
         with_selector = "selector_loss_alpha" in kwargs
         selector = SelectorStandIn(embed, proj) if with_selector else None
-        loss, accuracy, metrics, grad, terms = run_case(
+        loss, accuracy, metrics, grad, terms, teacher = run_case(
             module, kwargs, batch, selector)
         # SpecForge's metric top-k: the selector's, else metric_top_k (16).
         top_k = SELECTOR_TOP_K if with_selector else 16
@@ -358,6 +377,7 @@ def main():
             "hidden": hidden.reshape(B * N * K, H),
             "weight": weight,
             "grad_hidden": grad.numpy().reshape(B * N * K, H),
+            "teacher_hidden": teacher,
             "terms": np.array(values, dtype=np.float64),
             "position": position,
             "accepted": accepted_lengths(metrics, top_k),

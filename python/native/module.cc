@@ -203,6 +203,14 @@ py::dict ResultOf(const HeadResult& r) {
   diagnostics["loss_weight_per_position"] = r.terms.loss_weight_per_position;
   diagnostics["top_k_recall_per_position"] = r.terms.top_k_recall_per_position;
   diagnostics["top_k_mass_per_position"] = r.terms.top_k_mass_per_position;
+  diagnostics["teacher_acceptance_per_position"] =
+      r.terms.teacher_acceptance_per_position;
+  diagnostics["teacher_agreement_per_position"] =
+      r.terms.teacher_agreement_per_position;
+  diagnostics["teacher_top_k_mass_per_position"] =
+      r.terms.teacher_top_k_mass_per_position;
+  diagnostics["teacher_expected_accepted_length_num"] =
+      r.terms.accepted_length.teacher_expected_num;
   diagnostics["block_den"] = r.terms.accepted_length.block_den;
   diagnostics["expected_accepted_length_num"] =
       r.terms.accepted_length.expected_num;

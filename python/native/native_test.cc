@@ -220,19 +220,26 @@ TEST(BindConfigTest, TensorsDecideShapesDtypeAndBackend) {
   EXPECT_FALSE(bound->head().bias());
 }
 
+// A teacher loss needs teacher_hidden; with another loss it asks for the
+// teacher diagnostics.
 TEST(BindConfigTest, TeacherMustMatchTheLoss) {
   Tiny tiny;
   ObjectiveTensors tensors = tiny.Tensors();
   tensors.teacher_hidden =
       Arg("teacher_hidden", tiny.teacher, "float32", {1, 2, 2, 3});
-  EXPECT_EQ(BindConfig(*DefaultConfig(), tensors, false).status().message(),
-            "teacher_hidden: loss.dflash reads no teacher, got a tensor (pass "
-            "None)");
+  absl::StatusOr<v1::ObjectiveConfig> diagnostics =
+      BindConfig(*DefaultConfig(), tensors, false);
+  ASSERT_TRUE(diagnostics.ok()) << diagnostics.status();
+  EXPECT_TRUE(diagnostics->head().teacher_diagnostics());
+  EXPECT_FALSE(BindConfig(*DefaultConfig(), tiny.Tensors(), false)
+                   ->head()
+                   .teacher_diagnostics());
   ConfigOverrides kl;
   kl.loss_type = "kl";
   v1::ObjectiveConfig config = *DefaultConfig();
   ASSERT_TRUE(ApplyOverrides(kl, config).ok());
-  EXPECT_TRUE(BindConfig(config, tensors, false).ok());
+  EXPECT_FALSE(
+      BindConfig(config, tensors, false)->head().teacher_diagnostics());
   EXPECT_EQ(BindConfig(config, tiny.Tensors(), false).status().message(),
             "teacher_hidden: loss.distillation reads the teacher's hidden "
             "states [B, N, K, H], got None");

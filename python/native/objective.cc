@@ -177,16 +177,12 @@ absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,
   const v1::LossConfig& loss = config.loss();
   const LossTraits traits = LossTraitsOf(loss);
   const std::string family = absl::StrCat("loss.", traits.name);
-  const bool teacher = traits.needs_teacher;
-  if (teacher != t.teacher_hidden.has_value()) {
+  // With a loss that reads no teacher, teacher_hidden asks for the teacher
+  // diagnostics (BindConfig sets head.teacher_diagnostics).
+  if (traits.needs_teacher && !t.teacher_hidden.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "teacher_hidden: ",
-        teacher ? absl::StrCat(family,
-                               " reads the teacher's hidden states [B, N, K, "
-                               "H], got None")
-                : absl::StrCat(family,
-                               " reads no teacher, got a tensor (pass "
-                               "None)")));
+        "teacher_hidden: ", family,
+        " reads the teacher's hidden states [B, N, K, H], got None"));
   }
   const bool confidence = traits.needs_confidence;
   if (confidence != t.confidence_logits.has_value()) {
@@ -373,6 +369,8 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
                                             : v1::HeadConfig::CPU);
   head.set_trainable(trainable);
   head.set_bias(tensors.bias.has_value());
+  head.set_teacher_diagnostics(tensors.teacher_hidden.has_value() &&
+                               !LossTraitsOf(bound.loss()).needs_teacher);
   bound = ResolveDefaults(std::move(bound));
   DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(bound));
   DFLASH_RETURN_IF_ERROR(CheckLossInputs(bound, tensors));

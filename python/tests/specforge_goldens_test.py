@@ -104,10 +104,16 @@ class SpecForgeGoldensTest(unittest.TestCase):
                     hidden = torch.from_numpy(g["hidden"]).reshape(
                         batch, num_anchors, block_size, hidden_size)
                     hidden.requires_grad_(True)
+                    # The teacher diagnostics where SpecForge's teacher
+                    # logits and dflash's agree (no logit transform).
+                    teacher = None
+                    if "logit_softcap" not in g["config"]:
+                        teacher = torch.from_numpy(g["teacher_hidden"]).reshape(
+                            hidden.shape)
                     terms = dflash_objective(
                         hidden, torch.from_numpy(g["weight"]), target_ids,
                         weight_mask, config=g["config"], mode=mode,
-                        chunk_blocks=2,
+                        chunk_blocks=2, teacher_hidden=teacher,
                         top_k=5 if with_selector else 0)
                     loss_num = terms.loss_num
                     if with_selector:
@@ -144,11 +150,20 @@ class SpecForgeGoldensTest(unittest.TestCase):
                     # float32 for them (position.npy, accepted.npy).
                     d = terms.diagnostics
                     position = g["position"]
-                    for row, name, tol in (
-                            (2, "target_probability_per_position", 2e-6),
-                            (3, "loss_weight_per_position", 2e-6),
-                            (4, "top_k_recall_per_position", 0),
-                            (5, "top_k_mass_per_position", 2e-6)):
+                    checked = [
+                        (2, "target_probability_per_position", 2e-6),
+                        (3, "loss_weight_per_position", 2e-6),
+                        (4, "top_k_recall_per_position", 0),
+                        (5, "top_k_mass_per_position", 2e-6)]
+                    if teacher is not None:
+                        checked += [
+                            (6, "teacher_acceptance_per_position", 2e-6),
+                            (7, "teacher_agreement_per_position", 0),
+                            (8, "teacher_top_k_mass_per_position", 2e-6)]
+                        self.assertAlmostEqual(
+                            float(d["teacher_expected_accepted_length_num"]),
+                            g["accepted"][3], delta=2e-6 * g["accepted"][3])
+                    for row, name, tol in checked:
                         np.testing.assert_allclose(
                             d[name].numpy()[1:], position[row, 1:],
                             rtol=tol, atol=tol, err_msg=name)

@@ -45,6 +45,10 @@ class ObjectiveTerms(NamedTuple):
     # [K] over its sum; expected_accepted_length_num and
     # oracle_accepted_length_num over block_den (anchor blocks with a
     # supervised slot). Top-k is the config's head.metric_top_k (default 16).
+    # With teacher_hidden for a loss that reads no teacher (SpecForge's
+    # target_last_hidden_states, aligned to the rows): the teacher_*
+    # entries, teacher acceptance, top-1 agreement and top-k mass [K] over
+    # position_den, and teacher_expected_accepted_length_num over block_den.
     diagnostics: Optional[dict] = None
     neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
     argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
@@ -241,7 +245,9 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         an ObjectiveConfig, text format or a file; overrides such as
         loss_type=, gamma=, mode=, chunk_blocks= go on top
         (dflash.objective_config).
-    teacher_hidden: [B, N, K, H], for dspark and distillation (no gradient).
+    teacher_hidden: [B, N, K, H] (no gradient), for dspark and distillation;
+        with another loss, for the teacher diagnostics (the target model's
+        state that predicts each row's label).
     confidence_logits: [B, N, K] float32, for dspark's confidence term.
     return_rows: also return per-row neg_log_q and argmax; top_k: the k
         largest logits' ids per row (0 <= k <= min(64, V)).
