@@ -240,36 +240,37 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
           ExpectNear(r.accuracy, g.terms[kAccuracy], 1e-12, "accuracy");
           ExpectNear(r.terms.target_probability, g.terms[kTargetProbabilityNum],
                      1e-12, "target_probability_num");
-          for (int64_t p = 1; p < k; ++p) {
-            ExpectNear(r.terms.mask_per_position[p],
-                       g.position[kMaskSum * k + p], 1e-12,
-                       absl::StrCat("mask at position ", p));
-            ExpectNear(r.terms.correct_per_position[p],
-                       g.position[kHits * k + p], 0,
-                       absl::StrCat("hits at position ", p));
-            ExpectNear(r.terms.target_probability_per_position[p],
-                       g.position[kTargetProbability * k + p], kFloat32Metric,
-                       absl::StrCat("target probability at position ", p));
-            ExpectNear(r.terms.loss_weight_per_position[p],
-                       g.position[kLossWeight * k + p],
-                       std::max(tol, kFloat32Metric),
-                       absl::StrCat("loss weight at position ", p));
-            ExpectNear(r.terms.top_k_recall_per_position[p],
-                       g.position[kTopKRecall * k + p], 0,
-                       absl::StrCat("top-16 recall at position ", p));
-            ExpectNear(r.terms.top_k_mass_per_position[p],
-                       g.position[kTopKMass * k + p], kFloat32Metric,
-                       absl::StrCat("top-16 mass at position ", p));
-            if (!teacher) continue;
-            ExpectNear(r.terms.teacher_acceptance_per_position[p],
-                       g.position[kTeacherAcceptance * k + p], kFloat32Metric,
-                       absl::StrCat("teacher acceptance at position ", p));
-            ExpectNear(r.terms.teacher_agreement_per_position[p],
-                       g.position[kTeacherAgreement * k + p], 0,
-                       absl::StrCat("teacher agreement at position ", p));
-            ExpectNear(r.terms.teacher_top_k_mass_per_position[p],
-                       g.position[kTeacherTopKMass * k + p], kFloat32Metric,
-                       absl::StrCat("teacher top-k mass at position ", p));
+          const struct {
+            PositionRow row;
+            const std::vector<double>& got;
+            double tolerance;
+            const char* name;
+            bool teacher_only;
+          } checks[] = {
+              {kMaskSum, r.terms.mask_per_position, 1e-12, "mask", false},
+              {kHits, r.terms.correct_per_position, 0, "hits", false},
+              {kTargetProbability, r.terms.target_probability_per_position,
+               kFloat32Metric, "target probability", false},
+              {kLossWeight, r.terms.loss_weight_per_position,
+               std::max(tol, kFloat32Metric), "loss weight", false},
+              {kTopKRecall, r.terms.top_k_recall_per_position, 0,
+               "top-k recall", false},
+              {kTopKMass, r.terms.top_k_mass_per_position, kFloat32Metric,
+               "top-k mass", false},
+              {kTeacherAcceptance, r.terms.teacher_acceptance_per_position,
+               kFloat32Metric, "teacher acceptance", true},
+              {kTeacherAgreement, r.terms.teacher_agreement_per_position, 0,
+               "teacher agreement", true},
+              {kTeacherTopKMass, r.terms.teacher_top_k_mass_per_position,
+               kFloat32Metric, "teacher top-k mass", true},
+          };
+          for (const auto& check : checks) {
+            if (check.teacher_only && !teacher) continue;
+            for (int64_t p = 1; p < k; ++p) {
+              ExpectNear(check.got[p], g.position[check.row * k + p],
+                         check.tolerance,
+                         absl::StrCat(check.name, " at position ", p));
+            }
           }
           if (teacher) {
             ExpectNear(r.terms.accepted_length.teacher_expected_num,

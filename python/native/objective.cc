@@ -84,17 +84,23 @@ absl::Status CheckMetadata(const TensorArg& t, const std::vector<int64_t>& bnk,
   return absl::OkStatus();
 }
 
+// The projection's weight: [V, H] with hidden's H, beside hidden.
+absl::Status CheckWeight(const TensorArg& w, const TensorArg& hidden) {
+  const int64_t h = hidden.shape[3];
+  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != h) {
+    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
+                                   h, " (hidden's last dimension), got ",
+                                   ShapeString(w.shape)));
+  }
+  return CheckBeside(w, hidden, w.shape, "[V, H]");
+}
+
 absl::Status CheckTensors(const ObjectiveTensors& t) {
   DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
   const std::vector<int64_t>& s = t.hidden.shape;
   const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
   const TensorArg& w = t.weight;
-  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != s[3]) {
-    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
-                                   s[3], " (hidden's last dimension), got ",
-                                   ShapeString(w.shape)));
-  }
-  DFLASH_RETURN_IF_ERROR(CheckBeside(w, t.hidden, w.shape, "[V, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckWeight(w, t.hidden));
   static constexpr string_view kIds[] = {"int64", "int32"};
   static constexpr string_view kMasks[] = {"float32", "float64", "bool"};
   DFLASH_RETURN_IF_ERROR(CheckMetadata(t.target_ids, bnk, kIds));
@@ -491,12 +497,7 @@ absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
   DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
   const std::vector<int64_t>& s = t.hidden.shape;
   const TensorArg& w = t.weight;
-  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != s[3]) {
-    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
-                                   s[3], " (hidden's last dimension), got ",
-                                   ShapeString(w.shape)));
-  }
-  DFLASH_RETURN_IF_ERROR(CheckBeside(w, t.hidden, w.shape, "[V, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckWeight(w, t.hidden));
   const int64_t k = t.top_k.shape.size() == 4 ? t.top_k.shape[3] : 0;
   const std::vector<int64_t> shape = {s[0], s[1], s[2], k};
   DFLASH_RETURN_IF_ERROR(
