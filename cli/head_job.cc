@@ -374,11 +374,16 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
   if (accepted.block_den > 0) {
     const int32_t top_k = ChunkLossOptionsOf(c).metric_top_k;
     out << absl::StrFormat(
-        "  accepted     %.3f tokens per block expected%s\n",
+        "  accepted     %.3f tokens per block expected%s%s\n",
         accepted.expected_num / accepted.block_den,
         top_k > 0
             ? absl::StrFormat(", %.3f oracle (target in top-%d)",
                               accepted.oracle_num / accepted.block_den, top_k)
+            : "",
+        c.head().teacher_diagnostics()
+            ? absl::StrFormat(
+                  ", %.3f against the teacher",
+                  accepted.teacher_expected_num / accepted.block_den)
             : "");
   }
   out << absl::StrFormat("  GEMMs        %.3g passes (%d calls), %.3f TFLOP\n",
