@@ -25,8 +25,9 @@ absl::StatusOr<ChunkedReduction> ChunkedReduction::Run(
   }
   ChunkedReduction reduction;
   reduction.dims_.assign(inputs.size(), 0);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i]) continue;
+  // The first tensor's dim and length, then each other tensor's dim and
+  // alignment in turn.
+  auto dim_of = [&](size_t i) -> absl::Status {
     const int64_t rank = inputs[i]->rank();
     const int64_t dim = options.dim < 0 ? options.dim + rank : options.dim;
     if (dim < 0 || dim >= rank) {
@@ -34,17 +35,23 @@ absl::StatusOr<ChunkedReduction> ChunkedReduction::Run(
           "dim ", options.dim, " is invalid for a ", rank, "D tensor"));
     }
     reduction.dims_[i] = dim;
-  }
-  const int64_t length = (*first)->dim(reduction.dims_[first - inputs.begin()]);
+    return absl::OkStatus();
+  };
+  const size_t first_index = first - inputs.begin();
+  DFLASH_RETURN_IF_ERROR(dim_of(first_index));
+  const int64_t length = (*first)->dim(reduction.dims_[first_index]);
   if (length == 0) {
     return absl::InvalidArgumentError(
         "chunked reduction received an empty dimension");
   }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i] && inputs[i]->dim(reduction.dims_[i]) != length) {
+  for (size_t i = first_index + 1; i < inputs.size(); ++i) {
+    if (!inputs[i]) continue;
+    DFLASH_RETURN_IF_ERROR(dim_of(i));
+    if (inputs[i]->dim(reduction.dims_[i]) != length) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "inputs must be aligned: expected dimension length ", length,
-          ", got ", inputs[i]->dim(reduction.dims_[i])));
+          "chunked reduction inputs must be aligned: expected dimension "
+          "length ",
+          length, ", got ", inputs[i]->dim(reduction.dims_[i])));
     }
   }
   if (!grads.empty() && grads.size() != inputs.size()) {
@@ -94,9 +101,8 @@ absl::StatusOr<ChunkedReduction> ChunkedReduction::Run(
       continue;
     }
     if (terms.size() != reduction.terms_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk function returned ", terms.size(), " terms for chunk ", c,
-          ", expected ", reduction.terms_.size()));
+      return absl::InvalidArgumentError(
+          "chunk function returned a different number of terms");
     }
     for (size_t t = 0; t < terms.size(); ++t) {
       Term& sum = reduction.terms_[t];
