@@ -133,14 +133,16 @@ class CpuHeadBackend final : public HeadBackend<T> {
     return absl::OkStatus();
   }
 
-  void GatherRows(const T* source, int64_t width, int64_t begin, int64_t count,
-                  T* out) override {
+  absl::Status GatherRows(const T* source, int64_t width, int64_t begin,
+                          int64_t count, T* out) override {
     dflash::GatherRows(source, width, spec_.active.subspan(begin, count), out);
+    return absl::OkStatus();
   }
 
-  void ScatterRows(const T* rows, int64_t width, int64_t begin, int64_t count,
-                   T* out) override {
+  absl::Status ScatterRows(const T* rows, int64_t width, int64_t begin,
+                           int64_t count, T* out) override {
     dflash::ScatterRows(rows, width, spec_.active.subspan(begin, count), out);
+    return absl::OkStatus();
   }
 
   absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,

@@ -96,16 +96,18 @@ class CudaHeadBackend final : public HeadBackend<T> {
     return stream_.LaunchStatus("head start");
   }
 
-  void GatherRows(const T* source, int64_t width, int64_t begin, int64_t count,
-                  T* out) override {
+  absl::Status GatherRows(const T* source, int64_t width, int64_t begin,
+                          int64_t count, T* out) override {
     cuda::LaunchGatherRows<T>(source, width, active_.data() + begin, count, out,
                               stream_.stream());
+    return stream_.LaunchStatus("row gather");
   }
 
-  void ScatterRows(const T* rows, int64_t width, int64_t begin, int64_t count,
-                   T* out) override {
+  absl::Status ScatterRows(const T* rows, int64_t width, int64_t begin,
+                           int64_t count, T* out) override {
     cuda::LaunchScatterRows<T>(rows, width, active_.data() + begin, count, out,
                                stream_.stream());
+    return stream_.LaunchStatus("row scatter");
   }
 
   absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,

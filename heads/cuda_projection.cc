@@ -41,8 +41,9 @@ class CudaProjection final : public VocabProjection<T> {
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 0.0f, logits,
          v, "forward GEMM");
-    if (bias_ != nullptr) {
+    if (bias_ != nullptr && status_.ok()) {
       cuda::LaunchAddBias<T>(logits, bias_, m, v, blas_.stream().stream());
+      status_ = blas_.stream().LaunchStatus("bias add");
     }
     this->Count(m, 0);
   }
@@ -63,9 +64,10 @@ class CudaProjection final : public VocabProjection<T> {
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
          grad_weight, h, "weight-gradient GEMM");
-    if (grad_bias != nullptr) {
+    if (grad_bias != nullptr && status_.ok()) {
       cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v, grad_bias,
                                             blas_.stream().stream());
+      status_ = blas_.stream().LaunchStatus("bias gradient");
     }
     this->Count(m, 0);
   }

@@ -49,11 +49,12 @@ class HeadBackend {
   virtual absl::Status Start(const HeadRunSpec<T>& spec) = 0;
 
   // out[i, :] = source[active[begin + i], :] for rows of `width` values.
-  virtual void GatherRows(const T* source, int64_t width, int64_t begin,
-                          int64_t count, T* out) = 0;
+  // The status is the launch's where the work is queued (CUDA).
+  virtual absl::Status GatherRows(const T* source, int64_t width, int64_t begin,
+                                  int64_t count, T* out) = 0;
   // out[active[begin + i], :] = rows[i, :].
-  virtual void ScatterRows(const T* rows, int64_t width, int64_t begin,
-                           int64_t count, T* out) = 0;
+  virtual absl::Status ScatterRows(const T* rows, int64_t width, int64_t begin,
+                                   int64_t count, T* out) = 0;
 
   // The loss of chunk `chunk`, active rows [begin, begin + count), on
   // `logits` [count, V] (and `teacher` [count, V] or null); the logits are

@@ -86,6 +86,9 @@ class HeadRun {
   absl::Status BackwardChunk(int64_t c);
   // The chunk's teacher logits into `out` [m, V].
   absl::Status TeacherLogits(int64_t c, T* out);
+  // The chunk's loss over `logits` (overwritten with its gradient); the
+  // projection's error first where both failed.
+  absl::Status Loss(int64_t c, T* logits, const T* teacher, bool record);
   // The chunk's logits gradient into `out` [m, V], as forward made it.
   absl::Status RecomputeLogitsGradient(int64_t c, const TensorView& out);
   // grad_hidden (and grad_W) of the chunk from its logits gradient.
@@ -234,8 +237,8 @@ absl::Status HeadRun<T>::Plan() {
 template <typename T>
 absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
   DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-  backend_.GatherRows(inputs_.teacher_hidden.data(), hidden_, Begin(c), Rows(c),
-                      x);
+  DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.teacher_hidden.data(),
+                                             hidden_, Begin(c), Rows(c), x));
   backend_.projection().Forward(x, Rows(c), out);
   return absl::OkStatus();
 }
@@ -245,10 +248,12 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   const int64_t m = Rows(c);
   DFLASH_ASSIGN_OR_RETURN(T * grad, Workspace(grad_ws_, hidden_));
   backend_.projection().InputGradient(grad_logits, m, grad);
-  backend_.ScatterRows(grad, hidden_, Begin(c), m, gradients_.hidden.data());
+  DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(grad, hidden_, Begin(c), m,
+                                              gradients_.hidden.data()));
   if (head_.trainable()) {
     DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
+    DFLASH_RETURN_IF_ERROR(
+        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
     backend_.projection().AccumulateWeightGradient(
         grad_logits, x, m, gradients_.weight.data(),
         gradients_.bias.empty() ? nullptr : gradients_.bias.data());
@@ -262,7 +267,8 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
   const int64_t m = Rows(c);
   {
     DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
+    DFLASH_RETURN_IF_ERROR(
+        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
     backend_.projection().Forward(x, m, out.data_as<T>());
   }
   const T* teacher = nullptr;
@@ -272,8 +278,19 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
                             context_->Fetch(c, kTeacherLogitsTag));
     teacher = kept.data_as<T>();
   }
-  return backend_.ChunkLoss(c, Begin(c), m, out.data_as<T>(), teacher,
-                            /*record=*/false);
+  return Loss(c, out.data_as<T>(), teacher, /*record=*/false);
+}
+
+template <typename T>
+absl::Status HeadRun<T>::Loss(int64_t c, T* logits, const T* teacher,
+                              bool record) {
+  const absl::Status loss =
+      backend_.ChunkLoss(c, Begin(c), Rows(c), logits, teacher, record);
+  if (loss.ok()) return loss;
+  // A queued product that failed (CUDA) left the logits the loss rejected:
+  // its error is the cause.
+  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
+  return loss;
 }
 
 template <typename T>
@@ -283,7 +300,8 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   DFLASH_ASSIGN_OR_RETURN(T * logits, Workspace(logits_ws_, vocab_));
   {
     DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-    backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x);
+    DFLASH_RETURN_IF_ERROR(
+        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
     backend_.projection().Forward(x, m, logits);
   }
   T* teacher = nullptr;
@@ -300,11 +318,7 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
       if (!kept.ok()) return kept.status();
     }
   }
-  if (absl::Status done =
-          backend_.ChunkLoss(c, Begin(c), m, logits, teacher, /*record=*/true);
-      !done.ok()) {
-    return done;
-  }
+  DFLASH_RETURN_IF_ERROR(Loss(c, logits, teacher, /*record=*/true));
   if (Fused()) return ProjectionGradients(c, logits);
   return context_
       ->Offer(c, LogitsGradientInfo(head_, m), View(logits, m),
