@@ -81,6 +81,11 @@ class HeadBackend {
   virtual double loss_seconds() const = 0;
 };
 
+// A RowError about batch row r named by its (b, n, k) (or (block, k) when
+// layout.num_anchors is unset); other errors unchanged.
+absl::Status NameBatchRowError(const absl::Status& error,
+                               const v1::BatchLayout& layout);
+
 // A loss error of chunk `chunk` as the caller should read it: an error
 // about the chunk's row i (losses/row_error.h) names batch row
 // chunk_rows[i] by its (b, n, k) (or (block, k) when layout.num_anchors is

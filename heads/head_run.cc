@@ -372,7 +372,10 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
       report();
     }
   }
-  DFLASH_ASSIGN_OR_RETURN(result.terms, backend_.Terms());
+  absl::StatusOr<ChunkTerms> terms = backend_.Terms();
+  // Errors the device saw name a batch row (CUDA reports them here).
+  if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
+  result.terms = *std::move(terms);
   // d(loss)/d(.) = upstream / den * d(loss_num)/d(.), the latter complete
   // once the composition is.
   result.lk_kl_weight = FinishTerms(params_, result.terms);
@@ -411,6 +414,21 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
 
 }  // namespace
 
+absl::Status NameBatchRowError(const absl::Status& error,
+                               const v1::BatchLayout& layout) {
+  const std::optional<RowErrorInfo> row = GetRowError(error);
+  if (!row || row->row < 0) return error;
+  const int64_t r = row->row;
+  const int64_t k_size = std::max<int64_t>(layout.block_size(), 1);
+  const int64_t n_size = layout.num_anchors();
+  const int64_t block = r / k_size, k = r % k_size;
+  const std::string name =
+      n_size > 0 ? absl::StrCat("row (b, n, k) = (", block / n_size, ", ",
+                                block % n_size, ", ", k, ")")
+                 : absl::StrCat("row (block, k) = (", block, ", ", k, ")");
+  return RowError(r, row->detail, name);
+}
+
 absl::Status NameChunkLossError(const absl::Status& error,
                                 const v1::BatchLayout& layout, int64_t chunk,
                                 absl::Span<const int64_t> chunk_rows) {
@@ -420,15 +438,7 @@ absl::Status NameChunkLossError(const absl::Status& error,
     return absl::Status(error.code(),
                         absl::StrCat("chunk ", chunk, ": ", error.message()));
   }
-  const int64_t r = chunk_rows[row->row];
-  const int64_t k_size = std::max<int64_t>(layout.block_size(), 1);
-  const int64_t n_size = layout.num_anchors();
-  const int64_t block = r / k_size, k = r % k_size;
-  const std::string name =
-      n_size > 0 ? absl::StrCat("row (b, n, k) = (", block / n_size, ", ",
-                                block % n_size, ", ", k, ")")
-                 : absl::StrCat("row (block, k) = (", block, ", ", k, ")");
-  return RowError(r, row->detail, name);
+  return NameBatchRowError(RowError(chunk_rows[row->row], row->detail), layout);
 }
 
 absl::Status CheckHeadTarget(const v1::HeadConfig& head,

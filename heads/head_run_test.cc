@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "heads/head_backend.h"
+#include "losses/row_error.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -34,10 +35,12 @@ class FailedProjection final : public VocabProjection<double> {
 class ScriptedBackend final : public HeadBackend<double> {
  public:
   ScriptedBackend(int64_t vocab, int64_t hidden, absl::Status projection,
-                  absl::Status loss, absl::Status gather)
+                  absl::Status loss, absl::Status gather,
+                  absl::Status terms = absl::OkStatus())
       : projection_(vocab, hidden, std::move(projection)),
         loss_(std::move(loss)),
-        gather_(std::move(gather)) {}
+        gather_(std::move(gather)),
+        terms_(std::move(terms)) {}
 
   Device device() const override { return Device::kCpu; }
   TrackingAllocator& allocator() override { return allocator_; }
@@ -58,7 +61,10 @@ class ScriptedBackend final : public HeadBackend<double> {
     return loss_;
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
-  absl::StatusOr<ChunkTerms> Terms() override { return ChunkTerms::Zero(2); }
+  absl::StatusOr<ChunkTerms> Terms() override {
+    if (!terms_.ok()) return terms_;
+    return ChunkTerms::Zero(2);
+  }
   absl::Status ScaleGradients(double, std::optional<double>) override {
     return absl::OkStatus();
   }
@@ -69,17 +75,22 @@ class ScriptedBackend final : public HeadBackend<double> {
   FailedProjection projection_;
   absl::Status loss_;
   absl::Status gather_;
+  absl::Status terms_;
 };
 
+// Two sequences of two anchor blocks of K = 2: rows (b, n, k).
 absl::Status RunScripted(ScriptedBackend& backend) {
   auto config = LoadObjectiveConfigFromString(
-      "layout { block_size: 2 num_anchors: 1 } head { vocab_size: 5 "
+      "layout { block_size: 2 num_anchors: 2 } head { vocab_size: 5 "
       "hidden_size: 3 dtype: FLOAT64 } loss { dflash {} }");
   EXPECT_TRUE(config.ok()) << config.status();
-  std::vector<RowMeta> rows(2);
-  rows[1] = {/*target=*/1, /*position=*/1, /*mask=*/1, /*block=*/0};
-  const std::vector<double> hidden(6, 0.5), weight(15, 0.1);
-  std::vector<double> grad(6);
+  std::vector<RowMeta> rows(8);
+  for (int64_t r = 0; r < 8; ++r) {
+    rows[r] = {/*target=*/1, static_cast<int32_t>(r % 2),
+               /*mask=*/r % 2 == 1 ? 1.0f : 0.0f, r / 2};
+  }
+  const std::vector<double> hidden(24, 0.5), weight(15, 0.1);
+  std::vector<double> grad(24);
   return RunHeadOn<double>(*config, {hidden, {}, {}, rows, weight, {}},
                            {absl::MakeSpan(grad), {}, {}, {}}, backend, {}, {})
       .status();
@@ -97,6 +108,16 @@ TEST(HeadRunTest, TheLossErrorStandsWhenTheProductsWorked) {
                           absl::InvalidArgumentError("row 0: logit 1 is nan"),
                           absl::OkStatus());
   EXPECT_EQ(RunScripted(backend).message(), "row 0: logit 1 is nan");
+}
+
+// An error the device reports at the end (a non-finite logit) names the
+// batch row by its (b, n, k), as the CPU's errors do.
+TEST(HeadRunTest, ADeviceRowErrorNamesTheRowsPlaceInTheBatch) {
+  ScriptedBackend backend(5, 3, absl::OkStatus(), absl::OkStatus(),
+                          absl::OkStatus(),
+                          RowError(7, "a logit is not finite"));
+  EXPECT_EQ(RunScripted(backend).message(),
+            "row (b, n, k) = (1, 1, 1): a logit is not finite");
 }
 
 TEST(HeadRunTest, AFailedRowGatherStopsTheRun) {
