@@ -290,6 +290,28 @@ TEST(CudaChunkLossTopKTest, SixtyFourOnTiedDataMatchesTheCpu) {
   EXPECT_EQ(got.argmax, cpu.argmax);
 }
 
+// Logits offset by 1e4: one float for logsumexp would round its log-sum to
+// ulp(1e4) ~ 1e-3; kept as max plus log-sum, -log q and the gradient stay
+// within float32's error of the log-sum, as the CPU's float path does.
+TEST(CudaChunkLossPrecisionTest, LargeLogitOffsetsKeepTheLogSum) {
+  SKIP_WITHOUT_GPU(gpu);
+  const v1::LossConfig config = Loss("dflash { gamma: 7 }");
+  const ChunkLossOptions options{kK, 1, 0};
+  Problem p = MakeProblem(4099, 43);
+  // Offset, then rounded to float so that both runs see the same values.
+  for (double& x : p.logits) x = static_cast<float>(x + 1e4);
+  const Outcome exact = RunLoss<double>(config, options, p, nullptr);
+  const Outcome got = RunLoss<float>(config, options, p, gpu.get());
+  ASSERT_TRUE(exact.terms.ok());
+  ASSERT_TRUE(got.terms.ok()) << got.terms.status();
+  for (int64_t r = 0; r < kRows; ++r) {
+    EXPECT_NEAR(got.neg_log_q[r], exact.neg_log_q[r], 2e-5) << "row " << r;
+  }
+  EXPECT_NEAR(got.terms->loss_num, exact.terms->loss_num,
+              1e-5 * std::abs(exact.terms->loss_num));
+  EXPECT_LT(RelativeNormError(got.grad, exact.grad), 1e-5);
+}
+
 TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   SKIP_WITHOUT_GPU(gpu);
   const v1::LossConfig config = Loss("dflash { gamma: 7 }");

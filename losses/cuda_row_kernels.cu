@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads)
   if (t.bad) ReportError(a.error, out, kTeacherNotFinite);
   RowStats& stats = a.stats[r];
   stats.max = s.max;
-  stats.lse = s.max + logf(s.sum);
+  stats.log_sum = logf(s.sum);
   stats.lse_t = distill ? s.max * inv_t + logf(s.sum_t) : 0;
   stats.target = target;
   stats.sum = s.total;
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kThreads)
   const Transform transform(p.options);
   const int32_t caller_k = a.top_k != nullptr ? a.k : 0;
   const int32_t picks = caller_k > a.metric_k ? caller_k : a.metric_k;
-  const float lse = a.stats[r].lse;
+  const float max = a.stats[r].max, log_sum = a.stats[r].log_sum;
   const bool teacher_metrics = TeacherMetrics(p, a);
   const float t_lse = a.stats[r].t_lse;
   int32_t rank = -1;
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (j < a.metric_k) {
         if (best.index == meta.target) rank = j;
-        mass += exp(static_cast<double>(best.value) - lse);
+        mass += exp((static_cast<double>(best.value) - max) - log_sum);
         if (teacher_metrics) {
           const float t = transform(ToF(a.teacher[r * p.vocab + best.index]));
           teacher_mass += exp(static_cast<double>(t) - t_lse);
@@ -380,7 +380,8 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
     return meta[r].mask > 0
-               ? exp(static_cast<double>(stats[r].target) - stats[r].lse)
+               ? exp((static_cast<double>(stats[r].target) - stats[r].max) -
+                     stats[r].log_sum)
                : 0.0;
   };
   auto mask = [&](int64_t i) { return double{meta[begin + i].mask}; };
@@ -422,8 +423,9 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const RowStats s = a.stats[r];
-  const double lse = s.lse;
-  const double neg_log_q = lse - s.target;
+  // max - target is exact in double; log_sum carries its own rounding only.
+  const double neg_log_q = (static_cast<double>(s.max) - s.target) + s.log_sum;
+  const double lse = static_cast<double>(s.max) + s.log_sum;
   const double hit = meta.mask > 0.5f && s.argmax == meta.target;
   const double w = CouplesBlocks(p.loss) ? a.weight[r] : double{meta.weight};
   if (threadIdx.x == 0) {
@@ -452,10 +454,11 @@ __global__ void __launch_bounds__(kThreads)
   if (TeacherMetrics(p, a)) {
     // |p - t|_1 before the gradient overwrites z'.
     const Transform transform(p.options);
-    const float lse_f = s.lse, t_lse = s.t_lse;
+    const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
     float l1 = 0;
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
-      l1 += fabsf(expf(transform(x) - lse_f) - expf(transform(y) - t_lse));
+      l1 += fabsf(expf((transform(x) - max_f) - log_sum_f) -
+                  expf(transform(y) - t_lse));
     });
     l1 = BlockReduce(l1, [](float x, float y) { return x + y; });
     if (threadIdx.x == 0) {
@@ -523,13 +526,17 @@ __global__ void __launch_bounds__(kThreads)
   const float softmax = static_cast<float>(row.softmax);
   const float on_target = static_cast<float>(row.target);
   const float uniform = static_cast<float>(row.uniform / v);
-  const float lse_f = s.lse;
+  // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
+  const float max_f = s.max, log_sum_f = s.log_sum;
+  auto prob = [max_f, log_sum_f](float zp) {
+    return expf((zp - max_f) - log_sum_f);
+  };
 
   if (p.loss.family == LossFamily::kDSpark) {
     const float t_lse = s.t_lse;
     Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
-      const float pz = expf(transform(x) - lse_f);
+      const float pz = prob(transform(x));
       const float d = pz - expf(transform(y) - t_lse);
       acc.a += fabsf(d);
       acc.b += pz * SignOf(d);
@@ -556,7 +563,7 @@ __global__ void __launch_bounds__(kThreads)
     bool bad = false;
     MapRow(z_row, t_row, v, [&](int64_t i, float x, float y) {
       const float zp = transform(x);
-      const float pz = expf(zp - lse_f);
+      const float pz = prob(zp);
       const float d = pz - expf(transform(y) - t_lse);
       float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
       if (i == meta.target) g -= on_target;
@@ -573,7 +580,7 @@ __global__ void __launch_bounds__(kThreads)
   MapRow(z_row, static_cast<const T*>(nullptr), v,
          [&](int64_t i, float x, float) {
            const float zp = transform(x);
-           float g = softmax * expf(zp - lse_f) - uniform;
+           float g = softmax * prob(zp) - uniform;
            if (i == meta.target) g -= on_target;
            const float chained = transform.Chain(g, zp);
            bad |= !isfinite(chained);

@@ -35,7 +35,9 @@ struct Row {
 // What the stats pass leaves per row (of the transformed logits z').
 struct RowStats {
   float max = 0;
-  float lse = 0;     // logsumexp(z').
+  // logsumexp(z') = max + log_sum, kept apart: one float for both would
+  // round away log_sum at large offsets.
+  float log_sum = 0;
   float lse_t = 0;   // logsumexp(z' / T), distillation.
   float target = 0;  // z'[target].
   float sum = 0;     // sum(z'), label smoothing.
