@@ -143,9 +143,9 @@ struct ChunkLossOutputs {
 //   by FinishTerms after the last chunk.
 // - lk_lambda: the same mix with acc taken per anchor block (without
 //   gradient), so that a block's loss does not depend on the others.
-// For these two, each block's rows must be together in position order, and
-// a chunk must hold every weighted row of its blocks (rows without weight may
-// be left out).
+// For dpace and lk_lambda, each block's rows must be together in position
+// order, and a chunk must hold every weighted row of its blocks (rows
+// without weight may be left out).
 // - dspark: decay m * exp(-k / gamma) from k = 0; CE + l1_weight * L1 +
 //   confidence_weight * BCE-with-logits(confidence, accept), L1 = sum|p - t|
 //   of draft and teacher softmax, accept = clamp(1 - L1 / 2, 0, 1) without
@@ -186,8 +186,8 @@ class CpuChunkLoss {
   ChunkLossOptions options_;
 };
 
-// After the reduction over every chunk (and micro-batch, if the caller
-// normalises globally): for the batch-level LK lambda (LkMode::kLambdaBatch)
+// After the reduction over every chunk of a batch (SpecForge's forward
+// call): for the batch-level LK lambda (LkMode::kLambdaBatch)
 // sets terms.loss_num = kl_w * ce_num + (1 - kl_w) * tv_num and returns kl_w
 // (BatchLkKlWeight); each row's gradient, written as w (p - onehot), is then
 // to be multiplied by LkDeferredFactor(kl_w, q) (loss_math.h). For every
