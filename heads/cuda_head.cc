@@ -238,12 +238,6 @@ absl::Status AddCudaTopKValueGradients(
     absl::Span<const float> grad_values, int32_t k,
     const HeadGradients<T>& gradients, CudaStream& stream) {
   const v1::HeadConfig& head = config.head();
-  if (head.trainable() && !std::is_same_v<T, float>) {
-    return absl::UnimplementedError(
-        "head.trainable: the top-k values' weight gradient is added with "
-        "FP32 atomics; a BFLOAT16 weight gradient is not supported, got "
-        "trainable BFLOAT16");
-  }
   std::vector<int32_t> host_ids(ids.size());
   DFLASH_RETURN_IF_ERROR(stream.CopyToHost(host_ids.data(), ids.data(),
                                            ids.size() * sizeof(int32_t)));
@@ -252,14 +246,10 @@ absl::Status AddCudaTopKValueGradients(
       config, rows, inputs.hidden.size(), inputs.weight.size(),
       gradients.hidden.size(), gradients.weight.size(), host_ids, values.size(),
       grad_values.size(), k));
-  float* grad_weight = nullptr;
-  float* grad_bias = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    if (head.trainable()) {
-      grad_weight = gradients.weight.data();
-      if (!gradients.bias.empty()) grad_bias = gradients.bias.data();
-    }
-  }
+  T* grad_weight = head.trainable() ? gradients.weight.data() : nullptr;
+  T* grad_bias = head.trainable() && !gradients.bias.empty()
+                     ? gradients.bias.data()
+                     : nullptr;
   cuda::LaunchAddTopKValueGradients<T>(
       inputs.hidden.data(), inputs.weight.data(), ids.data(), values.data(),
       grad_values.data(), rows, k, head.hidden_size(), head.logit_scale(),

@@ -37,8 +37,8 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
 // AddTopKValueGradients (heads/top_k_gradient.h) on a CUDA device: every
 // span is device memory, work goes on `stream`. The ids are copied to the
 // host and checked first (rows x k int32, small). A trainable head's weight
-// gradient is added with FP32 atomics, so T = BFloat16 with head.trainable
-// is refused (Unimplemented); the hidden-state gradient takes either type.
+// and bias gradients take atomic adds: FP32 for float, and for bfloat16 a
+// compare-and-swap with the sum rounded to bfloat16 at each add.
 template <typename T>
 absl::Status AddCudaTopKValueGradients(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,

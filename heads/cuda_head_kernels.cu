@@ -111,13 +111,35 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
 
 namespace {
 
+// *address += value, atomically: FP32 atomics for float; for bfloat16 a
+// compare-and-swap on the aligned 32-bit word that holds it, the sum
+// rounded to bfloat16 (as every bfloat16 gradient store is).
+__device__ __forceinline__ void AtomicAdd(float* address, float value) {
+  atomicAdd(address, value);
+}
+__device__ __forceinline__ void AtomicAdd(BFloat16* address, float value) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(address);
+  unsigned int* word = reinterpret_cast<unsigned int*>(at & ~uintptr_t{3});
+  const unsigned int shift = (at & 2) ? 16 : 0;
+  unsigned int old = *word, assumed;
+  do {
+    assumed = old;
+    BFloat16 current;
+    current.bits = static_cast<uint16_t>(assumed >> shift);
+    const unsigned int sum = ToBFloat16(ToFloat(current) + value).bits;
+    const unsigned int updated =
+        (assumed & ~(0xffffu << shift)) | (sum << shift);
+    old = atomicCAS(word, assumed, updated);
+  } while (assumed != old);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     TopKValueGradientKernel(const T* hidden, const T* weight,
                             const int32_t* ids, const float* values,
                             const float* grad_values, int32_t k, int64_t width,
                             float scale, float cap, T* grad_hidden,
-                            float* grad_weight, float* grad_bias) {
+                            T* grad_weight, T* grad_bias) {
   const int64_t r = blockIdx.x;
   const int32_t* row_ids = ids + r * k;
   for (int64_t h = threadIdx.x; h < width; h += kThreads) {
@@ -130,9 +152,9 @@ __global__ void __launch_bounds__(kThreads)
           grad_values[r * k + j], values[r * k + j], scale, cap);
       sum += c * ToF(weight[int64_t{id} * width + h]);
       if (grad_weight != nullptr) {
-        atomicAdd(grad_weight + int64_t{id} * width + h, c * x);
+        AtomicAdd(grad_weight + int64_t{id} * width + h, c * x);
       }
-      if (grad_bias != nullptr && h == 0) atomicAdd(grad_bias + id, c);
+      if (grad_bias != nullptr && h == 0) AtomicAdd(grad_bias + id, c);
     }
     Store(grad_hidden[r * width + h], ToF(grad_hidden[r * width + h]) + sum);
   }
@@ -146,7 +168,7 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  const float* grad_values, int64_t rows,
                                  int32_t k, int64_t width, double logit_scale,
                                  double logit_softcap, T* grad_hidden,
-                                 float* grad_weight, float* grad_bias,
+                                 T* grad_weight, T* grad_bias,
                                  CUstream_st* stream) {
   if (rows == 0 || k == 0) return;
   TopKValueGradientKernel<T>
@@ -173,7 +195,7 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                                                 T*, CUstream_st*);             \
   template void LaunchAddTopKValueGradients<T>(                                \
       const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
-      int32_t, int64_t, double, double, T*, float*, float*, CUstream_st*);
+      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
 #undef DFLASH_INSTANTIATE_HEAD_KERNELS

@@ -36,15 +36,16 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
 // AddTopKValueGradients (heads/top_k_gradient.h) on the device: one block
 // per row adds sum_j c[r, j] W[ids[r, j]] to grad_hidden[r], c = grad_values
 // * dz'/dz read off the values (the head's logit scale and softcap); with
-// grad_weight (float only), grad_weight[id] += c x[r] and grad_bias[id] += c
-// by atomic adds. Ids of -1 add nothing.
+// grad_weight, grad_weight[id] += c x[r] and grad_bias[id] += c by atomic
+// adds (bfloat16 by compare-and-swap, rounded at each add). Ids of -1 add
+// nothing.
 template <typename T>
 void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  const int32_t* ids, const float* values,
                                  const float* grad_values, int64_t rows,
                                  int32_t k, int64_t width, double logit_scale,
                                  double logit_softcap, T* grad_hidden,
-                                 float* grad_weight, float* grad_bias,
+                                 T* grad_weight, T* grad_bias,
                                  CUstream_st* stream);
 
 // data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).

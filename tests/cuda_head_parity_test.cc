@@ -335,6 +335,80 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
   }
 }
 
+// The values' backward on bfloat16 tensors, trainable: the weight and bias
+// gradients take compare-and-swap adds rounded to bfloat16; against the
+// float32 CPU update from zero, within bfloat16's rounding.
+TEST(CudaHeadTopKTest, BFloat16BackwardMatchesTheCpu) {
+  OPEN_GPU_OR_SKIP(gpu);
+  const Batch b = MakeBatch(9);
+  const int64_t n = b.num_rows();
+  v1::ObjectiveConfig config =
+      ConfigBuilder("dflash { gamma: 7 }").Trainable(true).Build();
+  config.mutable_head()->set_logit_softcap(6);
+  // Ids with repeats across rows, so that atomic adds meet.
+  std::vector<int32_t> ids(n * kTopK);
+  std::vector<double> values(n * kTopK), probe(n * kTopK);
+  for (int64_t i = 0; i < n * kTopK; ++i) {
+    ids[i] = b.rows[i / kTopK].mask > 0 ? static_cast<int32_t>(i % 5) : -1;
+    values[i] = 3 * std::sin(0.3 * i);
+    probe[i] = std::cos(0.7 * i);
+  }
+  // The CPU in float on the bfloat16-rounded inputs.
+  auto rounded = [](const std::vector<double>& x) {
+    std::vector<float> out;
+    for (double v : x)
+      out.push_back(ToFloat(ToBFloat16(static_cast<float>(v))));
+    return out;
+  };
+  const std::vector<float> hidden = rounded(b.hidden),
+                           weight = rounded(b.weight), bias = rounded(b.bias);
+  const std::vector<float> f_values(values.begin(), values.end()),
+      f_probe(probe.begin(), probe.end());
+  std::vector<float> grad_hidden(n * kH), grad_weight(kV * kH), grad_bias(kV);
+  v1::ObjectiveConfig f32 = config;
+  f32.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+  ASSERT_TRUE(
+      AddTopKValueGradients<float>(f32, {hidden, {}, {}, b.rows, weight, bias},
+                                   ids, f_values, f_probe, kTopK,
+                                   {absl::MakeSpan(grad_hidden),
+                                    absl::MakeSpan(grad_weight),
+                                    absl::MakeSpan(grad_bias),
+                                    {}})
+          .ok());
+  CudaStream& stream = *gpu->stream;
+  TrackedBuffer<BFloat16> d_hidden = Upload<BFloat16>(b.hidden, stream);
+  TrackedBuffer<BFloat16> d_weight = Upload<BFloat16>(b.weight, stream);
+  TrackedBuffer<BFloat16> d_bias = Upload<BFloat16>(b.bias, stream);
+  TrackedBuffer<BFloat16> d_grad_hidden =
+      Upload<BFloat16>(std::vector<double>(n * kH, 0), stream);
+  TrackedBuffer<BFloat16> d_grad_weight =
+      Upload<BFloat16>(std::vector<double>(kV * kH, 0), stream);
+  TrackedBuffer<BFloat16> d_grad_bias =
+      Upload<BFloat16>(std::vector<double>(kV, 0), stream);
+  TrackedBuffer<int32_t> d_ids = Upload<int32_t>(ids, stream);
+  TrackedBuffer<float> d_values = Upload<float>(values, stream);
+  TrackedBuffer<float> d_probe = Upload<float>(probe, stream);
+  ASSERT_TRUE(
+      AddCudaTopKValueGradients<BFloat16>(
+          OnCuda(config, v1::HeadConfig::BFLOAT16),
+          {Span(d_hidden), {}, {}, b.rows, Span(d_weight), Span(d_bias)},
+          absl::MakeConstSpan(d_ids.data(), d_ids.size()),
+          absl::MakeConstSpan(d_values.data(), d_values.size()),
+          absl::MakeConstSpan(d_probe.data(), d_probe.size()), kTopK,
+          {Span(d_grad_hidden), Span(d_grad_weight), Span(d_grad_bias), {}},
+          stream)
+          .ok());
+  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_hidden, stream)),
+                         AsDoubles(grad_hidden)),
+            1e-2);
+  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_weight, stream)),
+                         AsDoubles(grad_weight)),
+            2e-2);
+  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_bias, stream)),
+                         AsDoubles(grad_bias)),
+            2e-2);
+}
+
 // BF16 with inputs on a grid of 1/4 (bias 1/16), so that the GEMM's logits
 // are exact in bf16 and the reference sees the same logits: per-token CE
 // within 1e-5, argmax and top-k exact, the hidden gradient within 5e-3 in
