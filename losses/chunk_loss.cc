@@ -540,13 +540,14 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const RowStats& s = *row_stats;
     stats[r] = s;
     have_stats[r] = true;
-    // p = exp(z' - lse); ComputeRowStatsKeepExp left exp(z' - max) in z.
-    const bool exps = keep_exp && std::is_same_v<W, float>;
-    const double from_exp = std::exp(s.max_logit - s.logsumexp);
-    for (int32_t j = 0; j < metric_k; ++j) {
-      if (ids[j] == target) rank[r] = j;
-      top_mass[r] +=
-          exps ? z[ids[j]] * from_exp : std::exp(z[ids[j]] - s.logsumexp);
+    if (metric_k > 0) {
+      // p = exp(z' - lse); ComputeRowStatsKeepExp left exp(z' - max) in z.
+      const double from_exp = std::exp(s.max_logit - s.logsumexp);
+      for (int32_t j = 0; j < metric_k; ++j) {
+        if (ids[j] == target) rank[r] = j;
+        top_mass[r] +=
+            keep_exp ? z[ids[j]] * from_exp : std::exp(z[ids[j]] - s.logsumexp);
+      }
     }
     if (teacher_metrics) {
       std::copy_n(ids.begin(), metric_k, metric_ids.begin() + r * metric_k);
