@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t block = config.layout().block_size();
   const int64_t anchors = config.layout().num_anchors();
   const int64_t vocab = config.head().vocab_size();
-  const int64_t buffers = ProjectsTeacher(config) ? 2 : 1;
+  const int64_t buffers = LogitsBuffers(config);
   // Sizes whose products stay within 64 bits must plan.
   constexpr int64_t kLimit = int64_t{1} << 30;
   if (block <= kLimit && anchors <= kLimit && vocab <= kLimit) {

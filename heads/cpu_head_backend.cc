@@ -55,7 +55,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
     const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
     ChunkLossInputs<T> part{
         Part(in.logits, b * v, n * v), Part(in.teacher_logits, b * v, n * v),
-        Part(in.confidence_logits, b, n), in.rows.subspan(b, n), v};
+        Part(in.confidence_logits, b, n), in.rows.subspan(b, n), v,
+        Part(in.correction_logits, b * v, n * v)};
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
                               Part(out.neg_log_q, b, n),
                               Part(out.argmax, b, n),
@@ -65,7 +66,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                               Part(out.target_rank, b, n),
                               Part(out.top_k_values, b * out.k, n * out.k),
                               Part(out.loss_weight, b, n),
-                              Part(out.teacher_acceptance, b, n)};
+                              Part(out.teacher_acceptance, b, n),
+                              Part(out.base_argmax, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -93,7 +95,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
         allocator_(allocator),
         params_(LossParamsOf(config.loss())),
         options_(ChunkLossOptionsOf(config)),
-        confidence_(LossTraitsOf(params_).needs_confidence) {
+        traits_(LossTraitsOf(params_)),
+        confidence_(traits_.needs_confidence) {
     const int32_t threads = config.head().threads();
     threads_ = threads > 0 ? threads
                            : std::max(1u, std::thread::hardware_concurrency());
@@ -103,6 +106,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   Device device() const override { return Device::kCpu; }
   TrackingAllocator& allocator() override { return allocator_; }
   VocabProjection<T>& projection() override { return *projection_; }
+  VocabProjection<T>* correction() override { return correction_.get(); }
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
@@ -112,6 +116,12 @@ class CpuHeadBackend final : public HeadBackend<T> {
         CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                head.vocab_size(), head.hidden_size()));
     projection_ = std::move(projection);
+    if (head.correction_rank() > 0) {
+      DFLASH_ASSIGN_OR_RETURN(
+          correction_, CreateCpuProjection<T>(spec.inputs->correction_weight,
+                                              {}, head.vocab_size(),
+                                              head.correction_rank()));
+    }
     DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
                             CpuChunkLoss<T>::Create(params_, options_));
     loss_.emplace(std::move(loss));
@@ -120,6 +130,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(g.weight.begin(), g.weight.end(), T(0));
     std::fill(g.bias.begin(), g.bias.end(), T(0));
     std::fill(g.confidence.begin(), g.confidence.end(), 0.0f);
+    std::fill(g.correction_inputs.begin(), g.correction_inputs.end(), T(0));
+    std::fill(g.correction_weight.begin(), g.correction_weight.end(), T(0));
     const HeadRowOutputs& o = *spec.row_outputs;
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
@@ -129,7 +141,14 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
-    row_teacher_.assign(config_.head().teacher_diagnostics() ? rows : 0, 0.0);
+    // The teacher acceptance: the diagnostics', or DSpark's own (its tau).
+    const bool accepts = config_.head().teacher_diagnostics() ||
+                         (params_.family == LossFamily::kDSpark &&
+                          traits_.needs_teacher);
+    row_teacher_.assign(accepts ? rows : 0, 0.0);
+    const bool greedy = params_.family == LossFamily::kDomino;
+    row_argmax_.assign(greedy ? rows : 0, -1);
+    row_base_argmax_.assign(greedy ? rows : 0, -1);
     return absl::OkStatus();
   }
 
@@ -146,7 +165,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,
-                         const T* teacher, bool record) override {
+                         const T* teacher, T* correction,
+                         bool record) override {
     absl::Span<const int64_t> rows = spec_.active.subspan(begin, m);
     const HeadInputs<T>& in = *spec_.inputs;
     const int64_t vocab = config_.head().vocab_size();
@@ -159,7 +179,10 @@ class CpuHeadBackend final : public HeadBackend<T> {
     // Per-row results of the chunk, scattered to the rows' positions after.
     const HeadRowOutputs& o = *spec_.row_outputs;
     std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
-    std::vector<int32_t> argmax(record && !o.argmax.empty() ? m : 0);
+    std::vector<int32_t> argmax(
+        record && (!o.argmax.empty() || !row_argmax_.empty()) ? m : 0);
+    std::vector<int32_t> base_argmax(record && !row_base_argmax_.empty() ? m
+                                                                       : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
                                                                       : 0);
@@ -178,14 +201,17 @@ class CpuHeadBackend final : public HeadBackend<T> {
                                    absl::MakeSpan(rank),
                                    absl::MakeSpan(top_k_values),
                                    absl::MakeSpan(loss_weight),
-                                   absl::MakeSpan(teacher_acceptance)};
+                                   absl::MakeSpan(teacher_acceptance),
+                                   absl::MakeSpan(base_argmax)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
         {absl::MakeSpan(logits, m * vocab),
          teacher == nullptr ? absl::Span<const T>()
                             : absl::MakeConstSpan(teacher, m * vocab),
-         confidence, meta, vocab},
+         confidence, meta, vocab,
+         correction == nullptr ? absl::Span<T>()
+                               : absl::MakeSpan(correction, m * vocab)},
         outputs, threads_);
     loss_seconds_ +=
         std::chrono::duration<double>(Clock::now() - start).count();
@@ -197,7 +223,11 @@ class CpuHeadBackend final : public HeadBackend<T> {
     for (int64_t i = 0; i < m; ++i) {
       const int64_t r = rows[i];
       if (!neg_log_q.empty()) o.neg_log_q[r] = neg_log_q[i];
-      if (!argmax.empty()) o.argmax[r] = argmax[i];
+      if (!o.argmax.empty()) o.argmax[r] = argmax[i];
+      if (!row_argmax_.empty()) {
+        row_argmax_[r] = argmax[i];
+        row_base_argmax_[r] = base_argmax[i];
+      }
       if (!top_k.empty()) {
         std::copy_n(top_k.begin() + i * o.k, o.k, o.top_k.begin() + r * o.k);
       }
@@ -220,26 +250,39 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   absl::StatusOr<ChunkTerms> Terms() override {
     ChunkTerms terms = terms_;
+    // DSpark's labels supervise the anchor's slot too.
+    const int64_t first = traits_.labeling == Labeling::kDFlash ? 1 : 0;
     terms.accepted_length =
         AcceptedLengths(spec_.inputs->rows, row_q_, row_rank_, row_teacher_,
-                        options_.block_size);
+                        options_.block_size, first);
+    if (!row_argmax_.empty()) {
+      AddGreedyAcceptedLengths(spec_.inputs->rows, row_argmax_,
+                               row_base_argmax_, options_.block_size,
+                               terms.accepted_length);
+    }
     return terms;
   }
 
-  absl::Status ScaleGradients(double scale,
-                              std::optional<double> kl_weight) override {
+  absl::Status ScaleGradients(double upstream,
+                              const FinishedLoss& finished) override {
     const HeadGradients<T>& g = *spec_.gradients;
     const int64_t hidden = config_.head().hidden_size();
+    const double scale = upstream * finished.gradient_scale;
+    const std::optional<double>& kl_weight = finished.lk_kl_weight;
+    const float confidence_scale =
+        static_cast<float>(upstream * finished.confidence_scale);
     for (int64_t r : spec_.active) {
       const T row_scale = static_cast<T>(
           kl_weight ? scale * LkDeferredFactor(*kl_weight, row_q_[r]) : scale);
       T* row = g.hidden.data() + r * hidden;
       for (int64_t h = 0; h < hidden; ++h) row[h] *= row_scale;
-      if (confidence_) g.confidence[r] *= static_cast<float>(scale);
+      if (confidence_) g.confidence[r] *= confidence_scale;
     }
     const T all = static_cast<T>(scale);
-    for (T& x : g.weight) x *= all;
-    for (T& x : g.bias) x *= all;
+    for (absl::Span<T> span : {g.weight, g.bias, g.correction_inputs,
+                               g.correction_weight}) {
+      for (T& x : span) x *= all;
+    }
     return absl::OkStatus();
   }
 
@@ -251,16 +294,20 @@ class CpuHeadBackend final : public HeadBackend<T> {
   const LossParams params_;
   const ChunkLossOptions options_;
   std::optional<CpuChunkLoss<T>> loss_;  // From Start.
+  const LossTraits traits_;
   const bool confidence_;
   int threads_ = 1;
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
+  std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
   ChunkTerms terms_;
   // By batch row: q (the batch-level LK lambda's factor, the accepted
   // lengths) and the target's top-k rank.
   std::vector<double> row_q_;
   std::vector<int32_t> row_rank_;
   std::vector<double> row_teacher_;  // The teacher acceptance, when asked.
+  // Domino: the final and the base logits' argmax (its greedy lengths).
+  std::vector<int32_t> row_argmax_, row_base_argmax_;
   double loss_seconds_ = 0;
 };
 

@@ -52,6 +52,15 @@ class CpuProjection final : public VocabProjection<T> {
     }
   }
 
+  void AddForward(const T* rows, int64_t m, T* logits) override {
+    if (m == 0) return;
+    const int64_t v = this->vocab(), h = this->hidden();
+    const auto start = std::chrono::steady_clock::now();
+    Gemm<T>(CblasNoTrans, CblasTrans, m, v, h, rows, h, weight_, h, T(1),
+            logits, v);
+    this->Count(m, Since(start));
+  }
+
   void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
     if (m == 0) return;
     const int64_t v = this->vocab(), h = this->hidden();

@@ -34,6 +34,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
   Device device() const override { return Device::kCuda; }
   TrackingAllocator& allocator() override { return stream_.allocator(); }
   VocabProjection<T>& projection() override { return *projection_; }
+  // The config check refuses a correction on CUDA (head_config.cc).
+  VocabProjection<T>* correction() override { return nullptr; }
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
@@ -111,7 +113,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,
-                         const T* teacher, bool record) override {
+                         const T* teacher, T* /*correction*/,
+                         bool record) override {
     const HeadInputs<T>& in = *spec_.inputs;
     const HeadRowOutputs& o = *spec_.row_outputs;
     const int64_t vocab = config_.head().vocab_size();
@@ -160,14 +163,20 @@ class CudaHeadBackend final : public HeadBackend<T> {
         stream_.CopyToHost(rank.data(), row_rank_.data(), row_rank_.bytes()));
     DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
         teacher.data(), row_teacher_.data(), row_teacher_.bytes()));
-    terms.accepted_length = AcceptedLengths(
-        spec_.inputs->rows, q, rank, teacher, config_.layout().block_size());
+    // DSpark's labels supervise the anchor's slot too.
+    const int64_t first =
+        LossTraitsOf(config_.loss()).labeling == Labeling::kDFlash ? 1 : 0;
+    terms.accepted_length =
+        AcceptedLengths(spec_.inputs->rows, q, rank, teacher,
+                        config_.layout().block_size(), first);
     return terms;
   }
 
-  absl::Status ScaleGradients(double scale,
-                              std::optional<double> kl_weight) override {
+  absl::Status ScaleGradients(double upstream,
+                              const FinishedLoss& finished) override {
     const HeadGradients<T>& g = *spec_.gradients;
+    const double scale = upstream * finished.gradient_scale;
+    const std::optional<double>& kl_weight = finished.lk_kl_weight;
     CUstream_st* stream = stream_.stream();
     if (kl_weight) {
       cuda::LaunchScaleRowsByLkFactor<T>(
@@ -178,8 +187,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
     cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
-    cuda::LaunchScale<float>(g.confidence.data(), g.confidence.size(), scale,
-                             stream);
+    cuda::LaunchScale<float>(g.confidence.data(), g.confidence.size(),
+                             upstream * finished.confidence_scale, stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
     return stream_.Synchronize();
   }

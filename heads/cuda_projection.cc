@@ -48,6 +48,14 @@ class CudaProjection final : public VocabProjection<T> {
     this->Count(m, 0);
   }
 
+  void AddForward(const T* rows, int64_t m, T* logits) override {
+    if (m == 0) return;
+    const int v = this->vocab(), h = this->hidden();
+    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, logits,
+         v, "correction GEMM");
+    this->Count(m, 0);
+  }
+
   // grad_rows^T [H, m] = W^T (col-major [H, V]) x grad_logits^T [V, m].
   void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
     if (m == 0) return;

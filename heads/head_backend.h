@@ -43,6 +43,9 @@ class HeadBackend {
   virtual TrackingAllocator& allocator() = 0;
   // Valid after Start.
   virtual VocabProjection<T>& projection() = 0;
+  // The correction's projection (weight M [V, r]) with head.correction_rank,
+  // else null. Valid after Start.
+  virtual VocabProjection<T>* correction() = 0;
 
   // Before the first chunk: zeroes the gradients and resets the per-row
   // outputs (neg_log_q 0, argmax and top-k -1).
@@ -57,12 +60,14 @@ class HeadBackend {
                                    int64_t count, T* out) = 0;
 
   // The loss of chunk `chunk`, active rows [begin, begin + count), on
-  // `logits` [count, V] (and `teacher` [count, V] or null); the logits are
-  // overwritten with d(loss_num)/d(logits). With `record`, the chunk's terms
-  // join the run's and its per-row outputs and confidence gradient are
-  // written; a recomputation passes false.
+  // `logits` [count, V] (and `teacher` [count, V] or null; `correction`
+  // [count, V], the correction's logits apart, or null); the logits (and
+  // correction) are overwritten with d(loss_num)/d(logits). With `record`,
+  // the chunk's terms join the run's and its per-row outputs and confidence
+  // gradient are written; a recomputation passes false.
   virtual absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t count,
-                                 T* logits, const T* teacher, bool record) = 0;
+                                 T* logits, const T* teacher, T* correction,
+                                 bool record) = 0;
 
   // Waits for the work issued so far; the head times its phases with it.
   virtual absl::Status Synchronize() = 0;
@@ -70,12 +75,14 @@ class HeadBackend {
   // After all chunks: waits for the device and returns the run's terms.
   virtual absl::StatusOr<ChunkTerms> Terms() = 0;
 
-  // Multiplies every gradient by `scale`, and each row's hidden-state
-  // gradient also by LkDeferredFactor(*kl_weight, q of the row) when
-  // kl_weight is set (the batch-level LK lambda; the loss recorded each
-  // row's q). Returns when the gradients are final.
-  virtual absl::Status ScaleGradients(double scale,
-                                      std::optional<double> kl_weight) = 0;
+  // Multiplies the confidence gradient by upstream *
+  // finished.confidence_scale and every other by upstream *
+  // finished.gradient_scale, each row's hidden-state gradient also by
+  // LkDeferredFactor(kl_w, q of the row) when finished.lk_kl_weight is set
+  // (the batch-level LK lambda; the loss recorded each row's q). Returns
+  // when the gradients are final.
+  virtual absl::Status ScaleGradients(double upstream,
+                                      const FinishedLoss& finished) = 0;
 
   // Host seconds spent in the loss so far (0 where it runs asynchronously).
   virtual double loss_seconds() const = 0;

@@ -51,7 +51,7 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
       ChunkPlan chunks,
       PlanChunks(chunking,
                  {n, config.layout().block_size(), config.head().vocab_size(),
-                  element_bytes, ProjectsTeacher(config) ? 2 : 1}));
+                  element_bytes, LogitsBuffers(config)}));
   HeadPlan plan;
   plan.chunks = std::move(chunks);
   plan.active =
@@ -81,10 +81,14 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
   const int64_t v = config.head().vocab_size();
   const int64_t h = config.head().hidden_size();
   const bool teacher = ProjectsTeacher(config);
+  // A split correction doubles the logits and their gradient.
+  const int64_t split = SplitsCorrection(config) ? 2 : 1;
   const int64_t m = plan.max_chunk_rows;
   const int64_t chunk_logits = m * v * element_bytes;
-  const int64_t row_buffers = 2 * m * h * element_bytes;
-  const int64_t workspace = chunk_logits * (teacher ? 2 : 1) + row_buffers;
+  const int64_t row_buffers =
+      2 * m * (h + config.head().correction_rank()) * element_bytes;
+  const int64_t workspace =
+      chunk_logits * LogitsBuffers(config) + row_buffers;
   if (config.head().mode() == v1::HeadConfig::FUSED) return workspace;
 
   // What the policy does with each intermediate the head offers.
@@ -93,24 +97,24 @@ absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
                           CheckpointContext::Create(
                               CheckpointOptionsFromPolicy(plan.policy),
                               unused));
-  std::vector<IntermediateInfo> offered = {
-      LogitsGradientInfo(config.head(), m)};
-  if (teacher) offered.push_back(TeacherLogitsInfo(config.head(), m));
+  std::vector<std::pair<IntermediateInfo, int64_t>> offered = {
+      {LogitsGradientInfo(config.head(), split * m), split}};
+  if (teacher) offered.push_back({TeacherLogitsInfo(config.head(), m), 1});
   const bool never_recompute = plan.policy.segment_chunks() == 0;
   int64_t must = 0, prefer = 0, dropped_per_chunk = 0;
   const int64_t chunks = static_cast<int64_t>(plan.chunks.chunks.size());
-  for (const IntermediateInfo& info : offered) {
+  for (const auto& [info, buffers] : offered) {
     const CheckpointAction action = context->Decide(info);
     int64_t all_chunks = 0;
     for (int64_t c = 0; c < chunks; ++c)
-      all_chunks += plan.rows(c) * v * element_bytes;
+      all_chunks += buffers * plan.rows(c) * v * element_bytes;
     if (never_recompute || action == CheckpointAction::kMustSave) {
       must += all_chunks;
     } else if (action == CheckpointAction::kPreferSave) {
       prefer += all_chunks;
-      dropped_per_chunk += chunk_logits;
+      dropped_per_chunk += buffers * chunk_logits;
     } else {
-      dropped_per_chunk += chunk_logits;
+      dropped_per_chunk += buffers * chunk_logits;
     }
   }
   if (plan.policy.has_memory_budget_bytes()) {

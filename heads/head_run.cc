@@ -53,8 +53,10 @@ class HeadRun {
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
         params_(LossParamsOf(config.loss())),
+        rank_(head_.correction_rank()),
         teacher_(ProjectsTeacher(config)),
-        confidence_(LossTraitsOf(params_).needs_confidence) {}
+        confidence_(LossTraitsOf(params_).needs_confidence),
+        split_(SplitsCorrection(config)) {}
 
   absl::Status Validate() const;
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
@@ -81,6 +83,12 @@ class HeadRun {
   TensorView View(T* data, int64_t m) const {
     return TensorView(data, DTypeOf<T>::value, {m, vocab_}, backend_.device());
   }
+  // Rows of V logits a chunk of m rows keeps: its logits, and its
+  // correction's after them when the loss reads them apart.
+  int64_t LogitRows(int64_t m) const { return split_ ? 2 * m : m; }
+  // The chunk's logits [m, V] from its rows, the correction added or, when
+  // split, written to logits + m * V.
+  absl::Status ProjectChunk(int64_t c, T* logits);
   absl::Status Plan();
   absl::Status ForwardChunk(int64_t c);
   absl::Status BackwardChunk(int64_t c);
@@ -103,7 +111,8 @@ class HeadRun {
   TrackingAllocator& allocator_;
   const int64_t vocab_, hidden_, block_size_;
   const LossParams params_;
-  const bool teacher_, confidence_;
+  const int64_t rank_;
+  const bool teacher_, confidence_, split_;
 
   std::unique_ptr<CheckpointContext> context_;
   ChunkPlan plan_;
@@ -111,8 +120,9 @@ class HeadRun {
   std::vector<int64_t> chunk_begin_;  // Chunk c: active_[begin[c], begin[c+1]).
   int64_t max_chunk_rows_ = 0;
   // Per-run workspaces: forward logits and teacher logits (released before
-  // backward), gathered rows and their gradient.
-  TrackedBuffer<T> logits_ws_, teacher_ws_, rows_ws_, grad_ws_;
+  // backward), gathered rows and their gradient, and the correction's.
+  TrackedBuffer<T> logits_ws_, teacher_ws_, rows_ws_, grad_ws_, z_ws_,
+      z_grad_ws_;
 };
 
 template <typename T>
@@ -173,6 +183,14 @@ absl::Status HeadRun<T>::Validate() const {
        trainable && head_.bias(), "head.vocab_size, as the bias is trained"},
       {"gradients.confidence", gradients_.confidence.size(), rows, confidence_,
        "one per row, for loss.dspark.confidence_weight"},
+      {"inputs.correction_inputs", inputs_.correction_inputs.size(),
+       rows * rank_, true, "rows x head.correction_rank"},
+      {"inputs.correction_weight", inputs_.correction_weight.size(),
+       vocab_ * rank_, true, "head.vocab_size x head.correction_rank"},
+      {"gradients.correction_inputs", gradients_.correction_inputs.size(),
+       rows * rank_, true, "rows x head.correction_rank"},
+      {"gradients.correction_weight", gradients_.correction_weight.size(),
+       vocab_ * rank_, true, "head.vocab_size x head.correction_rank"},
   };
   for (const Size& s : sizes) {
     if (s.required && static_cast<int64_t>(s.size) != s.expected) {
@@ -235,6 +253,27 @@ absl::Status HeadRun<T>::Plan() {
 }
 
 template <typename T>
+absl::Status HeadRun<T>::ProjectChunk(int64_t c, T* logits) {
+  const int64_t m = Rows(c);
+  {
+    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
+    DFLASH_RETURN_IF_ERROR(
+        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
+    backend_.projection().Forward(x, m, logits);
+  }
+  if (rank_ == 0) return absl::OkStatus();
+  DFLASH_ASSIGN_OR_RETURN(T * z, Workspace(z_ws_, rank_));
+  DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.correction_inputs.data(),
+                                             rank_, Begin(c), m, z));
+  if (split_) {
+    backend_.correction()->Forward(z, m, logits + m * vocab_);
+  } else {
+    backend_.correction()->AddForward(z, m, logits);
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
 absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
   DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
   DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.teacher_hidden.data(),
@@ -258,19 +297,25 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
         grad_logits, x, m, gradients_.weight.data(),
         gradients_.bias.empty() ? nullptr : gradients_.bias.data());
   }
+  if (rank_ == 0) return absl::OkStatus();
+  // The correction's logits gradient: the same as the logits' unless split.
+  const T* grad_correction = split_ ? grad_logits + m * vocab_ : grad_logits;
+  DFLASH_ASSIGN_OR_RETURN(T * dz, Workspace(z_grad_ws_, rank_));
+  backend_.correction()->InputGradient(grad_correction, m, dz);
+  DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(
+      dz, rank_, Begin(c), m, gradients_.correction_inputs.data()));
+  DFLASH_ASSIGN_OR_RETURN(T * z, Workspace(z_ws_, rank_));
+  DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.correction_inputs.data(),
+                                             rank_, Begin(c), m, z));
+  backend_.correction()->AccumulateWeightGradient(
+      grad_correction, z, m, gradients_.correction_weight.data(), nullptr);
   return absl::OkStatus();
 }
 
 template <typename T>
 absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
                                                  const TensorView& out) {
-  const int64_t m = Rows(c);
-  {
-    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-    DFLASH_RETURN_IF_ERROR(
-        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
-    backend_.projection().Forward(x, m, out.data_as<T>());
-  }
+  DFLASH_RETURN_IF_ERROR(ProjectChunk(c, out.data_as<T>()));
   const T* teacher = nullptr;
   if (teacher_) {
     // Offered before the logits gradient, so kept or already recomputed.
@@ -284,8 +329,9 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
 template <typename T>
 absl::Status HeadRun<T>::Loss(int64_t c, T* logits, const T* teacher,
                               bool record) {
-  const absl::Status loss =
-      backend_.ChunkLoss(c, Begin(c), Rows(c), logits, teacher, record);
+  const absl::Status loss = backend_.ChunkLoss(
+      c, Begin(c), Rows(c), logits, teacher,
+      split_ ? logits + Rows(c) * vocab_ : nullptr, record);
   if (loss.ok()) return loss;
   // A queued product that failed (CUDA) left the logits the loss rejected:
   // its error is the cause.
@@ -297,13 +343,9 @@ template <typename T>
 absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   const int64_t m = Rows(c);
   if (m == 0) return absl::OkStatus();
-  DFLASH_ASSIGN_OR_RETURN(T * logits, Workspace(logits_ws_, vocab_));
-  {
-    DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
-    DFLASH_RETURN_IF_ERROR(
-        backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
-    backend_.projection().Forward(x, m, logits);
-  }
+  DFLASH_ASSIGN_OR_RETURN(T * logits,
+                          Workspace(logits_ws_, LogitRows(1) * vocab_));
+  DFLASH_RETURN_IF_ERROR(ProjectChunk(c, logits));
   T* teacher = nullptr;
   if (teacher_) {
     DFLASH_ASSIGN_OR_RETURN(T * buffer, Workspace(teacher_ws_, vocab_));
@@ -321,7 +363,8 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   DFLASH_RETURN_IF_ERROR(Loss(c, logits, teacher, /*record=*/true));
   if (Fused()) return ProjectionGradients(c, logits);
   return context_
-      ->Offer(c, LogitsGradientInfo(head_, m), View(logits, m),
+      ->Offer(c, LogitsGradientInfo(head_, LogitRows(m)),
+              View(logits, LogitRows(m)),
               [this, c](const TensorView& out) {
                 return RecomputeLogitsGradient(c, out);
               })
@@ -376,25 +419,35 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   // Errors the device saw name a batch row (CUDA reports them here).
   if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
   result.terms = *std::move(terms);
-  // d(loss)/d(.) = upstream / den * d(loss_num)/d(.), the latter complete
-  // once the composition is.
-  result.lk_kl_weight = FinishTerms(params_, result.terms);
-  const double den = FlooredLossDen(result.terms.loss_den);
-  DFLASH_RETURN_IF_ERROR(backend_.ScaleGradients(
-      options.upstream_gradient / den, result.lk_kl_weight));
+  // d(loss)/d(.) = upstream * scale * d(loss_num)/d(.), the latter
+  // complete once the composition is.
+  const int64_t anchors = config_.layout().num_anchors();
+  const int64_t sequences =
+      anchors > 0 ? static_cast<int64_t>(inputs_.rows.size()) /
+                        (anchors * block_size_)
+                  : 1;
+  const FinishedLoss finished =
+      FinishTerms(params_, result.terms, sequences);
+  result.lk_kl_weight = finished.lk_kl_weight;
+  DFLASH_RETURN_IF_ERROR(
+      backend_.ScaleGradients(options.upstream_gradient, finished));
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.backward_seconds = Since(backward);
-  result.loss = result.terms.loss_num / den;
-  result.accuracy = result.terms.accuracy_den > 0
-                        ? result.terms.correct / result.terms.accuracy_den
-                        : 0;
+  result.loss = finished.loss;
+  result.accuracy = finished.accuracy;
   for (int64_t k = 0; k < block_size_; ++k) {
     const double mass = result.terms.mask_per_position[k];
     result.accuracy_per_position.push_back(
         mass > 0 ? result.terms.correct_per_position[k] / mass : 0);
   }
   HeadStats& stats = result.stats;
-  const GemmCount& gemms = backend_.projection().gemms();
+  GemmCount gemms = backend_.projection().gemms();
+  if (backend_.correction() != nullptr) {
+    const GemmCount& more = backend_.correction()->gemms();
+    gemms.calls += more.calls;
+    gemms.flops += more.flops;
+    gemms.seconds += more.seconds;
+  }
   stats.chunks = chunks;
   stats.projected_rows = static_cast<int64_t>(active_.size());
   stats.gemm_calls = gemms.calls;

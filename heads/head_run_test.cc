@@ -22,6 +22,7 @@ class FailedProjection final : public VocabProjection<double> {
   void Forward(const double*, int64_t m, double* logits) override {
     std::fill(logits, logits + m * vocab(), 0.0);
   }
+  void AddForward(const double*, int64_t, double*) override {}
   void InputGradient(const double*, int64_t, double*) override {}
   void AccumulateWeightGradient(const double*, const double*, int64_t, double*,
                                 double*) override {}
@@ -45,6 +46,7 @@ class ScriptedBackend final : public HeadBackend<double> {
   Device device() const override { return Device::kCpu; }
   TrackingAllocator& allocator() override { return allocator_; }
   VocabProjection<double>& projection() override { return projection_; }
+  VocabProjection<double>* correction() override { return nullptr; }
   absl::Status Start(const HeadRunSpec<double>&) override {
     return absl::OkStatus();
   }
@@ -57,7 +59,7 @@ class ScriptedBackend final : public HeadBackend<double> {
     return absl::OkStatus();
   }
   absl::Status ChunkLoss(int64_t, int64_t, int64_t, double*, const double*,
-                         bool) override {
+                         double*, bool) override {
     return loss_;
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
@@ -65,7 +67,7 @@ class ScriptedBackend final : public HeadBackend<double> {
     if (!terms_.ok()) return terms_;
     return ChunkTerms::Zero(2);
   }
-  absl::Status ScaleGradients(double, std::optional<double>) override {
+  absl::Status ScaleGradients(double, const FinishedLoss&) override {
     return absl::OkStatus();
   }
   double loss_seconds() const override { return 0; }

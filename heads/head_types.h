@@ -30,6 +30,11 @@ struct HeadInputs {
   absl::Span<const RowMeta> rows;
   absl::Span<const T> weight;  // [V, H]
   absl::Span<const T> bias;    // [V] when head.bias.
+  // With head.correction_rank r > 0: logits += z @ M^T, z [rows, r] from
+  // the caller's module (DSpark's Markov head, Domino's projection), M
+  // [V, r] trainable. Domino adds it at positions >= its suffix_start only.
+  absl::Span<const T> correction_inputs;  // z [rows, r]
+  absl::Span<const T> correction_weight;  // M [V, r]
 };
 
 // Where gradients of loss * upstream land, at the rows' original positions.
@@ -39,6 +44,10 @@ struct HeadGradients {
   absl::Span<T> weight;          // [V, H] when head.trainable; overwritten.
   absl::Span<T> bias;            // [V] when trainable with a bias.
   absl::Span<float> confidence;  // [rows] for dspark's confidence term.
+  // With head.correction_rank: d/dz [rows, r] and d/dM [V, r] (overwritten;
+  // summed over chunks in T, float or double on the CPU).
+  absl::Span<T> correction_inputs;
+  absl::Span<T> correction_weight;
 };
 
 // Optional per-row results at the rows' original positions (see
@@ -74,12 +83,14 @@ struct HeadStats {
 };
 
 struct HeadResult {
-  double loss = 0;  // loss_num / loss_den; 0 when nothing carries weight.
+  // The family's loss (FinishTerms: loss_num / loss_den for most); 0 when
+  // nothing carries weight.
+  double loss = 0;
   ChunkTerms terms;
   // The batch-level LK lambda's CE weight kl_w (FinishTerms); unset for
   // other compositions.
   std::optional<double> lk_kl_weight;
-  double accuracy = 0;                        // correct / accuracy_den.
+  double accuracy = 0;  // correct / accuracy_den (FinishTerms).
   std::vector<double> accuracy_per_position;  // Size K; 0 where no mask.
   v1::HeadConfig::ExecutionMode mode = v1::HeadConfig::FUSED;
   ChunkPlan plan;

@@ -38,6 +38,9 @@ class VocabProjection {
 
   // logits = rows @ W^T + bias.
   virtual void Forward(const T* rows, int64_t m, T* logits) = 0;
+  // logits += rows @ W^T, without the bias: a second projection adding into
+  // the same logits (the head's low-rank correction).
+  virtual void AddForward(const T* rows, int64_t m, T* logits) = 0;
   // grad_rows = grad_logits @ W.
   virtual void InputGradient(const T* grad_logits, int64_t m,
                              T* grad_rows) = 0;

@@ -8,10 +8,10 @@ namespace dflash {
 
 namespace {
 
-// 1 + sum_{k>=1} prod_{j=1..k} a[j] over a block's slots.
-double ChainLength(const double* a, int64_t block_size) {
+// 1 + sum_{k>=first} prod_{j=first..k} a[j] over a block's slots.
+double ChainLength(const double* a, int64_t first, int64_t block_size) {
   double alive = 1, length = 1;
-  for (int64_t k = 1; k < block_size; ++k) {
+  for (int64_t k = first; k < block_size; ++k) {
     alive *= a[k];
     length += alive;
   }
@@ -24,14 +24,17 @@ AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
                                     absl::Span<const double> q,
                                     absl::Span<const int32_t> rank,
                                     absl::Span<const double> teacher,
-                                    int64_t block_size) {
-  // Per block, slots 1..K-1: each acceptance times supervised.
+                                    int64_t block_size,
+                                    int64_t first_position) {
+  // Per block, slots first..K-1: each acceptance times supervised.
   absl::flat_hash_map<int64_t, int64_t> index;
   std::vector<double> expected, oracle, teacher_expected;
   std::vector<bool> valid;
   for (size_t r = 0; r < rows.size(); ++r) {
     const RowMeta& meta = rows[r];
-    if (meta.position < 1 || meta.position >= block_size) continue;
+    if (meta.position < first_position || meta.position >= block_size) {
+      continue;
+    }
     const auto [at, added] =
         index.try_emplace(meta.block, static_cast<int64_t>(valid.size()));
     if (added) {
@@ -52,16 +55,60 @@ AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
     if (!valid[b]) continue;
     const int64_t at = static_cast<int64_t>(b) * block_size;
     terms.block_den += 1;
-    terms.expected_num += ChainLength(expected.data() + at, block_size);
+    terms.expected_num += ChainLength(expected.data() + at, first_position, block_size);
     if (!rank.empty()) {
-      terms.oracle_num += ChainLength(oracle.data() + at, block_size);
+      terms.oracle_num += ChainLength(oracle.data() + at, first_position, block_size);
     }
     if (!teacher.empty()) {
       terms.teacher_expected_num +=
-          ChainLength(teacher_expected.data() + at, block_size);
+          ChainLength(teacher_expected.data() + at, first_position,
+                      block_size);
     }
   }
   return terms;
+}
+
+void AddGreedyAcceptedLengths(absl::Span<const RowMeta> rows,
+                              absl::Span<const int32_t> argmax,
+                              absl::Span<const int32_t> base_argmax,
+                              int64_t block_size, AcceptedLengthTerms& terms) {
+  // Per block and slot: 1 where valid and hit, 0 where valid and missed, -1
+  // where not valid; for the final and the base logits.
+  absl::flat_hash_map<int64_t, int64_t> index;
+  std::vector<int8_t> final_hits, base_hits;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const RowMeta& meta = rows[r];
+    if (meta.position < 0 || meta.position >= block_size) continue;
+    const auto [at, added] = index.try_emplace(
+        meta.block, static_cast<int64_t>(final_hits.size()) / block_size);
+    if (added) {
+      final_hits.resize(final_hits.size() + block_size, -1);
+      base_hits.resize(base_hits.size() + block_size, -1);
+    }
+    if (!(meta.mask > 0)) continue;
+    const int64_t slot = at->second * block_size + meta.position;
+    final_hits[slot] = argmax[r] == meta.target;
+    base_hits[slot] = base_argmax[r] == meta.target;
+  }
+  auto length = [block_size](const int8_t* hits, bool& valid) {
+    double accepted = 0;
+    bool alive = true;
+    for (int64_t k = 0; k < block_size; ++k) {
+      if (hits[k] < 0) continue;
+      valid = true;
+      alive = alive && hits[k] == 1;
+      accepted += alive;
+    }
+    return accepted + 1;
+  };
+  for (size_t at = 0; at < final_hits.size(); at += block_size) {
+    bool valid = false;
+    const double accepted = length(final_hits.data() + at, valid);
+    if (!valid) continue;
+    terms.greedy_den += 1;
+    terms.greedy_num += accepted;
+    terms.base_greedy_num += length(base_hits.data() + at, valid);
+  }
 }
 
 }  // namespace dflash

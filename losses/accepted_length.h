@@ -22,20 +22,37 @@ struct AcceptedLengthTerms {
   double expected_num = 0;
   // The same with [target among the top-k] for q; 0 without `rank`.
   double oracle_num = 0;
-  // The same with the teacher acceptance for q; 0 without it.
+  // The same with the teacher acceptance for q; 0 without it (DSpark's
+  // tau_probabilistic over block_den).
   double teacher_expected_num = 0;
+  // Domino's greedy accepted length (`compute_accept_len`), for the final
+  // and the base logits: blocks with a slot of mask > 0, and the sum over
+  // them of 1 + the slots with mask > 0 before the first such slot whose
+  // argmax misses its target (slots without mask are skipped).
+  double greedy_den = 0;
+  double greedy_num = 0;
+  double base_greedy_num = 0;
 };
 
-// Rows are grouped by RowMeta::block, in any order; position 0 is the
-// anchor and never counts. q[r] is row r's target probability, rank[r] its
-// target's place among the top-k or -1, teacher[r] its teacher acceptance
-// (rank and teacher may be empty). A chain stops at the first unsupervised
-// slot.
+// Rows are grouped by RowMeta::block, in any order; positions before
+// `first_position` never count (1 for DFlash's labels, whose position 0 is
+// the anchor; 0 for DSpark's). q[r] is row r's target probability, rank[r]
+// its target's place among the top-k or -1, teacher[r] its teacher
+// acceptance (rank and teacher may be empty). A chain stops at the first
+// unsupervised slot.
 AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
                                     absl::Span<const double> q,
                                     absl::Span<const int32_t> rank,
                                     absl::Span<const double> teacher,
-                                    int64_t block_size);
+                                    int64_t block_size,
+                                    int64_t first_position = 1);
+
+// Sets terms' greedy_* from each row's argmax of the final and the base
+// logits (-1 for rows the head skipped, which carry no mask).
+void AddGreedyAcceptedLengths(absl::Span<const RowMeta> rows,
+                              absl::Span<const int32_t> argmax,
+                              absl::Span<const int32_t> base_argmax,
+                              int64_t block_size, AcceptedLengthTerms& terms);
 
 }  // namespace dflash
 

@@ -102,7 +102,7 @@ absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,
         blocks, " values, got ", anchors.size(), " and ", keep.size()));
   }
   const int64_t s_len = tokens.seq_len;
-  const int64_t first = labeling == Labeling::kDSpark ? 1 : 0;
+  const int64_t first = labeling == Labeling::kDFlash ? 0 : 1;
   std::vector<RowMeta> rows(blocks * block_size);
   for (int64_t b = 0; b < tokens.batch; ++b) {
     for (int64_t n = 0; n < num_anchors; ++n) {
@@ -128,6 +128,8 @@ absl::StatusOr<std::vector<RowMeta>> LabelRows(const TokenBatch& tokens,
         if (labeling == Labeling::kDSpark) {
           contiguous = contiguous && supervised;
           weighted = contiguous;
+        } else if (labeling == Labeling::kShifted) {
+          weighted = supervised;
         } else {
           weighted = k > 0 && supervised;
         }

@@ -41,6 +41,9 @@ enum class Labeling {
   // mask is contiguous (it stops at the first unsupervised or out-of-range
   // token).
   kDSpark,
+  // Domino with shift_label: k predicts anchor + 1 + k, m = keep *
+  // (anchor + 1 + k < S) * loss_mask[anchor + 1 + k], not contiguous.
+  kShifted,
 };
 
 // Anchors as SpecForge's `_sample_anchor_positions` draws them. Candidates

@@ -239,6 +239,28 @@ double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
   return l1;
 }
 
+// D-PARD's Renyi divergence of order 1/2, R = -2 log sum_v sqrt(p_v t_v),
+// with its gradient times `credit` written into z.
+template <typename W>
+double DPardRow(absl::Span<W> z, const RowStats& stats, absl::Span<const W> t,
+                const RowStats& teacher_stats, double credit) {
+  // log sqrt(p t) = ((z - lse) + (t - lse_t)) / 2, summed stably.
+  auto log_root = [&](size_t v) {
+    return 0.5 * ((z[v] - stats.logsumexp) + (t[v] - teacher_stats.logsumexp));
+  };
+  double max = -std::numeric_limits<double>::infinity();
+  for (size_t v = 0; v < z.size(); ++v) max = std::max(max, log_root(v));
+  double sum = 0;
+  for (size_t v = 0; v < z.size(); ++v) sum += std::exp(log_root(v) - max);
+  const double log_sum = max + std::log(sum);
+  for (size_t v = 0; v < z.size(); ++v) {
+    const double q = std::exp(z[v] - stats.logsumexp);
+    z[v] = static_cast<W>(credit *
+                          RenyiGradient<double>(q, log_root(v) - log_sum));
+  }
+  return -2 * log_sum;
+}
+
 absl::Status CheckSize(const char* name, size_t size, int64_t expected,
                        const char* why) {
   if (static_cast<int64_t>(size) == expected) return absl::OkStatus();
@@ -296,10 +318,26 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
     if (!size.ok()) return size;
   }
   if (!outputs.teacher_acceptance.empty() &&
-      (traits.needs_teacher || inputs.teacher_logits.empty())) {
+      (inputs.teacher_logits.empty() ||
+       params.family == LossFamily::kDistillation)) {
     return absl::InvalidArgumentError(
-        "chunk loss: outputs.teacher_acceptance needs teacher logits for the "
-        "teacher diagnostics (a loss that reads no teacher), got none");
+        "chunk loss: outputs.teacher_acceptance needs teacher logits and a "
+        "loss other than distillation, got none");
+  }
+  if (traits.splits_correction) {
+    DFLASH_RETURN_IF_ERROR(CheckSize(
+        "correction_logits", inputs.correction_logits.size(), num_rows * vocab,
+        "rows x vocab, for loss.domino"));
+    if (!inputs.teacher_logits.empty() || !outputs.top_k.empty()) {
+      return absl::InvalidArgumentError(
+          "chunk loss: loss.domino takes no teacher logits and no "
+          "outputs.top_k");
+    }
+  } else if (!inputs.correction_logits.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk loss: correction_logits are read by loss.domino only (add the "
+        "correction into the logits for loss.",
+        traits.name, "), got ", inputs.correction_logits.size(), " values"));
   }
   if (traits.needs_confidence) {
     absl::Status size =
@@ -315,7 +353,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
         {"outputs.target_probability", outputs.target_probability.size()},
         {"outputs.target_rank", outputs.target_rank.size()},
         {"outputs.loss_weight", outputs.loss_weight.size()},
-        {"outputs.teacher_acceptance", outputs.teacher_acceptance.size()}}) {
+        {"outputs.teacher_acceptance", outputs.teacher_acceptance.size()},
+        {"outputs.base_argmax", outputs.base_argmax.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
@@ -389,6 +428,101 @@ absl::Status TeacherError(const absl::Status& status) {
       absl::StrCat("teacher logits: ", status.message()));
 }
 
+// Domino's chunk: each row's base logits and, at positions >= suffix_start,
+// final = base + correction, both transformed; terms from both, and the
+// gradients d/d(base) = g_final + g_base and d/d(correction) = g_final
+// (0 before the suffix), with g_final = (1 - lambda) w (softmax - onehot)
+// of the final logits and g_base = lambda w (...) of the base logits.
+template <typename T>
+absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
+                                       const ChunkLossOptions& options,
+                                       const ChunkLossInputs<T>& inputs,
+                                       const ChunkLossOutputs& outputs) {
+  using W = Work<T>;
+  const int64_t vocab = inputs.vocab;
+  const W scale = static_cast<W>(options.logit_scale);
+  const W cap = static_cast<W>(options.logit_softcap);
+  std::vector<W> base(vocab), final(vocab);
+  ChunkTerms terms = ChunkTerms::Zero(options.block_size);
+  for (int64_t r = 0; r < static_cast<int64_t>(inputs.rows.size()); ++r) {
+    const RowMeta& meta = inputs.rows[r];
+    T* base_row = inputs.logits.data() + r * vocab;
+    T* correction_row = inputs.correction_logits.data() + r * vocab;
+    const double m = EffectiveMask(p, meta.target, meta.mask);
+    if (m == 0) {
+      std::fill_n(base_row, vocab, T{});
+      std::fill_n(correction_row, vocab, T{});
+      continue;
+    }
+    const bool corrected = meta.position >= p.suffix_start;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const W b = static_cast<W>(AsDouble(base_row[v]));
+      // The sum rounded to the logits' own type, as SpecForge adds them.
+      const W sum = corrected ? static_cast<W>(AsDouble(FromDouble<T>(
+                                    b + static_cast<W>(
+                                            AsDouble(correction_row[v])))))
+                              : b;
+      base[v] = TransformLogit<W>(b, scale, cap);
+      final[v] = TransformLogit<W>(sum, scale, cap);
+    }
+    DFLASH_ASSIGN_OR_RETURN(
+        const RowStats s,
+        ComputeRowStats<W>(absl::MakeConstSpan(final), meta.target, r));
+    DFLASH_ASSIGN_OR_RETURN(
+        const RowStats sb,
+        ComputeRowStats<W>(absl::MakeConstSpan(base), meta.target, r));
+    const double w = RowLossWeight(p, meta.position, m);
+    const double ce = s.logsumexp - s.target_logit;
+    const double base_ce = sb.logsumexp - sb.target_logit;
+    const double q = std::exp(-ce);
+    const bool hit = m > 0.5 && s.argmax == meta.target;
+    const bool base_hit = m > 0.5 && sb.argmax == meta.target;
+    const int32_t k = meta.position;
+    terms.correct += hit;
+    terms.base_correct += base_hit;
+    terms.accuracy_den += m;
+    terms.target_probability += m * q;
+    terms.correct_per_position[k] += hit;
+    terms.mask_per_position[k] += m;
+    terms.target_probability_per_position[k] += m * q;
+    terms.loss_weight_per_position[k] += w;
+    terms.loss_den += w;
+    terms.ce_num += w * ce;
+    terms.base_ce_num += w * base_ce;
+    terms.loss_num += (1 - p.lambda_base) * w * ce + p.lambda_base * w * base_ce;
+    if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = ce;
+    if (!outputs.argmax.empty()) outputs.argmax[r] = s.argmax;
+    if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = sb.argmax;
+    if (!outputs.target_probability.empty()) outputs.target_probability[r] = q;
+    if (!outputs.loss_weight.empty()) {
+      outputs.loss_weight[r] = static_cast<float>(w);
+    }
+    const double g_final = (1 - p.lambda_base) * w, g_base = p.lambda_base * w;
+    bool finite = true;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double onehot = v == meta.target;
+      const double d_final = ChainTransformedLogit<double>(
+          g_final * (std::exp(final[v] - s.logsumexp) - onehot), final[v],
+          options.logit_scale, options.logit_softcap);
+      const double d_base = ChainTransformedLogit<double>(
+          g_base * (std::exp(base[v] - sb.logsumexp) - onehot), base[v],
+          options.logit_scale, options.logit_softcap);
+      const W stored = static_cast<W>(d_final + d_base);
+      finite = finite && std::isfinite(stored);
+      base_row[v] = FromDouble<T>(stored);
+      correction_row[v] = FromDouble<T>(corrected ? d_final : 0.0);
+    }
+    if (!finite) {
+      return RowError(r, absl::StrCat("d(loss)/d(logits) overflows (row "
+                                      "weight ",
+                                      w,
+                                      "); masks and loss weights this large "
+                                      "need rescaling"));
+    }
+  }
+  return terms;
+}
+
 }  // namespace
 
 ChunkTerms ChunkTerms::Zero(int64_t block_size) {
@@ -407,11 +541,22 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   target_probability += other.target_probability;
   ce_num += other.ce_num;
   tv_num += other.tv_num;
+  base_ce_num += other.base_ce_num;
+  base_correct += other.base_correct;
+  l1_num += other.l1_num;
+  confidence_num += other.confidence_num;
+  confidence_error_num += other.confidence_error_num;
+  teacher_top1 += other.teacher_top1;
+  draft_top1 += other.draft_top1;
+  dpard_num += other.dpard_num;
   accepted_length.block_den += other.accepted_length.block_den;
   accepted_length.expected_num += other.accepted_length.expected_num;
   accepted_length.oracle_num += other.accepted_length.oracle_num;
   accepted_length.teacher_expected_num +=
       other.accepted_length.teacher_expected_num;
+  accepted_length.greedy_den += other.accepted_length.greedy_den;
+  accepted_length.greedy_num += other.accepted_length.greedy_num;
+  accepted_length.base_greedy_num += other.accepted_length.base_greedy_num;
   const auto mine = PerPosition();
   const auto theirs = other.PerPosition();
   for (int i = 0; i < kPerPositionTerms; ++i) {
@@ -422,12 +567,43 @@ void ChunkTerms::Add(const ChunkTerms& other) {
   }
 }
 
-std::optional<double> FinishTerms(const LossParams& params, ChunkTerms& terms) {
-  if (params.lk != LkMode::kLambdaBatch) return std::nullopt;
-  const double kl_weight =
-      BatchLkKlWeight(params, terms.target_probability, terms.accuracy_den);
-  terms.loss_num = kl_weight * terms.ce_num + (1 - kl_weight) * terms.tv_num;
-  return kl_weight;
+FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
+                         int64_t sequences) {
+  FinishedLoss f;
+  if (params.family == LossFamily::kDomino) {
+    // SpecForge adds 1e-6 to Domino's denominators rather than floor them.
+    constexpr double kEps = 1e-6;
+    const double den = terms.loss_den + kEps;
+    f.loss = terms.loss_num / den;
+    f.gradient_scale = f.confidence_scale = 1 / den;
+    f.accuracy = terms.correct / (terms.accuracy_den + kEps);
+    return f;
+  }
+  const double den = FlooredLossDen(terms.loss_den);
+  f.accuracy = terms.accuracy_den > 0 ? terms.correct / terms.accuracy_den : 0;
+  if (params.family == LossFamily::kDSpark) {
+    f.accuracy = terms.correct / std::max(terms.accuracy_den, 1.0);
+  }
+  f.gradient_scale = f.confidence_scale = 1 / den;
+  if (params.lk == LkMode::kLambdaBatch) {
+    f.lk_kl_weight =
+        BatchLkKlWeight(params, terms.target_probability, terms.accuracy_den);
+    terms.loss_num =
+        *f.lk_kl_weight * terms.ce_num + (1 - *f.lk_kl_weight) * terms.tv_num;
+  }
+  if (params.dpard) {
+    // SpecForge: dpard_loss_num / sequences + alpha_conf * confidence_num /
+    // loss_den, the first part per sequence.
+    const double per_sequence = 1.0 / static_cast<double>(std::max<int64_t>(
+                                          sequences, 1));
+    f.loss = terms.dpard_num * per_sequence +
+             params.confidence_weight * terms.confidence_num / den;
+    f.gradient_scale = per_sequence;
+    terms.loss_num = f.loss * terms.loss_den;
+    return f;
+  }
+  f.loss = terms.loss_num / den;
+  return f;
 }
 
 template <typename T>
@@ -483,10 +659,15 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
     if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
     if (!outputs.teacher_acceptance.empty()) outputs.teacher_acceptance[r] = 0;
+    if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = -1;
     if (!outputs.top_k_values.empty()) {
       std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
                   0.0f);
     }
+  }
+
+  if (p.family == LossFamily::kDomino) {
+    return DominoChunk<T>(p, options_, inputs, outputs);
   }
 
   // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
@@ -555,18 +736,39 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     return absl::OkStatus();
   };
 
-  // Pass 1, block-coupled families only: q of every row with a mask.
+  // DSpark's rows with a teacher: its stats and each row's acceptance
+  // clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
+  std::vector<RowStats> teacher_stats(traits.needs_teacher ? num_rows : 0);
+  std::vector<double> accept(num_rows, 0.0);
+  auto distance = [&](int64_t r, absl::Span<const W> z,
+                      absl::Span<const W> t) -> absl::Status {
+    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+    if (!teacher.ok()) return TeacherError(teacher.status());
+    teacher_stats[r] = *teacher;
+    accept[r] = DSparkAcceptance(
+        DistanceToTeacher<W>(z, stats[r], t, *teacher).l1);
+    return absl::OkStatus();
+  };
+
+  // Pass 1, block-coupled families only: q (D-PARD: the acceptance) of
+  // every row with a mask.
   std::vector<double> q(num_rows, 0.0);
   if (traits.couples_blocks) {
     for (int64_t r = 0; r < num_rows; ++r) {
       if (mask[r] == 0) continue;
-      DFLASH_RETURN_IF_ERROR(analyse(r, source.Draft(r)));
+      absl::Span<W> z = source.Draft(r);
+      DFLASH_RETURN_IF_ERROR(analyse(r, z));
       q[r] = std::exp(stats[r].target_logit - stats[r].logsumexp);
+      if (p.dpard) {
+        DFLASH_RETURN_IF_ERROR(distance(r, z, source.Teacher(r)));
+      }
     }
   }
 
-  // Pass 2: each row's loss weight, and lk-lambda's per-block CE share.
+  // Pass 2: each row's loss weight, lk-lambda's per-block CE share and
+  // D-PARD's credit.
   std::vector<double> weight(num_rows), ce_share(num_rows, 1.0);
+  std::vector<double> credit(p.dpard ? num_rows : 0);
   for (int64_t r = 0; r < num_rows; ++r) {
     weight[r] = RowLossWeight(p, inputs.rows[r].position, mask[r]);
   }
@@ -583,6 +785,10 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     auto mask_of = [&](int64_t i) { return mask[b + i]; };
     if (p.family == LossFamily::kDPace) {
       DPaceBlockWeights(p, n, q_of, mask_of, weight.data() + b);
+    } else if (p.dpard) {
+      DPaceBlockWeights(
+          DPardCreditParams(p), n, [&](int64_t i) { return accept[b + i]; },
+          mask_of, credit.data() + b);
     } else if (p.lk == LkMode::kLambdaBlock) {
       std::fill(ce_share.begin() + b, ce_share.begin() + end,
                 LkLambdaBlockShare(p, n, q_of, mask_of));
@@ -662,44 +868,73 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
       continue;
     }
 
+    // DSpark's teacher terms, and its confidence term from the acceptance.
+    if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
+      absl::Span<const W> t = source.Teacher(r);
+      if (!p.dpard) DFLASH_RETURN_IF_ERROR(distance(r, z, t));
+      const RowStats& teacher = teacher_stats[r];
+      terms.teacher_top1 +=
+          mask[r] * std::exp(teacher.max_logit - teacher.logsumexp);
+      terms.draft_top1 += mask[r] * std::exp(s.max_logit - s.logsumexp);
+      terms.teacher_agreement_per_position[k] +=
+          teacher.argmax == s.argmax ? mask[r] : 0.0;
+      terms.teacher_acceptance_per_position[k] += mask[r] * accept[r];
+      if (!outputs.teacher_acceptance.empty()) {
+        outputs.teacher_acceptance[r] = accept[r];
+      }
+      if (p.confidence_weight > 0) {
+        const double c = inputs.confidence_logits[r];
+        if (!std::isfinite(c)) {
+          return RowError(
+              r, absl::StrCat("confidence logit is not finite (", c, ")"));
+        }
+        const double bce = ConfidenceBce(c, accept[r]);
+        terms.confidence_num += w * bce;
+        terms.confidence_error_num +=
+            w * std::abs(1 / (1 + std::exp(-c)) - accept[r]);
+        terms.loss_num += w * p.confidence_weight * bce;
+        if (!outputs.confidence_grad.empty()) {
+          outputs.confidence_grad[r] = static_cast<float>(
+              w * p.confidence_weight * ConfidenceBceGradient(c, accept[r]));
+        }
+      }
+      if (p.dpard) {
+        const double renyi = DPardRow<W>(z, s, t, teacher, credit[r]);
+        terms.dpard_num += credit[r] * renyi;
+        terms.loss_num += credit[r] * renyi;
+        terms.dpard_credit_per_position[k] += credit[r];
+        // |q - normalised sqrt(q p)| <= 1.
+        DFLASH_RETURN_IF_ERROR(source.StoreGradient(r, z, w, credit[r]));
+        continue;
+      }
+    }
+
     // Softmax-family terms: CE (label-smoothed), tv and z-loss.
     double mean = 0;
     if (smoothing > 0) {
       for (W x : z) mean += x;
       mean /= static_cast<double>(inputs.vocab);
     }
-    const SoftmaxRowTerms row =
-        SoftmaxFamilyRow(p, w, ce_share[r], neg_log_q, s.logsumexp, mean);
+    const SoftmaxRowTerms row = SoftmaxFamilyRow(
+        p, w, CrossEntropyShare(p, ce_share[r]), neg_log_q, s.logsumexp, mean);
     terms.loss_num += row.loss;
     terms.ce_num += row.ce;
     terms.tv_num += row.tv;
+    if (p.family == LossFamily::kDSpark) {
+      terms.ce_per_position[k] += mask[r] * row.ce / w;
+    }
     const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
     // |softmax * p - target * onehot - uniform / V| with p <= 1.
     double bound = std::abs(grad.softmax) + std::abs(grad.target) +
                    std::abs(grad.uniform);
 
-    if (p.family == LossFamily::kDSpark) {
-      absl::Span<const W> t = source.Teacher(r);
-      absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-      if (!teacher.ok()) return TeacherError(teacher.status());
+    if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
       const double l1_coefficient = w * p.l1_weight;
-      const double l1 =
-          DSparkL1Row<W>(z, meta.target, s, t, *teacher, grad, l1_coefficient);
+      const double l1 = DSparkL1Row<W>(z, meta.target, s, source.Teacher(r),
+                                       teacher_stats[r], grad, l1_coefficient);
       bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
       terms.loss_num += l1_coefficient * l1;
-      if (p.confidence_weight > 0) {
-        const double accept = DSparkAcceptance(l1);
-        const double c = inputs.confidence_logits[r];
-        if (!std::isfinite(c)) {
-          return RowError(
-              r, absl::StrCat("confidence logit is not finite (", c, ")"));
-        }
-        terms.loss_num += w * p.confidence_weight * ConfidenceBce(c, accept);
-        if (!outputs.confidence_grad.empty()) {
-          outputs.confidence_grad[r] = static_cast<float>(
-              w * p.confidence_weight * ConfidenceBceGradient(c, accept));
-        }
-      }
+      if (p.l1_weight > 0) terms.l1_num += w * l1;
     } else if constexpr (std::is_same_v<W, float>) {
       if (keep_exp) {
         WriteSoftmaxGradientFromExp(z, meta.target, s, grad);

@@ -35,8 +35,23 @@ struct ChunkTerms {
   double target_probability = 0;
   // SpecForge's ce_loss_num and tv_loss_num: sum(w * CE) for the softmax
   // families, and sum(w * (1 - q)) where the LK composition has a tv part.
+  // Domino: ce_num is the final logits' (final_num); base_ce_num the base
+  // logits' sum(w * CE), base_correct their argmax hits where m > 0.5.
   double ce_num = 0;
   double tv_num = 0;
+  double base_ce_num = 0;
+  double base_correct = 0;
+  // DSpark (SpecForge's `_dspark_objective_chunk_terms`): sum(w * L1) where
+  // l1_weight > 0, sum(w * BCE) and sum(w * |sigmoid(c) - accept|) with a
+  // confidence term; with a teacher, sum(m * max p_teacher) and sum(m * max
+  // q) (SpecForge's teacher_top1_num and draft_top1_num); with D-PARD,
+  // sum(credit * Renyi divergence).
+  double l1_num = 0;
+  double confidence_num = 0;
+  double confidence_error_num = 0;
+  double teacher_top1 = 0;
+  double draft_top1 = 0;
+  double dpard_num = 0;
   // Per block position k, size K each: SpecForge's per-position
   // diagnostics (`_dflash_metric_chunk_terms`).
   std::vector<double> correct_per_position;  // argmax == target, m > 0.5.
@@ -54,12 +69,16 @@ struct ChunkTerms {
   std::vector<double> teacher_acceptance_per_position;
   std::vector<double> teacher_agreement_per_position;
   std::vector<double> teacher_top_k_mass_per_position;
+  // DSpark: sum(m * CE) without decay (ce_position_num), and D-PARD's
+  // sum(credit).
+  std::vector<double> ce_per_position;
+  std::vector<double> dpard_credit_per_position;
   // Over whole blocks, so not from a chunk: a head sets them after its last
   // chunk (losses/accepted_length.h).
   AcceptedLengthTerms accepted_length;
 
   // The per-position vectors above, in their order here.
-  static constexpr int kPerPositionTerms = 9;
+  static constexpr int kPerPositionTerms = 11;
   std::array<std::vector<double>*, kPerPositionTerms> PerPosition() {
     return PerPositionOf(*this);
   }
@@ -85,7 +104,9 @@ struct ChunkTerms {
             &self.top_k_mass_per_position,
             &self.teacher_acceptance_per_position,
             &self.teacher_agreement_per_position,
-            &self.teacher_top_k_mass_per_position};
+            &self.teacher_top_k_mass_per_position,
+            &self.ce_per_position,
+            &self.dpard_credit_per_position};
   }
 };
 
@@ -103,6 +124,10 @@ struct ChunkLossInputs {
   absl::Span<const float> confidence_logits;
   absl::Span<const RowMeta> rows;
   int64_t vocab = 0;
+  // [rows x vocab] for a loss that reads the head's correction apart
+  // (domino): its logits, overwritten with d(loss_num)/d(correction). The
+  // loss's logits are then base + correction at positions >= suffix_start.
+  absl::Span<T> correction_logits;
 };
 
 // Optional per-row results; leave a span empty to skip it. Rows without
@@ -130,6 +155,8 @@ struct ChunkLossOutputs {
   // [rows], with the teacher diagnostics: clamp(1 - |p - t|_1 / 2, 0, 1),
   // 0 where the row has no mask.
   absl::Span<double> teacher_acceptance;
+  // [rows], domino: the base logits' argmax (-1 where the row has no mask).
+  absl::Span<int32_t> base_argmax;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md
@@ -150,6 +177,11 @@ struct ChunkLossOutputs {
 //   confidence_weight * BCE-with-logits(confidence, accept), L1 = sum|p - t|
 //   of draft and teacher softmax, accept = clamp(1 - L1 / 2, 0, 1) without
 //   gradient.
+//   ce_weight scales CE. With objective DPARD: credit * R + confidence
+//   term, R = -2 log sum sqrt(p t) (Renyi order 1/2), credit D-PACE's
+//   weights (alpha = dpard_alpha) over accept, without gradient.
+// - domino: (1 - lambda_base) * CE(final) + lambda_base * CE(base), final =
+//   base + correction at block positions >= suffix_start.
 // - distillation: D(p_teacher, p_draft) at temperature T, weighted as
 //   dflash; forward KL(t || s), reverse KL(s || t), or the generalised
 //   JSD beta * KL(t || M) + (1 - beta) * KL(s || M), M = beta * t +
@@ -186,13 +218,30 @@ class CpuChunkLoss {
   ChunkLossOptions options_;
 };
 
+// The loss of a batch and the factors its gradients take, from the terms
+// summed over every chunk (FinishTerms).
+struct FinishedLoss {
+  double loss = 0;
+  double accuracy = 0;
+  // d(loss)/d(loss_num) for every gradient the logits carry (hidden,
+  // weight, bias, correction), and for the confidence logits'.
+  double gradient_scale = 0;
+  double confidence_scale = 0;
+  // The batch-level LK lambda's CE weight kl_w (BatchLkKlWeight); each
+  // row's gradient, written as w (p - onehot), is then to be multiplied by
+  // LkDeferredFactor(kl_w, q) (loss_math.h). Unset for other compositions.
+  std::optional<double> lk_kl_weight;
+};
+
 // After the reduction over every chunk of a batch (SpecForge's forward
-// call): for the batch-level LK lambda (LkMode::kLambdaBatch)
-// sets terms.loss_num = kl_w * ce_num + (1 - kl_w) * tv_num and returns kl_w
-// (BatchLkKlWeight); each row's gradient, written as w (p - onehot), is then
-// to be multiplied by LkDeferredFactor(kl_w, q) (loss_math.h). For every
-// other composition loss_num is already final: returns nullopt.
-std::optional<double> FinishTerms(const LossParams& params, ChunkTerms& terms);
+// call): composes loss_num where it needs the whole batch (the LK lambda's
+// kl_w * ce_num + (1 - kl_w) * tv_num; D-PARD's), and divides as the family
+// does: by FlooredLossDen(loss_den) for most; by loss_den + 1e-6 for domino
+// (accuracy too); D-PARD's part by `sequences`, its confidence part by
+// loss_den. Afterwards loss_num / loss_den is the loss wherever
+// loss_den > 0.
+FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
+                         int64_t sequences);
 
 // ResolveLoss (loss_family.h) with its errors prefixed "chunk loss: ".
 absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config);

@@ -226,7 +226,8 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
       // BCE-with-logits, written as -(a log sigmoid(x) + (1-a) log(1-sigmoid(x))).
       const double sig = 1 / (1 + std::exp(-x));
       const double bce = -(a * std::log(sig) + (1 - a) * std::log(1 - sig));
-      ref.num += w * (ce_term + z_term + c.dspark().l1_weight() * l1 +
+      ref.num += w * (c.dspark().ce_weight() * ce_term + z_term +
+                      c.dspark().l1_weight() * l1 +
                       c.dspark().confidence_weight() * bce);
     } else if (c.has_distillation()) {
       const v1::DistillationLoss& dist = c.distillation();
@@ -690,7 +691,7 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
             "for loss.dspark.confidence_weight), got 3");
   EXPECT_EQ(RunLoss("", good).message(),
             "chunk loss: loss: one loss family must be set (dflash, dpace, tv, "
-            "lk_lambda, dspark, distillation), got none");
+            "lk_lambda, dspark, domino, distillation), got none");
   EXPECT_EQ(RunLoss("dpace { alpha: 1.5 }", good).message(),
             "chunk loss: loss.dpace.alpha: must lie in [0, 1], got 1.5");
   EXPECT_EQ(RunLoss("tv {} cross_entropy { label_smoothing: 0.1 }", good).message(),
@@ -878,8 +879,8 @@ TEST(ChunkLossTest, TeacherDiagnosticsMatchANaiveReference) {
                         {absl::MakeSpan(logits), {}, {}, p.rows, kV}, lone)
           .status()
           .message(),
-      "chunk loss: outputs.teacher_acceptance needs teacher logits for "
-      "the teacher diagnostics (a loss that reads no teacher), got none");
+      "chunk loss: outputs.teacher_acceptance needs teacher logits and a "
+      "loss other than distillation, got none");
 }
 
 // SpecForge's lk_loss_type="lambda": the CE weight comes from the whole
@@ -918,7 +919,8 @@ TEST(ChunkLossTest, BatchLkLambdaComposesAfterTheLastChunk) {
       EXPECT_EQ(chunk->loss_num, 0);
       terms.Add(*chunk);
     }
-    const std::optional<double> kl_weight = FinishTerms(*ResolveLoss(c), terms);
+    const std::optional<double> kl_weight =
+        FinishTerms(*ResolveLoss(c), terms, 1).lk_kl_weight;
     ASSERT_TRUE(kl_weight.has_value());
     EXPECT_NEAR(*kl_weight, ref.detached.kl_weight, 1e-14);
     EXPECT_NEAR(terms.loss_num, ref.num, 1e-10);

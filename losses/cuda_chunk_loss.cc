@@ -239,7 +239,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   DFLASH_RETURN_IF_ERROR(
       s.stream->CopyToHost(totals.data(), s.totals.data(), s.totals.bytes()));
   const int64_t k = s.params.options.block_size;
-  ChunkTerms terms;
+  ChunkTerms terms = ChunkTerms::Zero(k);
   terms.loss_num = totals[0];
   terms.loss_den = totals[1];
   terms.correct = totals[2];
@@ -247,7 +247,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.target_probability = totals[4];
   terms.ce_num = totals[5];
   terms.tv_num = totals[6];
-  static_assert(cuda::kPositionTerms == ChunkTerms::kPerPositionTerms);
+  // The first kPositionTerms; DSpark's own (ce_per_position, D-PARD's) are
+  // not computed on the device yet.
+  static_assert(cuda::kPositionTerms <= ChunkTerms::kPerPositionTerms);
   const auto per_position = terms.PerPosition();
   for (int t = 0; t < cuda::kPositionTerms; ++t) {
     const auto begin = totals.begin() + cuda::kTermSlots + t * k;

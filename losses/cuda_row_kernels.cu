@@ -188,7 +188,8 @@ template <typename T>
 __device__ __forceinline__ bool TeacherMetrics(const KernelParams& p,
                                                const ChunkArgs<T>& a) {
   return a.teacher != nullptr && p.loss.family != LossFamily::kDSpark &&
-         p.loss.family != LossFamily::kDistillation;
+         p.loss.family != LossFamily::kDistillation &&
+         p.loss.family != LossFamily::kDomino;
 }
 
 // Online logsumexp at two temperatures (1 and 1/inv_t), argmax (first
@@ -513,8 +514,8 @@ __global__ void __launch_bounds__(kThreads)
 
   // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
   // the confidence BCE.
-  const double ce_share =
-      p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[r] : 1.0;
+  const double ce_share = CrossEntropyShare(
+      p.loss, p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[r] : 1.0);
   const SoftmaxRowTerms row =
       SoftmaxFamilyRow(p.loss, w, ce_share, neg_log_q, lse,
                        p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
@@ -532,7 +533,8 @@ __global__ void __launch_bounds__(kThreads)
     return expf((zp - max_f) - log_sum_f);
   };
 
-  if (p.loss.family == LossFamily::kDSpark) {
+  // DSpark reads its teacher only for a term that needs it.
+  if (p.loss.family == LossFamily::kDSpark && a.teacher != nullptr) {
     const float t_lse = s.t_lse;
     Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
     ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {

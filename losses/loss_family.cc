@@ -65,9 +65,18 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       break;
     case LossFamily::kDSpark:
       traits.name = "dspark";
-      traits.needs_teacher = true;
+      // SpecForge reads the teacher only for a term that needs it.
+      traits.needs_teacher =
+          loss.dpard || loss.l1_weight > 0 || loss.confidence_weight > 0;
       traits.needs_confidence = loss.confidence_weight > 0;
+      traits.has_cross_entropy = !loss.dpard;
       traits.labeling = Labeling::kDSpark;
+      break;
+    case LossFamily::kDomino:
+      traits.name = "domino";
+      traits.splits_correction = true;
+      traits.labeling =
+          loss.decay_from == 0 ? Labeling::kShifted : Labeling::kDFlash;
       break;
     case LossFamily::kDistillation:
       traits.name = "distillation";
@@ -127,12 +136,25 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
       p.kl_scale = loss.lk_lambda().kl_scale();
       p.kl_decay = loss.lk_lambda().kl_decay();
       break;
-    case v1::LossConfig::kDspark:
+    case v1::LossConfig::kDspark: {
+      const v1::DSparkLoss& d = loss.dspark();
       p.family = LossFamily::kDSpark;
-      decay(loss.dspark(), 0);
-      p.l1_weight = loss.dspark().l1_weight();
-      p.confidence_weight = loss.dspark().confidence_weight();
+      decay(d, 0);
+      p.ce_weight = d.ce_weight();
+      p.l1_weight = d.l1_weight();
+      p.confidence_weight = d.confidence_weight();
+      p.dpard = d.objective() == v1::DSparkLoss::DPARD;
+      p.dpard_alpha = d.dpard_alpha();
       break;
+    }
+    case v1::LossConfig::kDomino: {
+      const v1::DominoLoss& d = loss.domino();
+      p.family = LossFamily::kDomino;
+      decay(d, d.shift_label() ? 0 : 1);
+      p.lambda_base = d.lambda_base();
+      p.suffix_start = d.pure_draft_prefix_len() + (d.shift_label() ? 0 : 1);
+      break;
+    }
     case v1::LossConfig::kDistillation: {
       const v1::DistillationLoss& d = loss.distillation();
       p.family = LossFamily::kDistillation;
@@ -188,12 +210,42 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
       problems.AtLeast("loss.lk_lambda.kl_decay", loss.lk_lambda().kl_decay(),
                        0);
       break;
-    case v1::LossConfig::kDspark:
-      Gamma("loss.dspark", loss.dspark(), problems);
-      problems.AtLeast("loss.dspark.l1_weight", loss.dspark().l1_weight(), 0);
-      problems.AtLeast("loss.dspark.confidence_weight",
-                       loss.dspark().confidence_weight(), 0);
+    case v1::LossConfig::kDspark: {
+      const v1::DSparkLoss& d = loss.dspark();
+      Gamma("loss.dspark", d, problems);
+      problems.AtLeast("loss.dspark.ce_weight", d.ce_weight(), 0);
+      problems.AtLeast("loss.dspark.l1_weight", d.l1_weight(), 0);
+      problems.AtLeast("loss.dspark.confidence_weight", d.confidence_weight(),
+                       0);
+      problems.Specified("loss.dspark.objective", d.objective(),
+                         v1::DSparkLoss::Objective_Name(d.objective()));
+      if (!(d.dpard_alpha() > 0 && d.dpard_alpha() < 1)) {
+        problems.Add("loss.dspark.dpard_alpha",
+                     absl::StrCat("must lie in (0, 1), got ",
+                                  ProblemNumber(d.dpard_alpha())));
+      }
+      if (d.objective() == v1::DSparkLoss::DPARD) {
+        for (const auto& [name, value] :
+             {std::pair<const char*, double>{"ce_weight", d.ce_weight()},
+              {"l1_weight", d.l1_weight()}}) {
+          if (value != 0) {
+            problems.Add(absl::StrCat("loss.dspark.", name),
+                         absl::StrCat("must be 0 with objective DPARD (D-PARD "
+                                      "replaces CE and L1), got ",
+                                      ProblemNumber(value)));
+          }
+        }
+      }
       break;
+    }
+    case v1::LossConfig::kDomino: {
+      const v1::DominoLoss& d = loss.domino();
+      Gamma("loss.domino", d, problems);
+      problems.AtLeast("loss.domino.pure_draft_prefix_len",
+                       d.pure_draft_prefix_len(), 0);
+      problems.Within("loss.domino.lambda_base", d.lambda_base(), 0, 1);
+      break;
+    }
     case v1::LossConfig::kDistillation: {
       const v1::DistillationLoss& distillation = loss.distillation();
       Gamma("loss.distillation", distillation, problems);
@@ -216,7 +268,8 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
     }
     case v1::LossConfig::FAMILY_NOT_SET:
       problems.Add("loss", "one loss family must be set (dflash, dpace, tv, "
-                           "lk_lambda, dspark, distillation), got none");
+                           "lk_lambda, dspark, domino, distillation), got "
+                           "none");
       break;
   }
   const v1::CrossEntropyOptions& ce = loss.cross_entropy();
@@ -262,10 +315,18 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
                               traits.name,
                               " does not have, got ", ProblemNumber(smoothing)));
   }
-  if (ce.z_loss_scale() > 0 && loss.has_distillation()) {
+  if (ce.z_loss_scale() > 0 &&
+      (loss.has_distillation() || loss.has_domino() || params.dpard)) {
     problems.Add("loss.cross_entropy.z_loss_scale",
-                 absl::StrCat("does not apply to loss.distillation, got ",
-                              ProblemNumber(ce.z_loss_scale())));
+                 absl::StrCat("does not apply to loss.", traits.name,
+                              params.dpard ? " with objective DPARD" : "",
+                              ", got ", ProblemNumber(ce.z_loss_scale())));
+  }
+  // Domino's two cross-entropies are SpecForge's plain ones.
+  if (smoothing > 0 && loss.has_domino()) {
+    problems.Add("loss.cross_entropy.label_smoothing",
+                 absl::StrCat("does not apply to loss.domino, got ",
+                              ProblemNumber(smoothing)));
   }
 }
 

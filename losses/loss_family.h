@@ -26,6 +26,9 @@ struct LossTraits {
   bool has_cross_entropy = true;
   // Takes the draft's confidence logits (dspark with confidence_weight > 0).
   bool needs_confidence = false;
+  // Reads the head's correction logits apart from the base logits (domino),
+  // rather than their sum.
+  bool splits_correction = false;
   // How the batch layout labels its rows for this family.
   Labeling labeling = Labeling::kDFlash;
 };

@@ -37,6 +37,31 @@ DFLASH_HOST_DEVICE inline double LkLambdaKlWeight(double kl_scale,
   return kl_scale * exp(-kl_decay * acceptance);
 }
 
+// The share of a row's weight its cross-entropy takes: DSpark's ce_weight,
+// lk_lambda's per-block `block_share`, else 1.
+DFLASH_HOST_DEVICE inline double CrossEntropyShare(const LossParams& p,
+                                                   double block_share) {
+  if (p.family == LossFamily::kDSpark) return p.ce_weight;
+  return p.lk == LkMode::kLambdaBlock ? block_share : 1.0;
+}
+
+// D-PARD's credit of a block: D-PACE's weights (DPaceBlockWeights) with the
+// smoothing dpard_alpha, over each row's acceptance for q.
+DFLASH_HOST_DEVICE inline LossParams DPardCreditParams(const LossParams& p) {
+  LossParams credit = p;
+  credit.alpha = p.dpard_alpha;
+  credit.dpace_variant = DPaceVariant::kDPace;
+  return credit;
+}
+
+// D-PARD at one logit, given l = (log q + log p) / 2 - log sum sqrt(q p)
+// (the log of sqrt(q p) normalised) and q: d(-2 log sum sqrt(q p))/dz' =
+// q - exp(l).
+template <typename R>
+DFLASH_HOST_DEVICE inline R RenyiGradient(R q, R normalised_log_root) {
+  return q - exp(normalised_log_root);
+}
+
 // DSpark: the acceptance a row's L1 distance to the teacher implies.
 DFLASH_HOST_DEVICE inline double DSparkAcceptance(double l1) {
   const double a = 1 - 0.5 * l1;
@@ -95,7 +120,8 @@ DFLASH_HOST_DEVICE inline double RowLossWeight(const LossParams& p,
 
 // Whether a family's row weights depend on the other rows of its block.
 DFLASH_HOST_DEVICE inline bool CouplesBlocks(const LossParams& p) {
-  return p.family == LossFamily::kDPace || p.lk == LkMode::kLambdaBlock;
+  return p.family == LossFamily::kDPace || p.lk == LkMode::kLambdaBlock ||
+         p.dpard;
 }
 
 // SpecForge's batch-level LK lambda: the CE weight from the batch's

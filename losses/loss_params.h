@@ -20,6 +20,7 @@ enum class LossFamily : int32_t {
   kLkLambda,
   kDSpark,
   kDistillation,
+  kDomino,
 };
 
 // DPaceLoss.Variant and DistillationLoss.Divergence.
@@ -54,8 +55,15 @@ struct LossParams {
   // The LK composition; kl_scale and kl_decay for the two lambdas.
   LkMode lk = LkMode::kCrossEntropy;
   double kl_scale = 0, kl_decay = 0;
-  // DSpark.
-  double l1_weight = 0, confidence_weight = 0;
+  // DSpark: the CE, L1 and confidence weights; D-PARD replaces CE and L1
+  // by the Renyi divergence with credit smoothed by dpard_alpha.
+  double ce_weight = 1, l1_weight = 0, confidence_weight = 0;
+  bool dpard = false;
+  double dpard_alpha = 0.5;
+  // Domino: the base loss's share, and the first block position the head's
+  // correction applies at (the loss reads base and correction logits apart).
+  double lambda_base = 0;
+  int32_t suffix_start = 0;
   // Distillation.
   Divergence divergence = Divergence::kForwardKl;
   double inv_temperature = 1, beta = 0.5;

@@ -105,7 +105,7 @@ void ValidateChunking(const v1::ObjectiveConfig& config, Problems& problems) {
        .block_size = config.layout().block_size(),
        .vocab = config.head().vocab_size(),
        .bytes_per_logit = BytesPerLogit(config.head().dtype()),
-       .logits_buffers = ProjectsTeacher(config) ? 2 : 1});
+       .logits_buffers = LogitsBuffers(config)});
   if (!plan.ok()) problems.AddLine(std::string(plan.message()));
   const v1::LossConfig& loss = config.loss();
   const LossTraits traits = LossTraitsOf(loss);
@@ -164,8 +164,41 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
   // The batch-level LK lambda scales each row's hidden-state gradient once
   // the batch's acceptance is known; a weight gradient sums rows before
   // that, and would need a second V x H accumulator.
-  if (head.trainable() &&
-      LossParamsOf(config.loss()).lk == LkMode::kLambdaBatch) {
+  const LossParams params = LossParamsOf(config.loss());
+  if (head.correction_rank() > 0 && params.lk == LkMode::kLambdaBatch) {
+    problems.Add("head.correction_rank",
+                 absl::StrCat("must be 0 with an lk composition of type "
+                              "LAMBDA (the correction weight's gradient sums "
+                              "rows before the batch's CE weight is known), "
+                              "got ",
+                              head.correction_rank()));
+  }
+  if (params.family == LossFamily::kDomino) {
+    const int64_t block_size = config.layout().block_size();
+    if (params.suffix_start >= block_size) {
+      problems.Add("loss.domino.pure_draft_prefix_len",
+                   absl::StrCat("leaves no corrected suffix: suffix_start = ",
+                                params.suffix_start,
+                                " must be < layout.block_size = ", block_size,
+                                ", got ",
+                                config.loss().domino().pure_draft_prefix_len()));
+    }
+  }
+  if (head.backend() == v1::HeadConfig::CUDA &&
+      (params.family == LossFamily::kDomino || params.dpard)) {
+    problems.Add("head.backend",
+                 absl::StrCat("CUDA does not run loss.",
+                              LossTraitsOf(params).name,
+                              params.dpard ? " with objective DPARD" : "",
+                              " yet (the CPU head does), got CUDA"));
+  }
+  if (params.dpard && config.layout().num_anchors() <= 0) {
+    problems.Add("layout.num_anchors",
+                 "is required with loss.dspark objective DPARD (its loss is "
+                 "per sequence, counted as rows / (num_anchors * "
+                 "block_size)), got none");
+  }
+  if (head.trainable() && params.lk == LkMode::kLambdaBatch) {
     problems.Add("head.trainable",
                  "must be false with an lk composition of type LAMBDA (its CE "
                  "weight comes from the whole batch, after the weight "
@@ -393,6 +426,15 @@ bool LossNeedsTeacher(const v1::LossConfig& loss) {
 
 bool ProjectsTeacher(const v1::ObjectiveConfig& config) {
   return LossNeedsTeacher(config.loss()) || config.head().teacher_diagnostics();
+}
+
+bool SplitsCorrection(const v1::ObjectiveConfig& config) {
+  return config.head().correction_rank() > 0 &&
+         LossTraitsOf(config.loss()).splits_correction;
+}
+
+int64_t LogitsBuffers(const v1::ObjectiveConfig& config) {
+  return 1 + ProjectsTeacher(config) + SplitsCorrection(config);
 }
 
 std::string ToTextFormat(const google::protobuf::Message& message) {

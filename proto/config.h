@@ -86,6 +86,15 @@ bool LossNeedsTeacher(const v1::LossConfig& loss);
 // reads them, or for head.teacher_diagnostics.
 bool ProjectsTeacher(const v1::ObjectiveConfig& config);
 
+// Whether the head keeps its correction's logits apart from the base logits
+// (a loss that reads both, Domino's): a second V-wide buffer per chunk, and
+// two logits gradients.
+bool SplitsCorrection(const v1::ObjectiveConfig& config);
+
+// The V-wide buffers of a chunk: the logits, the teacher's, the
+// correction's.
+int64_t LogitsBuffers(const v1::ObjectiveConfig& config);
+
 // Text format of any policy message, fields in declaration order.
 std::string ToTextFormat(const google::protobuf::Message& message);
 

@@ -87,7 +87,7 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
   ref.terms = *terms;
   // The whole batch in one chunk: the batch-level LK lambda is composed here.
   const std::optional<double> kl_weight =
-      FinishTerms(LossParamsOf(config.loss()), ref.terms);
+      FinishTerms(LossParamsOf(config.loss()), ref.terms, 1).lk_kl_weight;
   const double den = ref.terms.loss_den;
   ref.loss = den > 0 ? ref.terms.loss_num / den : 0;
   const double s = den > 0 ? 1 / den : 0;
