@@ -903,6 +903,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
         terms.dpard_num += credit[r] * renyi;
         terms.loss_num += credit[r] * renyi;
         terms.dpard_credit_per_position[k] += credit[r];
+        // SpecForge reports D-PARD's CE too, without gradient.
+        terms.ce_num += w * neg_log_q;
+        terms.ce_per_position[k] += mask[r] * neg_log_q;
         // |q - normalised sqrt(q p)| <= 1.
         DFLASH_RETURN_IF_ERROR(source.StoreGradient(r, z, w, credit[r]));
         continue;
