@@ -132,10 +132,12 @@ TEST(HeadJobTest, InputsFromNpyReproduceTheInProcessRun) {
     double share = 0;
     for (double s : parsed.loss_weight_share_per_position()) share += s;
     EXPECT_NEAR(share, 1, 1e-12);
+    // DSpark's labels supervise the anchor's slot too: one more to accept.
+    const double longest = std::string(loss) == "dspark" ? 5 : 4;
     EXPECT_GE(parsed.expected_accepted_length(), 1);
-    EXPECT_LE(parsed.expected_accepted_length(), 4);
+    EXPECT_LE(parsed.expected_accepted_length(), longest);
     EXPECT_GE(parsed.oracle_accepted_length(), 1);
-    EXPECT_LE(parsed.oracle_accepted_length(), 4);
+    EXPECT_LE(parsed.oracle_accepted_length(), longest);
     EXPECT_DOUBLE_EQ(parsed.gemms(), std::string(loss) == "dflash" ? 2 : 3);
     auto grad = ReadNpy(from_files.out_dir + "/grad_hidden.npy");
     ASSERT_TRUE(grad.ok()) << grad.status();

@@ -434,6 +434,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.backward_seconds = Since(backward);
   result.loss = finished.loss;
+  result.loss_denominator = finished.denominator;
   result.accuracy = finished.accuracy;
   for (int64_t k = 0; k < block_size_; ++k) {
     const double mass = result.terms.mask_per_position[k];

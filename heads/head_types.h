@@ -86,6 +86,9 @@ struct HeadResult {
   // The family's loss (FinishTerms: loss_num / loss_den for most); 0 when
   // nothing carries weight.
   double loss = 0;
+  // loss = terms.loss_num / loss_denominator (the floored loss_den for
+  // most families, loss_den + 1e-6 for domino).
+  double loss_denominator = 1;
   ChunkTerms terms;
   // The batch-level LK lambda's CE weight kl_w (FinishTerms); unset for
   // other compositions.

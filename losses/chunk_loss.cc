@@ -571,15 +571,16 @@ FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
                          int64_t sequences) {
   FinishedLoss f;
   if (params.family == LossFamily::kDomino) {
-    // SpecForge adds 1e-6 to Domino's denominators rather than floor them.
-    constexpr double kEps = 1e-6;
+    constexpr double kEps = kDominoDenominatorOffset;
     const double den = terms.loss_den + kEps;
+    f.denominator = den;
     f.loss = terms.loss_num / den;
     f.gradient_scale = f.confidence_scale = 1 / den;
     f.accuracy = terms.correct / (terms.accuracy_den + kEps);
     return f;
   }
   const double den = FlooredLossDen(terms.loss_den);
+  f.denominator = den;
   f.accuracy = terms.accuracy_den > 0 ? terms.correct / terms.accuracy_den : 0;
   if (params.family == LossFamily::kDSpark) {
     f.accuracy = terms.correct / std::max(terms.accuracy_den, 1.0);
@@ -599,7 +600,7 @@ FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
     f.loss = terms.dpard_num * per_sequence +
              params.confidence_weight * terms.confidence_num / den;
     f.gradient_scale = per_sequence;
-    terms.loss_num = f.loss * terms.loss_den;
+    terms.loss_num = f.loss * den;
     return f;
   }
   f.loss = terms.loss_num / den;

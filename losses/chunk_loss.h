@@ -222,6 +222,8 @@ class CpuChunkLoss {
 // summed over every chunk (FinishTerms).
 struct FinishedLoss {
   double loss = 0;
+  // loss = loss_num / denominator once finished.
+  double denominator = 1;
   double accuracy = 0;
   // d(loss)/d(loss_num) for every gradient the logits carry (hidden,
   // weight, bias, correction), and for the confidence logits'.

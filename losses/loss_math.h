@@ -94,6 +94,10 @@ DFLASH_HOST_DEVICE inline R ChainTransformedLogit(R grad, R transformed,
   return grad * scale;
 }
 
+// Domino adds this to its loss, accuracy and accept-length denominators
+// (SpecForge's eps) rather than floor them.
+constexpr double kDominoDenominatorOffset = 1e-6;
+
 // The loss's denominator after the reduction over every chunk, floored at
 // float32's smallest normal number as SpecForge floors it
 // (`clamp_min(finfo.tiny)`): a batch without weight has loss 0 and zero

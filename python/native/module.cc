@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "losses/loss_math.h"
 #include "proto/config.h"
 #include "python/native/config_overrides.h"
 #include "python/native/cuda_run.h"
@@ -197,6 +198,24 @@ py::dict ResultOf(const HeadResult& r) {
   d["tv_num"] = r.terms.tv_num;
   d["lk_kl_weight"] = r.lk_kl_weight ? py::object(py::float_(*r.lk_kl_weight))
                                      : py::object(py::none());
+  d["loss_denominator"] = r.loss_denominator;
+  // SpecForge's DSpark and Domino chunk terms, by their names there.
+  const AcceptedLengthTerms& accepted = r.terms.accepted_length;
+  py::dict family;
+  family["l1_loss_num"] = r.terms.l1_num;
+  family["confidence_loss_num"] = r.terms.confidence_num;
+  family["confidence_abs_error_num"] = r.terms.confidence_error_num;
+  family["teacher_top1_num"] = r.terms.teacher_top1;
+  family["draft_top1_num"] = r.terms.draft_top1;
+  family["dpard_loss_num"] = r.terms.dpard_num;
+  family["ce_position_num"] = r.terms.ce_per_position;
+  family["dpard_credit_position_num"] = r.terms.dpard_credit_per_position;
+  family["base_num"] = r.terms.base_ce_num;
+  family["base_correct_num"] = r.terms.base_correct;
+  family["accept_num"] = accepted.greedy_num;
+  family["base_accept_num"] = accepted.base_greedy_num;
+  family["accept_den"] = accepted.greedy_den;
+  d["family_terms"] = family;
   py::dict diagnostics;
   diagnostics["target_probability_per_position"] =
       r.terms.target_probability_per_position;
@@ -230,6 +249,8 @@ py::dict RunObjectiveFromPython(
     py::handle grad_hidden, py::handle grad_weight, py::handle grad_bias,
     py::handle grad_confidence, py::handle neg_log_q, py::handle argmax,
     py::handle top_k, py::handle top_k_values, py::handle loss_weight,
+    py::handle correction_inputs, py::handle correction_weight,
+    py::handle grad_correction_inputs, py::handle grad_correction_weight,
     bool trainable, uintptr_t cuda_stream) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
@@ -237,7 +258,9 @@ py::dict RunObjectiveFromPython(
                            RequiredArgOf("weight_mask", weight_mask),
                            ArgOf("lm_head_bias", bias),
                            ArgOf("teacher_hidden", teacher_hidden),
-                           ArgOf("confidence_logits", confidence_logits)};
+                           ArgOf("confidence_logits", confidence_logits),
+                           ArgOf("correction_inputs", correction_inputs),
+                           ArgOf("correction_weight", correction_weight)};
   ObjectiveOutputs outputs{RequiredArgOf("grad_hidden", grad_hidden),
                            ArgOf("grad_weight", grad_weight),
                            ArgOf("grad_bias", grad_bias),
@@ -246,13 +269,20 @@ py::dict RunObjectiveFromPython(
                            ArgOf("argmax", argmax),
                            ArgOf("top_k", top_k),
                            ArgOf("top_k_values", top_k_values),
-                           ArgOf("loss_weight", loss_weight)};
+                           ArgOf("loss_weight", loss_weight),
+                           ArgOf("grad_correction_inputs",
+                                 grad_correction_inputs),
+                           ArgOf("grad_correction_weight",
+                                 grad_correction_weight)};
   absl::StatusOr<HeadResult> result;
   {
     py::gil_scoped_release release;
     result = RunObjective(config, tensors, outputs, {trainable, cuda_stream});
   }
-  return ResultOf(ValueOrRaise(std::move(result)));
+  py::dict d = ResultOf(ValueOrRaise(std::move(result)));
+  d["loss_den_offset"] =
+      config.loss().has_domino() ? kDominoDenominatorOffset : 0.0;
+  return d;
 }
 
 void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
@@ -348,9 +378,12 @@ PYBIND11_MODULE(_core, m) {
         py::arg("grad_weight"), py::arg("grad_bias"),
         py::arg("grad_confidence"), py::arg("neg_log_q"), py::arg("argmax"),
         py::arg("top_k"), py::arg("top_k_values"), py::arg("loss_weight"),
+        py::arg("correction_inputs"), py::arg("correction_weight"),
+        py::arg("grad_correction_inputs"), py::arg("grad_correction_weight"),
         py::arg("trainable"), py::arg("cuda_stream"),
         "Runs the head once, forward and backward, into the given buffers; "
-        "gradients are of loss_num / loss_den. Returns the terms and stats. "
+        "gradients are of loss_num / loss_denominator. Returns the terms and "
+        "stats. "
         "The GIL is released while it runs.");
   m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
         py::arg("config"), py::arg("hidden"), py::arg("weight"),

@@ -116,6 +116,28 @@ absl::Status CheckTensors(const ObjectiveTensors& t) {
     DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
                                        "[B, N, K]", "float32"));
   }
+  const std::optional<TensorArg>& z = t.correction_inputs;
+  const std::optional<TensorArg>& m = t.correction_weight;
+  if (z.has_value() != m.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        z.has_value() ? "correction_weight" : "correction_inputs",
+        ": required beside ",
+        z.has_value() ? "correction_inputs" : "correction_weight",
+        " (the correction is z @ M^T), got None"));
+  }
+  if (z.has_value()) {
+    if (z->shape.size() != 4 || z->shape[3] <= 0) {
+      return Invalid(*z, absl::StrCat("must have shape [B, N, K, r] with r > "
+                                      "0, got ",
+                                      ShapeString(z->shape)));
+    }
+    std::vector<int64_t> shape = bnk;
+    shape.push_back(z->shape[3]);
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*z, t.hidden, shape, "[B, N, K, r]"));
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*m, t.hidden, {w.shape[0], shape[3]},
+                                       "[V, r] (V of lm_head_weight, r of "
+                                       "correction_inputs)"));
+  }
   return absl::OkStatus();
 }
 
@@ -175,6 +197,17 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
     DFLASH_RETURN_IF_ERROR(
         CheckBeside(*o.loss_weight, t.hidden, bnk, "[B, N, K]", "float32"));
   }
+  const bool correction = t.correction_inputs.has_value();
+  DFLASH_RETURN_IF_ERROR(CheckOutput(
+      o.grad_correction_inputs, correction, "grad_correction_inputs",
+      "with a correction", t.hidden,
+      correction ? t.correction_inputs->shape : std::vector<int64_t>{},
+      "[B, N, K, r]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(
+      o.grad_correction_weight, correction, "grad_correction_weight",
+      "with a correction", t.hidden,
+      correction ? t.correction_weight->shape : std::vector<int64_t>{},
+      "[V, r]"));
   return absl::OkStatus();
 }
 
@@ -287,6 +320,10 @@ absl::Status ExplainFailure(const absl::Status& failure,
   if (t.confidence_logits.has_value()) {
     scanned.push_back({&*t.confidence_logits, 1});
   }
+  if (t.correction_inputs.has_value()) {
+    scanned.push_back({&*t.correction_inputs, t.correction_inputs->shape[3]});
+    scanned.push_back({&*t.correction_weight, 0});
+  }
   scanned.push_back({&t.weight, 0});
   if (t.bias.has_value()) scanned.push_back({&*t.bias, 0});
   for (const auto& [tensor, width] : scanned) {
@@ -327,7 +364,11 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   inputs.rows = rows;
   inputs.weight = t.weight.span<const T>();
   inputs.bias = SpanOf<T>(t.bias);
+  inputs.correction_inputs = SpanOf<T>(t.correction_inputs);
+  inputs.correction_weight = SpanOf<T>(t.correction_weight);
   HeadGradients<T> gradients;
+  gradients.correction_inputs = MutableSpanOf<T>(o.grad_correction_inputs);
+  gradients.correction_weight = MutableSpanOf<T>(o.grad_correction_weight);
   gradients.hidden = o.grad_hidden.span<T>();
   gradients.weight = MutableSpanOf<T>(o.grad_weight);
   gradients.bias = MutableSpanOf<T>(o.grad_bias);
@@ -375,6 +416,9 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
                                             : v1::HeadConfig::CPU);
   head.set_trainable(trainable);
   head.set_bias(tensors.bias.has_value());
+  head.set_correction_rank(tensors.correction_inputs.has_value()
+                               ? tensors.correction_inputs->shape[3]
+                               : 0);
   head.set_teacher_diagnostics(tensors.teacher_hidden.has_value() &&
                                !LossTraitsOf(bound.loss()).needs_teacher);
   bound = ResolveDefaults(std::move(bound));

@@ -28,6 +28,10 @@ struct ObjectiveTensors {
   std::optional<TensorArg> bias;               // [V], like weight.
   std::optional<TensorArg> teacher_hidden;     // [B, N, K, H], like hidden.
   std::optional<TensorArg> confidence_logits;  // [B, N, K] float32, contiguous.
+  // A low-rank logit correction z @ M^T: z [B, N, K, r] like hidden, M
+  // [V, r] like the weight; both or neither.
+  std::optional<TensorArg> correction_inputs;
+  std::optional<TensorArg> correction_weight;
 };
 
 // Buffers the caller allocated for the results, contiguous, on hidden's
@@ -43,6 +47,8 @@ struct ObjectiveOutputs {
   std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
   std::optional<TensorArg> top_k_values;     // [B, N, K, k] float32.
   std::optional<TensorArg> loss_weight;      // [B, N, K] float32.
+  // With a correction: d/dz and d/dM, like z and M.
+  std::optional<TensorArg> grad_correction_inputs, grad_correction_weight;
 };
 
 struct ObjectiveOptions {

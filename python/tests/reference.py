@@ -25,6 +25,7 @@ class Family:
     variant: str = "dpace"
     kl_scale: float = 1.0
     kl_decay: float = 1.0
+    ce_weight: float = 0.1  # dspark: DSparkLoss.ce_weight's default.
     l1_weight: float = 1.0
     confidence_weight: float = 1.0
     divergence: str = "kl"
@@ -162,7 +163,7 @@ def objective(f, hidden, weight, target_ids, weight_mask, bias=None,
         ce_w, tv_w = w * kl_w, w * (1 - kl_w)
     elif f.kind == "dspark":
         w = mask * decay(f.gamma, k, 0)
-        ce_w = w
+        ce_w = w * f.ce_weight
 
     if f.kind == "distillation":
         t = transform(teacher.double() @ weight.T.detach() + (

@@ -67,11 +67,23 @@ class ObjectiveTerms(NamedTuple):
     # segment_recomputes, peak_bytes (its own buffers), forward_seconds,
     # backward_seconds.
     stats: Optional[dict] = None
+    # SpecForge's DSpark and Domino chunk terms by their names there (floats;
+    # ce_position_num and dpard_credit_position_num [K] lists): DSpark's
+    # l1_loss_num, confidence_loss_num, confidence_abs_error_num,
+    # teacher_top1_num, draft_top1_num, dpard_loss_num (tau_num and tau_den
+    # are diagnostics' teacher_expected_accepted_length_num and block_den);
+    # Domino's base_num, base_correct_num, accept_num, base_accept_num,
+    # accept_den (final_num is ce_loss_num).
+    family_terms: Optional[dict] = None
+    # What loss_den takes before dividing: 1e-6 for domino (SpecForge's
+    # additive epsilon), else 0.
+    loss_den_offset: float = 0.0
 
     @property
     def loss(self):
-        # Floored as SpecForge floors it: an all-masked batch gives 0.
-        return self.loss_num / self.loss_den.clamp_min(
+        # Floored as SpecForge floors it: an all-masked batch gives 0. D-PARD's
+        # loss_num is the loss times loss_den (its main part is per sequence).
+        return self.loss_num / (self.loss_den + self.loss_den_offset).clamp_min(
             torch.finfo(self.loss_den.dtype).tiny)
 
     @property
@@ -100,7 +112,8 @@ def _on_host(tensor):
 class _Objective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, top_k, return_rows, run_info, hidden, weight, bias,
-                teacher, confidence, target_ids, weight_mask):
+                teacher, confidence, target_ids, weight_mask, correction_inputs,
+                correction_weight):
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
         rows = tuple(hidden.shape[:3])
@@ -117,6 +130,12 @@ class _Objective(torch.autograd.Function):
                           if trainable and bias is not None else None),
             "grad_confidence": (empty(rows, torch.float32)
                                 if confidence is not None else None),
+            "grad_correction_inputs": (
+                empty(correction_inputs.shape, correction_inputs.dtype)
+                if correction_inputs is not None else None),
+            "grad_correction_weight": (
+                empty(correction_weight.shape, correction_weight.dtype)
+                if correction_weight is not None else None),
         }
         outputs = {
             "neg_log_q": empty(rows, torch.float32) if return_rows else None,
@@ -131,8 +150,9 @@ class _Objective(torch.autograd.Function):
                   if hidden.is_cuda else 0)
         result = _core.run_objective(
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
-            confidence, trainable=trainable, cuda_stream=stream, **grads,
-            **outputs)
+            confidence, correction_inputs=correction_inputs,
+            correction_weight=correction_weight, trainable=trainable,
+            cuda_stream=stream, **grads, **outputs)
 
         # One host-to-device copy for every scalar term, then a tensor of its
         # own for each (not views of one: a caller may all_reduce one in
@@ -159,10 +179,13 @@ class _Objective(torch.autograd.Function):
         ]
         run_info.update(result["stats"])
         run_info["lk_kl_weight"] = result["lk_kl_weight"]
+        run_info["family_terms"] = result["family_terms"]
+        run_info["loss_den_offset"] = result["loss_den_offset"]
         run_info["diagnostics"] = {
             name: torch.tensor(value, dtype=torch.float64)
             for name, value in result["diagnostics"].items()}
-        ctx.den = result["loss_den"]
+        # The head's gradients are of loss_num / loss_denominator.
+        ctx.den = result["loss_denominator"]
         ctx.grads = grads
         ctx.config = config
         ctx.trainable = trainable
@@ -202,6 +225,12 @@ class _Objective(torch.autograd.Function):
         grad_weight = scaled(g["grad_weight"]) if needs[5] else None
         grad_bias = scaled(g["grad_bias"]) if needs[6] else None
         grad_confidence = scaled(g["grad_confidence"]) if needs[8] else None
+        grad_z = (scaled(g["grad_correction_inputs"])
+                  if needs[11] and g["grad_correction_inputs"] is not None
+                  else None)
+        grad_m = (scaled(g["grad_correction_weight"])
+                  if needs[12] and g["grad_correction_weight"] is not None
+                  else None)
         grad_values = (None if ctx.values_at is None
                        else unused[ctx.values_at - 1])
         if grad_values is not None and (needs[4] or needs[5] or needs[6]):
@@ -223,12 +252,13 @@ class _Objective(torch.autograd.Function):
             grad_weight = grad_weight if needs[5] else None
             grad_bias = grad_bias if needs[6] else None
         return (None, None, None, None, grad_hidden, grad_weight, grad_bias,
-                None, grad_confidence, None, None)
+                None, grad_confidence, None, None, grad_z, grad_m)
 
 
 def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
                      config=None, lm_head_bias=None, teacher_hidden=None,
-                     confidence_logits=None, return_rows=False, top_k=0,
+                     confidence_logits=None, correction_inputs=None,
+                     correction_weight=None, return_rows=False, top_k=0,
                      **overrides):
     """The DFlash-family objective's chunk terms over one batch, through the
     fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
@@ -249,6 +279,13 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         with another loss, for the teacher diagnostics (the target model's
         state that predicts each row's label).
     confidence_logits: [B, N, K] float32, for dspark's confidence term.
+    correction_inputs, correction_weight: a trainable low-rank logit
+        correction, logits = hidden @ W^T + z @ M^T, with z [B, N, K, r]
+        (hidden's dtype and device; made by the caller's module, e.g.
+        DSpark's Markov head: the input of its markov_w2) and M [V, r]
+        (markov_w2.weight; Domino's embed_proj[2].weight). Both get
+        gradients through autograd. Domino applies it at block positions
+        >= its suffix_start only (pass zeros before it).
     return_rows: also return per-row neg_log_q and argmax; top_k: the k
         largest logits' ids per row (0 <= k <= min(64, V)).
 
@@ -261,7 +298,9 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
     weight_mask = _tensor("weight_mask", weight_mask)
     for name, value in (("lm_head_bias", lm_head_bias),
                         ("teacher_hidden", teacher_hidden),
-                        ("confidence_logits", confidence_logits)):
+                        ("confidence_logits", confidence_logits),
+                        ("correction_inputs", correction_inputs),
+                        ("correction_weight", correction_weight)):
         _tensor(name, value, optional=True)
     vocab = lm_head_weight.shape[0] if lm_head_weight.dim() == 2 else 64
     if (not isinstance(top_k, int) or isinstance(top_k, bool)
@@ -273,9 +312,11 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
     results = _Objective.apply(
         resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
         lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
-        _on_host(weight_mask))
+        _on_host(weight_mask), correction_inputs, correction_weight)
     terms = list(results[:9])
     lk_kl_weight = stats.pop("lk_kl_weight")
+    family_terms = stats.pop("family_terms")
+    loss_den_offset = stats.pop("loss_den_offset")
     diagnostics = stats.pop("diagnostics")
     extras = iter(results[9:])
     neg_log_q, argmax, ids, values, loss_weight = [
@@ -293,4 +334,5 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         *terms, lk_kl_weight=lk_kl_weight, diagnostics=diagnostics,
         neg_log_q=neg_log_q, argmax=argmax, top_k=ids, top_k_values=values,
         target_is_candidate=is_candidate, target_candidate_index=index,
-        loss_weight=loss_weight, stats=stats)
+        loss_weight=loss_weight, stats=stats, family_terms=family_terms,
+        loss_den_offset=loss_den_offset)
