@@ -41,6 +41,8 @@ const std::vector<NpyType> kFlags = {NpyType::kBool, NpyType::kUint8,
 constexpr char kMetricsFile[] = "metrics.json";
 constexpr char kGradHiddenFile[] = "grad_hidden.npy";
 constexpr char kGradWeightFile[] = "grad_lm_head.npy";
+constexpr char kGradCorrectionInputsFile[] = "grad_correction_inputs.npy";
+constexpr char kGradCorrectionWeightFile[] = "grad_correction_weight.npy";
 
 int64_t ElementBytes(const v1::ObjectiveConfig& config) {
   return config.head().dtype() == v1::HeadConfig::FLOAT64 ? 8 : 4;
@@ -130,6 +132,11 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
   }
   if (NeedsConfidence(config)) {
     rest.push_back({"confidence_logits.npy", {b, n, k}, &kFloats, "(b, n, k)"});
+  }
+  if (const int64_t r = config.head().correction_rank(); r > 0) {
+    rest.push_back(
+        {"correction_inputs.npy", {b, n, k, r}, &kFloats, "(b, n, k, r)"});
+    rest.push_back({"correction_weight.npy", {in.vocab, r}, &kFloats, "(v, r)"});
   }
   for (const InputSpec& spec : rest) {
     if (absl::StatusOr<const NpyHeader*> ok = read(spec); !ok.ok()) {
@@ -237,7 +244,11 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   const std::optional<int64_t> row_values =
       rows ? CheckedMul(*rows, h) : std::nullopt;
   const std::optional<int64_t> weight = CheckedProduct({v, h, e});
-  if (!rows || !tokens || !blocks || !row_values || !weight) {
+  // A correction's z and M, and as much again for their gradients.
+  const int64_t rank = config.head().correction_rank();
+  const std::optional<int64_t> correction =
+      rows ? CheckedProduct({*rows + v, rank, e}) : std::nullopt;
+  if (!rows || !tokens || !blocks || !row_values || !weight || !correction) {
     return TooBig(absl::StrCat("the batch's sizes (", b, " x ", n, " x ", k,
                                " rows of ", h, ", ", b, " x ", s, " tokens, V ",
                                v, ") overflow 64 bits"));
@@ -249,11 +260,12 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   const std::optional<int64_t> batch =
       hidden && tokens_bytes && rows_bytes
           ? CheckedSum({*tokens_bytes, *blocks * 9, *rows_bytes, *hidden,
-                        teacher ? *hidden : 0, *weight, v * e, transient})
+                        teacher ? *hidden : 0, *weight, v * e, *correction,
+                        transient})
           : std::nullopt;
   const std::optional<int64_t> grads =
       hidden ? CheckedSum({*hidden, trainable ? *weight : 0,
-                           trainable ? v * e : 0, *rows * 4})
+                           trainable ? v * e : 0, *rows * 4, *correction})
              : std::nullopt;
   const std::optional<int64_t> all_grads =
       grads ? CheckedMul(*grads, sets) : std::nullopt;
@@ -326,9 +338,15 @@ absl::StatusOr<HeadJobResult> RunOnce(
                                : 0);
   const bool confidence = NeedsConfidence(config);
   std::vector<float> grad_confidence(confidence ? rows : 0);
+  const int64_t rank = config.head().correction_rank();
+  std::vector<T>& grad_z = Values<T>(job.grad_correction_inputs);
+  std::vector<T>& grad_m = Values<T>(job.grad_correction_weight);
+  grad_z.assign(rows * rank, 0);
+  grad_m.assign(config.head().vocab_size() * rank, 0);
   HeadGradients<T> gradients{
       absl::MakeSpan(grad_hidden), absl::MakeSpan(grad_weight),
-      absl::MakeSpan(grad_bias), absl::MakeSpan(grad_confidence)};
+      absl::MakeSpan(grad_bias),   absl::MakeSpan(grad_confidence),
+      absl::MakeSpan(grad_z),      absl::MakeSpan(grad_m)};
   TrackingAllocator allocator(limit_bytes);
   HeadOptions options;
   options.progress = std::move(progress);
@@ -380,11 +398,18 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
             ? absl::StrFormat(", %.3f oracle (target in top-%d)",
                               accepted.oracle_num / accepted.block_den, top_k)
             : "",
-        c.head().teacher_diagnostics()
+        c.head().teacher_diagnostics() || c.loss().has_dspark()
             ? absl::StrFormat(
                   ", %.3f against the teacher",
                   accepted.teacher_expected_num / accepted.block_den)
             : "");
+  }
+  if (c.loss().has_domino()) {
+    out << absl::StrFormat(
+        "  domino       base loss %.6f, base accuracy %.4f; greedy accepted "
+        "length %.3f (base %.3f)\n",
+        job.metrics.base_loss(), job.metrics.base_accuracy(),
+        job.metrics.accept_len(), job.metrics.base_accept_len());
   }
   out << absl::StrFormat("  GEMMs        %.3g passes (%d calls), %.3f TFLOP\n",
                          s.gemm_passes, s.gemm_calls, s.gemm_flops / 1e12);
@@ -426,12 +451,26 @@ absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
       !ok.ok()) {
     return ok;
   }
-  if (Empty(job.grad_weight)) {
-    files.StageRemoval(Join(dir, kGradWeightFile));
-    return absl::OkStatus();
+  const int64_t r = c.head().correction_rank();
+  const struct {
+    const char* file;
+    const JobTensor& values;
+    std::vector<int64_t> shape;
+  } optional[] = {
+      {kGradWeightFile, job.grad_weight, {v, h}},
+      {kGradCorrectionInputsFile, job.grad_correction_inputs,
+       {batch_size, n, k, r}},
+      {kGradCorrectionWeightFile, job.grad_correction_weight, {v, r}},
+  };
+  for (const auto& [file, values, shape] : optional) {
+    if (Empty(values)) {
+      files.StageRemoval(Join(dir, file));
+      continue;
+    }
+    DFLASH_RETURN_IF_ERROR(
+        StageNpy(files, Join(dir, file), TypeOf(values), shape, Data(values)));
   }
-  return StageNpy(files, Join(dir, kGradWeightFile), TypeOf(job.grad_weight),
-                  {v, h}, Data(job.grad_weight));
+  return absl::OkStatus();
 }
 
 double MaxDifference(const JobTensor& a, const JobTensor& b) {
@@ -579,6 +618,10 @@ absl::StatusOr<HeadJobResult> RunJob(
            << kGradHiddenFile
            << (Empty(job.grad_weight) ? ""
                                       : absl::StrCat(", ", kGradWeightFile))
+           << (Empty(job.grad_correction_inputs)
+                   ? ""
+                   : absl::StrCat(", ", kGradCorrectionInputsFile, ", ",
+                                  kGradCorrectionWeightFile))
            << "\n";
   }
   return job;
@@ -703,7 +746,9 @@ absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
       {"hidden.npy", &batch.hidden},
       {"lm_head.npy", &batch.weight},
       {"lm_head_bias.npy", &batch.bias},
-      {"teacher_hidden.npy", &batch.teacher_hidden}};
+      {"teacher_hidden.npy", &batch.teacher_hidden},
+      {"correction_inputs.npy", &batch.correction_inputs},
+      {"correction_weight.npy", &batch.correction_weight}};
   for (const auto& [name, out] : floats) {
     const InputSpec* spec = FindSpec(in, name);
     if (spec == nullptr) continue;
@@ -751,6 +796,12 @@ absl::Status SaveInputs(const HeadBatch<T>& batch,
        MakeNpy<T>(batch.teacher_hidden, {batch_size, n, k, h})},
       {"confidence_logits.npy",
        MakeNpy<float>(batch.confidence_logits, {batch_size, n, k})},
+      {"correction_inputs.npy",
+       MakeNpy<T>(batch.correction_inputs,
+                  {batch_size, n, k, config.head().correction_rank()})},
+      {"correction_weight.npy",
+       MakeNpy<T>(batch.correction_weight,
+                  {v, config.head().correction_rank()})},
   };
   OutputFileSet out;
   for (const auto& [name, array] : files) {

@@ -81,6 +81,8 @@ struct HeadJobResult {
   HeadResult result;
   v1::HeadMetrics metrics;
   JobTensor grad_hidden, grad_weight;  // grad_weight empty when frozen.
+  // With head.correction_rank: d/dz and d/dM of the correction.
+  JobTensor grad_correction_inputs, grad_correction_weight;
   // Things a user should know that are not errors (printed on stderr).
   std::vector<std::string> notes;
 };

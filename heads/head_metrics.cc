@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
 namespace {
@@ -74,6 +75,21 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
       ratio(t.accepted_length.oracle_num, t.accepted_length.block_den));
   m.set_teacher_expected_accepted_length(ratio(
       t.accepted_length.teacher_expected_num, t.accepted_length.block_den));
+  if (config.loss().has_dspark()) {
+    m.set_l1_loss(ratio(t.l1_num, t.loss_den));
+    m.set_confidence_loss(ratio(t.confidence_num, t.loss_den));
+    m.set_confidence_abs_error(ratio(t.confidence_error_num, t.loss_den));
+    m.set_teacher_top1_prob(ratio(t.teacher_top1, t.accuracy_den));
+    m.set_draft_top1_prob(ratio(t.draft_top1, t.accuracy_den));
+  }
+  if (config.loss().has_domino()) {
+    constexpr double kOffset = kDominoDenominatorOffset;
+    const AcceptedLengthTerms& a = t.accepted_length;
+    m.set_base_loss(t.base_ce_num / (t.loss_den + kOffset));
+    m.set_base_accuracy(t.base_correct / (t.accuracy_den + kOffset));
+    m.set_accept_len(a.greedy_num / (a.greedy_den + kOffset));
+    m.set_base_accept_len(a.base_greedy_num / (a.greedy_den + kOffset));
+  }
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);
   m.set_flops(r.stats.gemm_flops);

@@ -154,6 +154,14 @@ absl::Status HeadRun<T>::Validate() const {
                        "), got ", meta.target));
     }
   }
+  // D-PARD's loss is per sequence: rows / (num_anchors * block_size).
+  const int64_t sequence_rows = config_.layout().num_anchors() * block_size_;
+  if (params_.dpard && rows % sequence_rows != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs.rows: loss.dspark objective DPARD counts sequences of "
+        "layout.num_anchors x layout.block_size = ",
+        sequence_rows, " rows, got ", rows, " rows"));
+  }
   struct Size {
     const char* name;
     size_t size;

@@ -101,13 +101,16 @@ struct HeadResult {
 };
 
 // What the head adds to its loss: the layout's block size, the head's logit
-// transform and its metric_top_k (capped at the vocabulary).
+// transform and its metric_top_k (capped at the vocabulary; none for
+// domino, whose loss reports SpecForge's own telemetry instead).
 inline ChunkLossOptions ChunkLossOptionsOf(const v1::ObjectiveConfig& config) {
   const v1::HeadConfig& head = config.head();
+  const int64_t top_k = config.loss().has_domino()
+                            ? 0
+                            : std::min<int64_t>(head.metric_top_k(),
+                                                head.vocab_size());
   return {config.layout().block_size(), head.logit_scale(),
-          head.logit_softcap(),
-          static_cast<int32_t>(
-              std::min<int64_t>(head.metric_top_k(), head.vocab_size()))};
+          head.logit_softcap(), static_cast<int32_t>(top_k)};
 }
 
 struct HeadOptions {

@@ -24,7 +24,9 @@ HeadInputs<T> HeadBatch<T>::Inputs(
           rows,
           weight,
           config.head().bias() ? absl::MakeConstSpan(bias)
-                               : absl::Span<const T>()};
+                               : absl::Span<const T>(),
+          correction_inputs,
+          correction_weight};
 }
 
 template <typename T>
@@ -97,6 +99,13 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   }
   b.confidence_logits.resize(n);
   for (float& x : b.confidence_logits) x = normal(rng);
+  if (const int64_t rank = config.head().correction_rank(); rank > 0) {
+    b.correction_inputs.resize(n * rank);
+    for (T& x : b.correction_inputs) x = static_cast<T>(normal(rng));
+    b.correction_weight.resize(config.head().vocab_size() * rank);
+    const double scale = 1 / std::sqrt(static_cast<double>(rank));
+    for (T& x : b.correction_weight) x = static_cast<T>(scale * normal(rng));
+  }
   return b;
 }
 

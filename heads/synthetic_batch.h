@@ -32,7 +32,7 @@ struct SyntheticShape {
 // that logits are of order 1, plus a pull towards the row's target that lifts
 // its logit by kSyntheticMargin - kSyntheticMarginDecay * k (accuracy falls
 // along the block, as a draft model's does); the teacher's states are the
-// draft's plus N(0, 0.3).
+// draft's plus N(0, 0.3); a correction's z is N(0, 1) and M N(0, 1/r).
 inline constexpr double kSyntheticMargin = 6.0;
 inline constexpr double kSyntheticMarginDecay = 0.25;
 
@@ -44,6 +44,8 @@ struct HeadBatch {
   std::vector<RowMeta> rows;
   std::vector<T> hidden, teacher_hidden, weight, bias;
   std::vector<float> confidence_logits;
+  // With head.correction_rank r: z [rows, r] and M [V, r].
+  std::vector<T> correction_inputs, correction_weight;
 
   // Views for RunHead; teacher and confidence only where the loss reads them.
   HeadInputs<T> Inputs(const v1::ObjectiveConfig& config) const;

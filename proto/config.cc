@@ -192,12 +192,6 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
                               params.dpard ? " with objective DPARD" : "",
                               " yet (the CPU head does), got CUDA"));
   }
-  if (params.dpard && config.layout().num_anchors() <= 0) {
-    problems.Add("layout.num_anchors",
-                 "is required with loss.dspark objective DPARD (its loss is "
-                 "per sequence, counted as rows / (num_anchors * "
-                 "block_size)), got none");
-  }
   if (head.trainable() && params.lk == LkMode::kLambdaBatch) {
     problems.Add("head.trainable",
                  "must be false with an lk composition of type LAMBDA (its CE "

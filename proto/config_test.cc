@@ -285,6 +285,67 @@ INSTANTIATE_TEST_SUITE_P(
                   "head.teacher_diagnostics: applies to losses that read no "
                   "teacher; loss.distillation projects the teacher already, "
                   "got true"},
+        BadConfig{"DPardWithCrossEntropy",
+                  kHead + "layout { num_anchors: 4 } loss { dspark { "
+                          "objective: DPARD ce_weight: 0.1 l1_weight: 0 } }",
+                  "loss.dspark.ce_weight: must be 0 with objective DPARD "
+                  "(D-PARD replaces CE and L1), got 0.1"},
+        BadConfig{"DPardWithDefaultL1",
+                  kHead + "layout { num_anchors: 4 } loss { dspark { "
+                          "objective: DPARD ce_weight: 0 } }",
+                  "loss.dspark.l1_weight: must be 0 with objective DPARD "
+                  "(D-PARD replaces CE and L1), got 0.9"},
+        BadConfig{"DPardAlphaOne",
+                  kHead + "loss { dspark { dpard_alpha: 1 } }",
+                  "loss.dspark.dpard_alpha: must lie in (0, 1), got 1"},
+        BadConfig{"DSparkNegativeCeWeight",
+                  kHead + "loss { dspark { ce_weight: -1 } }",
+                  "loss.dspark.ce_weight: must be >= 0, got -1"},
+        BadConfig{"DSparkObjectiveUnspecified",
+                  kHead + "loss { dspark { objective: OBJECTIVE_UNSPECIFIED } "
+                          "}",
+                  "loss.dspark.objective: must be set"},
+        BadConfig{"DominoWithoutSuffix",
+                  kHead + "layout { block_size: 4 } loss { domino { "
+                          "pure_draft_prefix_len: 3 } }",
+                  "loss.domino.pure_draft_prefix_len: leaves no corrected "
+                  "suffix: suffix_start = 4 must be < layout.block_size = 4, "
+                  "got 3"},
+        BadConfig{"DominoLambdaAboveOne",
+                  kHead + "loss { domino { lambda_base: 1.5 } }",
+                  "loss.domino.lambda_base: must lie in [0, 1], got 1.5"},
+        BadConfig{"DominoNegativePrefix",
+                  kHead + "loss { domino { pure_draft_prefix_len: -1 } }",
+                  "loss.domino.pure_draft_prefix_len: must be >= 0, got -1"},
+        BadConfig{"DominoZLoss",
+                  kHead + "loss { domino {} cross_entropy { z_loss_scale: 0.1 "
+                          "} }",
+                  "loss.cross_entropy.z_loss_scale: does not apply to "
+                  "loss.domino, got 0.1"},
+        BadConfig{"DominoLabelSmoothing",
+                  kHead + "loss { domino {} cross_entropy { label_smoothing: "
+                          "0.1 } }",
+                  "loss.cross_entropy.label_smoothing: does not apply to "
+                  "loss.domino, got 0.1"},
+        BadConfig{"NegativeCorrectionRank",
+                  "head { vocab_size: 100 hidden_size: 8 correction_rank: -2 "
+                  "} " + kLoss,
+                  "head.correction_rank: must be >= 0, got -2"},
+        BadConfig{"CorrectionWithBatchLkLambda",
+                  "head { vocab_size: 100 hidden_size: 8 correction_rank: 4 } "
+                  "loss { dflash { lk { type: LAMBDA } } }",
+                  "head.correction_rank: must be 0 with an lk composition of "
+                  "type LAMBDA"},
+        BadConfig{"CorrectionOnCuda",
+                  "head { vocab_size: 100 hidden_size: 8 correction_rank: 4 "
+                  "backend: CUDA } " + kLoss,
+                  "head.correction_rank: is not supported on the CUDA backend "
+                  "yet (the CPU head takes it), got 4"},
+        BadConfig{"DominoOnCuda",
+                  "head { vocab_size: 100 hidden_size: 8 backend: CUDA } "
+                  "loss { domino {} }",
+                  "head.backend: CUDA does not run loss.domino yet (the CPU "
+                  "head does), got CUDA"},
         BadConfig{
             "MetricTopKAbove64",
             "head { vocab_size: 100 hidden_size: 8 metric_top_k: 65 } " + kLoss,
