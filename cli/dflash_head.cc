@@ -30,8 +30,8 @@ ABSL_FLAG(std::string, config, "",
           "configs/dflash_default.textproto.");
 ABSL_FLAG(std::string, loss, "",
           "dflash, dpace, dpace-cumulative-confidence-only, "
-          "dpace-continuation-value-only, tv, lk-lambda, dspark, kl, "
-          "reverse-kl, jsd.");
+          "dpace-continuation-value-only, tv, lk-lambda, dspark, dpard, "
+          "domino, kl, reverse-kl, jsd.");
 ABSL_FLAG(std::optional<double>, gamma, std::nullopt, "Loss decay gamma.");
 ABSL_FLAG(std::string, lk, "",
           "LK composition of the dflash or dpace loss (SpecForge's "

@@ -263,7 +263,8 @@ TEST(HeadJobTest, BadFlagsAreClearErrors) {
   EXPECT_EQ(JobConfig(options).status().message(),
             "--loss: must be one of dflash, dpace, "
             "dpace-cumulative-confidence-only, dpace-continuation-value-only, "
-            "tv, lk-lambda, dspark, kl, reverse-kl, jsd, got 'focal'");
+            "tv, lk-lambda, dspark, dpard, domino, kl, reverse-kl, jsd, got "
+            "'focal'");
   options = Small("dpace");
   options.gamma = 7;
   EXPECT_EQ(JobConfig(options).status().message(),

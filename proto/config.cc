@@ -293,6 +293,13 @@ absl::Status SetLossByName(absl::string_view option, absl::string_view name,
     fresh.mutable_lk_lambda();
   } else if (name == "dspark") {
     fresh.mutable_dspark();
+  } else if (name == "dpard") {
+    v1::DSparkLoss& dpard = *fresh.mutable_dspark();
+    dpard.set_objective(v1::DSparkLoss::DPARD);
+    dpard.set_ce_weight(0);
+    dpard.set_l1_weight(0);
+  } else if (name == "domino") {
+    fresh.mutable_domino();
   } else if (name == "kl") {
     fresh.mutable_distillation()->set_divergence(
         v1::DistillationLoss::FORWARD_KL);
@@ -306,7 +313,7 @@ absl::Status SetLossByName(absl::string_view option, absl::string_view name,
         option,
         ": must be one of dflash, dpace, "
         "dpace-cumulative-confidence-only, dpace-continuation-value-only, tv, "
-        "lk-lambda, dspark, kl, reverse-kl, jsd, got '",
+        "lk-lambda, dspark, dpard, domino, kl, reverse-kl, jsd, got '",
         name, "'"));
   }
   *fresh.mutable_cross_entropy() = ce;
@@ -359,6 +366,9 @@ absl::Status SetLossGamma(absl::string_view option, double gamma,
       break;
     case v1::LossConfig::kDspark:
       loss.mutable_dspark()->set_gamma(gamma);
+      break;
+    case v1::LossConfig::kDomino:
+      loss.mutable_domino()->set_gamma(gamma);
       break;
     case v1::LossConfig::kDistillation:
       loss.mutable_distillation()->set_gamma(gamma);

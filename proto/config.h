@@ -55,8 +55,9 @@ std::vector<v1::CheckpointRule> PresetRules(
 // setting ("--loss", "loss_type").
 //
 // The loss family: dflash, dpace, dpace-cumulative-confidence-only,
-// dpace-continuation-value-only, tv, lk-lambda, dspark, kl, reverse-kl, jsd
-// (the family's other fields reset; cross_entropy kept).
+// dpace-continuation-value-only, tv, lk-lambda, dspark, dpard (dspark's
+// D-PARD objective), domino, kl, reverse-kl, jsd (the family's other fields
+// reset; cross_entropy kept).
 absl::Status SetLossByName(absl::string_view option, absl::string_view name,
                            v1::LossConfig& loss);
 // SpecForge's lk_loss_type on the dflash or dpace family: alpha

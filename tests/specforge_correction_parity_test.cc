@@ -304,7 +304,8 @@ TEST(SpecForgeCorrectionParityTest, GoldensAreThere) {
     SCOPED_TRACE(g.name);
     (g.domino ? domino : dspark) += 1;
     EXPECT_EQ(g.terms.size(),
-              static_cast<size_t>(g.domino ? kDominoTerms : kDSparkTerms));
+              static_cast<size_t>(g.domino ? int{kDominoTerms}
+                                           : int{kDSparkTerms}));
     EXPECT_EQ(g.grad_hidden.size(), g.hidden.size());
     const int64_t rank = g.config.head().correction_rank();
     EXPECT_EQ(g.z.size(), g.hidden.size() / g.config.head().hidden_size() *
@@ -373,7 +374,7 @@ TEST(SpecForgeCorrectionParityTest, Float32MatchesSpecForgeInEveryMode) {
       config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
       absl::StatusOr<CaseRun> run = RunGolden<float>(g, config);
       ASSERT_TRUE(run.ok()) << run.status();
-      const int loss = g.domino ? kDominoLoss : kDSparkLoss;
+      const int loss = g.domino ? int{kDominoLoss} : int{kDSparkLoss};
       ExpectNear(run->result.loss, g.terms[loss], 1e-5, "loss");
       ExpectGradient(run->grad_hidden, g.grad_hidden, 1e-4,
                      "d(loss)/d(hidden)");

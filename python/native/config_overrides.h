@@ -15,8 +15,8 @@ namespace dflash::python {
 // keep the config's value. Names follow the dflash_head command's flags.
 struct ConfigOverrides {
   // dflash, dpace, dpace-cumulative-confidence-only,
-  // dpace-continuation-value-only, tv, lk-lambda, dspark, kl, reverse-kl,
-  // jsd: a fresh family (its own fields at their defaults), keeping the
+  // dpace-continuation-value-only, tv, lk-lambda, dspark, dpard, domino, kl,
+  // reverse-kl, jsd: a fresh family (its own fields at their defaults), keeping the
   // cross-entropy options.
   std::optional<std::string> loss_type;
   // SpecForge's lk_loss_type (alpha, tv, lambda), kl_scale and kl_decay.
