@@ -44,6 +44,43 @@ class BadInputsTest(unittest.TestCase):
             "weight_mask: must be float32 or float64 or bool, got int64",
             weight_mask=self.weight_mask.long())
 
+    def test_bad_correction(self):
+        b, n, k, _ = self.hidden.shape
+        v = self.weight.shape[0]
+        z = torch.zeros(b, n, k, 3)
+        m = torch.zeros(v, 3)
+        self.assertRaisesMessage(
+            ValueError,
+            "correction_weight: required beside correction_inputs (the "
+            "correction is z @ M^T), got None",
+            correction_inputs=z)
+        self.assertRaisesMessage(
+            ValueError,
+            "correction_inputs: required beside correction_weight (the "
+            "correction is z @ M^T), got None",
+            correction_weight=m)
+        self.assertRaisesMessage(
+            ValueError,
+            f"correction_weight: must have shape [V, r] (V of lm_head_weight, "
+            f"r of correction_inputs) = ({v}, 3), got ({v}, 2)",
+            correction_inputs=z, correction_weight=torch.zeros(v, 2))
+        self.assertRaisesMessage(
+            ValueError,
+            "correction_inputs: must be float32 (hidden's dtype), got float64",
+            correction_inputs=z.double(), correction_weight=m)
+        self.assertRaisesMessage(
+            ValueError,
+            "correction_inputs: must have shape [B, N, K, r] with r > 0, got "
+            f"({b}, {n}, {k}, 0)",
+            correction_inputs=torch.zeros(b, n, k, 0),
+            correction_weight=torch.zeros(v, 0))
+        bad = z.clone()
+        bad[0, 0, 1, 2] = float("inf")
+        with self.assertRaises(ValueError) as raised:
+            self.call(correction_inputs=bad, correction_weight=m)
+        self.assertIn("correction_inputs[0, 0, 1, 2]: must be finite, got inf",
+                      str(raised.exception))
+
     def test_wrong_device(self):
         self.assertRaisesMessage(
             ValueError, "hidden: must be on the CPU or a CUDA device, got meta",
