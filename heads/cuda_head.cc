@@ -29,13 +29,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
       : config_(config),
         blas_(blas),
         stream_(blas.stream()),
-        confidence_(LossTraitsOf(config.loss()).needs_confidence) {}
+        traits_(LossTraitsOf(config.loss())),
+        confidence_(traits_.needs_confidence) {}
 
   Device device() const override { return Device::kCuda; }
   TrackingAllocator& allocator() override { return stream_.allocator(); }
   VocabProjection<T>& projection() override { return *projection_; }
-  // The config check refuses a correction on CUDA (head_config.cc).
-  VocabProjection<T>* correction() override { return nullptr; }
+  VocabProjection<T>* correction() override { return correction_.get(); }
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
@@ -45,6 +45,26 @@ class CudaHeadBackend final : public HeadBackend<T> {
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                 head.vocab_size(), head.hidden_size(), blas_));
     projection_ = std::move(projection);
+    if (const int64_t rank = head.correction_rank(); rank > 0) {
+      // A BF16 correction weight's gradient is summed over chunks in FP32
+      // and rounded once, when scaled.
+      float* float_gradient = nullptr;
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        DFLASH_ASSIGN_OR_RETURN(
+            TrackedBuffer<float> sum,
+            TrackedBuffer<float>::Create(allocator(),
+                                         head.vocab_size() * rank));
+        correction_sum_ = std::move(sum);
+        DFLASH_RETURN_IF_ERROR(
+            stream_.Zero(correction_sum_.data(), correction_sum_.bytes()));
+        float_gradient = correction_sum_.data();
+      }
+      DFLASH_ASSIGN_OR_RETURN(
+          correction_,
+          CreateCudaProjection<T>(spec.inputs->correction_weight, {},
+                                  head.vocab_size(), rank, blas_,
+                                  float_gradient));
+    }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
         CudaChunkLoss<T>::Create(LossParamsOf(config_.loss()),
@@ -68,6 +88,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
           {g.weight.data(), g.weight.size() * sizeof(T)},
           {g.bias.data(), g.bias.size() * sizeof(T)},
           {g.confidence.data(), g.confidence.size() * sizeof(float)},
+          {g.correction_inputs.data(), g.correction_inputs.size() * sizeof(T)},
+          {g.correction_weight.data(), g.correction_weight.size() * sizeof(T)},
           {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)},
           {o.top_k_values.data(), o.top_k_values.size() * sizeof(float)},
           {o.loss_weight.data(), o.loss_weight.size() * sizeof(float)}}) {
@@ -88,12 +110,25 @@ class CudaHeadBackend final : public HeadBackend<T> {
       row_rank_ = std::move(rank);
       cuda::LaunchFillInt32(row_rank_.data(), rows, -1, stream_.stream());
     }
-    if (head.teacher_diagnostics()) {
+    // The teacher acceptance: the diagnostics', or DSpark's own (its tau).
+    if (head.teacher_diagnostics() ||
+        (traits_.labeling == Labeling::kDSpark && traits_.needs_teacher)) {
       DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> teacher,
                               TrackedBuffer<double>::Create(allocator(), rows));
       row_teacher_ = std::move(teacher);
       DFLASH_RETURN_IF_ERROR(
           stream_.Zero(row_teacher_.data(), row_teacher_.bytes()));
+    }
+    if (traits_.splits_correction) {
+      // Domino's greedy accepted lengths read both argmaxes of every row.
+      for (TrackedBuffer<int32_t>* buffer :
+           {&row_argmax_, &row_base_argmax_}) {
+        DFLASH_ASSIGN_OR_RETURN(
+            TrackedBuffer<int32_t> created,
+            TrackedBuffer<int32_t>::Create(allocator(), rows));
+        *buffer = std::move(created);
+        cuda::LaunchFillInt32(buffer->data(), rows, -1, stream_.stream());
+      }
     }
     return stream_.LaunchStatus("head start");
   }
@@ -113,7 +148,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t m, T* logits,
-                         const T* teacher, T* /*correction*/,
+                         const T* teacher, T* correction,
                          bool record) override {
     const HeadInputs<T>& in = *spec_.inputs;
     const HeadRowOutputs& o = *spec_.row_outputs;
@@ -128,18 +163,25 @@ class CudaHeadBackend final : public HeadBackend<T> {
         absl::MakeSpan(logits, m * vocab),
         teacher == nullptr ? absl::Span<const T>()
                            : absl::MakeConstSpan(teacher, m * vocab),
-        in.confidence_logits, meta, vocab};
+        in.confidence_logits, meta, vocab,
+        correction == nullptr ? absl::Span<T>()
+                              : absl::MakeSpan(correction, m * vocab)};
     // The confidence gradient only where the loss has one to write.
     const ChunkLossOutputs outputs{
         confidence_ ? if_recorded(spec_.gradients->confidence)
                     : absl::Span<float>(),
-        if_recorded(o.neg_log_q), if_recorded(o.argmax), if_recorded(o.top_k),
+        if_recorded(o.neg_log_q),
+        row_argmax_.size() > 0
+            ? absl::MakeSpan(row_argmax_.data(), row_argmax_.size())
+            : if_recorded(o.argmax),
+        if_recorded(o.top_k),
         o.k,
         // A recomputation writes the same q and rank again.
         absl::MakeSpan(row_q_.data(), row_q_.size()),
         absl::MakeSpan(row_rank_.data(), row_rank_.size()),
         if_recorded(o.top_k_values), if_recorded(o.loss_weight),
-        absl::MakeSpan(row_teacher_.data(), row_teacher_.size())};
+        absl::MakeSpan(row_teacher_.data(), row_teacher_.size()),
+        absl::MakeSpan(row_base_argmax_.data(), row_base_argmax_.size())};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
@@ -169,6 +211,25 @@ class CudaHeadBackend final : public HeadBackend<T> {
     terms.accepted_length =
         AcceptedLengths(spec_.inputs->rows, q, rank, teacher,
                         config_.layout().block_size(), first);
+    if (row_argmax_.size() > 0) {
+      std::vector<int32_t> argmax(row_argmax_.size()),
+          base_argmax(row_base_argmax_.size());
+      DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
+          argmax.data(), row_argmax_.data(), row_argmax_.bytes()));
+      DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
+          base_argmax.data(), row_base_argmax_.data(),
+          row_base_argmax_.bytes()));
+      AddGreedyAcceptedLengths(spec_.inputs->rows, argmax, base_argmax,
+                               config_.layout().block_size(),
+                               terms.accepted_length);
+      // The caller's argmax output, where asked, is the final logits'.
+      const HeadRowOutputs& o = *spec_.row_outputs;
+      if (!o.argmax.empty()) {
+        DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
+            o.argmax.data(), argmax.data(), row_argmax_.bytes()));
+        DFLASH_RETURN_IF_ERROR(stream_.Synchronize());
+      }
+    }
     return terms;
   }
 
@@ -187,6 +248,16 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
     cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
+    cuda::LaunchScale<T>(g.correction_inputs.data(), g.correction_inputs.size(),
+                         scale, stream);
+    if (correction_sum_.size() > 0) {
+      cuda::LaunchScaleToStorage<T>(correction_sum_.data(),
+                                    correction_sum_.size(), scale,
+                                    g.correction_weight.data(), stream);
+    } else {
+      cuda::LaunchScale<T>(g.correction_weight.data(),
+                           g.correction_weight.size(), scale, stream);
+    }
     cuda::LaunchScale<float>(g.confidence.data(), g.confidence.size(),
                              upstream * finished.confidence_scale, stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
@@ -199,9 +270,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const v1::ObjectiveConfig& config_;
   CublasHandle& blas_;
   CudaStream& stream_;
+  const LossTraits traits_;
   const bool confidence_;
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
+  std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
+  // A BF16 correction weight's gradient, summed in FP32.
+  TrackedBuffer<float> correction_sum_;
   std::unique_ptr<CudaChunkLoss<T>> loss_;
   TrackedBuffer<int64_t> active_;
   // By batch row: q (the batch-level LK lambda's factor, the accepted
@@ -209,6 +284,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
   TrackedBuffer<double> row_q_;
   TrackedBuffer<int32_t> row_rank_;
   TrackedBuffer<double> row_teacher_;  // The teacher acceptance, when asked.
+  // Domino: the final and the base logits' argmax (its greedy lengths).
+  TrackedBuffer<int32_t> row_argmax_, row_base_argmax_;
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
 };

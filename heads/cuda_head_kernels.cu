@@ -178,6 +178,23 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
           grad_hidden, grad_weight, grad_bias);
 }
 
+template <typename T>
+__global__ void ScaleToStorageKernel(const float* sum, int64_t count,
+                                     float scale, T* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    Store(out[i], sum[i] * scale);
+  }
+}
+
+template <typename T>
+void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
+                          T* out, CUstream_st* stream) {
+  if (count == 0) return;
+  ScaleToStorageKernel<T><<<Blocks(count), kThreads, 0, stream>>>(
+      sum, count, static_cast<float>(scale), out);
+}
+
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream) {
   if (count == 0) return;
@@ -195,7 +212,9 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                                                 T*, CUstream_st*);             \
   template void LaunchAddTopKValueGradients<T>(                                \
       const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
-      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);
+      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);           \
+  template void LaunchScaleToStorage<T>(const float*, int64_t, double, T*,    \
+                                        CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
 #undef DFLASH_INSTANTIATE_HEAD_KERNELS

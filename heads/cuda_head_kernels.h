@@ -48,6 +48,12 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  T* grad_weight, T* grad_bias,
                                  CUstream_st* stream);
 
+// out[i] = sum[i] * scale rounded to T once, i < count: a gradient summed
+// in FP32 and stored in T.
+template <typename T>
+void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
+                          T* out, CUstream_st* stream);
+
 // data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream);

@@ -29,18 +29,19 @@ template <typename T>
 class CudaProjection final : public VocabProjection<T> {
  public:
   CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
-                 CublasHandle& blas)
+                 CublasHandle& blas, float* float_weight_gradient)
       : VocabProjection<T>(vocab, hidden),
         weight_(weight),
         bias_(bias),
-        blas_(blas) {}
+        blas_(blas),
+        float_weight_gradient_(float_weight_gradient) {}
 
   // logits^T [V, m] = W [V, H] (col-major [H, V], transposed) x rows^T.
   void Forward(const T* rows, int64_t m, T* logits) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 0.0f, logits,
-         v, "forward GEMM");
+         kType<T>, v, "forward GEMM");
     if (bias_ != nullptr && status_.ok()) {
       cuda::LaunchAddBias<T>(logits, bias_, m, v, blas_.stream().stream());
       status_ = blas_.stream().LaunchStatus("bias add");
@@ -52,7 +53,7 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, logits,
-         v, "correction GEMM");
+         kType<T>, v, "correction GEMM");
     this->Count(m, 0);
   }
 
@@ -61,7 +62,7 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits, v, 0.0f,
-         grad_rows, h, "input-gradient GEMM");
+         grad_rows, kType<T>, h, "input-gradient GEMM");
     this->Count(m, 0);
   }
 
@@ -70,8 +71,13 @@ class CudaProjection final : public VocabProjection<T> {
                                 T* grad_weight, T* grad_bias) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
-         grad_weight, h, "weight-gradient GEMM");
+    if (float_weight_gradient_ != nullptr) {
+      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
+           float_weight_gradient_, CUDA_R_32F, h, "weight-gradient GEMM");
+    } else {
+      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
+           grad_weight, kType<T>, h, "weight-gradient GEMM");
+    }
     if (grad_bias != nullptr && status_.ok()) {
       cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v, grad_bias,
                                             blas_.stream().stream());
@@ -83,16 +89,18 @@ class CudaProjection final : public VocabProjection<T> {
   absl::Status status() const override { return status_; }
 
  private:
+  // C's type is T's, or FP32 for a weight gradient summed in float.
   void Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
             int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
-            int64_t ldb, float beta, T* c, int64_t ldc, const char* what) {
+            int64_t ldb, float beta, void* c, cudaDataType_t c_type,
+            int64_t ldc, const char* what) {
     if (!status_.ok()) return;
     const float alpha = 1.0f;
     status_ = BlasStatus(
         cublasGemmEx(
             blas_.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
             static_cast<int>(k), &alpha, a, kType<T>, static_cast<int>(lda), b,
-            kType<T>, static_cast<int>(ldb), &beta, c, kType<T>,
+            kType<T>, static_cast<int>(ldb), &beta, c, c_type,
             static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         what);
   }
@@ -100,6 +108,7 @@ class CudaProjection final : public VocabProjection<T> {
   const T* const weight_;
   const T* const bias_;
   CublasHandle& blas_;
+  float* const float_weight_gradient_;
   absl::Status status_;
 };
 
@@ -133,7 +142,7 @@ CublasHandle::~CublasHandle() { cublasDestroy(handle_); }
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden, CublasHandle& blas) {
+    int64_t hidden, CublasHandle& blas, float* float_weight_gradient) {
   if (absl::Status valid =
           ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
       !valid.ok()) {
@@ -141,15 +150,15 @@ absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
   }
   return std::unique_ptr<VocabProjection<T>>(
       new CudaProjection<T>(weight.data(), bias.empty() ? nullptr : bias.data(),
-                            vocab, hidden, blas));
+                            vocab, hidden, blas, float_weight_gradient));
 }
 
 template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>
 CreateCudaProjection<float>(absl::Span<const float>, absl::Span<const float>,
-                            int64_t, int64_t, CublasHandle&);
+                            int64_t, int64_t, CublasHandle&, float*);
 template absl::StatusOr<std::unique_ptr<VocabProjection<BFloat16>>>
 CreateCudaProjection<BFloat16>(absl::Span<const BFloat16>,
                                absl::Span<const BFloat16>, int64_t, int64_t,
-                               CublasHandle&);
+                               CublasHandle&, float*);
 
 }  // namespace dflash

@@ -40,10 +40,15 @@ class CublasHandle {
 // stream, and a cuBLAS failure shows in status(). The BF16 weight gradient
 // accumulates in bf16 across chunks, as autograd's does for a bf16 weight.
 // GemmCount.seconds stays 0: the products are not waited for.
+// With `float_weight_gradient` (device, vocab x hidden floats),
+// AccumulateWeightGradient sums into it in FP32 instead of into its
+// grad_weight argument (ignored), so that a BF16 weight gradient summed over
+// chunks is rounded once, by the caller (LaunchScaleToStorage).
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden, CublasHandle& blas);
+    int64_t hidden, CublasHandle& blas,
+    float* float_weight_gradient = nullptr);
 
 }  // namespace dflash
 

@@ -35,12 +35,7 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
   problems.AtLeast("head.threads", head.threads(), 0);
   problems.Within("head.metric_top_k", head.metric_top_k(), 0, 64);
   problems.AtLeast("head.correction_rank", head.correction_rank(), 0);
-  if (head.backend() == v1::HeadConfig::CUDA && head.correction_rank() > 0) {
-    problems.Add("head.correction_rank",
-                 absl::StrCat("is not supported on the CUDA backend yet (the "
-                              "CPU head takes it), got ",
-                              head.correction_rank()));
-  }
+
   if (head.backend() == v1::HeadConfig::CUDA &&
       head.dtype() == v1::HeadConfig::FLOAT64) {
     problems.Add("head.dtype",

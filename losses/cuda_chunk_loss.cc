@@ -107,6 +107,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.top_k_values = share(outputs.top_k_values, outputs.k);
     check_outputs.loss_weight = share(outputs.loss_weight, 1);
     check_outputs.teacher_acceptance = share(outputs.teacher_acceptance, 1);
+    check_outputs.base_argmax = share(outputs.base_argmax, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -145,7 +146,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
       TrackedBuffer<char> scratch,
       TrackedBuffer<char>::Create(s.stream->allocator(),
                                   meta_bytes + blocks_bytes + stats_bytes +
-                                      2 * row_bytes + terms_bytes));
+                                      3 * row_bytes + terms_bytes));
   char* at = scratch.data();
   auto take = [&](int64_t bytes) {
     char* here = at;
@@ -158,6 +159,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.stats = reinterpret_cast<cuda::RowStats*>(take(stats_bytes));
   args.weight = reinterpret_cast<double*>(take(row_bytes));
   args.ce_share = reinterpret_cast<double*>(take(row_bytes));
+  args.accept = reinterpret_cast<double*>(take(row_bytes));
   args.row_terms = reinterpret_cast<double*>(take(terms_bytes));
   s.rows.push_back(std::move(rows));
   s.block_begins.push_back(std::move(block_begin));
@@ -173,6 +175,11 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.logits = inputs.logits.data();
   args.teacher =
       inputs.teacher_logits.empty() ? nullptr : inputs.teacher_logits.data();
+  args.correction = inputs.correction_logits.empty()
+                        ? nullptr
+                        : inputs.correction_logits.data();
+  args.base_argmax =
+      outputs.base_argmax.empty() ? nullptr : outputs.base_argmax.data();
   args.rows = n;
   args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
   args.out_rows = out_rows;
@@ -247,9 +254,15 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   terms.target_probability = totals[4];
   terms.ce_num = totals[5];
   terms.tv_num = totals[6];
-  // The first kPositionTerms; DSpark's own (ce_per_position, D-PARD's) are
-  // not computed on the device yet.
-  static_assert(cuda::kPositionTerms <= ChunkTerms::kPerPositionTerms);
+  terms.l1_num = totals[cuda::kL1Num];
+  terms.confidence_num = totals[cuda::kConfidenceNum];
+  terms.confidence_error_num = totals[cuda::kConfidenceErrorNum];
+  terms.teacher_top1 = totals[cuda::kTeacherTop1];
+  terms.draft_top1 = totals[cuda::kDraftTop1];
+  terms.dpard_num = totals[cuda::kDPardNum];
+  terms.base_ce_num = totals[cuda::kBaseCeNum];
+  terms.base_correct = totals[cuda::kBaseCorrect];
+  static_assert(cuda::kPositionTerms == ChunkTerms::kPerPositionTerms);
   const auto per_position = terms.PerPosition();
   for (int t = 0; t < cuda::kPositionTerms; ++t) {
     const auto begin = totals.begin() + cuda::kTermSlots + t * k;
@@ -300,20 +313,23 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto top_k_values = Upload<float>(outputs.top_k_values, stream);
   auto loss_weight = Upload<float>(outputs.loss_weight, stream);
   auto teacher_acceptance = Upload<double>(outputs.teacher_acceptance, stream);
+  auto correction = Upload<T>(inputs.correction_logits, stream);
+  auto base_argmax = Upload<int32_t>(outputs.base_argmax, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
         top_k.status(), target_probability.status(), target_rank.status(),
         top_k_values.status(), loss_weight.status(),
-        teacher_acceptance.status()}) {
+        teacher_acceptance.status(), correction.status(),
+        base_argmax.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaChunkLoss<T>> loss,
                           CudaChunkLoss<T>::Create(params, options, stream));
-  const ChunkLossInputs<T> device_inputs{View(*logits), View(*teacher),
+  const ChunkLossInputs<T> device_inputs{View(*logits),     View(*teacher),
                                          View(*confidence), inputs.rows,
-                                         inputs.vocab};
+                                         inputs.vocab,      View(*correction)};
   const ChunkLossOutputs device_outputs{View(*confidence_grad),
                                         View(*neg_log_q),
                                         View(*argmax),
@@ -323,7 +339,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                                         View(*target_rank),
                                         View(*top_k_values),
                                         View(*loss_weight),
-                                        View(*teacher_acceptance)};
+                                        View(*teacher_acceptance),
+                                        View(*base_argmax)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -348,7 +365,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{outputs.loss_weight.data(), loss_weight->data(),
              loss_weight->bytes()},
         Back{outputs.teacher_acceptance.data(), teacher_acceptance->data(),
-             teacher_acceptance->bytes()}}) {
+             teacher_acceptance->bytes()},
+        Back{inputs.correction_logits.data(), correction->data(),
+             correction->bytes()},
+        Back{outputs.base_argmax.data(), base_argmax->data(),
+             base_argmax->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

@@ -374,10 +374,22 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
                                    const RowStats* stats,
                                    const int32_t* block_begin, int32_t blocks,
-                                   double* weight, double* ce_share) {
+                                   const double* accept, double* weight,
+                                   double* ce_share) {
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= blocks) return;
   const int32_t begin = block_begin[b], end = block_begin[b + 1];
+  if (p.dpard) {
+    // D-PARD: the credit, over each row's acceptance, into ce_share; the
+    // confidence term keeps the row's decayed weight.
+    DPaceBlockWeights(
+        DPardCreditParams(p), end - begin,
+        [&](int64_t i) { return accept[begin + i]; },
+        [&](int64_t i) { return double{meta[begin + i].mask}; },
+        ce_share + begin);
+    for (int32_t r = begin; r < end; ++r) weight[r] = meta[r].weight;
+    return;
+  }
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
     return meta[r].mask > 0
@@ -396,6 +408,70 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   }
   DPaceBlockWeights(p, end - begin, q, mask, weight + begin);
   for (int32_t r = begin; r < end; ++r) ce_share[r] = 1;
+}
+
+// |p - t|_1 of a row's draft and teacher softmax, before any gradient
+// overwrites z'.
+template <typename T>
+__device__ float TeacherL1(const KernelParams& p, const RowStats& s,
+                           const T* z_row, const T* t_row) {
+  const Transform transform(p.options);
+  const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
+  float l1 = 0;
+  ForRows(z_row, t_row, p.vocab, [&](int64_t, float x, float y) {
+    l1 += fabsf(expf((transform(x) - max_f) - log_sum_f) -
+                expf(transform(y) - t_lse));
+  });
+  return BlockReduce(l1, [](float x, float y) { return x + y; });
+}
+
+// D-PARD's pass before the block credit: each row's acceptance.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AcceptanceKernel(KernelParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const Row meta = a.meta[r];
+  if (meta.mask == 0) {
+    if (threadIdx.x == 0) a.accept[r] = 0;
+    return;
+  }
+  const float l1 = TeacherL1(p, a.stats[r], a.logits + r * p.vocab,
+                             a.teacher + r * p.vocab);
+  if (threadIdx.x == 0) a.accept[r] = DSparkAcceptance(l1);
+}
+
+// DSpark's teacher terms of a row with weight w and acceptance `accept`:
+// top-1 probabilities, agreement, the confidence term (into num and the
+// confidence gradient). Thread 0 writes them.
+template <typename T>
+__device__ void DSparkTeacherTerms(const KernelParams& p,
+                                   const ChunkArgs<T>& a, const RowStats& s,
+                                   const Row& meta, int64_t r, int64_t out,
+                                   double w, double accept, double* terms,
+                                   double& num) {
+  if (threadIdx.x != 0) return;
+  const Transform transform(p.options);
+  const float t_max = transform(ToF(a.teacher[r * p.vocab + s.t_argmax]));
+  terms[kTeacherTop1] = meta.mask * exp(static_cast<double>(t_max) - s.t_lse);
+  terms[kDraftTop1] = meta.mask * exp(-static_cast<double>(s.log_sum));
+  terms[kTeacherAcceptance] = meta.mask * accept;
+  terms[kTeacherAgreement] = s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
+  if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = accept;
+  if (p.loss.confidence_weight > 0) {
+    const double c = a.confidence[out];
+    if (!isfinite(c)) {
+      ReportError(a.error, out, kConfidenceNotFinite);
+      return;
+    }
+    const double bce = ConfidenceBce(c, accept);
+    terms[kConfidenceNum] = w * bce;
+    terms[kConfidenceErrorNum] = w * fabs(1 / (1 + exp(-c)) - accept);
+    num += w * p.loss.confidence_weight * bce;
+    if (a.confidence_grad != nullptr) {
+      a.confidence_grad[out] = static_cast<float>(
+          w * p.loss.confidence_weight * ConfidenceBceGradient(c, accept));
+    }
+  }
 }
 
 // Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
@@ -443,6 +519,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     terms[9] = 0;
     terms[10] = 0;
+    for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
     if (a.target_probability != nullptr) {
       a.target_probability[out] = exp(-neg_log_q);
     }
@@ -453,15 +530,7 @@ __global__ void __launch_bounds__(kThreads)
     if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
   }
   if (TeacherMetrics(p, a)) {
-    // |p - t|_1 before the gradient overwrites z'.
-    const Transform transform(p.options);
-    const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
-    float l1 = 0;
-    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
-      l1 += fabsf(expf((transform(x) - max_f) - log_sum_f) -
-                  expf(transform(y) - t_lse));
-    });
-    l1 = BlockReduce(l1, [](float x, float y) { return x + y; });
+    const float l1 = TeacherL1(p, s, z_row, t_row);
     if (threadIdx.x == 0) {
       const double accept = DSparkAcceptance(l1);
       terms[9] = meta.mask * accept;
@@ -512,6 +581,47 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
+  if (p.loss.dpard) {
+    // D-PARD: credit * R, R = -2 log sum sqrt(q t), with the gradient
+    // credit * (q - sqrt(q t) / sum sqrt(q t)); CE reported, not trained.
+    const double credit = a.ce_share[r], accept = a.accept[r];
+    const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
+    auto log_root = [&](float x, float y) {
+      return 0.5f * (((transform(x) - max_f) - log_sum_f) +
+                     (transform(y) - t_lse));
+    };
+    Online roots;
+    ForRows(z_row, t_row, v, [&](int64_t i, float x, float y) {
+      Add(roots, i, log_root(x, y), 1.0f, false);
+    });
+    roots = BlockReduce(roots, [](Online x, Online y) {
+      return Merge(x, y, 1.0f, false);
+    });
+    const float log_total = roots.max + logf(roots.sum);
+    const double renyi = -2.0 * log_total;
+    double num = credit * renyi;
+    DSparkTeacherTerms(p, a, s, meta, r, out, w, accept, terms, num);
+    if (threadIdx.x == 0) {
+      terms[kLossNum] = num;
+      terms[kDPardNum] = credit * renyi;
+      terms[kDPardCredit] = credit;
+      terms[kCeNum] = w * neg_log_q;
+      terms[kCePosition] = meta.mask * neg_log_q;
+    }
+    const float c = static_cast<float>(credit);
+    bool bad = false;
+    MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+      const float zp = transform(x);
+      const float g = c * RenyiGradient(expf((zp - max_f) - log_sum_f),
+                                        log_root(x, y) - log_total);
+      const float chained = transform.Chain(g, zp);
+      bad |= !isfinite(chained);
+      return chained;
+    });
+    if (bad) ReportError(a.error, out, kGradientNotFinite);
+    return;
+  }
+
   // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
   // the confidence BCE.
   const double ce_share = CrossEntropyShare(
@@ -523,6 +633,9 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     terms[5] = row.ce;
     terms[6] = row.tv;
+    if (p.loss.family == LossFamily::kDSpark) {
+      terms[kCePosition] = meta.mask * row.ce / w;
+    }
   }
   const float softmax = static_cast<float>(row.softmax);
   const float on_target = static_cast<float>(row.target);
@@ -546,19 +659,9 @@ __global__ void __launch_bounds__(kThreads)
     acc = BlockReduce(acc, AddPairs);
     const double l1 = acc.a;
     num += w * p.loss.l1_weight * l1;
-    if (p.loss.confidence_weight > 0) {
-      const double accept = DSparkAcceptance(l1);
-      const double c = a.confidence[out];
-      if (!isfinite(c)) {
-        if (threadIdx.x == 0) ReportError(a.error, out, kConfidenceNotFinite);
-      } else {
-        num += w * p.loss.confidence_weight * ConfidenceBce(c, accept);
-        if (threadIdx.x == 0 && a.confidence_grad != nullptr) {
-          a.confidence_grad[out] = static_cast<float>(
-              w * p.loss.confidence_weight * ConfidenceBceGradient(c, accept));
-        }
-      }
-    }
+    if (threadIdx.x == 0 && p.loss.l1_weight > 0) terms[kL1Num] = w * l1;
+    DSparkTeacherTerms(p, a, s, meta, r, out, w, DSparkAcceptance(l1), terms,
+                       num);
     if (threadIdx.x == 0) terms[0] = num;
     const float l1c = static_cast<float>(w * p.loss.l1_weight);
     const float signed_mass = acc.b;
@@ -588,6 +691,100 @@ __global__ void __launch_bounds__(kThreads)
            bad |= !isfinite(chained);
            return chained;
          });
+  if (bad) ReportError(a.error, out, kGradientNotFinite);
+}
+
+// Domino: each row's base logits and, from suffix_start, final = base +
+// correction (the sum rounded to T, as SpecForge adds them), both
+// transformed; CE of both mixed by lambda_base; d/d(base) = g_final +
+// g_base and d/d(correction) = g_final (0 before the suffix), in place.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DominoKernel(KernelParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const int64_t v = p.vocab;
+  const int64_t out = OutRow(a.out_rows, r);
+  T* base_row = a.logits + r * v;
+  T* correction_row = a.correction + r * v;
+  double* terms = a.row_terms + kTermSlots * r;
+  const Row meta = a.meta[r];
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
+  }
+  if (meta.mask == 0) {
+    ZeroRow(base_row, v);
+    ZeroRow(correction_row, v);
+    if (threadIdx.x == 0) {
+      if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
+      if (a.target_probability != nullptr) a.target_probability[out] = 0;
+      if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
+      if (a.argmax != nullptr) a.argmax[out] = -1;
+      if (a.base_argmax != nullptr) a.base_argmax[out] = -1;
+    }
+    return;
+  }
+  const Transform transform(p.options);
+  const bool corrected = meta.position >= p.loss.suffix_start;
+  auto final_of = [&](float b, float c) {
+    return transform(corrected ? ToF(FromF<T>(b + c)) : b);
+  };
+  __shared__ float final_target, base_target;
+  Online fs, bs;
+  for (int64_t i = threadIdx.x; i < v; i += kThreads) {
+    const float b = ToF(base_row[i]), c = ToF(correction_row[i]);
+    const float zf = final_of(b, c), zb = transform(b);
+    Add(fs, i, zf, 1.0f, false);
+    Add(bs, i, zb, 1.0f, false);
+    if (i == meta.target) {
+      final_target = zf;
+      base_target = zb;
+    }
+  }
+  auto merge = [](Online x, Online y) { return Merge(x, y, 1.0f, false); };
+  fs = BlockReduce(fs, merge);
+  bs = BlockReduce(bs, merge);
+  if (fs.bad || bs.bad) {
+    if (threadIdx.x == 0) ReportError(a.error, out, kLogitNotFinite);
+    return;
+  }
+  const float f_log_sum = logf(fs.sum), b_log_sum = logf(bs.sum);
+  const double ce =
+      (static_cast<double>(fs.max) - final_target) + f_log_sum;
+  const double base_ce =
+      (static_cast<double>(bs.max) - base_target) + b_log_sum;
+  const double w = meta.weight, lambda = p.loss.lambda_base;
+  if (threadIdx.x == 0) {
+    const bool hit = meta.mask > 0.5f && fs.argmax == meta.target;
+    const bool base_hit = meta.mask > 0.5f && bs.argmax == meta.target;
+    terms[kLossNum] = (1 - lambda) * w * ce + lambda * w * base_ce;
+    terms[kLossDen] = w;
+    terms[kCorrect] = hit;
+    terms[kAccuracyDen] = meta.mask;
+    terms[kTargetProbability] = meta.mask * exp(-ce);
+    terms[kCeNum] = w * ce;
+    terms[kBaseCeNum] = w * base_ce;
+    terms[kBaseCorrect] = base_hit;
+    if (a.neg_log_q != nullptr) a.neg_log_q[out] = static_cast<float>(ce);
+    if (a.target_probability != nullptr) a.target_probability[out] = exp(-ce);
+    if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(w);
+    if (a.argmax != nullptr) a.argmax[out] = fs.argmax;
+    if (a.base_argmax != nullptr) a.base_argmax[out] = bs.argmax;
+  }
+  const float g_final = static_cast<float>((1 - lambda) * w);
+  const float g_base = static_cast<float>(lambda * w);
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < v; i += kThreads) {
+    const float b = ToF(base_row[i]), c = ToF(correction_row[i]);
+    const float zf = final_of(b, c), zb = transform(b);
+    const float onehot = i == meta.target ? 1.0f : 0.0f;
+    const float d_final = transform.Chain(
+        g_final * (expf((zf - fs.max) - f_log_sum) - onehot), zf);
+    const float d_base = transform.Chain(
+        g_base * (expf((zb - bs.max) - b_log_sum) - onehot), zb);
+    bad |= !isfinite(d_final + d_base);
+    base_row[i] = FromF<T>(d_final + d_base);
+    correction_row[i] = FromF<T>(corrected ? d_final : 0.0f);
+  }
   if (bad) ReportError(a.error, out, kGradientNotFinite);
 }
 
@@ -648,23 +845,33 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream) {
   if (args.rows == 0) return;
   const dim3 rows(static_cast<unsigned>(args.rows));
+  auto reduce_terms = [&] {
+    if (args.totals == nullptr) return;
+    ReduceTermsKernel<<<1, kThreads, 0, stream>>>(
+        args.meta, args.row_terms, args.rows,
+        static_cast<int32_t>(params.options.block_size), args.totals);
+  };
+  if (params.loss.family == LossFamily::kDomino) {
+    DominoKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+    reduce_terms();
+    return;
+  }
   StatsKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
   if ((args.top_k != nullptr && args.k > 0) || args.metric_k > 0) {
     TopKKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  }
+  if (params.loss.dpard) {
+    AcceptanceKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
   }
   if (CouplesBlocks(params.loss) && args.blocks > 0) {
     constexpr int kPerBlock = 128;
     BlockWeightsKernel<<<(args.blocks + kPerBlock - 1) / kPerBlock, kPerBlock,
                          0, stream>>>(params.loss, args.meta, args.stats,
                                       args.block_begin, args.blocks,
-                                      args.weight, args.ce_share);
+                                      args.accept, args.weight, args.ce_share);
   }
   LossKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
-  if (args.totals != nullptr) {
-    ReduceTermsKernel<<<1, kThreads, 0, stream>>>(
-        args.meta, args.row_terms, args.rows,
-        static_cast<int32_t>(params.options.block_size), args.totals);
-  }
+  reduce_terms();
 }
 
 template <typename T>

@@ -46,16 +46,42 @@ struct RowStats {
   int32_t t_argmax = 0;  // Teacher: first index of the maximum.
 };
 
-// Accumulators of ChunkTerms on the device: loss_num, loss_den, correct,
-// accuracy_den, target_probability, ce_num, tv_num, top-k recall, top-k
-// mass, teacher acceptance, teacher agreement, teacher top-k mass (one
-// kTermSlots row per chunk row in row_terms), then, per block position, the
-// sums of the slots PositionSlot names, [K] each, in ChunkTerms::PerPosition
+// Accumulators of ChunkTerms on the device (one kTermSlots row per chunk
+// row in row_terms), named by TermSlot; then, per block position, the sums
+// of the slots PositionSlot names, [K] each, in ChunkTerms::PerPosition
 // order.
-constexpr int kTermSlots = 12;
-constexpr int kPositionTerms = 9;
+enum TermSlot : int {
+  kLossNum = 0,
+  kLossDen,
+  kCorrect,
+  kAccuracyDen,
+  kTargetProbability,
+  kCeNum,
+  kTvNum,
+  kTopKRecall,
+  kTopKMass,
+  kTeacherAcceptance,
+  kTeacherAgreement,
+  kTeacherTopKMass,
+  kL1Num,
+  kConfidenceNum,
+  kConfidenceErrorNum,
+  kTeacherTop1,
+  kDraftTop1,
+  kDPardNum,
+  kBaseCeNum,
+  kBaseCorrect,
+  kCePosition,     // DSpark: m * CE, undecayed.
+  kDPardCredit,
+  kTermSlots,
+};
+constexpr int kPositionTerms = 11;
 DFLASH_HOST_DEVICE constexpr int PositionSlot(int t) {
-  constexpr int kSlots[kPositionTerms] = {2, 3, 4, 1, 7, 8, 9, 10, 11};
+  constexpr int kSlots[kPositionTerms] = {
+      kCorrect,          kAccuracyDen,     kTargetProbability,
+      kLossDen,          kTopKRecall,      kTopKMass,
+      kTeacherAcceptance, kTeacherAgreement, kTeacherTopKMass,
+      kCePosition,       kDPardCredit};
   return kSlots[t];
 }
 inline int64_t TotalsSize(int32_t block_size) {
@@ -79,6 +105,9 @@ template <typename T>
 struct ChunkArgs {
   T* logits = nullptr;         // [rows, V]; overwritten with the gradient.
   const T* teacher = nullptr;  // [rows, V], dspark and distillation.
+  // [rows, V], domino: the correction's logits apart, overwritten with
+  // their gradient.
+  T* correction = nullptr;
   int64_t rows = 0;
   const Row* meta = nullptr;             // [rows]
   const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
@@ -99,10 +128,12 @@ struct ChunkArgs {
   // The teacher diagnostics (teacher logits for a loss that reads none):
   // each row's teacher acceptance, by out row.
   double* teacher_acceptance = nullptr;
+  int32_t* base_argmax = nullptr;  // Domino: the base logits', by out row.
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;
-  double* ce_share = nullptr;
+  double* ce_share = nullptr;  // D-PARD: its credit.
+  double* accept = nullptr;    // D-PARD: each row's acceptance.
   double* row_terms = nullptr;
   double* totals = nullptr;  // TotalsSize(K); null: terms are not recorded.
   unsigned long long* error = nullptr;

@@ -184,14 +184,6 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
                                 config.loss().domino().pure_draft_prefix_len()));
     }
   }
-  if (head.backend() == v1::HeadConfig::CUDA &&
-      (params.family == LossFamily::kDomino || params.dpard)) {
-    problems.Add("head.backend",
-                 absl::StrCat("CUDA does not run loss.",
-                              LossTraitsOf(params).name,
-                              params.dpard ? " with objective DPARD" : "",
-                              " yet (the CPU head does), got CUDA"));
-  }
   if (head.trainable() && params.lk == LkMode::kLambdaBatch) {
     problems.Add("head.trainable",
                  "must be false with an lk composition of type LAMBDA (its CE "

@@ -336,16 +336,6 @@ INSTANTIATE_TEST_SUITE_P(
                   "loss { dflash { lk { type: LAMBDA } } }",
                   "head.correction_rank: must be 0 with an lk composition of "
                   "type LAMBDA"},
-        BadConfig{"CorrectionOnCuda",
-                  "head { vocab_size: 100 hidden_size: 8 correction_rank: 4 "
-                  "backend: CUDA } " + kLoss,
-                  "head.correction_rank: is not supported on the CUDA backend "
-                  "yet (the CPU head takes it), got 4"},
-        BadConfig{"DominoOnCuda",
-                  "head { vocab_size: 100 hidden_size: 8 backend: CUDA } "
-                  "loss { domino {} }",
-                  "head.backend: CUDA does not run loss.domino yet (the CPU "
-                  "head does), got CUDA"},
         BadConfig{
             "MetricTopKAbove64",
             "head { vocab_size: 100 hidden_size: 8 metric_top_k: 65 } " + kLoss,

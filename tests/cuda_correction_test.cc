@@ -1,0 +1,284 @@
+// The low-rank correction, DSpark's SpecForge terms, D-PARD and Domino on
+// the CUDA head, against the CPU head in float64 (which
+// //tests:head_correction_test and //tests:specforge_correction_parity_test
+// prove against materialised logits and SpecForge's own code): FP32 within
+// 1e-5, BF16 within bfloat16's rounding, the BF16 correction weight's
+// gradient summed in FP32 over many chunks. Skipped, with the reason, where
+// no GPU is usable.
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "base/cuda_stream.h"
+#include "base/error_norms.h"
+#include "base/gpu_test.h"
+#include "base/status_macros.h"
+#include "base/tracking_allocator.h"
+#include "gtest/gtest.h"
+#include "heads/cpu_head.h"
+#include "heads/cuda_head.h"
+#include "losses/loss_family.h"
+#include "proto/config.h"
+#include "tests/head_test_util.h"
+
+namespace dflash {
+namespace {
+
+using head_test::Batch;
+using head_test::ConfigBuilder;
+using head_test::kH;
+using head_test::kV;
+using head_test::MakeBatch;
+
+constexpr int64_t kRank = 3;
+
+struct Gpu {
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<CublasHandle> blas;
+};
+
+absl::StatusOr<Gpu> OpenGpu() {
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaStream> stream,
+                          CudaStream::Create());
+  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CublasHandle> blas,
+                          CublasHandle::Create(*stream));
+  return Gpu{std::move(stream), std::move(blas)};
+}
+
+// Everything a run reads and writes, in float64 on the host.
+struct Case {
+  Batch batch;
+  std::vector<double> z, m;
+};
+
+struct Result {
+  absl::StatusOr<HeadResult> head;
+  std::vector<double> grad_hidden, grad_z, grad_m, grad_confidence;
+};
+
+Case MakeCase(uint32_t seed) {
+  Case c{MakeBatch(seed), {}, {}};
+  std::mt19937 rng(seed + 1);
+  std::uniform_real_distribution<double> uniform(-1, 1);
+  for (int64_t i = 0; i < c.batch.num_rows() * kRank; ++i) {
+    c.z.push_back(uniform(rng));
+  }
+  for (int64_t i = 0; i < kV * kRank; ++i) c.m.push_back(uniform(rng));
+  return c;
+}
+
+bool Confidence(const v1::ObjectiveConfig& config) {
+  return LossTraitsOf(config.loss()).needs_confidence;
+}
+
+Result OnCpu(const v1::ObjectiveConfig& config, const Case& c) {
+  const Batch& b = c.batch;
+  const bool teacher = ProjectsTeacher(config);
+  const std::vector<float> confidence(b.confidence.begin(),
+                                      b.confidence.end());
+  Result r;
+  r.grad_hidden.assign(b.hidden.size(), 0);
+  r.grad_z.assign(c.z.size(), 0);
+  r.grad_m.assign(c.m.size(), 0);
+  std::vector<float> grad_confidence(Confidence(config) ? b.num_rows() : 0);
+  const HeadInputs<double> inputs{
+      b.hidden,
+      teacher ? absl::MakeConstSpan(b.teacher) : absl::Span<const double>(),
+      Confidence(config) ? absl::MakeConstSpan(confidence)
+                         : absl::Span<const float>(),
+      b.rows,
+      b.weight,
+      b.bias,
+      c.z,
+      c.m};
+  const HeadGradients<double> gradients{absl::MakeSpan(r.grad_hidden),
+                                        {},
+                                        {},
+                                        absl::MakeSpan(grad_confidence),
+                                        absl::MakeSpan(r.grad_z),
+                                        absl::MakeSpan(r.grad_m)};
+  TrackingAllocator allocator;
+  r.head = RunHead<double>(config, inputs, gradients, allocator);
+  r.grad_confidence.assign(grad_confidence.begin(), grad_confidence.end());
+  return r;
+}
+
+template <typename T>
+TrackedBuffer<T> Upload(const std::vector<double>& host, CudaStream& stream) {
+  std::vector<T> values;
+  for (double x : host) values.push_back(FromDouble<T>(x));
+  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
+                                         static_cast<int64_t>(values.size()));
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_TRUE(
+      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
+  return *std::move(buffer);
+}
+
+template <typename T>
+std::vector<double> Download(const TrackedBuffer<T>& buffer,
+                             CudaStream& stream) {
+  std::vector<T> host(buffer.size());
+  EXPECT_TRUE(
+      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
+  std::vector<double> out;
+  for (const T& x : host) out.push_back(AsDouble(x));
+  return out;
+}
+
+template <typename T>
+absl::Span<T> Span(TrackedBuffer<T>& b) {
+  return absl::MakeSpan(b.data(), b.size());
+}
+
+template <typename T>
+Result OnGpu(v1::ObjectiveConfig config, const Case& c, Gpu& gpu) {
+  config.mutable_head()->set_backend(v1::HeadConfig::CUDA);
+  config.mutable_head()->set_dtype(std::is_same_v<T, float>
+                                       ? v1::HeadConfig::FLOAT32
+                                       : v1::HeadConfig::BFLOAT16);
+  CudaStream& stream = *gpu.stream;
+  const Batch& b = c.batch;
+  const bool teacher = ProjectsTeacher(config);
+  const bool confidence = Confidence(config);
+  Result r;
+  {
+    TrackedBuffer<T> hidden = Upload<T>(b.hidden, stream);
+    TrackedBuffer<T> teacher_hidden =
+        Upload<T>(teacher ? b.teacher : std::vector<double>(), stream);
+    TrackedBuffer<T> weight = Upload<T>(b.weight, stream);
+    TrackedBuffer<T> bias = Upload<T>(b.bias, stream);
+    TrackedBuffer<float> logits = Upload<float>(
+        confidence ? b.confidence : std::vector<double>(), stream);
+    TrackedBuffer<T> z = Upload<T>(c.z, stream), m = Upload<T>(c.m, stream);
+    TrackedBuffer<T> grad_hidden =
+        Upload<T>(std::vector<double>(b.hidden.size(), 7), stream);
+    TrackedBuffer<float> grad_confidence = Upload<float>(
+        std::vector<double>(confidence ? b.num_rows() : 0, 7), stream);
+    TrackedBuffer<T> grad_z =
+        Upload<T>(std::vector<double>(c.z.size(), 7), stream);
+    TrackedBuffer<T> grad_m =
+        Upload<T>(std::vector<double>(c.m.size(), 7), stream);
+    const HeadInputs<T> inputs{Span(hidden), Span(teacher_hidden),
+                               Span(logits), b.rows,
+                               Span(weight), Span(bias),
+                               Span(z),      Span(m)};
+    const HeadGradients<T> gradients{Span(grad_hidden), {},
+                                     {},                Span(grad_confidence),
+                                     Span(grad_z),      Span(grad_m)};
+    r.head = RunCudaHead<T>(config, inputs, gradients, *gpu.blas);
+    r.grad_hidden = Download(grad_hidden, stream);
+    r.grad_z = Download(grad_z, stream);
+    r.grad_m = Download(grad_m, stream);
+    r.grad_confidence = Download(grad_confidence, stream);
+  }
+  EXPECT_TRUE(stream.Synchronize().ok());
+  return r;
+}
+
+v1::ObjectiveConfig WithCorrection(ConfigBuilder builder) {
+  builder.ExtraHead(absl::StrCat("correction_rank: ", kRank));
+  v1::ObjectiveConfig config = builder.Build();
+  config.mutable_layout()->set_num_anchors(3);
+  return config;
+}
+
+const char* const kLosses[] = {
+    "dflash { gamma: 7 }",
+    "dpace { alpha: 0.3 }",
+    "dspark { gamma: 7 }",
+    "dspark { ce_weight: 0.3 l1_weight: 0 confidence_weight: 0.7 }",
+    "dspark { objective: DPARD ce_weight: 0 l1_weight: 0 dpard_alpha: 0.4 }",
+    "domino { lambda_base: 0.3 gamma: 3 }",
+    "domino { shift_label: true pure_draft_prefix_len: 1 }",
+};
+
+void ExpectClose(const Result& got, const Result& want, double tolerance) {
+  ASSERT_TRUE(got.head.ok()) << got.head.status();
+  ASSERT_TRUE(want.head.ok()) << want.head.status();
+  const ChunkTerms& g = got.head->terms;
+  const ChunkTerms& w = want.head->terms;
+  auto near = [&](double a, double e, const char* what) {
+    EXPECT_NEAR(a, e, tolerance * std::max(1.0, std::abs(e))) << what;
+  };
+  near(got.head->loss, want.head->loss, "loss");
+  near(got.head->accuracy, want.head->accuracy, "accuracy");
+  near(g.ce_num, w.ce_num, "ce_num");
+  near(g.base_ce_num, w.base_ce_num, "base_ce_num");
+  near(g.l1_num, w.l1_num, "l1_num");
+  near(g.confidence_num, w.confidence_num, "confidence_num");
+  near(g.confidence_error_num, w.confidence_error_num, "confidence_error");
+  near(g.teacher_top1, w.teacher_top1, "teacher_top1");
+  near(g.draft_top1, w.draft_top1, "draft_top1");
+  near(g.dpard_num, w.dpard_num, "dpard_num");
+  near(g.accepted_length.teacher_expected_num,
+       w.accepted_length.teacher_expected_num, "tau");
+  near(g.accepted_length.greedy_num, w.accepted_length.greedy_num, "accept");
+  near(g.accepted_length.base_greedy_num, w.accepted_length.base_greedy_num,
+       "base accept");
+  for (size_t k = 0; k < w.ce_per_position.size(); ++k) {
+    near(g.ce_per_position[k], w.ce_per_position[k], "ce per position");
+    near(g.dpard_credit_per_position[k], w.dpard_credit_per_position[k],
+         "credit per position");
+  }
+  EXPECT_LE(RelativeMaxError<double>(got.grad_hidden, want.grad_hidden),
+            tolerance);
+  EXPECT_LE(RelativeMaxError<double>(got.grad_z, want.grad_z), tolerance);
+  EXPECT_LE(RelativeMaxError<double>(got.grad_m, want.grad_m), tolerance);
+  if (!want.grad_confidence.empty()) {
+    EXPECT_LE(
+        RelativeMaxError<double>(got.grad_confidence, want.grad_confidence),
+        tolerance);
+  }
+}
+
+TEST(CudaCorrectionTest, EveryFamilyAndModeMatchesTheCpuHead) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  const Case c = MakeCase(31);
+  for (const char* loss : kLosses) {
+    for (const char* mode : head_test::kModes) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", mode));
+      const v1::ObjectiveConfig config =
+          WithCorrection(ConfigBuilder(loss).Mode(mode));
+      const Result want = OnCpu(config, c);
+      ExpectClose(OnGpu<float>(config, c, *gpu), want, 1e-5);
+      ExpectClose(OnGpu<BFloat16>(config, c, *gpu), want, 3e-2);
+    }
+  }
+}
+
+// Six chunks of one block: the BF16 correction weight's gradient is summed
+// in FP32 and rounded once, so its error stays at bfloat16's rounding of
+// the result rather than growing with the chunks.
+TEST(CudaCorrectionTest, BFloat16CorrectionWeightGradientIsRoundedOnce) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  Case c = MakeCase(32);
+  // Inputs representable in bfloat16, so only the gradient's rounding
+  // remains.
+  for (std::vector<double>* v :
+       {&c.batch.hidden, &c.batch.weight, &c.batch.bias, &c.z, &c.m}) {
+    for (double& x : *v) x = AsDouble(FromDouble<BFloat16>(x));
+  }
+  const v1::ObjectiveConfig config =
+      WithCorrection(ConfigBuilder("dflash {}").BlocksPerChunk(1));
+  const Result want = OnCpu(config, c);
+  const Result got = OnGpu<BFloat16>(config, c, *gpu);
+  ASSERT_TRUE(got.head.ok()) << got.head.status();
+  double worst = 0;
+  for (size_t i = 0; i < want.grad_m.size(); ++i) {
+    const double e = want.grad_m[i];
+    // One rounding to bfloat16 (8 bits), plus the float logits' own error.
+    worst = std::max(worst, std::abs(got.grad_m[i] - e) /
+                                std::max(std::abs(e), 1e-3));
+  }
+  EXPECT_LE(worst, 1.5 / 256);
+}
+
+}  // namespace
+}  // namespace dflash
