@@ -134,6 +134,14 @@ package(default_visibility = ["//visibility:public"])
 cc_library(name = "cblas", linkopts = ["-lopenblas", "-lpthread"])
 """
 
+_DNNL_BUILD = """
+package(default_visibility = ["//visibility:public"])
+
+# oneapi/dnnl/dnnl.hpp is on the system include path (Debian's libdnnl-dev,
+# built on the OpenMP runtime: libgomp sets its threads).
+cc_library(name = "dnnl", linkopts = ["-ldnnl", "-lgomp"])
+"""
+
 _COVERAGE_BUILD = """
 package(default_visibility = ["//visibility:public"])
 
@@ -179,6 +187,7 @@ def dflash_dependencies():
         symlinks = {"protoc": "/usr/bin/protoc"},
     )
     _maybe(_build_only, name = "openblas", files = {"BUILD": _OPENBLAS_BUILD})
+    _maybe(_build_only, name = "dnnl", files = {"BUILD": _DNNL_BUILD})
     _maybe(_cuda_configure, name = "local_config_cuda")
     _maybe(_python_configure, name = "local_config_python")
     _maybe(_pybind11_configure, name = "pybind11")

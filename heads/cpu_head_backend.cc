@@ -1,17 +1,21 @@
 // The CPU backend of the head: host memory, CBLAS, ChunkLoss on threads.
 #include "heads/cpu_head_backend.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "heads/cpu_projection.h"
+#include "heads/prepared_projection.h"
 #include "heads/head_backend.h"
 #include "heads/row_compaction.h"
 #include "losses/accepted_length.h"
@@ -111,11 +115,10 @@ class CpuHeadBackend final : public HeadBackend<T> {
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
     const v1::HeadConfig& head = config_.head();
-    DFLASH_ASSIGN_OR_RETURN(
-        std::unique_ptr<VocabProjection<T>> projection,
-        CreateCpuProjection<T>(spec.inputs->weight, spec.inputs->bias,
-                               head.vocab_size(), head.hidden_size()));
-    projection_ = std::move(projection);
+    // OpenBLAS's threads (a process-wide setting) follow head.threads, as
+    // oneDNN's and the loss's do.
+    openblas_set_num_threads(threads_);
+    DFLASH_ASSIGN_OR_RETURN(projection_, CreateProjection(spec));
     if (head.correction_rank() > 0) {
       DFLASH_ASSIGN_OR_RETURN(
           correction_, CreateCpuProjection<T>(spec.inputs->correction_weight,
@@ -287,8 +290,45 @@ class CpuHeadBackend final : public HeadBackend<T> {
   }
 
   double loss_seconds() const override { return loss_seconds_; }
+  double prepare_seconds() const override { return prepare_seconds_; }
 
  private:
+  // The laid-out weight for a frozen float head (given, or made here when
+  // head.pack_weight), else OpenBLAS per chunk.
+  absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateProjection(
+      const HeadRunSpec<T>& spec) {
+    const v1::HeadConfig& head = config_.head();
+    const HeadInputs<T>& in = *spec.inputs;
+    const bool frozen_float = std::is_same_v<T, float> && !head.trainable();
+    const PreparedProjection* prepared = spec.prepared_projection;
+    if (prepared != nullptr && !frozen_float) {
+      return absl::InvalidArgumentError(
+          "options.prepared_projection: serves a frozen FLOAT32 head, got "
+          "a trainable or FLOAT64 one");
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (prepared != nullptr) {
+        if (!prepared->PreparedFrom(in.weight, in.bias)) {
+          return absl::InvalidArgumentError(
+              "options.prepared_projection: was prepared from another "
+              "weight or bias than inputs.weight and inputs.bias (prepare "
+              "it from the tensors the run reads)");
+        }
+        return prepared->NewProjection(threads_);
+      }
+      if (frozen_float && head.pack_weight()) {
+        DFLASH_ASSIGN_OR_RETURN(
+            own_prepared_,
+            PreparedProjection::Create(in.weight, in.bias, head.vocab_size(),
+                                       head.hidden_size(), threads_));
+        prepare_seconds_ = own_prepared_->prepare_seconds();
+        return own_prepared_->NewProjection(threads_);
+      }
+    }
+    return CreateCpuProjection<T>(in.weight, in.bias, head.vocab_size(),
+                                  head.hidden_size());
+  }
+
   const v1::ObjectiveConfig& config_;
   TrackingAllocator& allocator_;
   const LossParams params_;
@@ -309,6 +349,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
   // Domino: the final and the base logits' argmax (its greedy lengths).
   std::vector<int32_t> row_argmax_, row_base_argmax_;
   double loss_seconds_ = 0;
+  double prepare_seconds_ = 0;
+  std::unique_ptr<PreparedProjection> own_prepared_;  // Made for one run.
 };
 
 }  // namespace

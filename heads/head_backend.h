@@ -26,6 +26,7 @@ struct HeadRunSpec {
   const HeadGradients<T>* gradients = nullptr;
   const HeadRowOutputs* row_outputs = nullptr;
   absl::Span<const int64_t> active;
+  const PreparedProjection* prepared_projection = nullptr;  // Or none.
 };
 
 // What the head needs from the device it runs on: memory, the projection,
@@ -86,6 +87,8 @@ class HeadBackend {
 
   // Host seconds spent in the loss so far (0 where it runs asynchronously).
   virtual double loss_seconds() const = 0;
+  // Seconds Start spent laying the weight out (0 where it did not).
+  virtual double prepare_seconds() const { return 0; }
 };
 
 // A RowError about batch row r named by its (b, n, k) (or (block, k) when

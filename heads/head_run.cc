@@ -395,7 +395,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   allocator_.ResetPeak();
   DFLASH_RETURN_IF_ERROR(Plan());
   DFLASH_RETURN_IF_ERROR(backend_.Start(
-      {&config_, &inputs_, &gradients_, &row_outputs_, active_}));
+      {&config_, &inputs_, &gradients_, &row_outputs_, active_,
+       options.prepared_projection}));
 
   HeadResult result;
   result.mode = head_.mode();
@@ -463,6 +464,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   stats.gemm_flops = gemms.flops;
   stats.gemm_seconds = gemms.seconds;
   stats.loss_seconds = backend_.loss_seconds();
+  stats.prepare_seconds = backend_.prepare_seconds();
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
   stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
   if (context_ != nullptr) {

@@ -20,6 +20,8 @@
 
 namespace dflash {
 
+class PreparedProjection;  // heads/prepared_projection.h
+
 // One batch through the head. Rows are the DFlash draft positions
 // [B, N, K] flattened (see //losses:batch_layout); K = layout.block_size.
 template <typename T>
@@ -79,6 +81,8 @@ struct HeadStats {
   double backward_seconds = 0;
   double gemm_seconds = 0;     // Of which in GEMMs,
   double loss_seconds = 0;     // and in the loss row kernels.
+  // Laying the frozen weight out for this run (0 when it was given).
+  double prepare_seconds = 0;
   CheckpointStats checkpoint;  // Empty in FUSED mode (no context).
 };
 
@@ -119,6 +123,10 @@ struct HeadOptions {
   // Called after each chunk's forward and each chunk's backward step with
   // (steps done, steps in all).
   std::function<void(int64_t, int64_t)> progress;
+  // A frozen FLOAT32 CPU head's weight, laid out once by the caller and
+  // kept across runs (a training loop's frozen lm_head). It must have been
+  // prepared from inputs.weight and inputs.bias themselves; borrowed.
+  const PreparedProjection* prepared_projection = nullptr;
 };
 
 }  // namespace dflash

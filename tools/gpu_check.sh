@@ -37,7 +37,7 @@ pack() {
   # Shared libraries from Debian's -dev packages; glibc, libstdc++ and the
   # CUDA libraries come from the GPU machine.
   ldd out/gpu/bin/* | awk '/=> \// {print $3}' | sort -u |
-    grep -E 'libabsl|libprotobuf|libopenblas|libgfortran|libquadmath|libbenchmark|libgtest|libgmock|libz\.' |
+    grep -E 'libabsl|libprotobuf|libopenblas|libdnnl|libgomp|libgfortran|libquadmath|libbenchmark|libgtest|libgmock|libz\.' |
     xargs -r cp -L -t out/gpu/lib/
   tar -C out/gpu -cJf out/gpu/lib.tar.xz lib && rm -rf out/gpu/lib
   du -sh out/gpu

@@ -1,0 +1,233 @@
+#include "heads/prepared_projection.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace dflash {
+namespace {
+
+using Desc = dnnl::memory::desc;
+using Tag = dnnl::memory::format_tag;
+constexpr dnnl::memory::data_type kF32 = dnnl::memory::data_type::f32;
+
+double Since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+// oneDNN reports failures by throwing dnnl::error; they stop here.
+absl::Status DnnlError(const dnnl::error& e, const char* what) {
+  return absl::InternalError(
+      absl::StrCat("oneDNN ", what, ": ", e.what(), " (status ",
+                   static_cast<int>(e.status), ")"));
+}
+
+// The GEMMs' threads: oneDNN runs on OpenMP, whose thread count is this
+// calling thread's setting (not the process's).
+void UseThreads(int threads) {
+  omp_set_num_threads(threads > 0 ? threads : omp_get_num_procs());
+}
+
+}  // namespace
+
+// One GEMM shape of the head: dst [m, n] = src [m, k] @ B [k, n], with B
+// laid out once. Primitives depend on m, so one is made per chunk size seen
+// (a run has two or three).
+struct PackedGemm {
+  int64_t k = 0, n = 0;
+  Desc packed;
+  dnnl::memory weights;
+  std::mutex mu;
+  std::map<int64_t, dnnl::matmul> primitives;
+};
+
+struct PreparedProjection::Impl {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::primitive_attr attr;
+  absl::Span<const float> weight, bias;
+  int64_t vocab = 0, hidden = 0;
+  // logits = rows @ W^T (B = W^T, [H, V]); dx = dlogits @ W (B = W, [V, H]).
+  PackedGemm forward, input_gradient;
+  double seconds = 0;
+  std::string kernel;
+
+  dnnl::matmul::primitive_desc Describe(int64_t m, const PackedGemm& g,
+                                        const Desc& weights) const {
+    const Desc src({m, g.k}, kF32, Tag::ab), dst({m, g.n}, kF32, Tag::ab);
+    return dnnl::matmul::primitive_desc(
+        dnnl::matmul::desc(src, weights, dst), attr, engine);
+  }
+
+  // Lays out B, given as `user` over the weight's memory, in the format a
+  // chunk of `typical` rows prefers.
+  void Pack(PackedGemm& g, int64_t k, int64_t n, Tag user, int64_t typical) {
+    g.k = k;
+    g.n = n;
+    const dnnl::matmul::primitive_desc pd =
+        Describe(typical, g, Desc({k, n}, kF32, Tag::any));
+    g.packed = pd.weights_desc();
+    g.weights = dnnl::memory(g.packed, engine);
+    dnnl::memory source(Desc({k, n}, kF32, user), engine,
+                        const_cast<float*>(weight.data()));
+    dnnl::stream stream(engine);
+    dnnl::reorder(source, g.weights).execute(stream, source, g.weights);
+    stream.wait();
+    kernel = pd.impl_info_str();
+  }
+
+  // The primitive for m rows on the laid-out B.
+  dnnl::matmul Primitive(PackedGemm& g, int64_t m) const {
+    std::lock_guard<std::mutex> lock(g.mu);
+    auto it = g.primitives.find(m);
+    if (it != g.primitives.end()) return it->second;
+    dnnl::matmul primitive(Describe(m, g, g.packed));
+    g.primitives.emplace(m, primitive);
+    return primitive;
+  }
+};
+
+namespace {
+
+// One run's view: its own stream and threads, the shared layout.
+class PackedProjection final : public VocabProjection<float> {
+ public:
+  PackedProjection(PreparedProjection::Impl& impl, int threads)
+      : VocabProjection<float>(impl.vocab, impl.hidden),
+        impl_(impl),
+        threads_(threads) {}
+
+  void Forward(const float* rows, int64_t m, float* logits) override {
+    if (m == 0 || !status_.ok()) return;
+    const auto start = std::chrono::steady_clock::now();
+    Run(impl_.forward, rows, m, logits, "forward GEMM");
+    Count(m, Since(start));
+    if (impl_.bias.empty()) return;
+    const int64_t v = vocab();
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = logits + r * v;
+      for (int64_t j = 0; j < v; ++j) row[j] += impl_.bias[j];
+    }
+  }
+
+  void AddForward(const float*, int64_t, float*) override {
+    Fail("AddForward: a prepared projection computes logits with Forward "
+         "only");
+  }
+
+  void InputGradient(const float* grad_logits, int64_t m,
+                     float* grad_rows) override {
+    if (m == 0 || !status_.ok()) return;
+    const auto start = std::chrono::steady_clock::now();
+    Run(impl_.input_gradient, grad_logits, m, grad_rows,
+        "input-gradient GEMM");
+    Count(m, Since(start));
+  }
+
+  void AccumulateWeightGradient(const float*, const float*, int64_t, float*,
+                                float*) override {
+    Fail("a prepared projection is frozen: it has no weight gradient");
+  }
+
+  absl::Status status() const override { return status_; }
+
+ private:
+  void Fail(const char* what) {
+    if (status_.ok()) status_ = absl::FailedPreconditionError(what);
+  }
+
+  void Run(PackedGemm& g, const float* src, int64_t m, float* dst,
+           const char* what) {
+    try {
+      UseThreads(threads_);
+      if (!stream_) stream_.emplace(impl_.engine);
+      const dnnl::matmul primitive = impl_.Primitive(g, m);
+      dnnl::memory a(Desc({m, g.k}, kF32, Tag::ab), impl_.engine,
+                     const_cast<float*>(src));
+      dnnl::memory c(Desc({m, g.n}, kF32, Tag::ab), impl_.engine, dst);
+      primitive.execute(*stream_, {{DNNL_ARG_SRC, a},
+                                   {DNNL_ARG_WEIGHTS, g.weights},
+                                   {DNNL_ARG_DST, c}});
+      stream_->wait();
+    } catch (const dnnl::error& e) {
+      status_ = DnnlError(e, what);
+    }
+  }
+
+  PreparedProjection::Impl& impl_;
+  const int threads_;
+  std::optional<dnnl::stream> stream_;  // Made on first use.
+  absl::Status status_;
+};
+
+}  // namespace
+
+PreparedProjection::PreparedProjection(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+
+PreparedProjection::~PreparedProjection() = default;
+
+absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
+    absl::Span<const float> weight, absl::Span<const float> bias,
+    int64_t vocab, int64_t hidden, int threads) {
+  if (absl::Status valid =
+          ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
+      !valid.ok()) {
+    return valid;
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->weight = weight;
+  impl->bias = bias;
+  impl->vocab = vocab;
+  impl->hidden = hidden;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    // Exact float32: no implicit down-conversion to bf16 or tf32.
+    impl->attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+    UseThreads(threads);
+    // W [V, H] row-major is W^T [H, V] in column order (ba).
+    constexpr int64_t kTypicalRows = 256;
+    impl->Pack(impl->forward, hidden, vocab, Tag::ba, kTypicalRows);
+    impl->Pack(impl->input_gradient, vocab, hidden, Tag::ab, kTypicalRows);
+  } catch (const dnnl::error& e) {
+    return DnnlError(e, "weight layout");
+  }
+  impl->seconds = Since(start);
+  return std::unique_ptr<PreparedProjection>(
+      new PreparedProjection(std::move(impl)));
+}
+
+int64_t PreparedProjection::vocab() const { return impl_->vocab; }
+int64_t PreparedProjection::hidden() const { return impl_->hidden; }
+
+int64_t PreparedProjection::packed_bytes() const {
+  return static_cast<int64_t>(impl_->forward.packed.get_size() +
+                              impl_->input_gradient.packed.get_size());
+}
+
+double PreparedProjection::prepare_seconds() const { return impl_->seconds; }
+
+bool PreparedProjection::PreparedFrom(absl::Span<const float> weight,
+                                      absl::Span<const float> bias) const {
+  return weight.data() == impl_->weight.data() &&
+         weight.size() == impl_->weight.size() &&
+         bias.data() == impl_->bias.data() && bias.size() == impl_->bias.size();
+}
+
+std::unique_ptr<VocabProjection<float>> PreparedProjection::NewProjection(
+    int threads) const {
+  return std::make_unique<PackedProjection>(*impl_, threads);
+}
+
+std::string PreparedProjection::KernelName() const { return impl_->kernel; }
+
+}  // namespace dflash
