@@ -29,6 +29,7 @@ absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
       " } chunking { blocks_per_chunk: ", shape.blocks_per_chunk, " } ",
       checkpoint, " head { vocab_size: ", shape.vocab, " hidden_size: ",
       shape.hidden, " mode: ", v1::HeadConfig::ExecutionMode_Name(mode),
+      " pack_weight: ", shape.pack_weight ? "true" : "false",
       " } loss { dflash { gamma: 7 } }"));
 }
 
@@ -41,12 +42,28 @@ absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
       /*seed=*/1);
 }
 
+absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareHeadCase(
+    const v1::ObjectiveConfig& config, const HeadBatch<float>& batch) {
+  const v1::HeadConfig& head = config.head();
+  if (!head.pack_weight() || head.trainable()) {
+    return std::unique_ptr<PreparedProjection>();
+  }
+  const HeadInputs<float> inputs = batch.Inputs(config);
+  return PreparedProjection::Create(inputs.weight, inputs.bias,
+                                    head.vocab_size(), head.hidden_size(),
+                                    head.threads());
+}
+
 absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
                                        const HeadBatch<float>& batch,
-                                       TrackingAllocator& allocator) {
+                                       TrackingAllocator& allocator,
+                                       const PreparedProjection* prepared) {
   std::vector<float> grad_hidden(batch.hidden.size());
   const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {}, {}};
-  return RunHead<float>(config, batch.Inputs(config), gradients, allocator);
+  HeadOptions options;
+  options.prepared_projection = prepared;
+  return RunHead<float>(config, batch.Inputs(config), gradients, allocator, {},
+                        options);
 }
 
 }  // namespace dflash

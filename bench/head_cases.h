@@ -2,12 +2,14 @@
 #define DFLASH_BENCH_HEAD_CASES_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "base/tracking_allocator.h"
 #include "heads/cpu_head.h"
+#include "heads/prepared_projection.h"
 #include "heads/synthetic_batch.h"
 #include "proto/objective.pb.h"
 
@@ -20,6 +22,10 @@ struct HeadShape {
   int64_t hidden = 1024;
   int64_t vocab = 32768;
   int64_t blocks_per_chunk = 64;
+  // head.pack_weight: the frozen weight laid out once for oneDNN, prepared
+  // before the timed steps as a training loop would (PreparedProjection);
+  // false: OpenBLAS per chunk.
+  bool pack_weight = true;
 };
 
 // The execution modes, in the order of the cost table in docs/semantics.md
@@ -38,9 +44,15 @@ absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
 // One forward and backward of `config` over `batch`. Pass the same caching
 // allocator to successive runs to measure a training loop's steady state
 // (no fresh pages after the first step); peak bytes are each run's own.
-absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
-                                       const HeadBatch<float>& batch,
-                                       TrackingAllocator& allocator);
+// The weight laid out once for the case's steps, or null where the config
+// does not pack it.
+absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareHeadCase(
+    const v1::ObjectiveConfig& config, const HeadBatch<float>& batch);
+
+absl::StatusOr<HeadResult> RunHeadCase(
+    const v1::ObjectiveConfig& config, const HeadBatch<float>& batch,
+    TrackingAllocator& allocator,
+    const PreparedProjection* prepared = nullptr);
 
 }  // namespace dflash
 

@@ -110,9 +110,14 @@ std::string ReportMarkdown(const v1::BenchReport& r) {
   std::string md = absl::StrFormat(
       "%s loss, %d rows (%d projected), H %d, V %d, chunks of up to %d rows; "
       "%s. GEMM floor (the two GEMMs of the projected rows, raw BLAS): "
-      "%.3f s, %.1f GFLOP/s.\n\n",
+      "%.3f s, %.1f GFLOP/s. The head's GEMMs: %s%s.\n\n",
       r.loss_family(), r.rows(), r.projected_rows(), r.hidden(), r.vocab(),
-      r.rows_per_chunk(), r.machine(), r.floor_seconds(), r.floor_gflops());
+      r.rows_per_chunk(), r.machine(), r.floor_seconds(), r.floor_gflops(),
+      r.gemm_library(),
+      r.prepare_seconds() > 0
+          ? absl::StrFormat(" (laying the weight out: %.3f s, once)",
+                            r.prepare_seconds())
+          : "");
   md +=
       "| mode | seconds | x floor | GEMM passes | effective GFLOP/s | peak MiB "
       "| loss |\n|---|---:|---:|---:|---:|---:|---:|\n";

@@ -70,6 +70,17 @@ class CpuProjection final : public VocabProjection<T> {
     this->Count(m, Since(start));
   }
 
+  void InputGradientColumns(const T* grad_logits, int64_t m, int64_t begin,
+                            int64_t end, bool accumulate,
+                            T* grad_rows) override {
+    if (m == 0 || end <= begin) return;
+    const int64_t v = this->vocab(), h = this->hidden();
+    const auto start = std::chrono::steady_clock::now();
+    Gemm<T>(CblasNoTrans, CblasNoTrans, m, h, end - begin, grad_logits + begin,
+            v, weight_ + begin * h, h, accumulate ? T(1) : T(0), grad_rows, h);
+    this->Count(m, Since(start), end - begin);
+  }
+
   void AccumulateWeightGradient(const T* grad_logits, const T* rows, int64_t m,
                                 T* grad_weight, T* grad_bias) override {
     if (m == 0) return;

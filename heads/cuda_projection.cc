@@ -66,6 +66,17 @@ class CudaProjection final : public VocabProjection<T> {
     this->Count(m, 0);
   }
 
+  void InputGradientColumns(const T* grad_logits, int64_t m, int64_t begin,
+                            int64_t end, bool accumulate,
+                            T* grad_rows) override {
+    if (m == 0 || end <= begin) return;
+    const int v = this->vocab(), h = this->hidden();
+    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, end - begin, weight_ + begin * h, h,
+         grad_logits + begin, v, accumulate ? 1.0f : 0.0f, grad_rows, kType<T>,
+         h, "input-gradient GEMM");
+    this->Count(m, 0, end - begin);
+  }
+
   // grad_W^T [H, V] += rows^T [H, m] x grad_logits [m, V].
   void AccumulateWeightGradient(const T* grad_logits, const T* rows, int64_t m,
                                 T* grad_weight, T* grad_bias) override {

@@ -35,6 +35,18 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
   problems.AtLeast("head.threads", head.threads(), 0);
   problems.Within("head.metric_top_k", head.metric_top_k(), 0, 64);
   problems.AtLeast("head.correction_rank", head.correction_rank(), 0);
+  if (head.has_gradient_filter()) {
+    const double filter = head.gradient_filter();
+    if (!(filter >= 0 && filter < 1)) {
+      problems.Add("head.gradient_filter",
+                   absl::StrCat("must lie in [0, 1), got ", filter));
+    } else if (filter > 0 && head.backend() == v1::HeadConfig::CUDA) {
+      problems.Add("head.gradient_filter",
+                   absl::StrCat("is CPU only (the CUDA head computes the "
+                                "exact gradient), got ",
+                                filter));
+    }
+  }
 
   if (head.backend() == v1::HeadConfig::CUDA &&
       head.dtype() == v1::HeadConfig::FLOAT64) {

@@ -90,6 +90,11 @@ v1::HeadMetrics HeadMetricsOf(const v1::ObjectiveConfig& config,
     m.set_accept_len(a.greedy_num / (a.greedy_den + kOffset));
     m.set_base_accept_len(a.base_greedy_num / (a.greedy_den + kOffset));
   }
+  if (r.stats.filter_tiles > 0) {
+    m.set_gradient_filter_skipped_fraction(
+        static_cast<double>(r.stats.filter_skipped_tiles) /
+        r.stats.filter_tiles);
+  }
   m.set_gemms(r.stats.gemm_passes);
   m.set_gemm_calls(r.stats.gemm_calls);
   m.set_flops(r.stats.gemm_flops);

@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "base/tensor.h"
 #include "checkpoint/checkpoint_policy.h"
+#include "heads/gradient_filter.h"
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
@@ -101,6 +102,9 @@ class HeadRun {
   absl::Status RecomputeLogitsGradient(int64_t c, const TensorView& out);
   // grad_hidden (and grad_W) of the chunk from its logits gradient.
   absl::Status ProjectionGradients(int64_t c, const T* grad_logits);
+  // grad = grad_logits @ W over the vocabulary tiles head.gradient_filter
+  // keeps.
+  void FilteredInputGradient(const T* grad_logits, int64_t m, T* grad);
 
   const v1::ObjectiveConfig& config_;
   const v1::HeadConfig& head_;
@@ -123,6 +127,7 @@ class HeadRun {
   // backward), gathered rows and their gradient, and the correction's.
   TrackedBuffer<T> logits_ws_, teacher_ws_, rows_ws_, grad_ws_, z_ws_,
       z_grad_ws_;
+  int64_t filter_tiles_ = 0, filter_skipped_ = 0;
 };
 
 template <typename T>
@@ -294,7 +299,11 @@ template <typename T>
 absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   const int64_t m = Rows(c);
   DFLASH_ASSIGN_OR_RETURN(T * grad, Workspace(grad_ws_, hidden_));
-  backend_.projection().InputGradient(grad_logits, m, grad);
+  if (head_.gradient_filter() > 0) {
+    FilteredInputGradient(grad_logits, m, grad);
+  } else {
+    backend_.projection().InputGradient(grad_logits, m, grad);
+  }
   DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(grad, hidden_, Begin(c), m,
                                               gradients_.hidden.data()));
   if (head_.trainable()) {
@@ -318,6 +327,29 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   backend_.correction()->AccumulateWeightGradient(
       grad_correction, z, m, gradients_.correction_weight.data(), nullptr);
   return absl::OkStatus();
+}
+
+template <typename T>
+void HeadRun<T>::FilteredInputGradient(const T* grad_logits, int64_t m,
+                                       T* grad) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    // The filter is CPU only (head_config.cc); BF16 heads run on CUDA.
+    backend_.projection().InputGradient(grad_logits, m, grad);
+  } else {
+    int64_t skipped = 0;
+    const std::vector<VocabRange> kept =
+        KeptVocabRanges(grad_logits, m, vocab_, head_.gradient_filter(),
+                        kGradientFilterTile, skipped);
+    filter_tiles_ += (vocab_ + kGradientFilterTile - 1) / kGradientFilterTile;
+    filter_skipped_ += skipped;
+    // Host memory: the filter runs on the CPU head only.
+    if (kept.empty()) std::fill_n(grad, m * hidden_, T(0));
+    for (size_t i = 0; i < kept.size(); ++i) {
+      backend_.projection().InputGradientColumns(
+          grad_logits, m, kept[i].begin, kept[i].end, /*accumulate=*/i > 0,
+          grad);
+    }
+  }
 }
 
 template <typename T>
@@ -465,6 +497,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   stats.gemm_seconds = gemms.seconds;
   stats.loss_seconds = backend_.loss_seconds();
   stats.prepare_seconds = backend_.prepare_seconds();
+  stats.filter_tiles = filter_tiles_;
+  stats.filter_skipped_tiles = filter_skipped_;
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
   stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
   if (context_ != nullptr) {

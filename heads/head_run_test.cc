@@ -24,6 +24,8 @@ class FailedProjection final : public VocabProjection<double> {
   }
   void AddForward(const double*, int64_t, double*) override {}
   void InputGradient(const double*, int64_t, double*) override {}
+  void InputGradientColumns(const double*, int64_t, int64_t, int64_t, bool,
+                            double*) override {}
   void AccumulateWeightGradient(const double*, const double*, int64_t, double*,
                                 double*) override {}
   absl::Status status() const override { return status_; }

@@ -83,6 +83,10 @@ struct HeadStats {
   double loss_seconds = 0;     // and in the loss row kernels.
   // Laying the frozen weight out for this run (0 when it was given).
   double prepare_seconds = 0;
+  // With head.gradient_filter: vocabulary tiles of the input-gradient
+  // GEMMs, and those skipped.
+  int64_t filter_tiles = 0;
+  int64_t filter_skipped_tiles = 0;
   CheckpointStats checkpoint;  // Empty in FUSED mode (no context).
 };
 

@@ -1,5 +1,6 @@
 #include "heads/prepared_projection.h"
 
+#include <cblas.h>
 #include <omp.h>
 
 #include <chrono>
@@ -131,6 +132,21 @@ class PackedProjection final : public VocabProjection<float> {
     Run(impl_.input_gradient, grad_logits, m, grad_rows,
         "input-gradient GEMM");
     Count(m, Since(start));
+  }
+
+  // Over part of the vocabulary, on the weight as it is: the filter's
+  // ranges are not the layout's blocks.
+  void InputGradientColumns(const float* grad_logits, int64_t m, int64_t begin,
+                            int64_t end, bool accumulate,
+                            float* grad_rows) override {
+    if (m == 0 || end <= begin || !status_.ok()) return;
+    const int64_t v = vocab(), h = hidden();
+    const auto start = std::chrono::steady_clock::now();
+    openblas_set_num_threads(threads_ > 0 ? threads_ : omp_get_num_procs());
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, h, end - begin,
+                1.0f, grad_logits + begin, v, impl_.weight.data() + begin * h,
+                h, accumulate ? 1.0f : 0.0f, grad_rows, h);
+    Count(m, Since(start), end - begin);
   }
 
   void AccumulateWeightGradient(const float*, const float*, int64_t, float*,

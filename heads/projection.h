@@ -44,6 +44,12 @@ class VocabProjection {
   // grad_rows = grad_logits @ W.
   virtual void InputGradient(const T* grad_logits, int64_t m,
                              T* grad_rows) = 0;
+  // grad_rows (+)= grad_logits[:, begin:end) @ W[begin:end), over a range
+  // of the vocabulary (grad_logits rows still V wide): `accumulate` adds,
+  // else overwrites. The gradient filter's GEMM.
+  virtual void InputGradientColumns(const T* grad_logits, int64_t m,
+                                    int64_t begin, int64_t end, bool accumulate,
+                                    T* grad_rows) = 0;
   // grad_weight += grad_logits^T @ rows; grad_bias += column sums (when
   // non-null).
   virtual void AccumulateWeightGradient(const T* grad_logits, const T* rows,
@@ -57,9 +63,11 @@ class VocabProjection {
  protected:
   VocabProjection(int64_t vocab, int64_t hidden)
       : vocab_(vocab), hidden_(hidden) {}
-  void Count(int64_t m, double seconds) {
+  // A product of m rows over `columns` of the vocabulary (all by default).
+  void Count(int64_t m, double seconds, int64_t columns = -1) {
     ++gemms_.calls;
-    gemms_.flops += 2.0 * static_cast<double>(m) * vocab_ * hidden_;
+    gemms_.flops += 2.0 * static_cast<double>(m) *
+                    (columns < 0 ? vocab_ : columns) * hidden_;
     gemms_.seconds += seconds;
   }
 

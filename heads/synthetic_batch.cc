@@ -51,8 +51,15 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   std::uniform_int_distribution<int64_t> token(0, vocab - 1);
   b.input_ids.resize(tokens);
   b.loss_mask.resize(tokens);
+  std::uniform_real_distribution<double> unit(0, 1);
+  const double log_vocab = std::log(static_cast<double>(vocab) + 1);
   for (int64_t i = 0; i < tokens; ++i) {
-    b.input_ids[i] = token(rng);
+    b.input_ids[i] =
+        shape.peaked
+            ? std::min<int64_t>(
+                  vocab - 1,
+                  static_cast<int64_t>(std::exp(unit(rng) * log_vocab)) - 1)
+            : token(rng);
     b.loss_mask[i] = (i % shape.seq_len) % 7 != 6;
   }
   const TokenBatch token_batch{shape.batch, shape.seq_len, b.input_ids,
@@ -73,7 +80,11 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
   for (T& x : b.weight) x = weight_scale * normal(rng);
   if (config.head().bias()) {
     b.bias.resize(vocab);
-    for (T& x : b.bias) x = 0.1f * normal(rng);
+    for (int64_t v = 0; v < vocab; ++v) {
+      b.bias[v] = static_cast<T>(
+          0.1f * normal(rng) +
+          (shape.peaked && v >= kFrequentTokens ? kRareTokenBias : 0.0));
+    }
   }
   // A draft model's states point at their target, less so further into the
   // block: state += margin(k) * W[target] / |W[target]|^2 lifts the target

@@ -23,7 +23,15 @@ struct SyntheticShape {
   int64_t batch = 1;
   int64_t seq_len = 4096;
   int64_t num_anchors = 128;
+  // A peaked batch, as a trained draft model sees one: token ids drawn
+  // log-uniformly (Zipf-like: the low ids are the frequent ones, as in a
+  // BPE vocabulary), and with head.bias a bias of kRareTokenBias on ids >=
+  // kFrequentTokens, so that the softmax mass sits on the target and the
+  // frequent ids.
+  bool peaked = false;
 };
+inline constexpr int64_t kFrequentTokens = 1024;
+inline constexpr double kRareTokenBias = -8;
 
 // A batch's tensors, as the head reads them. MakeSyntheticBatch fills one
 // with the statistics of a real batch: token ids uniform over
