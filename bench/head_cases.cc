@@ -30,6 +30,11 @@ absl::StatusOr<v1::ObjectiveConfig> HeadBenchConfig(
       checkpoint, " head { vocab_size: ", shape.vocab, " hidden_size: ",
       shape.hidden, " mode: ", v1::HeadConfig::ExecutionMode_Name(mode),
       " pack_weight: ", shape.pack_weight ? "true" : "false",
+      " threads: ", shape.threads,
+      shape.gradient_filter > 0
+          ? absl::StrCat(" gradient_filter: ", shape.gradient_filter)
+          : "",
+      shape.peaked ? " bias: true logit_scale: 2" : "",
       " } loss { dflash { gamma: 7 } }"));
 }
 
@@ -38,7 +43,8 @@ absl::StatusOr<HeadBatch<float>> HeadBenchBatch(
   // Sequences long enough that every anchor finds a valid position.
   return MakeSyntheticBatch<float>(
       config,
-      {1, std::max<int64_t>(8192, 4 * kBlock * shape.anchors), shape.anchors},
+      {1, std::max<int64_t>(8192, 4 * kBlock * shape.anchors), shape.anchors,
+       shape.peaked},
       /*seed=*/1);
 }
 
@@ -57,13 +63,16 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareHeadCase(
 absl::StatusOr<HeadResult> RunHeadCase(const v1::ObjectiveConfig& config,
                                        const HeadBatch<float>& batch,
                                        TrackingAllocator& allocator,
-                                       const PreparedProjection* prepared) {
-  std::vector<float> grad_hidden(batch.hidden.size());
-  const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden), {}, {}, {}};
+                                       const PreparedProjection* prepared,
+                                       std::vector<float>* grad_hidden) {
+  std::vector<float> grad(batch.hidden.size());
+  const HeadGradients<float> gradients{absl::MakeSpan(grad), {}, {}, {}};
   HeadOptions options;
   options.prepared_projection = prepared;
-  return RunHead<float>(config, batch.Inputs(config), gradients, allocator, {},
-                        options);
+  absl::StatusOr<HeadResult> result = RunHead<float>(
+      config, batch.Inputs(config), gradients, allocator, {}, options);
+  if (grad_hidden != nullptr) *grad_hidden = std::move(grad);
+  return result;
 }
 
 }  // namespace dflash

@@ -26,6 +26,13 @@ struct HeadShape {
   // before the timed steps as a training loop would (PreparedProjection);
   // false: OpenBLAS per chunk.
   bool pack_weight = true;
+  // head.threads (0: all cores) and head.gradient_filter (0: exact).
+  int threads = 0;
+  double gradient_filter = 0;
+  // The peaked synthetic batch (heads/synthetic_batch.h) with its
+  // rare-token bias, at logit scale 2: the target and the frequent ids take
+  // the softmax mass, as a trained draft model's do.
+  bool peaked = false;
 };
 
 // The execution modes, in the order of the cost table in docs/semantics.md
@@ -52,7 +59,8 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareHeadCase(
 absl::StatusOr<HeadResult> RunHeadCase(
     const v1::ObjectiveConfig& config, const HeadBatch<float>& batch,
     TrackingAllocator& allocator,
-    const PreparedProjection* prepared = nullptr);
+    const PreparedProjection* prepared = nullptr,
+    std::vector<float>* grad_hidden = nullptr);
 
 }  // namespace dflash
 

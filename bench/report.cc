@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -36,6 +37,12 @@ ABSL_FLAG(int64_t, chunk_blocks, 64, "Anchor blocks per chunk.");
 ABSL_FLAG(bool, pack_weight, true,
           "Lay the frozen weight out once for oneDNN (prepared before the "
           "timed steps); false: OpenBLAS per chunk.");
+ABSL_FLAG(int32_t, threads, 0, "head.threads: 0 for all cores.");
+ABSL_FLAG(double, gradient_filter, 0,
+          "head.gradient_filter: 0 for the exact gradient.");
+ABSL_FLAG(bool, peaked, false,
+          "The peaked synthetic batch (Zipf-like ids, a rare-token bias, "
+          "logit scale 2) instead of the flat one.");
 ABSL_FLAG(int32_t, repeats, 2,
           "Timed steps per mode after a warm-up step; the fastest is "
           "reported.");
@@ -104,6 +111,24 @@ absl::StatusOr<v1::BenchReport> Measure(const HeadShape& shape, int repeats) {
         report.set_rows_per_chunk(result.plan.rows_per_chunk);
       }
     }
+    if (mode == v1::HeadConfig::FUSED && shape.gradient_filter > 0) {
+      // The filter's error: its gradient against the exact one.
+      v1::ObjectiveConfig exact = config;
+      exact.mutable_head()->clear_gradient_filter();
+      std::vector<float> filtered, want;
+      DFLASH_RETURN_IF_ERROR(
+          RunHeadCase(config, batch, allocator, prepared.get(), &filtered)
+              .status());
+      DFLASH_RETURN_IF_ERROR(
+          RunHeadCase(exact, batch, allocator, prepared.get(), &want)
+              .status());
+      double error = 0, largest = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        error = std::max<double>(error, std::abs(filtered[i] - want[i]));
+        largest = std::max<double>(largest, std::abs(want[i]));
+      }
+      report.set_gradient_filter_error(largest > 0 ? error / largest : 0);
+    }
     report.set_loss_family(best.loss_family());
     report.set_rows(best.rows());
     report.set_projected_rows(best.projected_rows());
@@ -149,8 +174,9 @@ int main(int argc, char** argv) {
   }
   const dflash::HeadShape shape{
       absl::GetFlag(FLAGS_anchors), absl::GetFlag(FLAGS_hidden),
-      absl::GetFlag(FLAGS_vocab), absl::GetFlag(FLAGS_chunk_blocks),
-      absl::GetFlag(FLAGS_pack_weight)};
+      absl::GetFlag(FLAGS_vocab),         absl::GetFlag(FLAGS_chunk_blocks),
+      absl::GetFlag(FLAGS_pack_weight),   absl::GetFlag(FLAGS_threads),
+      absl::GetFlag(FLAGS_gradient_filter), absl::GetFlag(FLAGS_peaked)};
   absl::StatusOr<dflash::v1::BenchReport> report =
       dflash::Measure(shape, repeats);
   if (!report.ok()) {

@@ -118,15 +118,22 @@ std::string ReportMarkdown(const v1::BenchReport& r) {
           ? absl::StrFormat(" (laying the weight out: %.3f s, once)",
                             r.prepare_seconds())
           : "");
+  if (r.gradient_filter_error() > 0) {
+    absl::StrAppendFormat(&md,
+                          "Gradient filter: FUSED's d(loss)/d(hidden) within "
+                          "%.2g (max error over max entry) of the exact.\n\n",
+                          r.gradient_filter_error());
+  }
   md +=
       "| mode | seconds | x floor | GEMM passes | effective GFLOP/s | peak MiB "
-      "| loss |\n|---|---:|---:|---:|---:|---:|---:|\n";
+      "| loss | tiles filtered |\n|---|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const v1::ModeReport& mode : r.modes()) {
     const v1::HeadMetrics& m = mode.metrics();
     absl::StrAppendFormat(
-        &md, "| %s | %.3f | %.2f | %g | %.1f | %.1f | %.6f |\n", m.mode(),
-        m.seconds(), mode.floor_ratio(), m.gemms(), mode.effective_gflops(),
-        m.peak_bytes() / kMiB, m.loss());
+        &md, "| %s | %.3f | %.2f | %.3g | %.1f | %.1f | %.6f | %.1f%% |\n",
+        m.mode(), m.seconds(), mode.floor_ratio(), m.gemms(),
+        mode.effective_gflops(), m.peak_bytes() / kMiB, m.loss(),
+        100 * m.gradient_filter_skipped_fraction());
   }
   return md;
 }

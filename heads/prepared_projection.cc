@@ -42,14 +42,15 @@ void UseThreads(int threads) {
 }  // namespace
 
 // One GEMM shape of the head: dst [m, n] = src [m, k] @ B [k, n], with B
-// laid out once. Primitives depend on m, so one is made per chunk size seen
-// (a run has two or three).
+// laid out once. A primitive fixes m and its work split over the threads
+// set when it is made, so one is made per (m, threads) seen (a run has two
+// or three chunk sizes).
 struct PackedGemm {
   int64_t k = 0, n = 0;
   Desc packed;
   dnnl::memory weights;
   std::mutex mu;
-  std::map<int64_t, dnnl::matmul> primitives;
+  std::map<std::pair<int64_t, int>, dnnl::matmul> primitives;
 };
 
 struct PreparedProjection::Impl {
@@ -86,13 +87,15 @@ struct PreparedProjection::Impl {
     kernel = pd.impl_info_str();
   }
 
-  // The primitive for m rows on the laid-out B.
+  // The primitive for m rows on the laid-out B, on the calling thread's
+  // OpenMP thread count.
   dnnl::matmul Primitive(PackedGemm& g, int64_t m) const {
+    const std::pair<int64_t, int> key(m, omp_get_max_threads());
     std::lock_guard<std::mutex> lock(g.mu);
-    auto it = g.primitives.find(m);
+    auto it = g.primitives.find(key);
     if (it != g.primitives.end()) return it->second;
     dnnl::matmul primitive(Describe(m, g, g.packed));
-    g.primitives.emplace(m, primitive);
+    g.primitives.emplace(key, primitive);
     return primitive;
   }
 };
@@ -216,6 +219,12 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
     impl->Pack(impl->input_gradient, vocab, hidden, Tag::ab, kTypicalRows);
   } catch (const dnnl::error& e) {
     return DnnlError(e, "weight layout");
+  }
+  // oneDNN's reference kernels (a CPU without AVX2) run far below BLAS.
+  if (impl->kernel.rfind("ref", 0) == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "oneDNN has only its reference matmul (", impl->kernel,
+        ") on this CPU; run OpenBLAS (head.pack_weight: false)"));
   }
   impl->seconds = Since(start);
   return std::unique_ptr<PreparedProjection>(

@@ -24,7 +24,8 @@ class PreparedProjection {
   // keeps `bias` [vocab] (or none); both are borrowed and must outlive
   // this object and stay unchanged. Sizes are checked as every projection's
   // (ValidateProjectionShape). `threads`: the GEMMs' threads, 0 for all
-  // cores.
+  // cores. FailedPrecondition where oneDNN has no optimised kernel for this
+  // CPU.
   static absl::StatusOr<std::unique_ptr<PreparedProjection>> Create(
       absl::Span<const float> weight, absl::Span<const float> bias,
       int64_t vocab, int64_t hidden, int threads = 0);
