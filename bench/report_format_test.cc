@@ -52,7 +52,7 @@ TEST(ReportFormatTest, MarkdownHasOneLinePerMode) {
             std::string::npos)
       << md;
   EXPECT_NE(md.find("| MATERIALIZE | 2.500 | 1.25 | 2 | 88.8 | 415.0 | "
-                    "4.250000 |\n"),
+                    "4.250000 | 0.0% |\n"),
             std::string::npos)
       << md;
   EXPECT_NE(md.find("| CHECKPOINT | 3.000 | 1.50 | 3 | 74.0 | 107.0 |"),
