@@ -10,7 +10,8 @@ from dflash import _openblas
 _openblas.choose_kernels()
 
 from dflash._core import (  # noqa: E402
-    ObjectiveConfig, built_with_cuda, release_cached_memory)
+    ObjectiveConfig, PreparedProjection, built_with_cuda,
+    release_cached_memory)
 from dflash.config import objective_config  # noqa: E402
 
 __version__ = "0.1.0"

@@ -242,6 +242,12 @@ py::dict ResultOf(const HeadResult& r) {
   return d;
 }
 
+// A PreparedProjection and the tensors it reads, kept alive with it.
+struct PreparedHandle {
+  std::unique_ptr<PreparedProjection> projection;
+  py::object weight, bias;
+};
+
 py::dict RunObjectiveFromPython(
     const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
     py::handle target_ids, py::handle weight_mask, py::handle bias,
@@ -251,7 +257,7 @@ py::dict RunObjectiveFromPython(
     py::handle top_k, py::handle top_k_values, py::handle loss_weight,
     py::handle correction_inputs, py::handle correction_weight,
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
-    bool trainable, uintptr_t cuda_stream) {
+    const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -277,7 +283,10 @@ py::dict RunObjectiveFromPython(
   absl::StatusOr<HeadResult> result;
   {
     py::gil_scoped_release release;
-    result = RunObjective(config, tensors, outputs, {trainable, cuda_stream});
+    result = RunObjective(
+        config, tensors, outputs,
+        {trainable, cuda_stream,
+         prepared != nullptr ? prepared->projection.get() : nullptr});
   }
   py::dict d = ResultOf(ValueOrRaise(std::move(result)));
   d["loss_den_offset"] =
@@ -380,7 +389,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("top_k"), py::arg("top_k_values"), py::arg("loss_weight"),
         py::arg("correction_inputs"), py::arg("correction_weight"),
         py::arg("grad_correction_inputs"), py::arg("grad_correction_weight"),
-        py::arg("trainable"), py::arg("cuda_stream"),
+        py::arg("prepared").none(true), py::arg("trainable"),
+        py::arg("cuda_stream"),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. Returns the terms and "
         "stats. "
@@ -393,6 +403,32 @@ PYBIND11_MODULE(_core, m) {
         "Adds d(objective)/d(top-k values) to grad_hidden (and grad_weight, "
         "grad_bias when trainable) in place: the sparse update "
         "sum_j g * dz'/dz * W[id]. The GIL is released while it runs.");
+  py::class_<dp::PreparedHandle>(
+      m, "PreparedProjection",
+      "A frozen float32 CPU lm_head weight (and bias) laid out once in "
+      "oneDNN's blocked format, for every run it is given to "
+      "(dflash_objective(prepared_projection=...)). Prepare it again after "
+      "the weight changes.")
+      .def(py::init([](py::object weight, py::object bias, int threads) {
+             auto handle = std::make_unique<dp::PreparedHandle>();
+             handle->projection = dp::ValueOrRaise(dp::PrepareProjection(
+                 dp::RequiredArgOf("lm_head_weight", weight),
+                 dp::ArgOf("lm_head_bias", bias), threads));
+             handle->weight = weight;
+             handle->bias = bias;
+             return handle;
+           }),
+           py::arg("lm_head_weight"), py::arg("lm_head_bias") = py::none(),
+           py::arg("threads") = 0)
+      .def_property_readonly(
+          "packed_bytes",
+          [](const dp::PreparedHandle& h) {
+            return h.projection->packed_bytes();
+          })
+      .def_property_readonly("prepare_seconds",
+                             [](const dp::PreparedHandle& h) {
+                               return h.projection->prepare_seconds();
+                             });
   m.def("built_with_cuda", &dp::BuiltWithCuda,
         "Whether this build runs CUDA tensors.");
   m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,

@@ -356,7 +356,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
                                const ObjectiveTensors& t,
                                const ObjectiveOutputs& o,
                                absl::Span<const RowMeta> rows,
-                               uintptr_t cuda_stream) {
+                               const ObjectiveOptions& objective_options) {
+  const uintptr_t cuda_stream = objective_options.cuda_stream;
   HeadInputs<T> inputs;
   inputs.hidden = t.hidden.span<const T>();
   inputs.teacher_hidden = SpanOf<T>(t.teacher_hidden);
@@ -392,7 +393,10 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     return Invalid(t.hidden, "bfloat16 runs on CUDA only");
   } else {
     std::lock_guard<std::mutex> lock(HostMutex());
-    return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs);
+    HeadOptions options;
+    options.prepared_projection = objective_options.prepared_projection;
+    return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs,
+                      options);
   }
 }
 
@@ -491,10 +495,9 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<HeadResult> result =
       dtype == "float64"
-          ? Run<double>(bound, tensors, outputs, rows, options.cuda_stream)
-      : dtype == "bfloat16"
-          ? Run<BFloat16>(bound, tensors, outputs, rows, options.cuda_stream)
-          : Run<float>(bound, tensors, outputs, rows, options.cuda_stream);
+          ? Run<double>(bound, tensors, outputs, rows, options)
+      : dtype == "bfloat16" ? Run<BFloat16>(bound, tensors, outputs, rows, options)
+                            : Run<float>(bound, tensors, outputs, rows, options);
   if (!result.ok() &&
       result.status().code() == absl::StatusCode::kInvalidArgument) {
     return ExplainFailure(result.status(), tensors, rows);
@@ -571,6 +574,34 @@ absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
          : dtype == "bfloat16"
              ? TopKBackward<BFloat16>(bound, t, top_k, options.cuda_stream)
              : TopKBackward<float>(bound, t, top_k, options.cuda_stream);
+}
+
+absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareProjection(
+    const TensorArg& weight, const std::optional<TensorArg>& bias,
+    int threads) {
+  static constexpr string_view kFloat32[] = {"float32"};
+  DFLASH_RETURN_IF_ERROR(ExpectDType(weight, kFloat32,
+                                     "a prepared projection is float32"));
+  DFLASH_RETURN_IF_ERROR(
+      ExpectDevice(weight, "cpu", "a prepared projection runs on the CPU"));
+  if (weight.shape.size() != 2 || weight.shape[0] <= 0 ||
+      weight.shape[1] <= 0) {
+    return Invalid(weight, absl::StrCat("must have shape [V, H], got ",
+                                        ShapeString(weight.shape)));
+  }
+  DFLASH_RETURN_IF_ERROR(ExpectContiguous(weight));
+  if (bias.has_value()) {
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*bias, weight, {weight.shape[0]},
+                                       "[V] (V of lm_head_weight)"));
+  }
+  if (threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threads: must be >= 0, got ", threads));
+  }
+  return PreparedProjection::Create(
+      weight.span<const float>(),
+      bias.has_value() ? bias->span<const float>() : absl::Span<const float>(),
+      weight.shape[0], weight.shape[1], threads);
 }
 
 void ReleaseCachedHostMemory() {

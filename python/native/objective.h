@@ -2,11 +2,13 @@
 #define DFLASH_PYTHON_NATIVE_OBJECTIVE_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "heads/cpu_head.h"
+#include "heads/prepared_projection.h"
 #include "losses/chunk_loss.h"
 #include "proto/objective.pb.h"
 #include "python/native/tensor_arg.h"
@@ -56,7 +58,15 @@ struct ObjectiveOptions {
   // CUDA tensors: torch's current stream on their device
   // (torch.cuda.current_stream().cuda_stream); the run is ordered on it.
   uintptr_t cuda_stream = 0;
+  // A frozen float32 CPU weight laid out once (PreparedProjection), or none.
+  const PreparedProjection* prepared_projection = nullptr;
 };
+
+// A PreparedProjection of a torch weight and bias: CPU, float32,
+// contiguous, [V, H] and [V]. Errors name the argument.
+absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareProjection(
+    const TensorArg& weight, const std::optional<TensorArg>& bias,
+    int threads);
 
 // `config` with what the tensors decide written in: layout (K, N), head
 // sizes (V, H), dtype, backend, trainable, bias; then defaults resolved and

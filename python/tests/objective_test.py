@@ -270,6 +270,62 @@ class FusedHeadTest(unittest.TestCase):
                                    atol=1e-10)
         self.assertIsNone(linear.weight.grad)
 
+    def test_float32_keeps_its_layout_until_the_weight_changes(self):
+        data = reference.batch(seed=14, dtype=torch.float32)
+        V, H = data["weight"].shape
+        linear = torch.nn.Linear(H, V)
+        with torch.no_grad():
+            linear.weight.copy_(data["weight"])
+            linear.bias.copy_(data["bias"])
+        head = FusedHead(linear, chunk_blocks=2)
+
+        def run():
+            hidden = data["hidden"].clone().requires_grad_()
+            terms = head(hidden, data["target_ids"], data["weight_mask"])
+            terms.loss.backward()
+            return terms.loss.detach(), hidden.grad
+
+        def want():
+            hidden = data["hidden"].double().requires_grad_()
+            num, den, *_ = reference.objective(
+                reference.FAMILIES[0], hidden, linear.weight.double(),
+                data["target_ids"], data["weight_mask"],
+                bias=linear.bias.double())
+            (num / den).backward()
+            return (num / den).detach(), hidden.grad
+
+        for _ in range(2):
+            loss, grad = run()
+            ref_loss, ref_grad = want()
+            torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5,
+                                       atol=1e-6)
+            torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4,
+                                       atol=1e-6)
+        first = head._prepared
+        self.assertIsNotNone(first)
+        self.assertGreater(first.packed_bytes, 0)
+        run()
+        self.assertIs(head._prepared, first)  # Kept across calls.
+        with torch.no_grad():
+            linear.weight.mul_(0.5)  # Changed in place: laid out again.
+        loss, grad = run()
+        self.assertIsNot(head._prepared, first)
+        ref_loss, ref_grad = want()
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4,
+                                   atol=1e-6)
+
+    def test_a_prepared_projection_must_be_of_the_weight(self):
+        data = reference.batch(seed=15, dtype=torch.float32)
+        other = dflash.PreparedProjection(data["weight"].clone())
+        with self.assertRaisesRegex(ValueError, "was prepared from another"):
+            dflash_objective(data["hidden"], data["weight"], data["target_ids"],
+                             data["weight_mask"], prepared_projection=other)
+        with self.assertRaisesRegex(ValueError,
+                                    "lm_head_weight: must be float32"):
+            dflash.PreparedProjection(data["weight"].double())
+
     def test_rejects_other_modules(self):
         with self.assertRaisesRegex(TypeError, "lm_head: must be a torch.nn.Linear"):
             FusedHead(torch.nn.Embedding(3, 4))

@@ -2,6 +2,7 @@
 
 import torch
 
+from dflash import _core
 from dflash.config import objective_config
 from dflash.torch.objective import dflash_objective
 
@@ -17,6 +18,11 @@ class FusedHead(torch.nn.Module):
 
     config and overrides as dflash.objective_config; with freeze=False the
     lm_head keeps its requires_grad and trains when it is set.
+
+    A frozen float32 CPU lm_head is laid out once for the head's GEMMs
+    (dflash.PreparedProjection) and kept across calls; it is laid out again
+    when the weight or bias is replaced or changed in place (their torch
+    version counters say so).
     """
 
     def __init__(self, lm_head, config=None, *, freeze=True, **overrides):
@@ -28,6 +34,23 @@ class FusedHead(torch.nn.Module):
         if freeze:
             lm_head.requires_grad_(False)
         self.config = objective_config(config, **overrides)
+        self._prepared = None
+        self._prepared_from = None
+
+    def _prepared_projection(self):
+        """The frozen weight's layout, made again when the weight changed."""
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        frozen = not weight.requires_grad and (
+            bias is None or not bias.requires_grad)
+        if (not frozen or weight.is_cuda or weight.dtype != torch.float32
+                or not weight.is_contiguous()):
+            return None
+        state = (weight.data_ptr(), weight._version,
+                 None if bias is None else (bias.data_ptr(), bias._version))
+        if state != self._prepared_from:
+            self._prepared = _core.PreparedProjection(weight, bias)
+            self._prepared_from = state
+        return self._prepared
 
     def forward(self, hidden, target_ids, weight_mask, *, teacher_hidden=None,
                 confidence_logits=None, return_rows=False, top_k=0):
@@ -36,4 +59,5 @@ class FusedHead(torch.nn.Module):
             hidden, self.lm_head.weight, target_ids, weight_mask,
             config=self.config, lm_head_bias=self.lm_head.bias,
             teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
+            prepared_projection=self._prepared_projection(),
             return_rows=return_rows, top_k=top_k)

@@ -113,7 +113,7 @@ class _Objective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, top_k, return_rows, run_info, hidden, weight, bias,
                 teacher, confidence, target_ids, weight_mask, correction_inputs,
-                correction_weight):
+                correction_weight, prepared):
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
         rows = tuple(hidden.shape[:3])
@@ -151,7 +151,8 @@ class _Objective(torch.autograd.Function):
         result = _core.run_objective(
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
             confidence, correction_inputs=correction_inputs,
-            correction_weight=correction_weight, trainable=trainable,
+            correction_weight=correction_weight, prepared=prepared,
+            trainable=trainable,
             cuda_stream=stream, **grads, **outputs)
 
         # One host-to-device copy for every scalar term, then a tensor of its
@@ -252,14 +253,14 @@ class _Objective(torch.autograd.Function):
             grad_weight = grad_weight if needs[5] else None
             grad_bias = grad_bias if needs[6] else None
         return (None, None, None, None, grad_hidden, grad_weight, grad_bias,
-                None, grad_confidence, None, None, grad_z, grad_m)
+                None, grad_confidence, None, None, grad_z, grad_m, None)
 
 
 def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
                      config=None, lm_head_bias=None, teacher_hidden=None,
                      confidence_logits=None, correction_inputs=None,
-                     correction_weight=None, return_rows=False, top_k=0,
-                     **overrides):
+                     correction_weight=None, prepared_projection=None,
+                     return_rows=False, top_k=0, **overrides):
     """The DFlash-family objective's chunk terms over one batch, through the
     fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
     by `checkpointed_chunk_reduce` returns, without materialising the logits.
@@ -286,6 +287,10 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         (markov_w2.weight; Domino's embed_proj[2].weight). Both get
         gradients through autograd. Domino applies it at block positions
         >= its suffix_start only (pass zeros before it).
+    prepared_projection: a dflash.PreparedProjection of this frozen float32
+        CPU weight and bias (laid out once for every call; FusedHead keeps
+        one). Without one a frozen float32 CPU head lays the weight out at
+        each call.
     return_rows: also return per-row neg_log_q and argmax; top_k: the k
         largest logits' ids per row (0 <= k <= min(64, V)).
 
@@ -312,7 +317,8 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
     results = _Objective.apply(
         resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
         lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
-        _on_host(weight_mask), correction_inputs, correction_weight)
+        _on_host(weight_mask), correction_inputs, correction_weight,
+        prepared_projection)
     terms = list(results[:9])
     lk_kl_weight = stats.pop("lk_kl_weight")
     family_terms = stats.pop("family_terms")
