@@ -23,6 +23,7 @@
 #include "heads/cuda_head.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
+#include "tests/cuda_test_util.h"
 #include "tests/head_test_util.h"
 
 namespace dflash {
@@ -35,19 +36,6 @@ using head_test::kV;
 using head_test::MakeBatch;
 
 constexpr int64_t kRank = 3;
-
-struct Gpu {
-  std::unique_ptr<CudaStream> stream;
-  std::unique_ptr<CublasHandle> blas;
-};
-
-absl::StatusOr<Gpu> OpenGpu() {
-  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaStream> stream,
-                          CudaStream::Create());
-  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CublasHandle> blas,
-                          CublasHandle::Create(*stream));
-  return Gpu{std::move(stream), std::move(blas)};
-}
 
 // Everything a run reads and writes, in float64 on the host.
 struct Case {

@@ -19,26 +19,13 @@
 #include "heads/cuda_head.h"
 #include "heads/top_k_gradient.h"
 #include "proto/config.h"
+#include "tests/cuda_test_util.h"
 #include "tests/head_test_util.h"
 
 namespace dflash {
 namespace {
 
 using namespace head_test;  // NOLINT: the suite's shared vocabulary.
-
-struct Gpu {
-  std::unique_ptr<CudaStream> stream;
-  std::unique_ptr<CublasHandle> blas;
-};
-
-// A stream and cuBLAS handle, or the reason there is none.
-absl::StatusOr<Gpu> OpenGpu() {
-  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaStream> stream,
-                          CudaStream::Create());
-  DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CublasHandle> blas,
-                          CublasHandle::Create(*stream));
-  return Gpu{std::move(stream), std::move(blas)};
-}
 
 #define OPEN_GPU_OR_SKIP(gpu)          \
   absl::StatusOr<Gpu> gpu = OpenGpu(); \

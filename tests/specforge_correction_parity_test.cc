@@ -18,8 +18,7 @@
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
 #include "heads/cpu_head.h"
-#include "io/npy.h"
-#include "losses/batch_layout.h"
+#include "tests/specforge_golden.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
 
@@ -73,72 +72,29 @@ enum DominoTerm {
   kDominoTerms,
 };
 
-struct Golden {
-  std::string name;
+struct Golden : SpecForgeBatch {
   bool domino = false;
-  v1::ObjectiveConfig config;
-  int64_t batch = 0, seq_len = 0, num_anchors = 0;
-  std::vector<int64_t> input_ids, anchors;
-  std::vector<uint8_t> loss_mask, keep;
-  std::vector<double> hidden, weight, teacher_hidden, grad_hidden;
+  std::vector<double> teacher_hidden;
   std::vector<double> z, correction_weight, grad_z, grad_correction_weight;
   std::vector<double> confidence, grad_confidence;
   std::vector<double> terms, position;
 };
 
-NpyArray Read(const std::string& dir, const std::string& name) {
-  absl::StatusOr<NpyArray> array = ReadNpy(absl::StrCat(dir, "/", name, ".npy"));
-  EXPECT_TRUE(array.ok()) << array.status();
-  return array.ok() ? *std::move(array) : NpyArray{};
-}
-
-// An optional file's values, empty when absent.
-std::vector<double> ReadIfThere(const std::string& dir,
-                                const std::string& name) {
-  if (!std::filesystem::exists(absl::StrCat(dir, "/", name, ".npy"))) {
-    return {};
-  }
-  return NpyToFloat64(Read(dir, name));
-}
-
-std::vector<uint8_t> ToBytes(const NpyArray& array) {
-  std::vector<uint8_t> out;
-  for (int64_t v : NpyToInt64(array)) out.push_back(static_cast<uint8_t>(v));
-  return out;
-}
-
 Golden Load(const std::filesystem::path& dir, bool domino) {
-  Golden g;
-  g.name = dir.filename().string();
-  g.domino = domino;
   const std::string d = dir.string();
-  absl::StatusOr<v1::ObjectiveConfig> config =
-      LoadObjectiveConfigFromFile(d + "/config.textproto");
-  EXPECT_TRUE(config.ok()) << config.status();
-  if (config.ok()) g.config = *config;
-  const NpyArray ids = Read(d, "input_ids");
-  const NpyArray anchors = Read(d, "anchors");
-  if (ids.shape.size() == 2 && anchors.shape.size() == 2) {
-    g.batch = ids.shape[0];
-    g.seq_len = ids.shape[1];
-    g.num_anchors = anchors.shape[1];
-  }
-  g.input_ids = NpyToInt64(ids);
-  g.anchors = NpyToInt64(anchors);
-  g.loss_mask = ToBytes(Read(d, "loss_mask"));
-  g.keep = ToBytes(Read(d, "keep"));
-  g.hidden = NpyToFloat64(Read(d, "hidden"));
-  g.weight = NpyToFloat64(Read(d, "weight"));
-  g.grad_hidden = NpyToFloat64(Read(d, "grad_hidden"));
-  g.teacher_hidden = ReadIfThere(d, "teacher_hidden");
-  g.z = ReadIfThere(d, "correction_inputs");
-  g.correction_weight = ReadIfThere(d, "correction_weight");
-  g.grad_z = ReadIfThere(d, "grad_correction_inputs");
-  g.grad_correction_weight = ReadIfThere(d, "grad_correction_weight");
-  g.confidence = ReadIfThere(d, "confidence_logits");
-  g.grad_confidence = ReadIfThere(d, "grad_confidence_logits");
-  g.terms = NpyToFloat64(Read(d, "terms"));
-  if (!domino) g.position = NpyToFloat64(Read(d, "position"));
+  Golden g;
+  static_cast<SpecForgeBatch&>(g) = LoadSpecForgeBatch(d);
+  g.domino = domino;
+  g.teacher_hidden = ReadOptionalGoldenValues(d, "teacher_hidden");
+  g.z = ReadOptionalGoldenValues(d, "correction_inputs");
+  g.correction_weight = ReadOptionalGoldenValues(d, "correction_weight");
+  g.grad_z = ReadOptionalGoldenValues(d, "grad_correction_inputs");
+  g.grad_correction_weight =
+      ReadOptionalGoldenValues(d, "grad_correction_weight");
+  g.confidence = ReadOptionalGoldenValues(d, "confidence_logits");
+  g.grad_confidence = ReadOptionalGoldenValues(d, "grad_confidence_logits");
+  g.terms = ReadGoldenValues(d, "terms");
+  if (!domino) g.position = ReadGoldenValues(d, "position");
   return g;
 }
 
@@ -168,14 +124,10 @@ std::vector<T> As(const std::vector<double>& values) {
 template <typename T>
 absl::StatusOr<CaseRun> RunGolden(const Golden& g,
                               const v1::ObjectiveConfig& config) {
-  const int64_t block_size = config.layout().block_size();
   const int64_t vocab = config.head().vocab_size();
   const int64_t hidden = config.head().hidden_size();
   const int64_t rank = config.head().correction_rank();
-  const TokenBatch tokens{g.batch, g.seq_len, g.input_ids, g.loss_mask};
-  absl::StatusOr<std::vector<RowMeta>> rows =
-      LabelRows(tokens, g.anchors, g.keep, g.num_anchors, block_size, vocab,
-                LossTraitsOf(config.loss()).labeling);
+  absl::StatusOr<std::vector<RowMeta>> rows = LabelSpecForgeBatch(g, config);
   if (!rows.ok()) return rows.status();
   const int64_t n = static_cast<int64_t>(rows->size());
   const std::vector<T> states = As<T>(g.hidden), weight = As<T>(g.weight),

@@ -15,8 +15,7 @@
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
 #include "heads/cpu_head.h"
-#include "io/npy.h"
-#include "losses/batch_layout.h"
+#include "tests/specforge_golden.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
 
@@ -65,13 +64,8 @@ enum Accepted {
 // rounding.
 constexpr double kFloat32Metric = 2e-6;
 
-struct Golden {
-  std::string name;
-  v1::ObjectiveConfig config;
-  int64_t batch = 0, seq_len = 0, num_anchors = 0;
-  std::vector<int64_t> input_ids, anchors;
-  std::vector<uint8_t> loss_mask, keep;
-  std::vector<double> hidden, weight, grad_hidden, terms, position, accepted;
+struct Golden : SpecForgeBatch {
+  std::vector<double> terms, position, accepted;
   std::vector<double> teacher_hidden;  // For the teacher diagnostics.
   // DFlash2 cases: SpecForge's selector terms. Their loss and gradient
   // include the stand-in selector's CE, which runs in the caller's
@@ -79,47 +73,15 @@ struct Golden {
   std::vector<double> selector;
 };
 
-NpyArray Read(const std::string& dir, const std::string& name) {
-  absl::StatusOr<NpyArray> array = ReadNpy(absl::StrCat(dir, "/", name, ".npy"));
-  EXPECT_TRUE(array.ok()) << array.status();
-  return array.ok() ? *std::move(array) : NpyArray{};
-}
-
-std::vector<uint8_t> ToBytes(const NpyArray& array) {
-  std::vector<uint8_t> out;
-  for (int64_t v : NpyToInt64(array)) out.push_back(static_cast<uint8_t>(v));
-  return out;
-}
-
 Golden Load(const std::filesystem::path& dir) {
-  Golden g;
-  g.name = dir.filename().string();
   const std::string d = dir.string();
-  absl::StatusOr<v1::ObjectiveConfig> config =
-      LoadObjectiveConfigFromFile(d + "/config.textproto");
-  EXPECT_TRUE(config.ok()) << config.status();
-  if (config.ok()) g.config = *config;
-  const NpyArray ids = Read(d, "input_ids");
-  const NpyArray anchors = Read(d, "anchors");
-  if (ids.shape.size() == 2 && anchors.shape.size() == 2) {
-    g.batch = ids.shape[0];
-    g.seq_len = ids.shape[1];
-    g.num_anchors = anchors.shape[1];
-  }
-  g.input_ids = NpyToInt64(ids);
-  g.anchors = NpyToInt64(anchors);
-  g.loss_mask = ToBytes(Read(d, "loss_mask"));
-  g.keep = ToBytes(Read(d, "keep"));
-  g.hidden = NpyToFloat64(Read(d, "hidden"));
-  g.weight = NpyToFloat64(Read(d, "weight"));
-  g.grad_hidden = NpyToFloat64(Read(d, "grad_hidden"));
-  g.teacher_hidden = NpyToFloat64(Read(d, "teacher_hidden"));
-  g.terms = NpyToFloat64(Read(d, "terms"));
-  g.position = NpyToFloat64(Read(d, "position"));
-  g.accepted = NpyToFloat64(Read(d, "accepted"));
-  if (std::filesystem::exists(d + "/selector.npy")) {
-    g.selector = NpyToFloat64(Read(d, "selector"));
-  }
+  Golden g;
+  static_cast<SpecForgeBatch&>(g) = LoadSpecForgeBatch(d);
+  g.teacher_hidden = ReadGoldenValues(d, "teacher_hidden");
+  g.terms = ReadGoldenValues(d, "terms");
+  g.position = ReadGoldenValues(d, "position");
+  g.accepted = ReadGoldenValues(d, "accepted");
+  g.selector = ReadOptionalGoldenValues(d, "selector");
   return g;
 }
 
@@ -141,13 +103,8 @@ struct HeadRun {
 template <typename T>
 absl::StatusOr<HeadRun> RunGolden(const Golden& g,
                                   const v1::ObjectiveConfig& config) {
-  const int64_t block_size = config.layout().block_size();
-  const int64_t vocab = config.head().vocab_size();
   const int64_t hidden = config.head().hidden_size();
-  const TokenBatch tokens{g.batch, g.seq_len, g.input_ids, g.loss_mask};
-  absl::StatusOr<std::vector<RowMeta>> rows =
-      LabelRows(tokens, g.anchors, g.keep, g.num_anchors, block_size, vocab,
-                LossTraitsOf(config.loss()).labeling);
+  absl::StatusOr<std::vector<RowMeta>> rows = LabelSpecForgeBatch(g, config);
   if (!rows.ok()) return rows.status();
   const std::vector<T> states(g.hidden.begin(), g.hidden.end());
   const std::vector<T> weight(g.weight.begin(), g.weight.end());

@@ -1,0 +1,45 @@
+#ifndef DFLASH_TESTS_SPECFORGE_GOLDEN_H_
+#define DFLASH_TESTS_SPECFORGE_GOLDEN_H_
+
+// What every SpecForge golden case holds (tools/specforge_goldens.py and
+// tools/specforge_dspark_goldens.py write it): its dflash config, the token
+// batch and anchors, the draft's states, the frozen lm_head and SpecForge's
+// d(loss)/d(states); and the batch labelled as the config's loss labels it.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "losses/row_meta.h"
+#include "proto/objective.pb.h"
+
+namespace dflash {
+
+struct SpecForgeBatch {
+  std::string name;
+  v1::ObjectiveConfig config;
+  int64_t batch = 0, seq_len = 0, num_anchors = 0;
+  std::vector<int64_t> input_ids, anchors;
+  std::vector<uint8_t> loss_mask, keep;
+  std::vector<double> hidden, weight, grad_hidden;
+};
+
+// `name`.npy of the case directory `dir` as float64 values; a missing or
+// bad file fails the test and gives none.
+std::vector<double> ReadGoldenValues(const std::string& dir,
+                                     const std::string& name);
+// The same, empty without a failure where the file is absent.
+std::vector<double> ReadOptionalGoldenValues(const std::string& dir,
+                                             const std::string& name);
+
+// The case in `dir`; a failure fails the test.
+SpecForgeBatch LoadSpecForgeBatch(const std::string& dir);
+
+// The case's rows, labelled as `config`'s loss labels them.
+absl::StatusOr<std::vector<RowMeta>> LabelSpecForgeBatch(
+    const SpecForgeBatch& batch, const v1::ObjectiveConfig& config);
+
+}  // namespace dflash
+
+#endif  // DFLASH_TESTS_SPECFORGE_GOLDEN_H_
