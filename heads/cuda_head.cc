@@ -40,10 +40,26 @@ class CudaHeadBackend final : public HeadBackend<T> {
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
     const v1::HeadConfig& head = config_.head();
+    // A trainable BF16 weight's gradient is summed over chunks in FP32 and
+    // rounded once, when scaled.
+    float* weight_sum = nullptr;
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (head.trainable()) {
+        DFLASH_ASSIGN_OR_RETURN(
+            TrackedBuffer<float> sum,
+            TrackedBuffer<float>::Create(
+                allocator(), head.vocab_size() * head.hidden_size()));
+        weight_sum_ = std::move(sum);
+        DFLASH_RETURN_IF_ERROR(
+            stream_.Zero(weight_sum_.data(), weight_sum_.bytes()));
+        weight_sum = weight_sum_.data();
+      }
+    }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<VocabProjection<T>> projection,
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
-                                head.vocab_size(), head.hidden_size(), blas_));
+                                head.vocab_size(), head.hidden_size(), blas_,
+                                weight_sum));
     projection_ = std::move(projection);
     if (const int64_t rank = head.correction_rank(); rank > 0) {
       // A BF16 correction weight's gradient is summed over chunks in FP32
@@ -246,7 +262,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
     } else {
       cuda::LaunchScale<T>(g.hidden.data(), g.hidden.size(), scale, stream);
     }
-    cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
+    if (weight_sum_.size() > 0) {
+      cuda::LaunchScaleToStorage<T>(weight_sum_.data(), weight_sum_.size(),
+                                    scale, g.weight.data(), stream);
+    } else {
+      cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
+    }
     cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
     cuda::LaunchScale<T>(g.correction_inputs.data(), g.correction_inputs.size(),
                          scale, stream);
@@ -275,8 +296,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
-  // A BF16 correction weight's gradient, summed in FP32.
-  TrackedBuffer<float> correction_sum_;
+  // A BF16 correction weight's and trainable weight's gradients, summed in
+  // FP32.
+  TrackedBuffer<float> correction_sum_, weight_sum_;
   std::unique_ptr<CudaChunkLoss<T>> loss_;
   TrackedBuffer<int64_t> active_;
   // By batch row: q (the batch-level LK lambda's factor, the accepted

@@ -55,7 +55,7 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
 // budget, everything with segment_chunks 0), and what backward recomputes
 // at once (a segment of chunks' dropped intermediates). RunHead's measured
 // peak stays within it; RunCudaHead's also holds the CUDA loss's per-row
-// scratch (about 100 bytes a row) and the projected-row index.
+// scratch (about 260 bytes a row) and the projected-row index.
 absl::StatusOr<int64_t> PredictPeakBytes(const v1::ObjectiveConfig& config,
                                          absl::Span<const RowMeta> rows,
                                          int64_t element_bytes);
