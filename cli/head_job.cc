@@ -420,7 +420,11 @@ void PrintReport(const HeadJobResult& job, const std::string& source,
       s.loss_seconds, seconds > 0 ? s.gemm_flops / seconds / 1e9 : 0);
   out << absl::StrFormat("  peak memory  %.1f MiB (tracking allocator)\n",
                          s.peak_bytes / 1048576.0);
-  out << "  BLAS         " << CpuBlasName() << "\n";
+  out << "  GEMMs on     " << s.gemm_library;
+  if (s.prepare_seconds > 0) {
+    out << absl::StrFormat(" (%.3f s)", s.prepare_seconds);
+  }
+  out << "\n";
   if (s.segment_recomputes > 0) {
     out << absl::StrFormat("  recomputed   %d segment(s)\n",
                            s.segment_recomputes);

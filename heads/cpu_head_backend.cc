@@ -296,6 +296,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   double loss_seconds() const override { return loss_seconds_; }
   double prepare_seconds() const override { return prepare_seconds_; }
+  std::string gemm_library() const override { return gemm_library_; }
 
  private:
   // The laid-out weight for a frozen float head (given, or made here when
@@ -319,6 +320,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
               "weight or bias than inputs.weight and inputs.bias (prepare "
               "it from the tensors the run reads)");
         }
+        gemm_library_ = absl::StrCat("oneDNN (", prepared->KernelName(),
+                                     "), the weight laid out by the caller");
         return prepared->NewProjection(threads_);
       }
       if (frozen_float && head.pack_weight()) {
@@ -329,6 +332,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
         if (own.ok()) {
           own_prepared_ = *std::move(own);
           prepare_seconds_ = own_prepared_->prepare_seconds();
+          gemm_library_ = absl::StrCat("oneDNN (", own_prepared_->KernelName(),
+                                       "), the weight laid out for this run");
           return own_prepared_->NewProjection(threads_);
         }
         if (own.status().code() != absl::StatusCode::kFailedPrecondition) {
@@ -336,6 +341,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
         }
       }
     }
+    gemm_library_ = CpuBlasName();
     return CreateCpuProjection<T>(in.weight, in.bias, head.vocab_size(),
                                   head.hidden_size());
   }
@@ -361,6 +367,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   std::vector<int32_t> row_argmax_, row_base_argmax_;
   double loss_seconds_ = 0;
   double prepare_seconds_ = 0;
+  std::string gemm_library_;
   std::unique_ptr<PreparedProjection> own_prepared_;  // Made for one run.
 };
 

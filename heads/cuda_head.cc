@@ -286,6 +286,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   }
 
   double loss_seconds() const override { return 0; }
+  std::string gemm_library() const override { return "cuBLAS"; }
 
  private:
   const v1::ObjectiveConfig& config_;

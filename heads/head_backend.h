@@ -89,6 +89,8 @@ class HeadBackend {
   virtual double loss_seconds() const = 0;
   // Seconds Start spent laying the weight out (0 where it did not).
   virtual double prepare_seconds() const { return 0; }
+  // What runs the projection's GEMMs.
+  virtual std::string gemm_library() const = 0;
 };
 
 // A RowError about batch row r named by its (b, n, k) (or (block, k) when

@@ -497,6 +497,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   stats.gemm_seconds = gemms.seconds;
   stats.loss_seconds = backend_.loss_seconds();
   stats.prepare_seconds = backend_.prepare_seconds();
+  stats.gemm_library = backend_.gemm_library();
   stats.filter_tiles = filter_tiles_;
   stats.filter_skipped_tiles = filter_skipped_;
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;

@@ -73,6 +73,7 @@ class ScriptedBackend final : public HeadBackend<double> {
     return absl::OkStatus();
   }
   double loss_seconds() const override { return 0; }
+  std::string gemm_library() const override { return "scripted"; }
 
  private:
   TrackingAllocator allocator_;

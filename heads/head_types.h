@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -83,6 +84,9 @@ struct HeadStats {
   double loss_seconds = 0;     // and in the loss row kernels.
   // Laying the frozen weight out for this run (0 when it was given).
   double prepare_seconds = 0;
+  // What ran the projection's GEMMs, e.g. "oneDNN (brg:avx512_core), the
+  // weight laid out once" or "OpenBLAS 0.3.21 (SkylakeX kernels)".
+  std::string gemm_library;
   // With head.gradient_filter: vocabulary tiles of the input-gradient
   // GEMMs, and those skipped.
   int64_t filter_tiles = 0;
