@@ -160,18 +160,6 @@ absl::StatusOr<CaseRun> RunGolden(const Golden& g,
   return run;
 }
 
-// Relative tolerance: float64 round-off, except where SpecForge builds its
-// decay weights in float32 (`.float()`): then float32's.
-double Tolerance(const v1::ObjectiveConfig& config) {
-  return LossParamsOf(config.loss()).gamma > 0 ? 3e-7 : 1e-12;
-}
-
-void ExpectNear(double actual, double expected, double tolerance,
-                const std::string& what) {
-  EXPECT_NEAR(actual, expected, tolerance * std::max(1.0, std::abs(expected)))
-      << what;
-}
-
 // The gradient against the golden's, where the golden has one (a
 // correction-free case has no z or M).
 void ExpectGradient(const std::vector<double>& got,
@@ -291,7 +279,7 @@ TEST(SpecForgeCorrectionParityTest, EveryModeAndChunkMatchesSpecForge) {
           config.mutable_head()->set_threads(threads);
           absl::StatusOr<CaseRun> run = RunGolden<double>(g, config);
           ASSERT_TRUE(run.ok()) << run.status();
-          const double tol = Tolerance(config);
+          const double tol = SpecForgeTolerance(config);
           if (g.domino) {
             CheckDomino(g, *run, tol);
           } else {

@@ -1,5 +1,7 @@
 #include "tests/specforge_golden.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -61,6 +63,16 @@ SpecForgeBatch LoadSpecForgeBatch(const std::string& dir) {
   g.weight = ReadGoldenValues(dir, "weight");
   g.grad_hidden = ReadGoldenValues(dir, "grad_hidden");
   return g;
+}
+
+double SpecForgeTolerance(const v1::ObjectiveConfig& config) {
+  return LossParamsOf(config.loss()).gamma > 0 ? 3e-7 : 1e-12;
+}
+
+void ExpectNear(double actual, double expected, double tolerance,
+                const std::string& what) {
+  EXPECT_NEAR(actual, expected, tolerance * std::max(1.0, std::abs(expected)))
+      << what;
 }
 
 absl::StatusOr<std::vector<RowMeta>> LabelSpecForgeBatch(

@@ -36,6 +36,15 @@ std::vector<double> ReadOptionalGoldenValues(const std::string& dir,
 // The case in `dir`; a failure fails the test.
 SpecForgeBatch LoadSpecForgeBatch(const std::string& dir);
 
+// The goldens' relative tolerance: float64 round-off, except where
+// SpecForge builds its decay weights in float32 (`.float()`) and dflash
+// keeps them in double: then float32's.
+double SpecForgeTolerance(const v1::ObjectiveConfig& config);
+
+// |actual - expected| within tolerance * max(1, |expected|), `what` named.
+void ExpectNear(double actual, double expected, double tolerance,
+                const std::string& what);
+
 // The case's rows, labelled as `config`'s loss labels them.
 absl::StatusOr<std::vector<RowMeta>> LabelSpecForgeBatch(
     const SpecForgeBatch& batch, const v1::ObjectiveConfig& config);

@@ -130,19 +130,6 @@ absl::StatusOr<HeadRun> RunGolden(const Golden& g,
   return run;
 }
 
-// Relative tolerance: float64 round-off, except where SpecForge rounds its
-// decay weights exp(-max(k - 1, 0) / gamma) to float32 (it builds them
-// with `.float()`) and dflash keeps them in double: then float32's.
-double Tolerance(const v1::ObjectiveConfig& config) {
-  return LossParamsOf(config.loss()).gamma > 0 ? 3e-7 : 1e-12;
-}
-
-void ExpectNear(double actual, double expected, double tolerance,
-                const std::string& what) {
-  EXPECT_NEAR(actual, expected, tolerance * std::max(1.0, std::abs(expected)))
-      << what;
-}
-
 TEST(SpecForgeParityTest, GoldensAreThere) {
   const std::vector<Golden> goldens = LoadAll();
   EXPECT_GE(goldens.size(), 14u);
@@ -182,7 +169,7 @@ TEST(SpecForgeParityTest, EveryModeAndChunkMatchesSpecForge) {
           absl::StatusOr<HeadRun> run = RunGolden<double>(g, config);
           ASSERT_TRUE(run.ok()) << run.status();
           const HeadResult& r = run->result;
-          const double tol = Tolerance(config);
+          const double tol = SpecForgeTolerance(config);
           const bool selector = !g.selector.empty();
           if (!selector) {
             ExpectNear(r.loss, g.terms[kLoss], tol, "loss");
