@@ -137,15 +137,15 @@ class PackedProjection final : public VocabProjection<float> {
     Count(m, Since(start));
   }
 
-  // Over part of the vocabulary, on the weight as it is: the filter's
-  // ranges are not the layout's blocks.
+  // Over part of the vocabulary, on the weight as it is (OpenBLAS, on the
+  // threads the head set for it): the filter's ranges are not the layout's
+  // blocks.
   void InputGradientColumns(const float* grad_logits, int64_t m, int64_t begin,
                             int64_t end, bool accumulate,
                             float* grad_rows) override {
     if (m == 0 || end <= begin || !status_.ok()) return;
     const int64_t v = vocab(), h = hidden();
     const auto start = std::chrono::steady_clock::now();
-    openblas_set_num_threads(threads_ > 0 ? threads_ : omp_get_num_procs());
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, h, end - begin,
                 1.0f, grad_logits + begin, v, impl_.weight.data() + begin * h,
                 h, accumulate ? 1.0f : 0.0f, grad_rows, h);

@@ -218,15 +218,17 @@ SoftmaxDistance DistanceToTeacher(absl::Span<const W> z, const RowStats& stats,
   return distance;
 }
 
-// DSpark's L1 between draft and teacher softmax, and its gradient times
-// l1_coefficient added to the softmax-family gradient `grad`, written into z.
+// The gradient of DSpark's L1 between draft and teacher softmax (its
+// `distance`, DistanceToTeacher's) times l1_coefficient, added to the
+// softmax-family gradient `grad`, written into z.
 template <typename W>
-double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
-                   absl::Span<const W> t, const RowStats& teacher_stats,
-                   const SoftmaxGradient& grad, double l1_coefficient) {
+void WriteDSparkGradient(absl::Span<W> z, int32_t target,
+                         const RowStats& stats, absl::Span<const W> t,
+                         const RowStats& teacher_stats,
+                         const SoftmaxDistance& distance,
+                         const SoftmaxGradient& grad, double l1_coefficient) {
   const int64_t vocab = static_cast<int64_t>(z.size());
-  const auto [l1, signed_mass] =
-      DistanceToTeacher<W>(z, stats, t, teacher_stats);
+  const double signed_mass = distance.signed_mass;
   // d|p - t|_1 / dz_v = p_v (sign_v - sum_w p_w sign_w).
   const double uniform = grad.uniform / static_cast<double>(vocab);
   for (int64_t v = 0; v < vocab; ++v) {
@@ -236,7 +238,6 @@ double DSparkL1Row(absl::Span<W> z, int32_t target, const RowStats& stats,
                                                  signed_mass, uniform, p, d));
   }
   z[target] = static_cast<W>(z[target] - grad.target);
-  return l1;
 }
 
 // D-PARD's Renyi divergence of order 1/2, R = -2 log sum_v sqrt(p_v t_v),
@@ -737,17 +738,18 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     return absl::OkStatus();
   };
 
-  // DSpark's rows with a teacher: its stats and each row's acceptance
-  // clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
+  // DSpark's rows with a teacher: its stats, the softmax distance and each
+  // row's acceptance clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
   std::vector<RowStats> teacher_stats(traits.needs_teacher ? num_rows : 0);
+  std::vector<SoftmaxDistance> distances(traits.needs_teacher ? num_rows : 0);
   std::vector<double> accept(num_rows, 0.0);
   auto distance = [&](int64_t r, absl::Span<const W> z,
                       absl::Span<const W> t) -> absl::Status {
     absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
     if (!teacher.ok()) return TeacherError(teacher.status());
     teacher_stats[r] = *teacher;
-    accept[r] = DSparkAcceptance(
-        DistanceToTeacher<W>(z, stats[r], t, *teacher).l1);
+    distances[r] = DistanceToTeacher<W>(z, stats[r], t, *teacher);
+    accept[r] = DSparkAcceptance(distances[r].l1);
     return absl::OkStatus();
   };
 
@@ -870,8 +872,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     }
 
     // DSpark's teacher terms, and its confidence term from the acceptance.
+    absl::Span<const W> t;  // The teacher's z', for DSpark's gradient.
     if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
-      absl::Span<const W> t = source.Teacher(r);
+      t = source.Teacher(r);
       if (!p.dpard) DFLASH_RETURN_IF_ERROR(distance(r, z, t));
       const RowStats& teacher = teacher_stats[r];
       terms.teacher_top1 +=
@@ -934,8 +937,9 @@ absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
 
     if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
       const double l1_coefficient = w * p.l1_weight;
-      const double l1 = DSparkL1Row<W>(z, meta.target, s, source.Teacher(r),
-                                       teacher_stats[r], grad, l1_coefficient);
+      const double l1 = distances[r].l1;
+      WriteDSparkGradient<W>(z, meta.target, s, t, teacher_stats[r],
+                             distances[r], grad, l1_coefficient);
       bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
       terms.loss_num += l1_coefficient * l1;
       if (p.l1_weight > 0) terms.l1_num += w * l1;

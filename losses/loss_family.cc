@@ -76,7 +76,7 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       traits.name = "domino";
       traits.splits_correction = true;
       traits.labeling =
-          loss.decay_from == 0 ? Labeling::kShifted : Labeling::kDFlash;
+          loss.shift_label ? Labeling::kShifted : Labeling::kDFlash;
       break;
     case LossFamily::kDistillation:
       traits.name = "distillation";
@@ -152,6 +152,7 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
       p.family = LossFamily::kDomino;
       decay(d, d.shift_label() ? 0 : 1);
       p.lambda_base = d.lambda_base();
+      p.shift_label = d.shift_label();
       p.suffix_start = d.pure_draft_prefix_len() + (d.shift_label() ? 0 : 1);
       break;
     }

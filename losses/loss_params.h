@@ -60,9 +60,11 @@ struct LossParams {
   double ce_weight = 1, l1_weight = 0, confidence_weight = 0;
   bool dpard = false;
   double dpard_alpha = 0.5;
-  // Domino: the base loss's share, and the first block position the head's
-  // correction applies at (the loss reads base and correction logits apart).
+  // Domino: the base loss's share, whether slot k predicts anchor + 1 + k
+  // (shift_label), and the first block position the head's correction
+  // applies at (the loss reads base and correction logits apart).
   double lambda_base = 0;
+  bool shift_label = false;
   int32_t suffix_start = 0;
   // Distillation.
   Divergence divergence = Divergence::kForwardKl;

@@ -285,7 +285,7 @@ def import_specforge(root):
     try:
         import triton  # noqa: F401  (domino_loss.py imports it at load)
     except ImportError:
-        _stub_triton()
+        _install_triton_stand_in()
     family = importlib.import_module(
         "specforge.algorithms.common.dflash_family_model")
     dspark = importlib.import_module("specforge.modeling.draft.dspark")
@@ -294,8 +294,9 @@ def import_specforge(root):
     return family, dspark, domino, domino_loss
 
 
-def _stub_triton():
-    """Enough of triton for domino_loss.py to load (its kernels never run)."""
+def _install_triton_stand_in():
+    """A stand-in triton module with what domino_loss.py reads at import
+    time; its kernels are never run (SPECFORGE_DOMINO_TRITON_CE=0)."""
     triton = types.ModuleType("triton")
     language = types.ModuleType("triton.language")
     triton.jit = lambda fn: fn
@@ -403,6 +404,34 @@ class Captures:
         self.tensors.append(output)
 
 
+def objective_model(model_class, draft, lm_head, embed, **kwargs):
+    """SpecForge's objective (OnlineDSparkModel or OnlineDominoModel) around
+    the draft head, in one objective chunk (no checkpoint, so the gradient
+    hooks see each tensor once)."""
+    return model_class(
+        draft_model=draft,
+        target_lm_head=lm_head,
+        target_embed_tokens=embed,
+        mask_token_id=0,
+        block_size=K,
+        attention_backend="sdpa",
+        num_anchors=N,
+        objective_chunk_blocks=0,
+        **kwargs,
+    )
+
+
+def fix_draft_blocks(model, anchors, keep, hidden):
+    """The draft's forward replaced by the batch's anchors and states;
+    returns the states (a leaf with a gradient), anchors and keep."""
+    states = torch.from_numpy(hidden).clone().requires_grad_(True)
+    anchor_t = torch.from_numpy(anchors)
+    keep_t = torch.from_numpy(keep).bool()
+    model._forward_draft_blocks = (
+        lambda *args, **kw: (anchor_t, keep_t, states))
+    return states, anchor_t, keep_t
+
+
 def fmt(value):
     return f"{value:g}"
 
@@ -414,22 +443,9 @@ def run_dspark(family, dspark, batch, name, kwargs, dflash_config,
     init_parameters(draft, seed)
     lm_head = LmHead(weight)
     embed = torch.nn.Embedding(V, H, dtype=torch.float64).requires_grad_(False)
-    model = family.OnlineDSparkModel(
-        draft_model=draft,
-        target_lm_head=lm_head,
-        target_embed_tokens=embed,
-        mask_token_id=0,
-        block_size=K,
-        attention_backend="sdpa",
-        num_anchors=N,
-        objective_chunk_blocks=0,
-        **kwargs,
-    )
-    states = torch.from_numpy(hidden).clone().requires_grad_(True)
-    anchor_t = torch.from_numpy(anchors)
-    keep_t = torch.from_numpy(keep).bool()
-    model._forward_draft_blocks = (
-        lambda *args, **kw: (anchor_t, keep_t, states))
+    model = objective_model(family.OnlineDSparkModel, draft, lm_head, embed,
+                            **kwargs)
+    states, anchor_t, keep_t = fix_draft_blocks(model, anchors, keep, hidden)
     correction = Captures()
     confidence = Captures()
     if draft.markov_head is not None:
@@ -571,23 +587,10 @@ def run_domino(family, domino, batch, name, dflash_config, lambda_base,
     kwargs = dict(shift_label=draft.shift_label)
     if gamma is not None:
         kwargs["loss_decay_gamma"] = gamma
-    model = family.OnlineDominoModel(
-        draft_model=draft,
-        target_lm_head=lm_head,
-        target_embed_tokens=embed,
-        mask_token_id=0,
-        block_size=K,
-        attention_backend="sdpa",
-        num_anchors=N,
-        objective_chunk_blocks=0,
-        **kwargs,
-    )
+    model = objective_model(family.OnlineDominoModel, draft, lm_head, embed,
+                            **kwargs)
     assert not model._use_fused_domino_ce, "set SPECFORGE_DOMINO_TRITON_CE=0"
-    states = torch.from_numpy(hidden).clone().requires_grad_(True)
-    anchor_t = torch.from_numpy(anchors)
-    keep_t = torch.from_numpy(keep).bool()
-    model._forward_draft_blocks = (
-        lambda *args, **kw: (anchor_t, keep_t, states))
+    states, _, _ = fix_draft_blocks(model, anchors, keep, hidden)
     correction = Captures()
     draft.embed_proj[2].register_forward_pre_hook(correction.pre_hook)
     chunk_terms = []
