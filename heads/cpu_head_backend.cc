@@ -149,11 +149,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
-    // The teacher acceptance: the diagnostics', or DSpark's own (its tau).
-    const bool accepts = config_.head().teacher_diagnostics() ||
-                         (params_.family == LossFamily::kDSpark &&
-                          traits_.needs_teacher);
-    row_teacher_.assign(accepts ? rows : 0, 0.0);
+    row_teacher_.assign(RecordsTeacherAcceptance(config_) ? rows : 0, 0.0);
     const bool greedy = params_.family == LossFamily::kDomino;
     row_argmax_.assign(greedy ? rows : 0, -1);
     row_base_argmax_.assign(greedy ? rows : 0, -1);
@@ -258,11 +254,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   absl::StatusOr<ChunkTerms> Terms() override {
     ChunkTerms terms = terms_;
-    // DSpark's labels supervise the anchor's slot too.
-    const int64_t first = traits_.labeling == Labeling::kDFlash ? 1 : 0;
     terms.accepted_length =
         AcceptedLengths(spec_.inputs->rows, row_q_, row_rank_, row_teacher_,
-                        options_.block_size, first);
+                        options_.block_size, traits_.first_accepted_position);
     if (!row_argmax_.empty()) {
       AddGreedyAcceptedLengths(spec_.inputs->rows, row_argmax_,
                                row_base_argmax_, options_.block_size,

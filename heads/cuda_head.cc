@@ -17,6 +17,7 @@
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
+#include "proto/config.h"
 
 namespace dflash {
 namespace {
@@ -126,9 +127,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
       row_rank_ = std::move(rank);
       cuda::LaunchFillInt32(row_rank_.data(), rows, -1, stream_.stream());
     }
-    // The teacher acceptance: the diagnostics', or DSpark's own (its tau).
-    if (head.teacher_diagnostics() ||
-        (traits_.labeling == Labeling::kDSpark && traits_.needs_teacher)) {
+    if (RecordsTeacherAcceptance(config_)) {
       DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> teacher,
                               TrackedBuffer<double>::Create(allocator(), rows));
       row_teacher_ = std::move(teacher);
@@ -221,12 +220,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
         stream_.CopyToHost(rank.data(), row_rank_.data(), row_rank_.bytes()));
     DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
         teacher.data(), row_teacher_.data(), row_teacher_.bytes()));
-    // DSpark's labels supervise the anchor's slot too.
-    const int64_t first =
-        LossTraitsOf(config_.loss()).labeling == Labeling::kDFlash ? 1 : 0;
-    terms.accepted_length =
-        AcceptedLengths(spec_.inputs->rows, q, rank, teacher,
-                        config_.layout().block_size(), first);
+    terms.accepted_length = AcceptedLengths(
+        spec_.inputs->rows, q, rank, teacher, config_.layout().block_size(),
+        traits_.first_accepted_position);
     if (row_argmax_.size() > 0) {
       std::vector<int32_t> argmax(row_argmax_.size()),
           base_argmax(row_base_argmax_.size());

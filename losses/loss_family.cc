@@ -87,6 +87,9 @@ LossTraits LossTraitsOf(const LossParams& loss) {
       break;
   }
   if (loss.lk == LkMode::kTv) traits.has_cross_entropy = false;
+  traits.first_accepted_position = traits.labeling == Labeling::kDFlash ? 1 : 0;
+  traits.accepts_teacher =
+      loss.family == LossFamily::kDSpark && traits.needs_teacher;
   traits.couples_blocks = CouplesBlocks(loss);
   return traits;
 }

@@ -31,6 +31,12 @@ struct LossTraits {
   bool splits_correction = false;
   // How the batch layout labels its rows for this family.
   Labeling labeling = Labeling::kDFlash;
+  // The first block position the accepted lengths count: 1 under DFlash's
+  // labels (position 0 is the anchor), 0 where slot 0 is supervised.
+  int64_t first_accepted_position = 1;
+  // Computes each row's teacher acceptance itself (DSpark with a teacher),
+  // whose chain over the block is its tau.
+  bool accepts_teacher = false;
 };
 
 LossTraits LossTraitsOf(const LossParams& loss);

@@ -424,6 +424,11 @@ bool ProjectsTeacher(const v1::ObjectiveConfig& config) {
   return LossNeedsTeacher(config.loss()) || config.head().teacher_diagnostics();
 }
 
+bool RecordsTeacherAcceptance(const v1::ObjectiveConfig& config) {
+  return config.head().teacher_diagnostics() ||
+         LossTraitsOf(config.loss()).accepts_teacher;
+}
+
 bool SplitsCorrection(const v1::ObjectiveConfig& config) {
   return config.head().correction_rank() > 0 &&
          LossTraitsOf(config.loss()).splits_correction;

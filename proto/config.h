@@ -87,6 +87,10 @@ bool LossNeedsTeacher(const v1::LossConfig& loss);
 // reads them, or for head.teacher_diagnostics.
 bool ProjectsTeacher(const v1::ObjectiveConfig& config);
 
+// Whether the head records each row's teacher acceptance: for
+// head.teacher_diagnostics, or a loss that computes it (DSpark's tau).
+bool RecordsTeacherAcceptance(const v1::ObjectiveConfig& config);
+
 // Whether the head keeps its correction's logits apart from the base logits
 // (a loss that reads both, Domino's): a second V-wide buffer per chunk, and
 // two logits gradients.
