@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
     TopKValueGradientKernel(const T* hidden, const T* weight,
                             const int32_t* ids, const float* values,
                             const float* grad_values, int32_t k, int64_t width,
-                            float scale, float cap, T* grad_hidden,
+                            LogitTransform transform, T* grad_hidden,
                             T* grad_weight, T* grad_bias) {
   const int64_t r = blockIdx.x;
   const int32_t* row_ids = ids + r * k;
@@ -148,8 +148,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int32_t j = 0; j < k; ++j) {
       const int32_t id = row_ids[j];
       if (id < 0) continue;
-      const float c = ChainTransformedLogit<float>(
-          grad_values[r * k + j], values[r * k + j], scale, cap);
+      // In double, as the CPU's AddTopKValueGradients.
+      const float c = static_cast<float>(
+          transform.Chain(grad_values[r * k + j], values[r * k + j]));
       sum += c * ToF(weight[int64_t{id} * width + h]);
       if (grad_weight != nullptr) {
         AtomicAdd(grad_weight + int64_t{id} * width + h, c * x);
@@ -174,8 +175,8 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
   TopKValueGradientKernel<T>
       <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
           hidden, weight, ids, values, grad_values, k, width,
-          static_cast<float>(logit_scale), static_cast<float>(logit_softcap),
-          grad_hidden, grad_weight, grad_bias);
+          LogitTransform(logit_scale, logit_softcap), grad_hidden, grad_weight,
+          grad_bias);
 }
 
 template <typename T>

@@ -71,15 +71,15 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
       grad_values.size(), k));
   const bool trainable = head.trainable();
   const bool bias = trainable && !gradients.bias.empty();
-  const double scale = head.logit_scale(), cap = head.logit_softcap();
+  const LogitTransform transform(head.logit_scale(), head.logit_softcap());
   for (int64_t r = 0; r < rows; ++r) {
     T* dh = gradients.hidden.data() + r * h;
     const T* x = inputs.hidden.data() + r * h;
     for (int32_t j = 0; j < k; ++j) {
       const int32_t id = ids[r * k + j];
       if (id < 0) continue;
-      const T c = static_cast<T>(ChainTransformedLogit<double>(
-          grad_values[r * k + j], values[r * k + j], scale, cap));
+      const T c = static_cast<T>(
+          transform.Chain(grad_values[r * k + j], values[r * k + j]));
       if (c == T(0)) continue;
       const T* w = inputs.weight.data() + int64_t{id} * h;
       for (int64_t i = 0; i < h; ++i) dh[i] += c * w[i];

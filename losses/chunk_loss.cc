@@ -59,7 +59,8 @@ class RowSource {
       : inputs_(inputs),
         scale_(options.logit_scale),
         softcap_(options.logit_softcap),
-        identity_(options.logit_softcap == 0 && options.logit_scale == 1),
+        transform_(options.logit_scale, options.logit_softcap),
+        identity_(transform_.identity()),
         transformed_(inputs.rows.size(), false) {
     if constexpr (!std::is_same_v<T, W>) draft_.resize(inputs.vocab);
     if (!inputs.teacher_logits.empty() &&
@@ -110,8 +111,8 @@ class RowSource {
                              double bound) {
     if (softcap_ > 0) {
       for (size_t v = 0; v < grad.size(); ++v) {
-        grad[v] = static_cast<W>(ChainTransformedLogit<double>(
-            grad[v], transformed_copy_[v], scale_, softcap_));
+        grad[v] =
+            static_cast<W>(transform_.Chain(grad[v], transformed_copy_[v]));
       }
     } else if (scale_ != 1) {
       for (W& g : grad) g = static_cast<W>(g * scale_);
@@ -140,18 +141,14 @@ class RowSource {
 
  private:
   void Transform(absl::Span<W> row) const {
-    if (softcap_ > 0) {
-      for (W& x : row) {
-        x = static_cast<W>(TransformLogit<double>(x, scale_, softcap_));
-      }
-    } else if (scale_ != 1) {
-      for (W& x : row) x = static_cast<W>(scale_ * x);
-    }
+    if (identity_) return;
+    for (W& x : row) x = static_cast<W>(transform_(x));
   }
 
   const ChunkLossInputs<T>& inputs_;
   const double scale_;
   const double softcap_;
+  const LogitTransform transform_;
   const bool identity_;
   std::vector<bool> transformed_;
   std::vector<W> draft_, teacher_, transformed_copy_;
@@ -441,8 +438,7 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
                                        const ChunkLossOutputs& outputs) {
   using W = Work<T>;
   const int64_t vocab = inputs.vocab;
-  const W scale = static_cast<W>(options.logit_scale);
-  const W cap = static_cast<W>(options.logit_softcap);
+  const LogitTransform transform(options.logit_scale, options.logit_softcap);
   std::vector<W> base(vocab), final(vocab);
   ChunkTerms terms = ChunkTerms::Zero(options.block_size);
   for (int64_t r = 0; r < static_cast<int64_t>(inputs.rows.size()); ++r) {
@@ -463,8 +459,8 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
                                     b + static_cast<W>(
                                             AsDouble(correction_row[v])))))
                               : b;
-      base[v] = TransformLogit<W>(b, scale, cap);
-      final[v] = TransformLogit<W>(sum, scale, cap);
+      base[v] = static_cast<W>(transform(b));
+      final[v] = static_cast<W>(transform(sum));
     }
     DFLASH_ASSIGN_OR_RETURN(
         const RowStats s,
@@ -502,12 +498,10 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
     bool finite = true;
     for (int64_t v = 0; v < vocab; ++v) {
       const double onehot = v == meta.target;
-      const double d_final = ChainTransformedLogit<double>(
-          g_final * (std::exp(final[v] - s.logsumexp) - onehot), final[v],
-          options.logit_scale, options.logit_softcap);
-      const double d_base = ChainTransformedLogit<double>(
-          g_base * (std::exp(base[v] - sb.logsumexp) - onehot), base[v],
-          options.logit_scale, options.logit_softcap);
+      const double d_final = transform.Chain(
+          g_final * (std::exp(final[v] - s.logsumexp) - onehot), final[v]);
+      const double d_base = transform.Chain(
+          g_base * (std::exp(base[v] - sb.logsumexp) - onehot), base[v]);
       const W stored = static_cast<W>(d_final + d_base);
       finite = finite && std::isfinite(stored);
       base_row[v] = FromDouble<T>(stored);

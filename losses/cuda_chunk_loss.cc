@@ -123,7 +123,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
                                       " is outside [0, ", vocab, ")"));
     }
     rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
-               static_cast<float>(RowLossWeight(loss, meta.position, mask))};
+               RowLossWeight(loss, meta.position, mask)};
   }
   std::vector<int32_t> block_begin;
   if (CouplesBlocks(loss)) {
@@ -228,18 +228,21 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   s.rows.clear();
   s.block_begins.clear();
   if (error != cuda::kNoError) {
-    const int64_t row = static_cast<int64_t>(error / 4);
-    switch (static_cast<int>(error % 4)) {
+    const cuda::ReportedError e = cuda::DecodeErrorCode(error);
+    switch (e.kind) {
       case cuda::kTeacherNotFinite:
-        return RowError(row, "a teacher logit is not finite");
+        return RowError(e.row, absl::StrCat("teacher logits: logit ", e.logit,
+                                            " is not finite (", e.value, ")"));
       case cuda::kConfidenceNotFinite:
-        return RowError(row, "confidence logit is not finite");
+        return RowError(e.row, absl::StrCat("confidence logit is not finite (",
+                                            e.value, ")"));
       case cuda::kGradientNotFinite:
-        return RowError(row,
+        return RowError(e.row,
                         "d(loss)/d(logits) overflows float32; masks and loss "
                         "weights this large need rescaling");
       default:
-        return RowError(row, "a logit is not finite");
+        return RowError(e.row, absl::StrCat("logit ", e.logit,
+                                            " is not finite (", e.value, ")"));
     }
   }
   std::vector<double> totals(s.totals.size());

@@ -12,6 +12,7 @@
 #include "base/bfloat16.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_math.h"
+#include "losses/top_k_cursor.h"
 
 namespace dflash {
 namespace cuda {
@@ -32,18 +33,20 @@ __device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
   return ToBFloat16(f);
 }
 
-// z -> z' (logit scale and tanh softcap) and its chain rule.
+// z -> z' (logit scale and tanh softcap) and its chain rule, in double
+// and rounded to float, as the CPU's float rows take them.
 struct Transform {
   __device__ __forceinline__ explicit Transform(const ChunkLossOptions& o)
-      : scale(static_cast<float>(o.logit_scale)),
-        cap(static_cast<float>(o.logit_softcap)) {}
-  float scale, cap;
+      : transform(o.logit_scale, o.logit_softcap),
+        identity(transform.identity()) {}
+  LogitTransform transform;
+  bool identity;
   __device__ __forceinline__ float operator()(float z) const {
-    return TransformLogit(z, scale, cap);
+    return identity ? z : static_cast<float>(transform(z));
   }
   // d/dz from d/dz', given z'.
   __device__ __forceinline__ float Chain(float g, float zp) const {
-    return ChainTransformedLogit(g, zp, scale, cap);
+    return identity ? g : static_cast<float>(transform.Chain(g, zp));
   }
 };
 
@@ -175,8 +178,24 @@ __device__ __forceinline__ Pair AddPairs(Pair x, Pair y) {
 }
 
 __device__ __forceinline__ void ReportError(unsigned long long* error,
-                                            int64_t row, ErrorKind kind) {
-  atomicMin(error, static_cast<unsigned long long>(row) * 4 + kind);
+                                            int64_t row, ErrorKind kind,
+                                            int64_t logit = 0,
+                                            float value = 0) {
+  atomicMin(error, ErrorCode(row, kind, logit, value));
+}
+
+// Reports the first i < n whose value_at(i) is not finite (the row's first
+// bad logit, which the CPU's message names); every thread calls it.
+template <typename F>
+__device__ void ReportFirstNonFinite(unsigned long long* error, int64_t row,
+                                     ErrorKind kind, int64_t n, F&& value_at) {
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const float x = value_at(i);
+    if (!isfinite(x)) {
+      ReportError(error, row, kind, i, x);
+      return;
+    }
+  }
 }
 
 __device__ __forceinline__ int64_t OutRow(const int64_t* out_rows, int64_t r) {
@@ -192,17 +211,16 @@ __device__ __forceinline__ bool TeacherMetrics(const KernelParams& p,
          p.loss.family != LossFamily::kDomino;
 }
 
-// Online logsumexp at two temperatures (1 and 1/inv_t), argmax (first
-// index), sum, and a finiteness flag, over this thread's elements.
+// Online logsumexp (and, `tempered`, at 1/inv_t too), argmax (first index
+// of the maximum), sum, and a finiteness flag, over this thread's elements.
 struct Online {
-  float max = -FLT_MAX;
+  // -inf, so a row whose largest value is -FLT_MAX still gets its first
+  // index, as on the CPU.
+  float max = -INFINITY;
+  int32_t argmax = INT32_MAX;
   float sum = 0;    // Sum of exp(x - max).
   float sum_t = 0;  // Sum of exp((x - max) * inv_t).
   float total = 0;  // Sum of x.
-  // -inf, so a row whose largest value is -FLT_MAX still gets its first
-  // index, as on the CPU.
-  float best = -INFINITY;
-  int32_t argmax = INT32_MAX;
   int32_t bad = 0;
 };
 
@@ -210,19 +228,16 @@ __device__ __forceinline__ void Add(Online& s, int64_t i, float x, float inv_t,
                                     bool tempered) {
   s.bad |= !isfinite(x);
   if (x > s.max) {
-    const float shift = s.max - x;
+    const float shift = s.max - x;  // -inf at the first element: exp is 0.
     s.sum = s.sum * expf(shift) + 1;
     if (tempered) s.sum_t = s.sum_t * expf(shift * inv_t) + 1;
     s.max = x;
+    s.argmax = static_cast<int32_t>(i);
   } else {
     s.sum += expf(x - s.max);
     if (tempered) s.sum_t += expf((x - s.max) * inv_t);
   }
   s.total += x;
-  if (x > s.best) {
-    s.best = x;
-    s.argmax = static_cast<int32_t>(i);
-  }
 }
 
 __device__ __forceinline__ Online Merge(Online a, Online b, float inv_t,
@@ -230,19 +245,13 @@ __device__ __forceinline__ Online Merge(Online a, Online b, float inv_t,
   Online m;
   m.bad = a.bad | b.bad;
   m.total = a.total + b.total;
-  if (b.best > a.best || (b.best == a.best && b.argmax < a.argmax)) {
-    m.best = b.best;
-    m.argmax = b.argmax;
-  } else {
-    m.best = a.best;
-    m.argmax = a.argmax;
-  }
-  if (a.max < b.max) {
+  if (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) {
     const Online t = a;
     a = b;
     b = t;
   }
   m.max = a.max;
+  m.argmax = a.argmax;
   if (b.sum == 0) {
     m.sum = a.sum;
     m.sum_t = a.sum_t;
@@ -262,50 +271,98 @@ __global__ void __launch_bounds__(kThreads)
   const Row meta = a.meta[r];
   if (meta.mask == 0) return;
   const int64_t v = p.vocab;
+  const int64_t out = OutRow(a.out_rows, r);
   const Transform transform(p.options);
   const bool distill = p.loss.family == LossFamily::kDistillation;
   const float inv_t = static_cast<float>(p.loss.inv_temperature);
+  // A second exponential sum only at a temperature other than 1.
+  const bool tempered = distill && inv_t != 1.0f;
+  const T* z_row = a.logits + r * v;
   __shared__ float target;
   Online s;
-  ForRow(a.logits + r * v, v, [&](int64_t i, float x) {
+  ForRow(z_row, v, [&](int64_t i, float x) {
     const float z = transform(x);
-    Add(s, i, z, inv_t, distill);
+    Add(s, i, z, inv_t, tempered);
     if (i == meta.target) target = z;
   });
   s = BlockReduce(
-      s, [&](Online x, Online y) { return Merge(x, y, inv_t, distill); });
+      s, [&](Online x, Online y) { return Merge(x, y, inv_t, tempered); });
+  if (s.bad) {
+    ReportFirstNonFinite(a.error, out, kLogitNotFinite, v,
+                         [&](int64_t i) { return transform(ToF(z_row[i])); });
+  }
+  // The teacher's statistics where the loss reads them, as on the CPU:
+  // distillation and DSpark skip rows without weight.
+  const bool teacher =
+      a.teacher != nullptr &&
+      (p.loss.dpard || TeacherMetrics(p, a) || meta.weight != 0);
+  const float teacher_inv_t = distill ? inv_t : 1.0f;
+  const bool teacher_tempered = teacher_inv_t != 1.0f;
   Online t;
-  if (a.teacher != nullptr) {
-    const float teacher_inv_t = distill ? inv_t : 1.0f;
-    ForRow(a.teacher + r * v, v, [&](int64_t i, float x) {
-      Add(t, i, transform(x), teacher_inv_t, true);
+  if (teacher) {
+    const T* t_row = a.teacher + r * v;
+    ForRow(t_row, v, [&](int64_t i, float x) {
+      Add(t, i, transform(x), teacher_inv_t, teacher_tempered);
     });
     t = BlockReduce(t, [&](Online x, Online y) {
-      return Merge(x, y, teacher_inv_t, true);
+      return Merge(x, y, teacher_inv_t, teacher_tempered);
     });
+    if (t.bad) {
+      ReportFirstNonFinite(a.error, out, kTeacherNotFinite, v,
+                           [&](int64_t i) { return transform(ToF(t_row[i])); });
+    }
   }
   if (threadIdx.x != 0) return;
-  const int64_t out = OutRow(a.out_rows, r);
-  if (s.bad) ReportError(a.error, out, kLogitNotFinite);
-  if (t.bad) ReportError(a.error, out, kTeacherNotFinite);
   RowStats& stats = a.stats[r];
   stats.max = s.max;
   stats.log_sum = logf(s.sum);
-  stats.lse_t = distill ? s.max * inv_t + logf(s.sum_t) : 0;
+  if (distill) {
+    stats.lse_t =
+        tempered ? s.max * inv_t + logf(s.sum_t) : s.max + stats.log_sum;
+  }
   stats.target = target;
   stats.sum = s.total;
   stats.argmax = s.argmax;
-  if (a.teacher != nullptr) {
-    stats.t_lse = t.max * (distill ? inv_t : 1.0f) + logf(t.sum_t);
+  if (teacher) {
+    stats.t_lse = teacher_tempered ? t.max * teacher_inv_t + logf(t.sum_t)
+                                   : t.max + logf(t.sum);
     stats.t_argmax = t.argmax;
   }
 }
 
+// The block's first candidate in the row's order (Precedes); every thread
+// gets it. Warp shuffles, then the warps' firsts: two barriers.
+__device__ __forceinline__ Candidate BlockFirst(Candidate c) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= 32 && (kWarps & (kWarps - 1)) == 0,
+                "the warps' firsts are reduced by one warp's shuffles");
+  __shared__ Candidate firsts[kWarps];
+  auto warp_first = [](Candidate x, int width) {
+    for (int offset = width / 2; offset > 0; offset /= 2) {
+      const Candidate other{__shfl_xor_sync(0xffffffffu, x.value, offset),
+                            __shfl_xor_sync(0xffffffffu, x.index, offset)};
+      if (Precedes(other, x)) x = other;
+    }
+    return x;
+  };
+  c = warp_first(c, 32);
+  if (threadIdx.x % 32 == 0) firsts[threadIdx.x / 32] = c;
+  __syncthreads();
+  c = warp_first(firsts[threadIdx.x % kWarps], kWarps);
+  __syncthreads();
+  return c;
+}
+
+// Each thread's list of its best elements: 8 fit in registers and rarely
+// run out (a thread refills only when it holds more than 8 of the top k).
+constexpr int kTopKList = 8;
+
 // The k largest z' of each row with mask, largest first, ties to the lower
-// index: k passes, each the block's maximum below the previous pick. One
-// list serves the caller's top-k and the diagnostics' (the shorter is a
-// prefix of the longer); the latter's target rank and softmax mass go to
-// row_terms' slots 7 and 8, times the mask.
+// index, in one pass: each thread keeps its own best (TopKCursor) and the
+// block merges their heads pick by pick. One list serves the caller's top-k
+// and the diagnostics' (the shorter is a prefix of the longer); the
+// latter's target rank and softmax mass go to row_terms' slots, times the
+// mask.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     TopKKernel(KernelParams p, ChunkArgs<T> a) {
@@ -320,38 +377,35 @@ __global__ void __launch_bounds__(kThreads)
   const float t_lse = a.stats[r].t_lse;
   int32_t rank = -1;
   double mass = 0, teacher_mass = 0;
-  struct Pick {
-    float value;
-    int32_t index;
-  };
-  auto better = [](Pick x, Pick y) {
-    return y.value > x.value || (y.value == x.value && y.index < x.index) ? y
-                                                                          : x;
-  };
-  Pick last{INFINITY, -1};
-  for (int32_t j = 0; j < picks; ++j) {
-    if (meta.mask == 0) {
-      if (threadIdx.x == 0 && j < caller_k) {
-        a.top_k[out * a.k + j] = -1;
-        if (a.top_k_values != nullptr) a.top_k_values[out * a.k + j] = 0;
-      }
-      continue;
+  if (meta.mask == 0) {
+    for (int32_t j = threadIdx.x; j < caller_k; j += kThreads) {
+      a.top_k[out * a.k + j] = -1;
+      if (a.top_k_values != nullptr) a.top_k_values[out * a.k + j] = 0;
     }
-    Pick best{-INFINITY, INT32_MAX};
-    ForRow(a.logits + r * p.vocab, p.vocab, [&](int64_t i, float x) {
-      const float z = transform(x);
-      const bool after = z < last.value || (z == last.value && i > last.index);
-      if (after) best = better(best, Pick{z, static_cast<int32_t>(i)});
-    });
-    best = BlockReduce(best, better);
-    if (threadIdx.x == 0) {
+  } else {
+    const T* row = a.logits + r * p.vocab;
+    auto scan = [&](auto offer) {
+      ForRow(row, p.vocab, [&](int64_t i, float x) {
+        offer(Candidate{transform(x), static_cast<int32_t>(i)});
+      });
+    };
+    TopKCursor<kTopKList> cursor;
+    cursor.Fill(scan);
+    for (int32_t j = 0; j < picks; ++j) {
+      const Candidate best = BlockFirst(cursor.Head());
+      if (cursor.HasHead() && cursor.Head().index == best.index) {
+        cursor.Pop(scan);
+      }
+      // Fewer candidates than picks only in a row of NaNs (an error).
+      const bool found = best.index < p.vocab;
+      if (threadIdx.x != 0) continue;
       if (j < caller_k) {
-        a.top_k[out * a.k + j] = best.index;
+        a.top_k[out * a.k + j] = found ? best.index : -1;
         if (a.top_k_values != nullptr) {
-          a.top_k_values[out * a.k + j] = best.value;
+          a.top_k_values[out * a.k + j] = found ? best.value : 0;
         }
       }
-      if (j < a.metric_k) {
+      if (j < a.metric_k && found) {
         if (best.index == meta.target) rank = j;
         mass += exp((static_cast<double>(best.value) - max) - log_sum);
         if (teacher_metrics) {
@@ -360,12 +414,12 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    last = best;
   }
   if (threadIdx.x == 0) {
-    a.row_terms[kTermSlots * r + 7] = rank >= 0 ? double{meta.mask} : 0.0;
-    a.row_terms[kTermSlots * r + 8] = meta.mask * mass;
-    a.row_terms[kTermSlots * r + 11] = meta.mask * teacher_mass;
+    a.row_terms[kTermSlots * r + kTopKRecall] =
+        rank >= 0 ? double{meta.mask} : 0.0;
+    a.row_terms[kTermSlots * r + kTopKMass] = meta.mask * mass;
+    a.row_terms[kTermSlots * r + kTeacherTopKMass] = meta.mask * teacher_mass;
     if (a.target_rank != nullptr) a.target_rank[out] = rank;
   }
 }
@@ -460,7 +514,7 @@ __device__ void DSparkTeacherTerms(const KernelParams& p,
   if (p.loss.confidence_weight > 0) {
     const double c = a.confidence[out];
     if (!isfinite(c)) {
-      ReportError(a.error, out, kConfidenceNotFinite);
+      ReportError(a.error, out, kConfidenceNotFinite, 0, static_cast<float>(c));
       return;
     }
     const double bce = ConfidenceBce(c, accept);
@@ -504,21 +558,21 @@ __global__ void __launch_bounds__(kThreads)
   const double neg_log_q = (static_cast<double>(s.max) - s.target) + s.log_sum;
   const double lse = static_cast<double>(s.max) + s.log_sum;
   const double hit = meta.mask > 0.5f && s.argmax == meta.target;
-  const double w = CouplesBlocks(p.loss) ? a.weight[r] : double{meta.weight};
+  const double w = CouplesBlocks(p.loss) ? a.weight[r] : meta.weight;
   if (threadIdx.x == 0) {
-    terms[1] = w;
-    terms[2] = hit;
-    terms[3] = meta.mask;
-    terms[4] = meta.mask * exp(-neg_log_q);
-    terms[5] = 0;
-    terms[6] = 0;
+    terms[kLossDen] = w;
+    terms[kCorrect] = hit;
+    terms[kAccuracyDen] = meta.mask;
+    terms[kTargetProbability] = meta.mask * exp(-neg_log_q);
+    terms[kCeNum] = 0;
+    terms[kTvNum] = 0;
     if (a.metric_k == 0) {  // Else TopKKernel wrote them.
-      terms[7] = 0;
-      terms[8] = 0;
-      terms[11] = 0;
+      terms[kTopKRecall] = 0;
+      terms[kTopKMass] = 0;
+      terms[kTeacherTopKMass] = 0;
     }
-    terms[9] = 0;
-    terms[10] = 0;
+    terms[kTeacherAcceptance] = 0;
+    terms[kTeacherAgreement] = 0;
     for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
     if (a.target_probability != nullptr) {
       a.target_probability[out] = exp(-neg_log_q);
@@ -533,14 +587,15 @@ __global__ void __launch_bounds__(kThreads)
     const float l1 = TeacherL1(p, s, z_row, t_row);
     if (threadIdx.x == 0) {
       const double accept = DSparkAcceptance(l1);
-      terms[9] = meta.mask * accept;
-      terms[10] = s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
+      terms[kTeacherAcceptance] = meta.mask * accept;
+      terms[kTeacherAgreement] =
+          s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
       if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = accept;
     }
   }
   if (w == 0) {
     ZeroRow(z_row, v);
-    if (threadIdx.x == 0) terms[0] = 0;
+    if (threadIdx.x == 0) terms[kLossNum] = 0;
     return;
   }
   const Transform transform(p.options);
@@ -555,28 +610,44 @@ __global__ void __launch_bounds__(kThreads)
       ls = transform(x) * inv_t - lse_s;
       lt = transform(y) * inv_t - lse_t;
     };
-    Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
-    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
-      float ls, lt;
-      logs(x, y, ls, lt);
-      const DistillationPoint<float> point =
-          DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
-      acc.a += point.divergence;
-      acc.b += point.student_part;
-    });
-    acc = BlockReduce(acc, AddPairs);
-    if (threadIdx.x == 0) terms[0] = w * acc.a;
     const float g = static_cast<float>(w * p.loss.inv_temperature);
     bool bad = false;
-    MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
-      float ls, lt;
-      logs(x, y, ls, lt);
-      const float grad = DistillationGradientAt(
-          divergence, beta, log_beta, log_rest, ls, lt, acc.a, acc.b, g);
+    auto store = [&](float x, float grad) {
       const float chained = transform.Chain(grad, transform(x));
       bad |= !isfinite(chained);
       return chained;
-    });
+    };
+    Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
+    if (divergence == Divergence::kForwardKl) {
+      // Its gradient reads no row sum: one pass.
+      MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+        float ls, lt;
+        logs(x, y, ls, lt);
+        const DistillationPoint<float> point =
+            DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+        acc.a += point.divergence;
+        return store(x, g * point.forward_gradient);
+      });
+      acc = BlockReduce(acc, AddPairs);
+    } else {
+      ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+        float ls, lt;
+        logs(x, y, ls, lt);
+        const DistillationPoint<float> point =
+            DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+        acc.a += point.divergence;
+        acc.b += point.student_part;
+      });
+      acc = BlockReduce(acc, AddPairs);
+      MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+        float ls, lt;
+        logs(x, y, ls, lt);
+        return store(
+            x, DistillationGradientAt(divergence, beta, log_beta, log_rest, ls,
+                                      lt, acc.a, acc.b, g));
+      });
+    }
+    if (threadIdx.x == 0) terms[kLossNum] = w * acc.a;
     if (bad) ReportError(a.error, out, kGradientNotFinite);
     return;
   }
@@ -631,8 +702,8 @@ __global__ void __launch_bounds__(kThreads)
                        p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
   double num = row.loss;
   if (threadIdx.x == 0) {
-    terms[5] = row.ce;
-    terms[6] = row.tv;
+    terms[kCeNum] = row.ce;
+    terms[kTvNum] = row.tv;
     if (p.loss.family == LossFamily::kDSpark) {
       terms[kCePosition] = meta.mask * row.ce / w;
     }
@@ -662,7 +733,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0 && p.loss.l1_weight > 0) terms[kL1Num] = w * l1;
     DSparkTeacherTerms(p, a, s, meta, r, out, w, DSparkAcceptance(l1), terms,
                        num);
-    if (threadIdx.x == 0) terms[0] = num;
+    if (threadIdx.x == 0) terms[kLossNum] = num;
     const float l1c = static_cast<float>(w * p.loss.l1_weight);
     const float signed_mass = acc.b;
     bool bad = false;
@@ -680,7 +751,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
-  if (threadIdx.x == 0) terms[0] = num;
+  if (threadIdx.x == 0) terms[kLossNum] = num;
   bool bad = false;
   MapRow(z_row, static_cast<const T*>(nullptr), v,
          [&](int64_t i, float x, float) {
@@ -744,7 +815,11 @@ __global__ void __launch_bounds__(kThreads)
   fs = BlockReduce(fs, merge);
   bs = BlockReduce(bs, merge);
   if (fs.bad || bs.bad) {
-    if (threadIdx.x == 0) ReportError(a.error, out, kLogitNotFinite);
+    // As the CPU: the final logits' first bad one, else the base logits'.
+    ReportFirstNonFinite(a.error, out, kLogitNotFinite, v, [&](int64_t i) {
+      const float b = ToF(base_row[i]);
+      return fs.bad ? final_of(b, ToF(correction_row[i])) : transform(b);
+    });
     return;
   }
   const float f_log_sum = logf(fs.sum), b_log_sum = logf(bs.sum);

@@ -7,6 +7,7 @@
 // (host C++) prepares these structs from LossParams and launches them.
 
 #include <cstdint>
+#include <cstring>
 
 #include "base/host_device.h"
 #include "losses/loss_params.h"
@@ -29,7 +30,7 @@ struct Row {
   int32_t target = 0;
   int32_t position = 0;
   float mask = 0;
-  float weight = 0;
+  double weight = 0;  // In double, as the CPU's.
 };
 
 // What the stats pass leaves per row (of the transformed logits z').
@@ -88,8 +89,10 @@ inline int64_t TotalsSize(int32_t block_size) {
   return kTermSlots + kPositionTerms * int64_t{block_size};
 }
 
-// Error codes the kernels report through an atomic minimum; the host reads
-// row = code / 4 and the kind = code % 4.
+// Errors the kernels report through an atomic minimum of ErrorCode, so the
+// first by row, then kind, then logit wins: the host names the row's first
+// bad logit and its value, as the CPU's messages do. Rows and logits below
+// 2^30.
 enum ErrorKind : int32_t {
   kLogitNotFinite = 0,
   kTeacherNotFinite = 1,
@@ -97,6 +100,36 @@ enum ErrorKind : int32_t {
   kGradientNotFinite = 3,
 };
 constexpr unsigned long long kNoError = ~0ull;
+
+// (row * 4 + kind) << 32 | logit << 2 | the value's class (NaN, -NaN, inf,
+// -inf; finite values, where the kind has none, read as NaN).
+DFLASH_HOST_DEVICE inline unsigned long long ErrorCode(int64_t row,
+                                                       ErrorKind kind,
+                                                       int64_t logit,
+                                                       float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  const unsigned negative = bits >> 31;
+  const bool infinite = value == value && value - value != 0.0f;
+  const unsigned value_class = infinite ? 2 + negative : negative;
+  return (static_cast<unsigned long long>(row * 4 + kind) << 32) |
+         (static_cast<unsigned long long>(logit) << 2) | value_class;
+}
+
+struct ReportedError {
+  int64_t row;
+  ErrorKind kind;
+  int64_t logit;
+  float value;  // NaN, -NaN, inf or -inf, as reported.
+};
+inline ReportedError DecodeErrorCode(unsigned long long code) {
+  constexpr float kValues[4] = {__builtin_nanf(""), -__builtin_nanf(""),
+                                __builtin_huge_valf(), -__builtin_huge_valf()};
+  return ReportedError{static_cast<int64_t>(code >> 34),
+                       static_cast<ErrorKind>((code >> 32) & 3),
+                       static_cast<int64_t>((code & 0xffffffffull) >> 2),
+                       kValues[code & 3]};
+}
 
 // One chunk's device buffers. Per-row arrays marked "by out row" are indexed
 // by out_rows[r] (the row's place in the caller's arrays), or r when

@@ -78,21 +78,36 @@ DFLASH_HOST_DEVICE inline double ConfidenceBceGradient(double c,
   return 1 / (1 + exp(-c)) - accept;
 }
 
-// z' = softcap * tanh(scale * z / softcap), or scale * z without a softcap
-// (cap 0), and the chain rule d/dz from d/dz' given z'.
-template <typename R>
-DFLASH_HOST_DEVICE inline R TransformLogit(R z, R scale, R cap) {
-  return cap > 0 ? cap * tanh(scale * z / cap) : scale * z;
-}
-template <typename R>
-DFLASH_HOST_DEVICE inline R ChainTransformedLogit(R grad, R transformed,
-                                                  R scale, R cap) {
-  if (cap > 0) {
-    const R t = transformed / cap;
-    return grad * scale * (1 - t * t);
+// z' = cap * tanh(scale * z / cap), or scale * z without a softcap (cap 0),
+// and the chain rule d/dz from d/dz' given z'. In double on both backends
+// (the caller rounds z' to its working type); the ratios are taken once,
+// so no element pays a division, unless a subnormal cap overflows them.
+class LogitTransform {
+ public:
+  DFLASH_HOST_DEVICE LogitTransform(double scale, double cap)
+      : scale_(scale),
+        cap_(cap),
+        scale_over_cap_(cap > 0 ? scale / cap : 0),
+        inv_cap_(cap > 0 ? 1 / cap : 0),
+        ratios_finite_(scale_over_cap_ - scale_over_cap_ == 0 &&
+                       inv_cap_ - inv_cap_ == 0) {}
+  DFLASH_HOST_DEVICE double operator()(double z) const {
+    if (cap_ == 0) return scale_ * z;
+    return cap_ *
+           tanh(ratios_finite_ ? z * scale_over_cap_ : scale_ * z / cap_);
   }
-  return grad * scale;
-}
+  DFLASH_HOST_DEVICE double Chain(double grad, double transformed) const {
+    if (cap_ == 0) return grad * scale_;
+    const double t =
+        ratios_finite_ ? transformed * inv_cap_ : transformed / cap_;
+    return grad * scale_ * (1 - t * t);
+  }
+  DFLASH_HOST_DEVICE bool identity() const { return scale_ == 1 && cap_ == 0; }
+
+ private:
+  double scale_, cap_, scale_over_cap_, inv_cap_;
+  bool ratios_finite_;
+};
 
 // Domino adds this to its loss, accuracy and accept-length denominators
 // (SpecForge's eps) rather than floor them.
