@@ -129,6 +129,13 @@ absl::Status CudaStream::Synchronize() {
   return static_cast<StreamMemory&>(*memory_).TakeDeferred();
 }
 
+bool CudaStream::Idle() const {
+  const cudaError_t state = cudaStreamQuery(stream_);
+  // Not ready is no error for the next launch check to find.
+  if (state == cudaErrorNotReady) cudaGetLastError();
+  return state == cudaSuccess;
+}
+
 absl::Status CudaStream::LaunchStatus(const char* what) {
   return CudaStatus(cudaGetLastError(), what);
 }

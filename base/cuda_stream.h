@@ -42,6 +42,8 @@ class CudaStream {
   absl::Status Zero(void* device, int64_t bytes);
   // Waits for everything issued; the first asynchronous error, if any.
   absl::Status Synchronize();
+  // Whether everything issued has finished, without waiting.
+  bool Idle() const;
   // The last launch error (a kernel that could not start), without waiting.
   absl::Status LaunchStatus(const char* what);
 

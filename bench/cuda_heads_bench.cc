@@ -6,6 +6,10 @@
 // chunk by chunk, the faster counted. Counters: TFLOPs (the floor's flops
 // per second of the head), floor_s, gemm_ratio (time / floor), peak_GiB
 // (device bytes, tracking allocator). Each mode runs a warm-up step first.
+// BM_CudaChunkLoss times the loss kernels alone on one chunk of BF16 logits
+// (2048 rows x V) per family and top-k width: GBps counts the bytes a loss
+// cannot avoid (the logits read and their gradient written, the teacher
+// read), so it reads as a share of the device's bandwidth.
 // Without a GPU every case reports the reason and skips.
 #include <algorithm>
 #include <cstdint>
@@ -19,8 +23,11 @@
 #include "bench/cuda_fill.h"
 #include "bench/cuda_gemm_floor.h"
 #include "benchmark/benchmark.h"
+#include "google/protobuf/text_format.h"
 #include "heads/cuda_head.h"
 #include "losses/batch_layout.h"
+#include "losses/chunk_loss.h"
+#include "losses/cuda_chunk_loss.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -166,7 +173,98 @@ void BM_CudaHead(benchmark::State& state, v1::HeadConfig::ExecutionMode mode) {
   state.counters["peak_GiB"] = stats.peak_bytes / 1073741824.0;
 }
 
+// The loss kernels alone: one chunk of kLossRows rows, refilled before each
+// timed run (the loss leaves its gradient in place).
+constexpr int64_t kLossRows = 2048;
+
+void BM_CudaChunkLoss(benchmark::State& state, const char* loss_text,
+                      int32_t metric_top_k, int32_t caller_k) {
+  Setup& s = Shared();
+  if (!s.status.ok()) {
+    state.SkipWithError(
+        absl::StrCat("no GPU here: ", s.status.message()).c_str());
+    return;
+  }
+  v1::LossConfig config;
+  if (!google::protobuf::TextFormat::ParseFromString(loss_text, &config)) {
+    state.SkipWithError(loss_text);
+    return;
+  }
+  const bool teacher = config.has_distillation() || config.has_dspark();
+  const int64_t count = kLossRows * kVocab;
+  TrackingAllocator& allocator = s.stream->allocator();
+  auto logits = TrackedBuffer<BFloat16>::Create(allocator, count);
+  auto teacher_logits =
+      TrackedBuffer<BFloat16>::Create(allocator, teacher ? count : 0);
+  auto top_k = TrackedBuffer<int32_t>::Create(allocator, kLossRows * caller_k);
+  auto params = ResolveChunkLoss(config);
+  for (const absl::Status& st : {logits.status(), teacher_logits.status(),
+                                 top_k.status(), params.status()}) {
+    if (!st.ok()) {
+      state.SkipWithError(std::string(st.message()).c_str());
+      return;
+    }
+  }
+  const ChunkLossOptions options{kBlock, 1, 0, metric_top_k};
+  auto loss = CudaChunkLoss<BFloat16>::Create(*params, options, *s.stream);
+  if (!loss.ok()) {
+    state.SkipWithError(std::string(loss.status().message()).c_str());
+    return;
+  }
+  LaunchFillNormal(teacher_logits->data(), teacher_logits->size(), 2.0f, 4,
+                   s.stream->stream());
+  const std::vector<RowMeta> rows(s.rows.begin(), s.rows.begin() + kLossRows);
+  const ChunkLossInputs<BFloat16> inputs{
+      absl::MakeSpan(logits->data(), count),
+      absl::MakeConstSpan(teacher_logits->data(), teacher_logits->size()),
+      {},
+      rows,
+      kVocab};
+  ChunkLossOutputs outputs;
+  outputs.top_k = absl::MakeSpan(top_k->data(), top_k->size());
+  outputs.k = caller_k;
+  for (auto _ : state) {
+    state.PauseTiming();
+    LaunchFillNormal(logits->data(), count, 2.0f, 3, s.stream->stream());
+    const absl::Status filled = s.stream->Synchronize();
+    state.ResumeTiming();
+    absl::Status ok = filled.ok() ? (*loss)->Run(inputs, outputs, nullptr,
+                                                 /*record=*/true)
+                                  : filled;
+    if (ok.ok()) ok = (*loss)->Terms().status();
+    if (!ok.ok()) {
+      state.SkipWithError(std::string(ok.message()).c_str());
+      return;
+    }
+  }
+  const double bytes = (teacher ? 3.0 : 2.0) * count * sizeof(BFloat16);
+  state.counters["GBps"] = benchmark::Counter(
+      bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 int Register() {
+  struct LossCase {
+    const char* name;
+    const char* loss;
+    int32_t metric_top_k, caller_k;
+  };
+  for (const LossCase& c : {
+           LossCase{"dflash", "dflash { gamma: 7 }", 0, 0},
+           LossCase{"dflash_metric_top16", "dflash { gamma: 7 }", 16, 0},
+           LossCase{"dflash_top64", "dflash { gamma: 7 }", 16, 64},
+           LossCase{"dpace", "dpace { alpha: 0.3 }", 0, 0},
+           LossCase{"dspark", "dspark { gamma: 7 confidence_weight: 0 }", 0, 0},
+           LossCase{"forward_kl", "distillation { divergence: FORWARD_KL }", 0,
+                    0},
+       }) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat("BM_CudaChunkLoss/", c.name, "/N2048_V151936_bf16")
+            .c_str(),
+        BM_CudaChunkLoss, c.loss, c.metric_top_k, c.caller_k)
+        ->UseRealTime()
+        ->Iterations(10)
+        ->Unit(benchmark::kMillisecond);
+  }
   for (v1::HeadConfig::ExecutionMode mode :
        {v1::HeadConfig::FUSED, v1::HeadConfig::CHECKPOINT,
         v1::HeadConfig::SELECTIVE, v1::HeadConfig::SAVE_CHUNKS,

@@ -11,10 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/cuda_stream.h"
 #include "base/error_norms.h"
 #include "base/gpu_test.h"
+#include "base/tracking_allocator.h"
+#include "bench/cuda_fill.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "losses/chunk_loss.h"
@@ -323,12 +327,6 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
       RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
       "row 4: target id 13 is outside [0, 13)");
   p = MakeProblem(13, 3);
-  p.rows[6].mask = 1;
-  p.logits[6 * 13 + 5] = NAN;
-  EXPECT_EQ(
-      RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
-      "row 6: a logit is not finite");
-  p = MakeProblem(13, 3);
   p.rows[2].position = kK;
   EXPECT_EQ(
       RunLoss<float>(config, options, p, gpu.get()).terms.status().message(),
@@ -348,6 +346,272 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
   EXPECT_EQ(
       RunLoss<float>(config, options, p, nullptr).terms.status().message(),
       "row 2: block position 5 is outside [0, 5)");
+}
+
+// Non-finite logits, teacher logits and confidence logits: the GPU names
+// the row, the first bad logit and its value in the CPU's words.
+TEST(CudaChunkLossErrorsTest, NonFiniteInputsGiveTheCpuMessages) {
+  SKIP_WITHOUT_GPU(gpu);
+  const ChunkLossOptions options{kK, 1, 0};
+  struct Bad {
+    const char* loss;
+    const char* want;
+    void (*plant)(Problem&);
+  };
+  const Bad cases[] = {
+      {"dflash { gamma: 7 }", "row 6: logit 5 is not finite (nan)",
+       [](Problem& p) { p.logits[6 * 13 + 5] = NAN; }},
+      {"dflash { gamma: 7 }", "row 6: logit 2 is not finite (-inf)",
+       [](Problem& p) {
+         p.logits[6 * 13 + 9] = NAN;
+         p.logits[6 * 13 + 2] = -INFINITY;
+       }},
+      {"dspark { gamma: 7 l1_weight: 0.5 }",
+       "row 6: teacher logits: logit 3 is not finite (inf)",
+       [](Problem& p) { p.teacher[6 * 13 + 3] = INFINITY; }},
+      {"dspark { gamma: 7 confidence_weight: 0.3 }",
+       "row 6: confidence logit is not finite (nan)",
+       [](Problem& p) { p.confidence[6] = NAN; }},
+      {"distillation { divergence: FORWARD_KL }",
+       "row 6: teacher logits: logit 0 is not finite (nan)",
+       [](Problem& p) { p.teacher[6 * 13] = NAN; }},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.want);
+    Problem p = MakeProblem(13, 3);
+    // Every row of block 1 weighted, so each backend reads row 6.
+    for (int64_t r = kK; r < 2 * kK; ++r) p.rows[r].mask = 1;
+    bad.plant(p);
+    const v1::LossConfig config = Loss(bad.loss);
+    const Outcome cpu = RunLoss<float>(config, options, p, nullptr);
+    const Outcome got = RunLoss<float>(config, options, p, gpu.get());
+    EXPECT_EQ(cpu.terms.status().message(), bad.want);
+    EXPECT_EQ(got.terms.status().message(), bad.want);
+  }
+}
+
+// One chunk through CudaChunkLoss itself: the logits `offset` elements past
+// an aligned allocation; per-row outputs of the chunk's row i at
+// out_rows[i] of out_size rows (none: at i); run once per entry of
+// `records` (false: a recomputation, whose terms are not kept).
+template <typename T>
+Outcome RunOnDevice(const v1::LossConfig& config,
+                    const ChunkLossOptions& options, const Problem& p,
+                    CudaStream& gpu, int64_t offset,
+                    const std::vector<int64_t>& out_rows = {},
+                    int64_t out_size = kRows,
+                    const std::vector<bool>& records = {true}) {
+  const int64_t count = kRows * p.vocab;
+  const std::vector<T> host = FromDoubles<T>(p.logits);
+  Outcome out;
+  auto fail = [&](const absl::Status& status) {
+    out.terms = status;
+    return out;
+  };
+  auto logits = TrackedBuffer<T>::Create(gpu.allocator(), count + offset);
+  auto neg_log_q = TrackedBuffer<float>::Create(gpu.allocator(), out_size);
+  auto argmax = TrackedBuffer<int32_t>::Create(gpu.allocator(), out_size);
+  auto top_k =
+      TrackedBuffer<int32_t>::Create(gpu.allocator(), out_size * kTopK);
+  auto rows = TrackedBuffer<int64_t>::Create(
+      gpu.allocator(), static_cast<int64_t>(out_rows.size()));
+  for (const absl::Status& status :
+       {logits.status(), neg_log_q.status(), argmax.status(), top_k.status(),
+        rows.status()}) {
+    if (!status.ok()) return fail(status);
+  }
+  out.neg_log_q.assign(out_size, 7);
+  out.argmax.assign(out_size, 7);
+  out.top_k.assign(out_size * kTopK, 7);
+  for (const absl::Status& status :
+       {gpu.CopyToDevice(rows->data(), out_rows.data(), rows->bytes()),
+        gpu.CopyToDevice(neg_log_q->data(), out.neg_log_q.data(),
+                         neg_log_q->bytes()),
+        gpu.CopyToDevice(argmax->data(), out.argmax.data(), argmax->bytes()),
+        gpu.CopyToDevice(top_k->data(), out.top_k.data(), top_k->bytes())}) {
+    if (!status.ok()) return fail(status);
+  }
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(config);
+  if (!params.ok()) return fail(params.status());
+  auto loss = CudaChunkLoss<T>::Create(*params, options, gpu);
+  if (!loss.ok()) return fail(loss.status());
+  T* z = logits->data() + offset;
+  for (bool record : records) {
+    // Each run overwrites the logits with their gradient.
+    if (absl::Status ok = gpu.CopyToDevice(z, host.data(), count * sizeof(T));
+        !ok.ok()) {
+      return fail(ok);
+    }
+    const ChunkLossInputs<T> inputs{
+        absl::MakeSpan(z, count), {}, {}, p.rows, p.vocab};
+    const ChunkLossOutputs outputs{
+        {},
+        absl::MakeSpan(neg_log_q->data(), out_size),
+        absl::MakeSpan(argmax->data(), out_size),
+        absl::MakeSpan(top_k->data(), out_size * kTopK),
+        kTopK};
+    if (absl::Status ok = (*loss)->Run(
+            inputs, outputs, out_rows.empty() ? nullptr : rows->data(), record);
+        !ok.ok()) {
+      return fail(ok);
+    }
+  }
+  out.terms = (*loss)->Terms();
+  std::vector<T> grad(count);
+  for (const absl::Status& status :
+       {gpu.CopyToHost(grad.data(), z, count * sizeof(T)),
+        gpu.CopyToHost(out.neg_log_q.data(), neg_log_q->data(),
+                       neg_log_q->bytes()),
+        gpu.CopyToHost(out.argmax.data(), argmax->data(), argmax->bytes()),
+        gpu.CopyToHost(out.top_k.data(), top_k->data(), top_k->bytes())}) {
+    if (!status.ok()) return fail(status);
+  }
+  out.grad = AsDoubles(grad);
+  return out;
+}
+
+// Logits one element past a 16-byte boundary take the scalar path: the
+// same argmax and top-k, and terms and gradient within the reductions'
+// different order (BF16: within one bfloat16 rounding).
+TEST(CudaChunkLossLayoutTest, MisalignedLogitsGiveTheSameResult) {
+  SKIP_WITHOUT_GPU(gpu);
+  const ChunkLossOptions options{kK, 1, 5};
+  const Problem p = MakeProblem(1024, 51);
+  for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
+    SCOPED_TRACE(loss);
+    const v1::LossConfig config = Loss(loss);
+    const Outcome f0 = RunOnDevice<float>(config, options, p, *gpu, 0);
+    const Outcome f1 = RunOnDevice<float>(config, options, p, *gpu, 1);
+    const Outcome b0 = RunOnDevice<BFloat16>(config, options, p, *gpu, 0);
+    const Outcome b1 = RunOnDevice<BFloat16>(config, options, p, *gpu, 1);
+    for (const Outcome* o : {&f0, &f1, &b0, &b1}) {
+      ASSERT_TRUE(o->terms.ok()) << o->terms.status();
+    }
+    EXPECT_NEAR(f1.terms->loss_num, f0.terms->loss_num,
+                1e-6 * std::abs(f0.terms->loss_num));
+    EXPECT_LT(RelativeNormError(f1.grad, f0.grad), 1e-6);
+    EXPECT_NEAR(b1.terms->loss_num, b0.terms->loss_num,
+                1e-6 * std::abs(b0.terms->loss_num));
+    EXPECT_LT(RelativeNormError(b1.grad, b0.grad), 4e-3);
+    EXPECT_EQ(f1.argmax, f0.argmax);
+    EXPECT_EQ(f1.top_k, f0.top_k);
+    EXPECT_EQ(b1.argmax, b0.argmax);
+    EXPECT_EQ(b1.top_k, b0.top_k);
+  }
+}
+
+// Compacted rows: the chunk's row i writes its outputs at out_rows[i] of a
+// larger array (the rows between keep their values); a recomputation
+// (record false) adds no terms, a second recorded run adds them again.
+TEST(CudaChunkLossLayoutTest, CompactedRowsWithRecordedAndUnrecordedRuns) {
+  SKIP_WITHOUT_GPU(gpu);
+  const ChunkLossOptions options{kK, 1, 0};
+  const Problem p = MakeProblem(1000, 53);
+  std::vector<int64_t> out_rows;
+  for (int64_t r = 0; r < kRows; ++r) out_rows.push_back(2 * (kRows - 1 - r));
+  for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
+    SCOPED_TRACE(loss);
+    const v1::LossConfig config = Loss(loss);
+    const Outcome cpu = RunLoss<float>(config, options, p, nullptr);
+    const Outcome once = RunOnDevice<float>(config, options, p, *gpu, 0,
+                                            out_rows, 2 * kRows, {false, true});
+    const Outcome twice = RunOnDevice<float>(config, options, p, *gpu, 0,
+                                             out_rows, 2 * kRows, {true, true});
+    ASSERT_TRUE(cpu.terms.ok() && once.terms.ok() && twice.terms.ok());
+    EXPECT_NEAR(once.terms->loss_num, cpu.terms->loss_num,
+                1e-5 * std::abs(cpu.terms->loss_num));
+    EXPECT_EQ(once.terms->correct, cpu.terms->correct);
+    EXPECT_NEAR(twice.terms->loss_num, 2 * cpu.terms->loss_num,
+                2e-5 * std::abs(cpu.terms->loss_num));
+    EXPECT_LT(RelativeNormError(once.grad, cpu.grad), 1e-5);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t o = out_rows[r];
+      EXPECT_NEAR(once.neg_log_q[o], cpu.neg_log_q[r],
+                  1e-5 * (1 + std::abs(cpu.neg_log_q[r])))
+          << "row " << r;
+      EXPECT_EQ(once.argmax[o], cpu.argmax[r]) << "row " << r;
+      for (int32_t j = 0; j < kTopK; ++j) {
+        EXPECT_EQ(once.top_k[o * kTopK + j], cpu.top_k[r * kTopK + j]);
+      }
+      EXPECT_EQ(once.argmax[o + 1], 7) << "untouched row " << o + 1;
+      EXPECT_EQ(once.neg_log_q[o + 1], 7) << "untouched row " << o + 1;
+    }
+  }
+}
+
+// One loss chunk of more than 2^31 logits (16400 rows x V 131072 in FP32,
+// filled on the device): sampled rows, among them the first whose logits
+// lie past the 2^31st, against the CPU loss on the same rows' logits.
+TEST(CudaChunkLossLargeTest, ChunkBeyondTwoToThe31Logits) {
+  SKIP_WITHOUT_GPU(gpu);
+  constexpr int64_t kLargeRows = 16400, kVocab = 131072;
+  static_assert(kLargeRows * kVocab > (int64_t{1} << 31), "past 2^31 logits");
+  const int64_t count = kLargeRows * kVocab;
+  auto logits = TrackedBuffer<float>::Create(gpu->allocator(), count);
+  auto neg_log_q = TrackedBuffer<float>::Create(gpu->allocator(), kLargeRows);
+  ASSERT_TRUE(logits.ok() && neg_log_q.ok());
+  LaunchFillNormal<float>(logits->data(), count, 2.0f, 71, gpu->stream());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+  std::vector<RowMeta> rows(kLargeRows);
+  for (int64_t r = 0; r < kLargeRows; ++r) {
+    rows[r].block = r / kK;
+    rows[r].position = static_cast<int32_t>(r % kK);
+    rows[r].target = static_cast<int32_t>((r * 7919) % kVocab);
+    rows[r].mask = 1;
+  }
+  const int64_t past = (int64_t{1} << 31) / kVocab;
+  const std::vector<int64_t> sampled = {0, past - 1, past, kLargeRows - 1};
+  const int64_t n = static_cast<int64_t>(sampled.size());
+  // The sampled rows before the loss overwrites them with their gradient.
+  std::vector<float> cpu_logits(n * kVocab), got_grad(n * kVocab);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(gpu->CopyToHost(cpu_logits.data() + i * kVocab,
+                                logits->data() + sampled[i] * kVocab,
+                                kVocab * sizeof(float))
+                    .ok());
+  }
+  const v1::LossConfig config = Loss("dflash { gamma: 7 }");
+  const ChunkLossOptions options{kK, 1, 0};
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(config);
+  ASSERT_TRUE(params.ok()) << params.status();
+  auto loss = CudaChunkLoss<float>::Create(*params, options, *gpu);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  const ChunkLossInputs<float> inputs{
+      absl::MakeSpan(logits->data(), count), {}, {}, rows, kVocab};
+  const ChunkLossOutputs outputs{{},
+                                 absl::MakeSpan(neg_log_q->data(), kLargeRows)};
+  ASSERT_TRUE((*loss)->Run(inputs, outputs, nullptr, true).ok());
+  const absl::StatusOr<ChunkTerms> terms = (*loss)->Terms();
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  std::vector<float> got_nlq(kLargeRows);
+  ASSERT_TRUE(
+      gpu->CopyToHost(got_nlq.data(), neg_log_q->data(), neg_log_q->bytes())
+          .ok());
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(gpu->CopyToHost(got_grad.data() + i * kVocab,
+                                logits->data() + sampled[i] * kVocab,
+                                kVocab * sizeof(float))
+                    .ok());
+  }
+  // The CPU loss on the sampled rows alone: each row's gradient and -log q
+  // are its own (no block coupling in dflash).
+  std::vector<RowMeta> cpu_rows;
+  for (int64_t r : sampled) cpu_rows.push_back(rows[r]);
+  std::vector<float> cpu_nlq(n);
+  const ChunkLossInputs<float> cpu_inputs{
+      absl::MakeSpan(cpu_logits), {}, {}, cpu_rows, kVocab};
+  const ChunkLossOutputs cpu_outputs{{}, absl::MakeSpan(cpu_nlq)};
+  // ChunkLoss leaves the rows' gradient in cpu_logits.
+  ASSERT_TRUE(ChunkLoss<float>(config, options, cpu_inputs, cpu_outputs).ok());
+  for (int64_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(absl::StrCat("row ", sampled[i]));
+    EXPECT_NEAR(got_nlq[sampled[i]], cpu_nlq[i], 1e-5 * (1 + cpu_nlq[i]));
+    const std::vector<double> got(got_grad.begin() + i * kVocab,
+                                  got_grad.begin() + (i + 1) * kVocab);
+    const std::vector<double> want(cpu_logits.begin() + i * kVocab,
+                                   cpu_logits.begin() + (i + 1) * kVocab);
+    EXPECT_LT(RelativeNormError(got, want), 1e-5);
+  }
 }
 
 // Without a GPU, the stream says why; this runs everywhere.

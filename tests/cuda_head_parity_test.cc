@@ -5,6 +5,7 @@
 // where no GPU is usable.
 #include <cmath>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -62,6 +63,7 @@ struct GpuRun {
   absl::StatusOr<HeadResult> result;
   RunOutputs outputs;
   int64_t leaked_bytes = 0;
+  bool idle_on_return = false;  // Nothing left queued when it returned.
 };
 
 template <typename T>
@@ -106,6 +108,7 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
     const HeadRowOutputs outputs{Span(neg_log_q), Span(argmax), Span(top_k),
                                  kTopK};
     run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
+    run.idle_on_return = stream.Idle();
     RunOutputs& o = run.outputs;
     o.grad_hidden = AsDoubles(Download(grad_hidden, stream));
     o.grad_weight = AsDoubles(Download(grad_weight, stream));
@@ -426,6 +429,149 @@ TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
       }
       EXPECT_LT(RelativeNorm(run.outputs.grad_hidden, ref.grad_hidden), 5e-3);
     }
+  }
+}
+
+// A trainable BF16 head against the float64 reference on the same grid: the
+// hidden, weight and bias gradients within 5e-3 in relative norm (the
+// weight's summed over chunks in FP32 and rounded once).
+TEST(CudaHeadBFloat16Test, TrainableWithinTolerancesOfFloat64) {
+  OPEN_GPU_OR_SKIP(gpu);
+  Batch b = MakeBatch(22);
+  for (auto* values : {&b.hidden, &b.teacher, &b.weight}) {
+    for (double& x : *values) x = std::round(x * 4) / 4;
+  }
+  for (double& x : b.bias) x = std::round(x * 16) / 16;
+  for (const char* loss : kLosses) {
+    if (!TrainsWith(loss)) continue;
+    for (const char* mode : {"FUSED", "CHECKPOINT", "MATERIALIZE"}) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", mode));
+      const v1::ObjectiveConfig config =
+          ConfigBuilder(loss).Mode(mode).BlocksPerChunk(1).Trainable().Build();
+      const Reference ref = Naive(config, b);
+      const GpuRun run =
+          RunOnGpu<BFloat16>(OnCuda(config, v1::HeadConfig::BFLOAT16), b, *gpu);
+      ASSERT_TRUE(run.result.ok()) << run.result.status();
+      EXPECT_NEAR(run.result->loss, ref.loss, 1e-3 * std::abs(ref.loss));
+      EXPECT_LT(RelativeNorm(run.outputs.grad_hidden, ref.grad_hidden), 5e-3);
+      EXPECT_LT(RelativeNorm(run.outputs.grad_weight, ref.grad_weight), 5e-3);
+      EXPECT_LT(RelativeNorm(run.outputs.grad_bias, ref.grad_bias), 5e-3);
+    }
+  }
+}
+
+// A NaN in one row's hidden state: the GPU head fails with the CPU head's
+// message (the batch row, the first bad logit) in every mode, and nothing
+// of the run is left queued on the caller's buffers when it returns.
+TEST(CudaHeadErrorsTest,
+     NaNInAHeadRunGivesTheCpuMessageAndLeavesNothingQueued) {
+  OPEN_GPU_OR_SKIP(gpu);
+  Batch b = MakeBatch(10);
+  int64_t bad = 0;
+  while (b.rows[bad].mask <= 0) ++bad;
+  b.hidden[bad * kH + 1] = NAN;
+  for (const char* mode : kModes) {
+    SCOPED_TRACE(mode);
+    v1::ObjectiveConfig config = ConfigBuilder().Mode(mode).Build();
+    config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+    const std::vector<float> hidden(b.hidden.begin(), b.hidden.end());
+    const std::vector<float> weight(b.weight.begin(), b.weight.end());
+    const std::vector<float> bias(b.bias.begin(), b.bias.end());
+    std::vector<float> grad_hidden(b.num_rows() * kH);
+    const HeadInputs<float> inputs{hidden, {}, {}, b.rows, weight, bias};
+    const HeadGradients<float> gradients{
+        absl::MakeSpan(grad_hidden), {}, {}, {}};
+    TrackingAllocator allocator;
+    const absl::StatusOr<HeadResult> cpu =
+        RunHead<float>(config, inputs, gradients, allocator);
+    ASSERT_FALSE(cpu.ok());
+    const GpuRun run =
+        RunOnGpu<float>(OnCuda(config, v1::HeadConfig::FLOAT32), b, *gpu);
+    EXPECT_EQ(run.result.status().message(), cpu.status().message());
+    EXPECT_TRUE(run.idle_on_return);
+    EXPECT_EQ(run.leaked_bytes, 0);
+  }
+}
+
+// One MATERIALIZE head of more than 2^31 logits (16400 rows x V 131072 in
+// FP32, 8.6 GB): sampled rows, among them the first whose logits lie past
+// the 2^31st, against a naive float64 projection, softmax and gradient.
+TEST(CudaHeadLargeTest, MaterializeBeyondTwoToThe31Logits) {
+  OPEN_GPU_OR_SKIP(gpu);
+  constexpr int64_t kBlock = 8, kRows = 16400, kVocab = 131072, kHidden = 16;
+  static_assert(kRows * kVocab > (int64_t{1} << 31), "past 2^31 logits");
+  // gamma absent: each row weighs its mask, so den = kRows.
+  const absl::StatusOr<v1::ObjectiveConfig> config =
+      LoadObjectiveConfigFromString(absl::StrCat(
+          "layout { block_size: ", kBlock,
+          " num_anchors: 1 } chunking { blocks_per_chunk: 1 } head { "
+          "vocab_size: ",
+          kVocab, " hidden_size: ", kHidden,
+          " mode: MATERIALIZE backend: CUDA dtype: FLOAT32 } loss { dflash { "
+          "} }"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  std::mt19937 rng(61);
+  std::normal_distribution<double> normal(0, 1);
+  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
+  std::vector<double> hidden(kRows * kHidden), weight(kVocab * kHidden);
+  for (double& x : hidden) x = static_cast<float>(normal(rng));
+  for (double& x : weight) x = static_cast<float>(0.5 * normal(rng));
+  std::vector<RowMeta> rows(kRows);
+  for (int64_t r = 0; r < kRows; ++r) {
+    rows[r].block = r / kBlock;
+    rows[r].position = static_cast<int32_t>(r % kBlock);
+    rows[r].target = token(rng);
+    rows[r].mask = 1;
+  }
+  CudaStream& stream = *gpu->stream;
+  TrackedBuffer<float> d_hidden = Upload<float>(hidden, stream);
+  TrackedBuffer<float> d_weight = Upload<float>(weight, stream);
+  TrackedBuffer<float> grad_hidden =
+      Upload<float>(std::vector<double>(kRows * kHidden, 7), stream);
+  TrackedBuffer<float> neg_log_q =
+      Upload<float>(std::vector<double>(kRows, 7), stream);
+  TrackedBuffer<int32_t> argmax =
+      Upload<int32_t>(std::vector<int32_t>(kRows, 7), stream);
+  const HeadInputs<float> inputs{Span(d_hidden), {}, {}, rows,
+                                 Span(d_weight), {}};
+  const HeadGradients<float> gradients{Span(grad_hidden), {}, {}, {}};
+  const HeadRowOutputs outputs{Span(neg_log_q), Span(argmax), {}, 0};
+  const absl::StatusOr<HeadResult> result =
+      RunCudaHead<float>(*config, inputs, gradients, *gpu->blas, outputs);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->loss_denominator, kRows);
+  const std::vector<float> got_grad = Download(grad_hidden, stream);
+  const std::vector<float> got_nlq = Download(neg_log_q, stream);
+  const std::vector<int32_t> got_argmax = Download(argmax, stream);
+  const int64_t past = (int64_t{1} << 31) / kVocab;
+  for (int64_t r :
+       {int64_t{0}, int64_t{1}, past - 1, past, past + 7, kRows - 1}) {
+    SCOPED_TRACE(absl::StrCat("row ", r));
+    std::vector<double> z(kVocab);
+    int32_t best = 0;
+    for (int64_t v = 0; v < kVocab; ++v) {
+      double dot = 0;
+      for (int64_t h = 0; h < kHidden; ++h) {
+        dot += weight[v * kHidden + h] * hidden[r * kHidden + h];
+      }
+      z[v] = dot;
+      if (dot > z[best]) best = static_cast<int32_t>(v);
+    }
+    double sum = 0;
+    for (double x : z) sum += std::exp(x - z[best]);
+    const double lse = z[best] + std::log(sum);
+    const int32_t target = rows[r].target;
+    EXPECT_NEAR(got_nlq[r], lse - z[target], 1e-4 * (1 + lse - z[target]));
+    EXPECT_EQ(got_argmax[r], best);
+    std::vector<double> want(kHidden, 0.0), got(kHidden);
+    for (int64_t v = 0; v < kVocab; ++v) {
+      const double g = std::exp(z[v] - lse) - (v == target ? 1.0 : 0.0);
+      for (int64_t h = 0; h < kHidden; ++h) {
+        want[h] += g * weight[v * kHidden + h] / kRows;
+      }
+    }
+    for (int64_t h = 0; h < kHidden; ++h) got[h] = got_grad[r * kHidden + h];
+    EXPECT_LT(RelativeNorm(got, want), 1e-4);
   }
 }
 
