@@ -1,5 +1,6 @@
 #include "heads/cuda_head.h"
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -40,6 +41,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
+    // A scale known now goes into the input-gradient GEMMs' alpha: the
+    // hidden and correction-input gradients are rounded once.
+    input_scale_ = spec.known_gradient_scale;
+    const double alpha = input_scale_.value_or(1.0);
     const v1::HeadConfig& head = config_.head();
     // A trainable BF16 weight's gradient is summed over chunks in FP32 and
     // rounded once, when scaled.
@@ -60,7 +65,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
         std::unique_ptr<VocabProjection<T>> projection,
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                 head.vocab_size(), head.hidden_size(), blas_,
-                                weight_sum));
+                                weight_sum, alpha));
     projection_ = std::move(projection);
     if (const int64_t rank = head.correction_rank(); rank > 0) {
       // A BF16 correction weight's gradient is summed over chunks in FP32
@@ -77,10 +82,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
         float_gradient = correction_sum_.data();
       }
       DFLASH_ASSIGN_OR_RETURN(
-          correction_,
-          CreateCudaProjection<T>(spec.inputs->correction_weight, {},
-                                  head.vocab_size(), rank, blas_,
-                                  float_gradient));
+          correction_, CreateCudaProjection<T>(spec.inputs->correction_weight,
+                                               {}, head.vocab_size(), rank,
+                                               blas_, float_gradient, alpha));
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
@@ -251,7 +255,15 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const double scale = upstream * finished.gradient_scale;
     const std::optional<double>& kl_weight = finished.lk_kl_weight;
     CUstream_st* stream = stream_.stream();
-    if (kl_weight) {
+    if (input_scale_) {
+      // Already in the input gradients: it must be the scale the loss ended
+      // with.
+      if (!(std::abs(*input_scale_ - scale) <= 1e-9 * std::abs(scale))) {
+        return absl::InternalError(absl::StrCat(
+            "the gradient scale known before the run (", *input_scale_,
+            ") differs from the finished one (", scale, ")"));
+      }
+    } else if (kl_weight) {
       cuda::LaunchScaleRowsByLkFactor<T>(
           g.hidden.data(), config_.head().hidden_size(), active_.data(),
           active_.size(), row_q_.data(), *kl_weight, scale, stream);
@@ -265,8 +277,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
       cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
     }
     cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
-    cuda::LaunchScale<T>(g.correction_inputs.data(), g.correction_inputs.size(),
-                         scale, stream);
+    if (!input_scale_) {
+      cuda::LaunchScale<T>(g.correction_inputs.data(),
+                           g.correction_inputs.size(), scale, stream);
+    }
     if (correction_sum_.size() > 0) {
       cuda::LaunchScaleToStorage<T>(correction_sum_.data(),
                                     correction_sum_.size(), scale,
@@ -291,6 +305,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const LossTraits traits_;
   const bool confidence_;
   HeadRunSpec<T> spec_;
+  std::optional<double> input_scale_;  // Folded into the input gradients.
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
   // A BF16 correction weight's and trainable weight's gradients, summed in

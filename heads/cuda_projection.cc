@@ -29,19 +29,21 @@ template <typename T>
 class CudaProjection final : public VocabProjection<T> {
  public:
   CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
-                 CublasHandle& blas, float* float_weight_gradient)
+                 CublasHandle& blas, float* float_weight_gradient,
+                 float input_gradient_scale)
       : VocabProjection<T>(vocab, hidden),
         weight_(weight),
         bias_(bias),
         blas_(blas),
-        float_weight_gradient_(float_weight_gradient) {}
+        float_weight_gradient_(float_weight_gradient),
+        input_gradient_scale_(input_gradient_scale) {}
 
   // logits^T [V, m] = W [V, H] (col-major [H, V], transposed) x rows^T.
   void Forward(const T* rows, int64_t m, T* logits) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 0.0f, logits,
-         kType<T>, v, "forward GEMM");
+    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, 0.0f,
+         logits, kType<T>, v, "forward GEMM");
     if (bias_ != nullptr && status_.ok()) {
       cuda::LaunchAddBias<T>(logits, bias_, m, v, blas_.stream().stream());
       status_ = blas_.stream().LaunchStatus("bias add");
@@ -52,8 +54,8 @@ class CudaProjection final : public VocabProjection<T> {
   void AddForward(const T* rows, int64_t m, T* logits) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, logits,
-         kType<T>, v, "correction GEMM");
+    Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, 1.0f,
+         logits, kType<T>, v, "correction GEMM");
     this->Count(m, 0);
   }
 
@@ -61,8 +63,9 @@ class CudaProjection final : public VocabProjection<T> {
   void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits, v, 0.0f,
-         grad_rows, kType<T>, h, "input-gradient GEMM");
+    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits, v,
+         input_gradient_scale_, 0.0f, grad_rows, kType<T>, h,
+         "input-gradient GEMM");
     this->Count(m, 0);
   }
 
@@ -72,8 +75,9 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0 || end <= begin) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, end - begin, weight_ + begin * h, h,
-         grad_logits + begin, v, accumulate ? 1.0f : 0.0f, grad_rows, kType<T>,
-         h, "input-gradient GEMM");
+         grad_logits + begin, v, input_gradient_scale_,
+         accumulate ? 1.0f : 0.0f, grad_rows, kType<T>, h,
+         "input-gradient GEMM");
     this->Count(m, 0, end - begin);
   }
 
@@ -84,10 +88,10 @@ class CudaProjection final : public VocabProjection<T> {
     const int v = this->vocab(), h = this->hidden();
     if (float_weight_gradient_ != nullptr) {
       Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
-           float_weight_gradient_, CUDA_R_32F, h, "weight-gradient GEMM");
+           1.0f, float_weight_gradient_, CUDA_R_32F, h, "weight-gradient GEMM");
     } else {
       Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
-           grad_weight, kType<T>, h, "weight-gradient GEMM");
+           1.0f, grad_weight, kType<T>, h, "weight-gradient GEMM");
     }
     if (grad_bias != nullptr && status_.ok()) {
       cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v, grad_bias,
@@ -100,13 +104,13 @@ class CudaProjection final : public VocabProjection<T> {
   absl::Status status() const override { return status_; }
 
  private:
-  // C's type is T's, or FP32 for a weight gradient summed in float.
+  // C = alpha A B + beta C; C's type is T's, or FP32 for a weight
+  // gradient summed in float.
   void Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
             int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
-            int64_t ldb, float beta, void* c, cudaDataType_t c_type,
-            int64_t ldc, const char* what) {
+            int64_t ldb, float alpha, float beta, void* c,
+            cudaDataType_t c_type, int64_t ldc, const char* what) {
     if (!status_.ok()) return;
-    const float alpha = 1.0f;
     status_ = BlasStatus(
         cublasGemmEx(
             blas_.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
@@ -120,6 +124,7 @@ class CudaProjection final : public VocabProjection<T> {
   const T* const bias_;
   CublasHandle& blas_;
   float* const float_weight_gradient_;
+  const float input_gradient_scale_;
   absl::Status status_;
 };
 
@@ -153,23 +158,24 @@ CublasHandle::~CublasHandle() { cublasDestroy(handle_); }
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden, CublasHandle& blas, float* float_weight_gradient) {
+    int64_t hidden, CublasHandle& blas, float* float_weight_gradient,
+    double input_gradient_scale) {
   if (absl::Status valid =
           ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
       !valid.ok()) {
     return valid;
   }
-  return std::unique_ptr<VocabProjection<T>>(
-      new CudaProjection<T>(weight.data(), bias.empty() ? nullptr : bias.data(),
-                            vocab, hidden, blas, float_weight_gradient));
+  return std::unique_ptr<VocabProjection<T>>(new CudaProjection<T>(
+      weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden, blas,
+      float_weight_gradient, static_cast<float>(input_gradient_scale)));
 }
 
 template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>
 CreateCudaProjection<float>(absl::Span<const float>, absl::Span<const float>,
-                            int64_t, int64_t, CublasHandle&, float*);
+                            int64_t, int64_t, CublasHandle&, float*, double);
 template absl::StatusOr<std::unique_ptr<VocabProjection<BFloat16>>>
 CreateCudaProjection<BFloat16>(absl::Span<const BFloat16>,
                                absl::Span<const BFloat16>, int64_t, int64_t,
-                               CublasHandle&, float*);
+                               CublasHandle&, float*, double);
 
 }  // namespace dflash

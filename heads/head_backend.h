@@ -27,6 +27,11 @@ struct HeadRunSpec {
   const HeadRowOutputs* row_outputs = nullptr;
   absl::Span<const int64_t> active;
   const PreparedProjection* prepared_projection = nullptr;  // Or none.
+  // upstream x the loss's gradient scale, where the rows alone decide it
+  // (RowsGradientScale): a backend may fold it into its input-gradient
+  // GEMMs, rounding a BF16 gradient once, and then leave those gradients
+  // alone in ScaleGradients.
+  std::optional<double> known_gradient_scale;
 };
 
 // What the head needs from the device it runs on: memory, the projection,

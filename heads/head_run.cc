@@ -426,9 +426,17 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
   DFLASH_RETURN_IF_ERROR(Plan());
-  DFLASH_RETURN_IF_ERROR(backend_.Start(
-      {&config_, &inputs_, &gradients_, &row_outputs_, active_,
-       options.prepared_projection}));
+  const int64_t anchors = config_.layout().num_anchors();
+  const int64_t sequences =
+      anchors > 0
+          ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
+          : 1;
+  std::optional<double> known_scale =
+      RowsGradientScale(params_, inputs_.rows, sequences);
+  if (known_scale) *known_scale *= options.upstream_gradient;
+  DFLASH_RETURN_IF_ERROR(
+      backend_.Start({&config_, &inputs_, &gradients_, &row_outputs_, active_,
+                      options.prepared_projection, known_scale}));
 
   HeadResult result;
   result.mode = head_.mode();
@@ -462,11 +470,6 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   result.terms = *std::move(terms);
   // d(loss)/d(.) = upstream * scale * d(loss_num)/d(.), the latter
   // complete once the composition is.
-  const int64_t anchors = config_.layout().num_anchors();
-  const int64_t sequences =
-      anchors > 0 ? static_cast<int64_t>(inputs_.rows.size()) /
-                        (anchors * block_size_)
-                  : 1;
   const FinishedLoss finished =
       FinishTerms(params_, result.terms, sequences);
   result.lk_kl_weight = finished.lk_kl_weight;

@@ -602,6 +602,28 @@ FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
   return f;
 }
 
+std::optional<double> RowsGradientScale(const LossParams& params,
+                                        absl::Span<const RowMeta> rows,
+                                        int64_t sequences) {
+  if (params.family == LossFamily::kDPace ||
+      params.lk == LkMode::kLambdaBatch) {
+    return std::nullopt;
+  }
+  if (params.dpard) {
+    return 1.0 / static_cast<double>(std::max<int64_t>(sequences, 1));
+  }
+  // loss_den: the weights of the rows with a mask, as the loss adds them.
+  double den = 0;
+  for (const RowMeta& row : rows) {
+    const double mask = EffectiveMask(params, row.target, row.mask);
+    if (mask > 0) den += RowLossWeight(params, row.position, mask);
+  }
+  if (params.family == LossFamily::kDomino) {
+    return 1 / (den + kDominoDenominatorOffset);
+  }
+  return 1 / FlooredLossDen(den);
+}
+
 template <typename T>
 absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options) {

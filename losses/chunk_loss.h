@@ -245,6 +245,14 @@ struct FinishedLoss {
 FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
                          int64_t sequences);
 
+// The gradient_scale FinishTerms will give, known before any logit where
+// the rows alone decide it (so a head can fold it into its input-gradient
+// GEMM and round a BF16 gradient once); nullopt where the logits decide it
+// (D-PACE's block weights, the batch-level LK lambda's row factors).
+std::optional<double> RowsGradientScale(const LossParams& params,
+                                        absl::Span<const RowMeta> rows,
+                                        int64_t sequences);
+
 // ResolveLoss (loss_family.h) with its errors prefixed "chunk loss: ".
 absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config);
 

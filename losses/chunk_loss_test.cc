@@ -477,6 +477,42 @@ TEST_P(LossCaseTest, BFloat16WithinSpecForgeTolerances) {
   EXPECT_LT(std::sqrt(diff / norm), 5e-3);
 }
 
+// The scale a head may fold into its input-gradient GEMM before any logit
+// is the one FinishTerms gives after the last chunk; where the logits
+// decide it (D-PACE, the batch-level LK lambda) there is none.
+TEST_P(LossCaseTest, RowsGradientScaleIsTheFinishedOne) {
+  const Problem p = problem(23);
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto terms = RunDouble(config(), p, grad, confidence_grad);
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  const LossParams params = *ResolveLoss(config());
+  const int64_t sequences = 2;
+  const double finished = FinishTerms(params, *terms, sequences).gradient_scale;
+  const std::optional<double> known =
+      RowsGradientScale(params, p.rows, sequences);
+  if (params.family == LossFamily::kDPace ||
+      params.lk == LkMode::kLambdaBatch) {
+    EXPECT_FALSE(known.has_value());
+  } else {
+    ASSERT_TRUE(known.has_value());
+    EXPECT_NEAR(*known, finished, 1e-14 * finished);
+  }
+}
+
+TEST(ChunkLossTest, RowsGradientScaleOfDPardCountsSequences) {
+  const Problem p = MakeProblem(24, {kK, 1, 0});
+  const v1::LossConfig config =
+      Parse("dspark { objective: DPARD ce_weight: 0 l1_weight: 0 }");
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto terms = RunDouble(config, p, grad, confidence_grad);
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  const LossParams params = *ResolveLoss(config);
+  EXPECT_EQ(RowsGradientScale(params, p.rows, 3),
+            FinishTerms(params, *terms, 3).gradient_scale);
+}
+
 TEST_P(LossCaseTest, WholeBlockChunksSumToTheUnchunkedTerms) {
   const Problem p = problem(21);
   std::vector<double> whole_grad;

@@ -247,12 +247,14 @@ TEST(CudaCorrectionTest, BFloat16CorrectionWeightGradientIsRoundedOnce) {
   absl::StatusOr<Gpu> gpu = OpenGpu();
   DFLASH_SKIP_WITHOUT_GPU(gpu.status());
   Case c = MakeCase(32);
-  // Inputs representable in bfloat16, so only the gradient's rounding
-  // remains.
+  // Inputs on a grid of 1/4 (bias 1/16), so that the logits, multiples of
+  // 1/16 well below 16, are exact in bfloat16 and only the gradients'
+  // rounding remains.
   for (std::vector<double>* v :
-       {&c.batch.hidden, &c.batch.weight, &c.batch.bias, &c.z, &c.m}) {
-    for (double& x : *v) x = AsDouble(FromDouble<BFloat16>(x));
+       {&c.batch.hidden, &c.batch.weight, &c.z, &c.m}) {
+    for (double& x : *v) x = std::round(x * 4) / 4;
   }
+  for (double& x : c.batch.bias) x = std::round(x * 16) / 16;
   const v1::ObjectiveConfig config =
       WithCorrection(ConfigBuilder("dflash {}").BlocksPerChunk(1));
   const Result want = OnCpu(config, c);
@@ -266,6 +268,12 @@ TEST(CudaCorrectionTest, BFloat16CorrectionWeightGradientIsRoundedOnce) {
                                 std::max(std::abs(e), 1e-3));
   }
   EXPECT_LE(worst, 1.5 / 256);
+  // The hidden and correction-input gradients, their scale folded into the
+  // GEMM so that they too are rounded once: within a bfloat16 rounding of
+  // the logits' gradient, normwise.
+  EXPECT_LT(RelativeL2Error<double>(got.grad_hidden, want.grad_hidden),
+            2.0 / 256);
+  EXPECT_LT(RelativeL2Error<double>(got.grad_z, want.grad_z), 2.0 / 256);
 }
 
 }  // namespace
