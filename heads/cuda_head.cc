@@ -172,6 +172,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const HeadInputs<T>& in = *spec_.inputs;
     const HeadRowOutputs& o = *spec_.row_outputs;
     const int64_t vocab = config_.head().vocab_size();
+    // The projection's rows, padded to 16 bytes for the loss's vector loads.
+    const int64_t stride = projection_->logits_stride();
     std::vector<RowMeta>& meta = chunk_meta_;
     meta.resize(m);
     for (int64_t i = 0; i < m; ++i) meta[i] = in.rows[host_active_[begin + i]];
@@ -179,12 +181,15 @@ class CudaHeadBackend final : public HeadBackend<T> {
       return record ? span : decltype(span)();
     };
     const ChunkLossInputs<T> inputs{
-        absl::MakeSpan(logits, m * vocab),
+        absl::MakeSpan(logits, m * stride),
         teacher == nullptr ? absl::Span<const T>()
-                           : absl::MakeConstSpan(teacher, m * vocab),
-        in.confidence_logits, meta, vocab,
+                           : absl::MakeConstSpan(teacher, m * stride),
+        in.confidence_logits,
+        meta,
+        vocab,
         correction == nullptr ? absl::Span<T>()
-                              : absl::MakeSpan(correction, m * vocab)};
+                              : absl::MakeSpan(correction, m * stride),
+        stride};
     // The confidence gradient only where the loss has one to write.
     const ChunkLossOutputs outputs{
         confidence_ ? if_recorded(spec_.gradients->confidence)

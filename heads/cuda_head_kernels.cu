@@ -41,21 +41,22 @@ __global__ void CopyRowsKernel(const T* source, int64_t width,
 
 template <typename T>
 __global__ void AddBiasKernel(T* logits, const T* bias, int64_t total,
-                              int64_t vocab) {
+                              int64_t vocab, int64_t stride) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    Store(logits[i], ToF(logits[i]) + ToF(bias[i % vocab]));
+    T& logit = logits[i / vocab * stride + i % vocab];
+    Store(logit, ToF(logit) + ToF(bias[i % vocab]));
   }
 }
 
 // One thread per vocabulary column, rows summed in order.
 template <typename T>
 __global__ void BiasGradientKernel(const T* grad, int64_t count, int64_t vocab,
-                                   T* grad_bias) {
+                                   int64_t stride, T* grad_bias) {
   const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (v >= vocab) return;
   float sum = 0;
-  for (int64_t i = 0; i < count; ++i) sum += ToF(grad[i * vocab + v]);
+  for (int64_t i = 0; i < count; ++i) sum += ToF(grad[i * stride + v]);
   Store(grad_bias[v], ToF(grad_bias[v]) + sum);
 }
 
@@ -92,21 +93,21 @@ void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
 
 template <typename T>
 void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
-                   CUstream_st* stream) {
+                   int64_t stride, CUstream_st* stream) {
   const int64_t total = count * vocab;
   if (total == 0) return;
-  AddBiasKernel<T>
-      <<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total, vocab);
+  AddBiasKernel<T><<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total,
+                                                           vocab, stride);
 }
 
 template <typename T>
 void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
-                                  int64_t vocab, T* grad_bias,
+                                  int64_t vocab, int64_t stride, T* grad_bias,
                                   CUstream_st* stream) {
   if (count == 0) return;
   BiasGradientKernel<T>
       <<<static_cast<unsigned>((vocab + kThreads - 1) / kThreads), kThreads, 0,
-         stream>>>(grad_logits, count, vocab, grad_bias);
+         stream>>>(grad_logits, count, vocab, stride, grad_bias);
 }
 
 namespace {
@@ -207,14 +208,14 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                                     int64_t, T*, CUstream_st*);                \
   template void LaunchScatterRows<T>(const T*, int64_t, const int64_t*,        \
                                      int64_t, T*, CUstream_st*);               \
-  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t,               \
+  template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t, int64_t,      \
                                  CUstream_st*);                                \
   template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t,    \
-                                                T*, CUstream_st*);             \
+                                                int64_t, T*, CUstream_st*);    \
   template void LaunchAddTopKValueGradients<T>(                                \
       const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
-      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);           \
-  template void LaunchScaleToStorage<T>(const float*, int64_t, double, T*,    \
+      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);             \
+  template void LaunchScaleToStorage<T>(const float*, int64_t, double, T*,     \
                                         CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)

@@ -22,15 +22,16 @@ template <typename T>
 void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
                        int64_t count, T* out, CUstream_st* stream);
 
-// logits[i, v] += bias[v] for a [count, vocab] block.
+// logits[i, v] += bias[v] for a [count, vocab] block, rows `stride` apart.
 template <typename T>
 void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
-                   CUstream_st* stream);
+                   int64_t stride, CUstream_st* stream);
 
-// grad_bias[v] += sum_i grad_logits[i, v], summed in FP32.
+// grad_bias[v] += sum_i grad_logits[i, v], summed in FP32, rows `stride`
+// apart.
 template <typename T>
 void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
-                                  int64_t vocab, T* grad_bias,
+                                  int64_t vocab, int64_t stride, T* grad_bias,
                                   CUstream_st* stream);
 
 // AddTopKValueGradients (heads/top_k_gradient.h) on the device: one block

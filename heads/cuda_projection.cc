@@ -23,15 +23,23 @@ absl::Status BlasStatus(cublasStatus_t status, const char* what) {
       absl::StrCat(what, ": ", cublasGetStatusString(status)));
 }
 
+// Logit rows padded to whole 16-byte vectors, for the loss's vector loads.
+template <typename T>
+int64_t PaddedStride(int64_t vocab) {
+  constexpr int64_t kVec = 16 / sizeof(T);
+  return (vocab + kVec - 1) / kVec * kVec;
+}
+
 // Row-major products written as cuBLAS's column-major ones: a row-major
-// [r, c] matrix is a column-major [c, r] one.
+// [r, c] matrix is a column-major [c, r] one; logits rows are
+// logits_stride() apart.
 template <typename T>
 class CudaProjection final : public VocabProjection<T> {
  public:
   CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
                  CublasHandle& blas, float* float_weight_gradient,
                  float input_gradient_scale)
-      : VocabProjection<T>(vocab, hidden),
+      : VocabProjection<T>(vocab, hidden, PaddedStride<T>(vocab)),
         weight_(weight),
         bias_(bias),
         blas_(blas),
@@ -41,12 +49,23 @@ class CudaProjection final : public VocabProjection<T> {
   // logits^T [V, m] = W [V, H] (col-major [H, V], transposed) x rows^T.
   void Forward(const T* rows, int64_t m, T* logits) override {
     if (m == 0) return;
-    const int v = this->vocab(), h = this->hidden();
+    const int64_t v = this->vocab(), h = this->hidden();
+    const int64_t ld = this->logits_stride();
     Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, 0.0f,
-         logits, kType<T>, v, "forward GEMM");
+         logits, kType<T>, ld, "forward GEMM");
     if (bias_ != nullptr && status_.ok()) {
-      cuda::LaunchAddBias<T>(logits, bias_, m, v, blas_.stream().stream());
+      cuda::LaunchAddBias<T>(logits, bias_, m, v, ld, blas_.stream().stream());
       status_ = blas_.stream().LaunchStatus("bias add");
+    }
+    if (ld > v && status_.ok()) {
+      // The loss loads the padding with the logits: keep it defined.
+      const cudaError_t error =
+          cudaMemset2DAsync(logits + v, ld * sizeof(T), 0, (ld - v) * sizeof(T),
+                            m, blas_.stream().stream());
+      if (error != cudaSuccess) {
+        status_ = absl::InternalError(
+            absl::StrCat("logits padding: ", cudaGetErrorString(error)));
+      }
     }
     this->Count(m, 0);
   }
@@ -55,7 +74,7 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, weight_, h, rows, h, 1.0f, 1.0f,
-         logits, kType<T>, v, "correction GEMM");
+         logits, kType<T>, this->logits_stride(), "correction GEMM");
     this->Count(m, 0);
   }
 
@@ -63,9 +82,9 @@ class CudaProjection final : public VocabProjection<T> {
   void InputGradient(const T* grad_logits, int64_t m, T* grad_rows) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits, v,
-         input_gradient_scale_, 0.0f, grad_rows, kType<T>, h,
-         "input-gradient GEMM");
+    Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits,
+         this->logits_stride(), input_gradient_scale_, 0.0f, grad_rows,
+         kType<T>, h, "input-gradient GEMM");
     this->Count(m, 0);
   }
 
@@ -73,9 +92,9 @@ class CudaProjection final : public VocabProjection<T> {
                             int64_t end, bool accumulate,
                             T* grad_rows) override {
     if (m == 0 || end <= begin) return;
-    const int v = this->vocab(), h = this->hidden();
+    const int h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, end - begin, weight_ + begin * h, h,
-         grad_logits + begin, v, input_gradient_scale_,
+         grad_logits + begin, this->logits_stride(), input_gradient_scale_,
          accumulate ? 1.0f : 0.0f, grad_rows, kType<T>, h,
          "input-gradient GEMM");
     this->Count(m, 0, end - begin);
@@ -87,14 +106,17 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     if (float_weight_gradient_ != nullptr) {
-      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
-           1.0f, float_weight_gradient_, CUDA_R_32F, h, "weight-gradient GEMM");
+      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits,
+           this->logits_stride(), 1.0f, 1.0f, float_weight_gradient_,
+           CUDA_R_32F, h, "weight-gradient GEMM");
     } else {
-      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits, v, 1.0f,
-           1.0f, grad_weight, kType<T>, h, "weight-gradient GEMM");
+      Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits,
+           this->logits_stride(), 1.0f, 1.0f, grad_weight, kType<T>, h,
+           "weight-gradient GEMM");
     }
     if (grad_bias != nullptr && status_.ok()) {
-      cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v, grad_bias,
+      cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v,
+                                            this->logits_stride(), grad_bias,
                                             blas_.stream().stream());
       status_ = blas_.stream().LaunchStatus("bias gradient");
     }

@@ -82,13 +82,13 @@ class HeadRun {
     return buffer.data();
   }
   TensorView View(T* data, int64_t m) const {
-    return TensorView(data, DTypeOf<T>::value, {m, vocab_}, backend_.device());
+    return TensorView(data, DTypeOf<T>::value, {m, stride_}, backend_.device());
   }
-  // Rows of V logits a chunk of m rows keeps: its logits, and its
-  // correction's after them when the loss reads them apart.
+  // Rows of logits (stride_ values each) a chunk of m rows keeps: its
+  // logits, and its correction's after them when the loss reads them apart.
   int64_t LogitRows(int64_t m) const { return split_ ? 2 * m : m; }
-  // The chunk's logits [m, V] from its rows, the correction added or, when
-  // split, written to logits + m * V.
+  // The chunk's logits [m, stride_] from its rows, the correction added or,
+  // when split, written to logits + m * stride_.
   absl::Status ProjectChunk(int64_t c, T* logits);
   absl::Status Plan();
   absl::Status ForwardChunk(int64_t c);
@@ -114,6 +114,9 @@ class HeadRun {
   HeadBackend<T>& backend_;
   TrackingAllocator& allocator_;
   const int64_t vocab_, hidden_, block_size_;
+  // Values from one logits row to the next: the projection's (padded on
+  // CUDA), known once the backend has started.
+  int64_t stride_ = 0;
   const LossParams params_;
   const int64_t rank_;
   const bool teacher_, confidence_, split_;
@@ -279,7 +282,7 @@ absl::Status HeadRun<T>::ProjectChunk(int64_t c, T* logits) {
   DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.correction_inputs.data(),
                                              rank_, Begin(c), m, z));
   if (split_) {
-    backend_.correction()->Forward(z, m, logits + m * vocab_);
+    backend_.correction()->Forward(z, m, logits + m * stride_);
   } else {
     backend_.correction()->AddForward(z, m, logits);
   }
@@ -316,7 +319,7 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   }
   if (rank_ == 0) return absl::OkStatus();
   // The correction's logits gradient: the same as the logits' unless split.
-  const T* grad_correction = split_ ? grad_logits + m * vocab_ : grad_logits;
+  const T* grad_correction = split_ ? grad_logits + m * stride_ : grad_logits;
   DFLASH_ASSIGN_OR_RETURN(T * dz, Workspace(z_grad_ws_, rank_));
   backend_.correction()->InputGradient(grad_correction, m, dz);
   DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(
@@ -369,9 +372,9 @@ absl::Status HeadRun<T>::RecomputeLogitsGradient(int64_t c,
 template <typename T>
 absl::Status HeadRun<T>::Loss(int64_t c, T* logits, const T* teacher,
                               bool record) {
-  const absl::Status loss = backend_.ChunkLoss(
-      c, Begin(c), Rows(c), logits, teacher,
-      split_ ? logits + Rows(c) * vocab_ : nullptr, record);
+  const absl::Status loss =
+      backend_.ChunkLoss(c, Begin(c), Rows(c), logits, teacher,
+                         split_ ? logits + Rows(c) * stride_ : nullptr, record);
   if (loss.ok()) return loss;
   // A queued product that failed (CUDA) left the logits the loss rejected:
   // its error is the cause.
@@ -384,11 +387,11 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   const int64_t m = Rows(c);
   if (m == 0) return absl::OkStatus();
   DFLASH_ASSIGN_OR_RETURN(T * logits,
-                          Workspace(logits_ws_, LogitRows(1) * vocab_));
+                          Workspace(logits_ws_, LogitRows(1) * stride_));
   DFLASH_RETURN_IF_ERROR(ProjectChunk(c, logits));
   T* teacher = nullptr;
   if (teacher_) {
-    DFLASH_ASSIGN_OR_RETURN(T * buffer, Workspace(teacher_ws_, vocab_));
+    DFLASH_ASSIGN_OR_RETURN(T * buffer, Workspace(teacher_ws_, stride_));
     teacher = buffer;
     DFLASH_RETURN_IF_ERROR(TeacherLogits(c, teacher));
     if (context_ != nullptr) {
@@ -437,6 +440,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   DFLASH_RETURN_IF_ERROR(
       backend_.Start({&config_, &inputs_, &gradients_, &row_outputs_, active_,
                       options.prepared_projection, known_scale}));
+  stride_ = backend_.projection().logits_stride();
 
   HeadResult result;
   result.mode = head_.mode();

@@ -24,7 +24,9 @@ struct GemmCount {
 };
 
 // A vocabulary projection: weight [V, H] (row-major, as torch's lm_head),
-// optional bias [V]. Rows are contiguous [m, H]; logits [m, V]. A backend
+// optional bias [V]. Rows are contiguous [m, H]; logits [m, V] with rows
+// logits_stride() apart (V on the CPU; the CUDA projection pads rows to 16
+// bytes for the loss's vector loads, and keeps the padding zero). A backend
 // (CPU here, CUDA in //heads/cuda) implements the three products; the fused
 // head only talks to this interface.
 template <typename T>
@@ -34,6 +36,7 @@ class VocabProjection {
 
   int64_t vocab() const { return vocab_; }
   int64_t hidden() const { return hidden_; }
+  int64_t logits_stride() const { return logits_stride_; }
   const GemmCount& gemms() const { return gemms_; }
 
   // logits = rows @ W^T + bias.
@@ -61,8 +64,10 @@ class VocabProjection {
   virtual absl::Status status() const { return absl::OkStatus(); }
 
  protected:
-  VocabProjection(int64_t vocab, int64_t hidden)
-      : vocab_(vocab), hidden_(hidden) {}
+  VocabProjection(int64_t vocab, int64_t hidden, int64_t logits_stride = 0)
+      : vocab_(vocab),
+        hidden_(hidden),
+        logits_stride_(logits_stride > 0 ? logits_stride : vocab) {}
   // A product of m rows over `columns` of the vocabulary (all by default).
   void Count(int64_t m, double seconds, int64_t columns = -1) {
     ++gemms_.calls;
@@ -74,6 +79,7 @@ class VocabProjection {
  private:
   const int64_t vocab_;
   const int64_t hidden_;
+  const int64_t logits_stride_;
   GemmCount gemms_;
 };
 

@@ -71,7 +71,8 @@ class RowSource {
   }
 
   absl::Span<W> Draft(int64_t r) {
-    absl::Span<T> row = inputs_.logits.subspan(r * inputs_.vocab, inputs_.vocab);
+    absl::Span<T> row =
+        inputs_.logits.subspan(r * inputs_.stride(), inputs_.vocab);
     if constexpr (std::is_same_v<T, W>) {
       if (!identity_ && !transformed_[r]) Transform(row);
       transformed_[r] = true;
@@ -85,7 +86,7 @@ class RowSource {
 
   absl::Span<const W> Teacher(int64_t r) {
     absl::Span<const T> row =
-        inputs_.teacher_logits.subspan(r * inputs_.vocab, inputs_.vocab);
+        inputs_.teacher_logits.subspan(r * inputs_.stride(), inputs_.vocab);
     if constexpr (std::is_same_v<T, W>) {
       if (identity_) return row;
       std::copy(row.begin(), row.end(), teacher_.begin());
@@ -128,14 +129,15 @@ class RowSource {
           "); masks and loss weights this large need rescaling"));
     }
     if constexpr (!std::is_same_v<T, W>) {
-      Narrow(grad.data(), inputs_.logits.data() + r * inputs_.vocab,
+      Narrow(grad.data(), inputs_.logits.data() + r * inputs_.stride(),
              inputs_.vocab);
     }
     return absl::OkStatus();
   }
 
   void StoreZero(int64_t r) {
-    absl::Span<T> row = inputs_.logits.subspan(r * inputs_.vocab, inputs_.vocab);
+    absl::Span<T> row =
+        inputs_.logits.subspan(r * inputs_.stride(), inputs_.vocab);
     std::fill(row.begin(), row.end(), T{});
   }
 
@@ -260,7 +262,7 @@ double DPardRow(absl::Span<W> z, const RowStats& stats, absl::Span<const W> t,
 }
 
 absl::Status CheckSize(const char* name, size_t size, int64_t expected,
-                       const char* why) {
+                       absl::string_view why) {
   if (static_cast<int64_t>(size) == expected) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("chunk loss: ", name,
                                                  " must hold ", expected,
@@ -300,19 +302,29 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: vocab must lie in [1, 2^31), got ", vocab));
   }
+  if (inputs.row_stride != 0 && inputs.row_stride < vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk loss: row_stride must be 0 (vocab) or >= vocab (",
+                     vocab, "), got ", inputs.row_stride));
+  }
   const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
-  if (static_cast<int64_t>(inputs.logits.size()) != num_rows * vocab) {
+  const int64_t stride = inputs.stride();
+  const std::string rows_by = stride == vocab
+                                  ? std::string("rows x vocab")
+                                  : absl::StrCat("rows x row_stride ", stride);
+  if (static_cast<int64_t>(inputs.logits.size()) != num_rows * stride) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: logits hold ", inputs.logits.size(),
-                     " values, expected ", num_rows, " rows x ", vocab,
-                     " vocab"));
+                     " values, expected ", num_rows, " rows x ", stride,
+                     stride == vocab ? " vocab" : " row_stride"));
   }
   const LossTraits traits = LossTraitsOf(params);
   if (traits.needs_teacher || !inputs.teacher_logits.empty()) {
     absl::Status size = CheckSize(
-        "teacher_logits", inputs.teacher_logits.size(), num_rows * vocab,
-        traits.needs_teacher ? "rows x vocab"
-                             : "rows x vocab, for the teacher diagnostics");
+        "teacher_logits", inputs.teacher_logits.size(), num_rows * stride,
+        traits.needs_teacher
+            ? rows_by
+            : absl::StrCat(rows_by, ", for the teacher diagnostics"));
     if (!size.ok()) return size;
   }
   if (!outputs.teacher_acceptance.empty() &&
@@ -324,8 +336,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
   }
   if (traits.splits_correction) {
     DFLASH_RETURN_IF_ERROR(CheckSize(
-        "correction_logits", inputs.correction_logits.size(), num_rows * vocab,
-        "rows x vocab, for loss.domino"));
+        "correction_logits", inputs.correction_logits.size(), num_rows * stride,
+        absl::StrCat(rows_by, ", for loss.domino")));
     if (!inputs.teacher_logits.empty() || !outputs.top_k.empty()) {
       return absl::InvalidArgumentError(
           "chunk loss: loss.domino takes no teacher logits and no "
@@ -443,8 +455,8 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
   ChunkTerms terms = ChunkTerms::Zero(options.block_size);
   for (int64_t r = 0; r < static_cast<int64_t>(inputs.rows.size()); ++r) {
     const RowMeta& meta = inputs.rows[r];
-    T* base_row = inputs.logits.data() + r * vocab;
-    T* correction_row = inputs.correction_logits.data() + r * vocab;
+    T* base_row = inputs.logits.data() + r * inputs.stride();
+    T* correction_row = inputs.correction_logits.data() + r * inputs.stride();
     const double m = EffectiveMask(p, meta.target, meta.mask);
     if (m == 0) {
       std::fill_n(base_row, vocab, T{});

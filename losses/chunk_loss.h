@@ -115,19 +115,26 @@ struct ChunkTerms {
 // bfloat16 once).
 template <typename T>
 struct ChunkLossInputs {
-  // [rows x vocab]; overwritten with d(loss_num)/d(logits).
+  // [rows x row stride]; overwritten with d(loss_num)/d(logits).
   absl::Span<T> logits;
-  // [rows x vocab], no gradient: the frozen teacher projection, for dspark
-  // and distillation; with another loss, for the teacher diagnostics.
+  // [rows x row stride], no gradient: the frozen teacher projection, for
+  // dspark and distillation; with another loss, for the teacher
+  // diagnostics.
   absl::Span<const T> teacher_logits;
   // [rows], dspark's confidence head output, when confidence_weight > 0.
   absl::Span<const float> confidence_logits;
   absl::Span<const RowMeta> rows;
   int64_t vocab = 0;
-  // [rows x vocab] for a loss that reads the head's correction apart
+  // [rows x row stride] for a loss that reads the head's correction apart
   // (domino): its logits, overwritten with d(loss_num)/d(correction). The
   // loss's logits are then base + correction at positions >= suffix_start.
   absl::Span<T> correction_logits;
+  // Values from one row's start to the next in the three logit tensors: 0
+  // for vocab, or more for padded rows (the CUDA head pads them to 16 bytes
+  // for vector loads); the padding is neither read as logits nor changed.
+  int64_t row_stride = 0;
+
+  int64_t stride() const { return row_stride > 0 ? row_stride : vocab; }
 };
 
 // Optional per-row results; leave a span empty to skip it. Rows without

@@ -513,6 +513,49 @@ TEST(ChunkLossTest, RowsGradientScaleOfDPardCountsSequences) {
             FinishTerms(params, *terms, 3).gradient_scale);
 }
 
+// Rows padded to a longer stride (the CUDA head's 16-byte rows) give the
+// same terms and gradient; the padding, NaN here, is never read as a logit
+// and is left as it was.
+TEST_P(LossCaseTest, PaddedRowsGiveTheSameResult) {
+  const Problem p = problem(25);
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto want = RunDouble(config(), p, grad, confidence_grad);
+  ASSERT_TRUE(want.ok()) << want.status();
+  constexpr int64_t kStride = kV + 3;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> logits(kRows * kStride, nan), teacher = logits;
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t v = 0; v < kV; ++v) {
+      logits[r * kStride + v] = p.logits[r * kV + v];
+      teacher[r * kStride + v] = p.teacher[r * kV + v];
+    }
+  }
+  const std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  std::vector<float> padded_confidence_grad(kRows, 0);
+  ChunkLossOutputs outputs;
+  outputs.confidence_grad = absl::MakeSpan(padded_confidence_grad);
+  ChunkLossInputs<double> inputs{absl::MakeSpan(logits), teacher, confidence,
+                                 p.rows, kV};
+  inputs.row_stride = kStride;
+  auto got = ChunkLoss<double>(config(), p.options, inputs, outputs);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->loss_num, want->loss_num);
+  EXPECT_EQ(got->loss_den, want->loss_den);
+  EXPECT_EQ(got->correct, want->correct);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t v = 0; v < kStride; ++v) {
+      const double x = logits[r * kStride + v];
+      if (v < kV) {
+        EXPECT_EQ(x, grad[r * kV + v]) << "row " << r << " logit " << v;
+      } else {
+        EXPECT_TRUE(std::isnan(x)) << "row " << r << " padding " << v;
+      }
+    }
+  }
+  EXPECT_EQ(padded_confidence_grad, confidence_grad);
+}
+
 TEST_P(LossCaseTest, WholeBlockChunksSumToTheUnchunkedTerms) {
   const Problem p = problem(21);
   std::vector<double> whole_grad;
@@ -750,6 +793,32 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
   EXPECT_EQ(RunLoss("dflash {}", good, outputs).message(),
             "chunk loss: outputs.argmax must hold 20 values (one per row), "
             "got 3");
+}
+
+TEST(ChunkLossTest, BadRowStridesAreClearErrors) {
+  Problem p = MakeProblem(1, {kK});
+  const std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  ChunkLossInputs<double> inputs{absl::MakeSpan(p.logits), p.teacher,
+                                 confidence, p.rows, kV};
+  inputs.row_stride = kV - 1;
+  EXPECT_EQ(ChunkLoss<double>(Parse("dflash {}"), p.options, inputs, {})
+                .status()
+                .message(),
+            "chunk loss: row_stride must be 0 (vocab) or >= vocab (13), got "
+            "12");
+  inputs.row_stride = kV + 1;
+  EXPECT_EQ(ChunkLoss<double>(Parse("dflash {}"), p.options, inputs, {})
+                .status()
+                .message(),
+            "chunk loss: logits hold 260 values, expected 20 rows x 14 "
+            "row_stride");
+  std::vector<double> padded(kRows * (kV + 1));
+  inputs.logits = absl::MakeSpan(padded);
+  EXPECT_EQ(ChunkLoss<double>(Parse("distillation {}"), p.options, inputs, {})
+                .status()
+                .message(),
+            "chunk loss: teacher_logits must hold 280 values (rows x "
+            "row_stride 14), got 260");
 }
 
 // The diagnostics (metric_top_k): per position, the target among the k

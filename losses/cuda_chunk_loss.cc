@@ -173,6 +173,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
       const_cast<int32_t*>(args.block_begin), s.block_begins.back().data(),
       s.block_begins.back().size() * sizeof(int32_t)));
   args.logits = inputs.logits.data();
+  args.stride = inputs.stride();
   args.teacher =
       inputs.teacher_logits.empty() ? nullptr : inputs.teacher_logits.data();
   args.correction = inputs.correction_logits.empty()
@@ -330,9 +331,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
   DFLASH_ASSIGN_OR_RETURN(std::unique_ptr<CudaChunkLoss<T>> loss,
                           CudaChunkLoss<T>::Create(params, options, stream));
-  const ChunkLossInputs<T> device_inputs{View(*logits),     View(*teacher),
-                                         View(*confidence), inputs.rows,
-                                         inputs.vocab,      View(*correction)};
+  const ChunkLossInputs<T> device_inputs{
+      View(*logits), View(*teacher),    View(*confidence), inputs.rows,
+      inputs.vocab,  View(*correction), inputs.row_stride};
   const ChunkLossOutputs device_outputs{View(*confidence_grad),
                                         View(*neg_log_q),
                                         View(*argmax),

@@ -391,18 +391,25 @@ TEST(CudaChunkLossErrorsTest, NonFiniteInputsGiveTheCpuMessages) {
 }
 
 // One chunk through CudaChunkLoss itself: the logits `offset` elements past
-// an aligned allocation; per-row outputs of the chunk's row i at
-// out_rows[i] of out_size rows (none: at i); run once per entry of
-// `records` (false: a recomputation, whose terms are not kept).
+// an aligned allocation, rows `stride` apart (0: V; the padding NaN); per-row
+// outputs of the chunk's row i at out_rows[i] of out_size rows (none: at i);
+// run once per entry of `records` (false: a recomputation, whose terms are
+// not kept). The gradient comes back unpadded.
 template <typename T>
 Outcome RunOnDevice(const v1::LossConfig& config,
                     const ChunkLossOptions& options, const Problem& p,
                     CudaStream& gpu, int64_t offset,
                     const std::vector<int64_t>& out_rows = {},
                     int64_t out_size = kRows,
-                    const std::vector<bool>& records = {true}) {
-  const int64_t count = kRows * p.vocab;
-  const std::vector<T> host = FromDoubles<T>(p.logits);
+                    const std::vector<bool>& records = {true},
+                    int64_t stride = 0) {
+  const int64_t v = p.vocab, row_stride = stride > 0 ? stride : v;
+  const int64_t count = kRows * row_stride;
+  std::vector<double> padded(count, std::nan(""));
+  for (int64_t r = 0; r < kRows; ++r) {
+    std::copy_n(p.logits.begin() + r * v, v, padded.begin() + r * row_stride);
+  }
+  const std::vector<T> host = FromDoubles<T>(padded);
   Outcome out;
   auto fail = [&](const absl::Status& status) {
     out.terms = status;
@@ -443,7 +450,7 @@ Outcome RunOnDevice(const v1::LossConfig& config,
       return fail(ok);
     }
     const ChunkLossInputs<T> inputs{
-        absl::MakeSpan(z, count), {}, {}, p.rows, p.vocab};
+        absl::MakeSpan(z, count), {}, {}, p.rows, p.vocab, {}, stride};
     const ChunkLossOutputs outputs{
         {},
         absl::MakeSpan(neg_log_q->data(), out_size),
@@ -466,8 +473,44 @@ Outcome RunOnDevice(const v1::LossConfig& config,
         gpu.CopyToHost(out.top_k.data(), top_k->data(), top_k->bytes())}) {
     if (!status.ok()) return fail(status);
   }
-  out.grad = AsDoubles(grad);
+  const std::vector<double> padded_grad = AsDoubles(grad);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t i = 0; i < row_stride; ++i) {
+      const double x = padded_grad[r * row_stride + i];
+      if (i < v) {
+        out.grad.push_back(x);
+      } else if (!std::isnan(x)) {
+        out.terms = absl::InternalError(
+            absl::StrCat("row ", r, ": padding ", i, " changed to ", x));
+      }
+    }
+  }
   return out;
+}
+
+// Rows of a vocabulary not divisible by 8 (50257, GPT-2's), padded to 16
+// bytes as the CUDA head pads them, take the vector path: the result of
+// the unpadded (scalar) path, the padding (NaN) neither read nor changed.
+TEST(CudaChunkLossLayoutTest, PaddedRowsGiveTheSameResult) {
+  SKIP_WITHOUT_GPU(gpu);
+  const Problem p = MakeProblem(50257, 55);
+  for (double softcap : {0.0, 5.0}) {
+    const ChunkLossOptions options{kK, 1, softcap};
+    for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
+      SCOPED_TRACE(absl::StrCat(loss, " softcap ", softcap));
+      const v1::LossConfig config = Loss(loss);
+      const Outcome plain = RunOnDevice<BFloat16>(config, options, p, *gpu, 0);
+      const Outcome padded = RunOnDevice<BFloat16>(config, options, p, *gpu, 0,
+                                                   {}, kRows, {true}, 50264);
+      ASSERT_TRUE(plain.terms.ok()) << plain.terms.status();
+      ASSERT_TRUE(padded.terms.ok()) << padded.terms.status();
+      EXPECT_NEAR(padded.terms->loss_num, plain.terms->loss_num,
+                  1e-6 * std::abs(plain.terms->loss_num));
+      EXPECT_LT(RelativeNormError(padded.grad, plain.grad), 4e-3);
+      EXPECT_EQ(padded.argmax, plain.argmax);
+      EXPECT_EQ(padded.top_k, plain.top_k);
+    }
+  }
 }
 
 // Logits one element past a 16-byte boundary take the scalar path: the

@@ -67,17 +67,31 @@ struct Packed {
   }
 };
 
+// Whether a row of n values from `row`, with `readable` values readable
+// from its start, takes 16-byte vectors: aligned, and n a whole number of
+// them or padded to one.
+template <typename T>
+__device__ __forceinline__ bool Vectorised(const T* row, int64_t n,
+                                           int64_t readable) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t whole = (n + kVec - 1) / kVec * kVec;
+  return (reinterpret_cast<uintptr_t>(row) & 15) == 0 && whole <= readable;
+}
+
 // f(i, x[i]) for this thread's elements of a row, with 16-byte loads where
 // the row allows them.
 template <typename T, typename F>
-__device__ __forceinline__ void ForRow(const T* row, int64_t n, F&& f) {
+__device__ __forceinline__ void ForRow(const T* row, int64_t n,
+                                       int64_t readable, F&& f) {
   constexpr int kVec = 16 / sizeof(T);
-  if (n % kVec == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+  if (Vectorised(row, n, readable)) {
     const uint4* vec = reinterpret_cast<const uint4*>(row);
-    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+    for (int64_t i = threadIdx.x; i * kVec < n; i += kThreads) {
       const Packed<T> e(vec[i]);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) f(i * kVec + j, ToF(e.values[j]));
+      for (int j = 0; j < kVec; ++j) {
+        if (i * kVec + j < n) f(i * kVec + j, ToF(e.values[j]));
+      }
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) f(i, ToF(row[i]));
@@ -87,24 +101,22 @@ __device__ __forceinline__ void ForRow(const T* row, int64_t n, F&& f) {
 // f(i, z[i], t[i]) over two rows (t may be null: then t[i] = z[i]).
 template <typename T, typename F>
 __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
-                                        F&& f) {
+                                        int64_t readable, F&& f) {
   if (t == nullptr) {
-    ForRow(z, n, [&](int64_t i, float x) { f(i, x, x); });
+    ForRow(z, n, readable, [&](int64_t i, float x) { f(i, x, x); });
     return;
   }
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned =
-      n % kVec == 0 &&
-      ((reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(t)) &
-       15) == 0;
-  if (aligned) {
+  if (Vectorised(z, n, readable) && Vectorised(t, n, readable)) {
     const uint4* zv = reinterpret_cast<const uint4*>(z);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
-    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+    for (int64_t i = threadIdx.x; i * kVec < n; i += kThreads) {
       const Packed<T> ze(zv[i]), te(tv[i]);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        f(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j]));
+        if (i * kVec + j < n) {
+          f(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j]));
+        }
       }
     }
   } else {
@@ -114,25 +126,26 @@ __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
   }
 }
 
-// row[i] = g(i, row[i], t[i]) in place, with 16-byte loads and stores where
-// the rows allow them (t may be null).
+// row[i] = g(i, row[i], t[i]) in place for i < n, with 16-byte loads and
+// stores where the rows allow them (t may be null); padding is stored
+// back unchanged.
 template <typename T, typename G>
-__device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n, G&& g) {
+__device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n,
+                                       int64_t readable, G&& g) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool aligned =
-      n % kVec == 0 &&
-      ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(t)) &
-       15) == 0;
-  if (aligned) {
+  if (Vectorised(row, n, readable) &&
+      (t == nullptr || Vectorised(t, n, readable))) {
     uint4* zv = reinterpret_cast<uint4*>(row);
     const uint4* tv = reinterpret_cast<const uint4*>(t);
-    for (int64_t i = threadIdx.x; i < n / kVec; i += kThreads) {
+    for (int64_t i = threadIdx.x; i * kVec < n; i += kThreads) {
       Packed<T> ze(zv[i]);
       const Packed<T> te(t != nullptr ? tv[i] : zv[i]);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        ze.values[j] =
-            FromF<T>(g(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j])));
+        if (i * kVec + j < n) {
+          ze.values[j] =
+              FromF<T>(g(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j])));
+        }
       }
       zv[i] = ze.Bits();
     }
@@ -277,10 +290,10 @@ __global__ void __launch_bounds__(kThreads)
   const float inv_t = static_cast<float>(p.loss.inv_temperature);
   // A second exponential sum only at a temperature other than 1.
   const bool tempered = distill && inv_t != 1.0f;
-  const T* z_row = a.logits + r * v;
+  const T* z_row = a.logits + r * a.stride;
   __shared__ float target;
   Online s;
-  ForRow(z_row, v, [&](int64_t i, float x) {
+  ForRow(z_row, v, a.stride, [&](int64_t i, float x) {
     const float z = transform(x);
     Add(s, i, z, inv_t, tempered);
     if (i == meta.target) target = z;
@@ -300,8 +313,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool teacher_tempered = teacher_inv_t != 1.0f;
   Online t;
   if (teacher) {
-    const T* t_row = a.teacher + r * v;
-    ForRow(t_row, v, [&](int64_t i, float x) {
+    const T* t_row = a.teacher + r * a.stride;
+    ForRow(t_row, v, a.stride, [&](int64_t i, float x) {
       Add(t, i, transform(x), teacher_inv_t, teacher_tempered);
     });
     t = BlockReduce(t, [&](Online x, Online y) {
@@ -383,9 +396,9 @@ __global__ void __launch_bounds__(kThreads)
       if (a.top_k_values != nullptr) a.top_k_values[out * a.k + j] = 0;
     }
   } else {
-    const T* row = a.logits + r * p.vocab;
+    const T* row = a.logits + r * a.stride;
     auto scan = [&](auto offer) {
-      ForRow(row, p.vocab, [&](int64_t i, float x) {
+      ForRow(row, p.vocab, a.stride, [&](int64_t i, float x) {
         offer(Candidate{transform(x), static_cast<int32_t>(i)});
       });
     };
@@ -409,7 +422,7 @@ __global__ void __launch_bounds__(kThreads)
         if (best.index == meta.target) rank = j;
         mass += exp((static_cast<double>(best.value) - max) - log_sum);
         if (teacher_metrics) {
-          const float t = transform(ToF(a.teacher[r * p.vocab + best.index]));
+          const float t = transform(ToF(a.teacher[r * a.stride + best.index]));
           teacher_mass += exp(static_cast<double>(t) - t_lse);
         }
       }
@@ -468,11 +481,11 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
 // overwrites z'.
 template <typename T>
 __device__ float TeacherL1(const KernelParams& p, const RowStats& s,
-                           const T* z_row, const T* t_row) {
+                           const T* z_row, const T* t_row, int64_t stride) {
   const Transform transform(p.options);
   const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
   float l1 = 0;
-  ForRows(z_row, t_row, p.vocab, [&](int64_t, float x, float y) {
+  ForRows(z_row, t_row, p.vocab, stride, [&](int64_t, float x, float y) {
     l1 += fabsf(expf((transform(x) - max_f) - log_sum_f) -
                 expf(transform(y) - t_lse));
   });
@@ -489,8 +502,8 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) a.accept[r] = 0;
     return;
   }
-  const float l1 = TeacherL1(p, a.stats[r], a.logits + r * p.vocab,
-                             a.teacher + r * p.vocab);
+  const float l1 = TeacherL1(p, a.stats[r], a.logits + r * a.stride,
+                             a.teacher + r * a.stride, a.stride);
   if (threadIdx.x == 0) a.accept[r] = DSparkAcceptance(l1);
 }
 
@@ -505,7 +518,7 @@ __device__ void DSparkTeacherTerms(const KernelParams& p,
                                    double& num) {
   if (threadIdx.x != 0) return;
   const Transform transform(p.options);
-  const float t_max = transform(ToF(a.teacher[r * p.vocab + s.t_argmax]));
+  const float t_max = transform(ToF(a.teacher[r * a.stride + s.t_argmax]));
   terms[kTeacherTop1] = meta.mask * exp(static_cast<double>(t_max) - s.t_lse);
   terms[kDraftTop1] = meta.mask * exp(-static_cast<double>(s.log_sum));
   terms[kTeacherAcceptance] = meta.mask * accept;
@@ -535,8 +548,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r = blockIdx.x;
   const int64_t v = p.vocab;
   const int64_t out = OutRow(a.out_rows, r);
-  T* z_row = a.logits + r * v;
-  const T* t_row = a.teacher != nullptr ? a.teacher + r * v : nullptr;
+  T* z_row = a.logits + r * a.stride;
+  const T* t_row = a.teacher != nullptr ? a.teacher + r * a.stride : nullptr;
   double* terms = a.row_terms + kTermSlots * r;
   const Row meta = a.meta[r];
   if (meta.mask == 0) {
@@ -584,7 +597,7 @@ __global__ void __launch_bounds__(kThreads)
     if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
   }
   if (TeacherMetrics(p, a)) {
-    const float l1 = TeacherL1(p, s, z_row, t_row);
+    const float l1 = TeacherL1(p, s, z_row, t_row, a.stride);
     if (threadIdx.x == 0) {
       const double accept = DSparkAcceptance(l1);
       terms[kTeacherAcceptance] = meta.mask * accept;
@@ -620,7 +633,7 @@ __global__ void __launch_bounds__(kThreads)
     Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
     if (divergence == Divergence::kForwardKl) {
       // Its gradient reads no row sum: one pass.
-      MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+      MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
         float ls, lt;
         logs(x, y, ls, lt);
         const DistillationPoint<float> point =
@@ -630,7 +643,7 @@ __global__ void __launch_bounds__(kThreads)
       });
       acc = BlockReduce(acc, AddPairs);
     } else {
-      ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+      ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
         float ls, lt;
         logs(x, y, ls, lt);
         const DistillationPoint<float> point =
@@ -639,7 +652,7 @@ __global__ void __launch_bounds__(kThreads)
         acc.b += point.student_part;
       });
       acc = BlockReduce(acc, AddPairs);
-      MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+      MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
         float ls, lt;
         logs(x, y, ls, lt);
         return store(
@@ -662,7 +675,7 @@ __global__ void __launch_bounds__(kThreads)
                      (transform(y) - t_lse));
     };
     Online roots;
-    ForRows(z_row, t_row, v, [&](int64_t i, float x, float y) {
+    ForRows(z_row, t_row, v, a.stride, [&](int64_t i, float x, float y) {
       Add(roots, i, log_root(x, y), 1.0f, false);
     });
     roots = BlockReduce(roots, [](Online x, Online y) {
@@ -681,7 +694,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float c = static_cast<float>(credit);
     bool bad = false;
-    MapRow(z_row, t_row, v, [&](int64_t, float x, float y) {
+    MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
       const float zp = transform(x);
       const float g = c * RenyiGradient(expf((zp - max_f) - log_sum_f),
                                         log_root(x, y) - log_total);
@@ -721,7 +734,7 @@ __global__ void __launch_bounds__(kThreads)
   if (p.loss.family == LossFamily::kDSpark && a.teacher != nullptr) {
     const float t_lse = s.t_lse;
     Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
-    ForRows(z_row, t_row, v, [&](int64_t, float x, float y) {
+    ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
       const float pz = prob(transform(x));
       const float d = pz - expf(transform(y) - t_lse);
       acc.a += fabsf(d);
@@ -737,7 +750,7 @@ __global__ void __launch_bounds__(kThreads)
     const float l1c = static_cast<float>(w * p.loss.l1_weight);
     const float signed_mass = acc.b;
     bool bad = false;
-    MapRow(z_row, t_row, v, [&](int64_t i, float x, float y) {
+    MapRow(z_row, t_row, v, a.stride, [&](int64_t i, float x, float y) {
       const float zp = transform(x);
       const float pz = prob(zp);
       const float d = pz - expf(transform(y) - t_lse);
@@ -753,7 +766,7 @@ __global__ void __launch_bounds__(kThreads)
 
   if (threadIdx.x == 0) terms[kLossNum] = num;
   bool bad = false;
-  MapRow(z_row, static_cast<const T*>(nullptr), v,
+  MapRow(z_row, static_cast<const T*>(nullptr), v, a.stride,
          [&](int64_t i, float x, float) {
            const float zp = transform(x);
            float g = softmax * prob(zp) - uniform;
@@ -775,8 +788,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r = blockIdx.x;
   const int64_t v = p.vocab;
   const int64_t out = OutRow(a.out_rows, r);
-  T* base_row = a.logits + r * v;
-  T* correction_row = a.correction + r * v;
+  T* base_row = a.logits + r * a.stride;
+  T* correction_row = a.correction + r * a.stride;
   double* terms = a.row_terms + kTermSlots * r;
   const Row meta = a.meta[r];
   if (threadIdx.x == 0) {

@@ -136,11 +136,15 @@ inline ReportedError DecodeErrorCode(unsigned long long code) {
 // out_rows is null. Optional buffers are null when not wanted.
 template <typename T>
 struct ChunkArgs {
-  T* logits = nullptr;         // [rows, V]; overwritten with the gradient.
-  const T* teacher = nullptr;  // [rows, V], dspark and distillation.
-  // [rows, V], domino: the correction's logits apart, overwritten with
+  // Rows of the three logit tensors lie `stride` >= V values apart; a
+  // padded row (stride past V rounded up to 16 bytes) gets 16-byte loads
+  // even where V does not divide into them.
+  T* logits = nullptr;         // [rows, stride]; overwritten with the gradient.
+  const T* teacher = nullptr;  // [rows, stride], dspark and distillation.
+  // [rows, stride], domino: the correction's logits apart, overwritten with
   // their gradient.
   T* correction = nullptr;
+  int64_t stride = 0;
   int64_t rows = 0;
   const Row* meta = nullptr;             // [rows]
   const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
