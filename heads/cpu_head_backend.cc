@@ -44,7 +44,7 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                                              const ChunkLossOutputs& out,
                                              int threads) {
   const int64_t m = static_cast<int64_t>(in.rows.size());
-  const int64_t v = in.vocab;
+  const int64_t v = in.stride();
   constexpr int kGroupsPerThread = 8;
   const int wanted = threads > 1 ? threads * kGroupsPerThread : 1;
   std::vector<int64_t> bounds = {0};
@@ -60,10 +60,13 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
   std::vector<absl::StatusOr<ChunkTerms>> results(groups);
   auto run = [&](int g) {
     const int64_t b = bounds[g], n = bounds[g + 1] - bounds[g];
-    ChunkLossInputs<T> part{
-        Part(in.logits, b * v, n * v), Part(in.teacher_logits, b * v, n * v),
-        Part(in.confidence_logits, b, n), in.rows.subspan(b, n), v,
-        Part(in.correction_logits, b * v, n * v)};
+    ChunkLossInputs<T> part{Part(in.logits, b * v, n * v),
+                            Part(in.teacher_logits, b * v, n * v),
+                            Part(in.confidence_logits, b, n),
+                            in.rows.subspan(b, n),
+                            in.vocab,
+                            Part(in.correction_logits, b * v, n * v),
+                            in.row_stride};
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
                               Part(out.neg_log_q, b, n),
                               Part(out.argmax, b, n),

@@ -82,12 +82,28 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
   return std::unique_ptr<CudaChunkLoss>(new CudaChunkLoss(std::move(state)));
 }
 
+namespace {
+
+// The device's error codes hold rows and logits below 2^30.
+absl::Status CheckDeviceLimits(int64_t vocab, int64_t rows) {
+  if (vocab < cuda::kMaxErrorIndex && rows < cuda::kMaxErrorIndex) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cuda chunk loss: vocab and rows must lie below 2^30 (the device's "
+      "error codes), got vocab ",
+      vocab, " and ", rows, " rows"));
+}
+
+}  // namespace
+
 template <typename T>
 absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
                                    const ChunkLossOutputs& outputs,
                                    const int64_t* out_rows, bool record) {
   State& s = *state_;
   const int64_t n = static_cast<int64_t>(inputs.rows.size());
+  DFLASH_RETURN_IF_ERROR(CheckDeviceLimits(inputs.vocab, n));
   // With out_rows, per-row arrays hold the caller's rows rather than the
   // chunk's; the checks see the chunk's share of them.
   ChunkLossInputs<T> check_inputs = inputs;
@@ -305,6 +321,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
     const v1::LossConfig& config, const ChunkLossOptions& options,
     const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
     CudaStream& stream) {
+  DFLASH_RETURN_IF_ERROR(CheckDeviceLimits(
+      inputs.vocab, static_cast<int64_t>(inputs.rows.size())));
   auto logits = Upload<T>(inputs.logits, stream);
   auto teacher = Upload<T>(inputs.teacher_logits, stream);
   auto confidence = Upload<float>(inputs.confidence_logits, stream);

@@ -340,6 +340,23 @@ TEST(CudaChunkLossErrorsTest, BadInputsAreClearErrors) {
                 .message(),
             "row 6: d(loss)/d(logits) overflows float32; masks and loss "
             "weights this large need rescaling");
+  // The device's error codes hold vocabularies below 2^30 (the check comes
+  // before any value is read).
+  p = MakeProblem(13, 3);
+  std::vector<float> one(1);
+  const RowMeta row = p.rows[1];
+  EXPECT_EQ(CudaChunkLossFromHost<float>(
+                config, options,
+                {absl::MakeSpan(one.data(), int64_t{1} << 30),
+                 {},
+                 {},
+                 absl::MakeConstSpan(&row, 1),
+                 int64_t{1} << 30},
+                {}, *gpu)
+                .status()
+                .message(),
+            "cuda chunk loss: vocab and rows must lie below 2^30 (the "
+            "device's error codes), got vocab 1073741824 and 1 rows");
   // The same messages as the CPU's where both see the problem first.
   p = MakeProblem(13, 3);
   p.rows[2].position = kK;

@@ -282,7 +282,11 @@ __global__ void __launch_bounds__(kThreads)
     StatsKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const Row meta = a.meta[r];
-  if (meta.mask == 0) return;
+  if (meta.mask == 0) {
+    // Defined for the passes that load a row's stats before its mask.
+    if (threadIdx.x == 0) a.stats[r] = RowStats{};
+    return;
+  }
   const int64_t v = p.vocab;
   const int64_t out = OutRow(a.out_rows, r);
   const Transform transform(p.options);
@@ -327,6 +331,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (threadIdx.x != 0) return;
   RowStats& stats = a.stats[r];
+  // Every field written (0 where unused), so no pass reads undefined
+  // memory.
+  stats = RowStats{};
   stats.max = s.max;
   stats.log_sum = logf(s.sum);
   if (distill) {
@@ -518,7 +525,11 @@ __device__ void DSparkTeacherTerms(const KernelParams& p,
                                    double& num) {
   if (threadIdx.x != 0) return;
   const Transform transform(p.options);
-  const float t_max = transform(ToF(a.teacher[r * a.stride + s.t_argmax]));
+  // A teacher row without a finite value has no argmax (its error is
+  // reported already): read nothing past the row.
+  const float t_max = s.t_argmax < p.vocab
+                          ? transform(ToF(a.teacher[r * a.stride + s.t_argmax]))
+                          : NAN;
   terms[kTeacherTop1] = meta.mask * exp(static_cast<double>(t_max) - s.t_lse);
   terms[kDraftTop1] = meta.mask * exp(-static_cast<double>(s.log_sum));
   terms[kTeacherAcceptance] = meta.mask * accept;

@@ -90,9 +90,11 @@ inline int64_t TotalsSize(int32_t block_size) {
 }
 
 // Errors the kernels report through an atomic minimum of ErrorCode, so the
-// first by row, then kind, then logit wins: the host names the row's first
-// bad logit and its value, as the CPU's messages do. Rows and logits below
-// 2^30.
+// first by kind, then row, then logit wins: a bad input before the
+// non-finite gradients it causes in other rows of its block (as the CPU
+// checks every row's logits first there), and the host names the row's
+// first bad logit and its value, as the CPU's messages do. Rows and logits
+// below 2^30 (CudaChunkLoss checks).
 enum ErrorKind : int32_t {
   kLogitNotFinite = 0,
   kTeacherNotFinite = 1,
@@ -100,8 +102,9 @@ enum ErrorKind : int32_t {
   kGradientNotFinite = 3,
 };
 constexpr unsigned long long kNoError = ~0ull;
+constexpr int64_t kMaxErrorIndex = int64_t{1} << 30;  // Rows and logits.
 
-// (row * 4 + kind) << 32 | logit << 2 | the value's class (NaN, -NaN, inf,
+// kind << 62 | row << 32 | logit << 2 | the value's class (NaN, -NaN, inf,
 // -inf; finite values, where the kind has none, read as NaN).
 DFLASH_HOST_DEVICE inline unsigned long long ErrorCode(int64_t row,
                                                        ErrorKind kind,
@@ -112,7 +115,8 @@ DFLASH_HOST_DEVICE inline unsigned long long ErrorCode(int64_t row,
   const unsigned negative = bits >> 31;
   const bool infinite = value == value && value - value != 0.0f;
   const unsigned value_class = infinite ? 2 + negative : negative;
-  return (static_cast<unsigned long long>(row * 4 + kind) << 32) |
+  return (static_cast<unsigned long long>(kind) << 62) |
+         (static_cast<unsigned long long>(row) << 32) |
          (static_cast<unsigned long long>(logit) << 2) | value_class;
 }
 
@@ -125,8 +129,8 @@ struct ReportedError {
 inline ReportedError DecodeErrorCode(unsigned long long code) {
   constexpr float kValues[4] = {__builtin_nanf(""), -__builtin_nanf(""),
                                 __builtin_huge_valf(), -__builtin_huge_valf()};
-  return ReportedError{static_cast<int64_t>(code >> 34),
-                       static_cast<ErrorKind>((code >> 32) & 3),
+  return ReportedError{static_cast<int64_t>((code >> 32) & 0x3fffffffull),
+                       static_cast<ErrorKind>(code >> 62),
                        static_cast<int64_t>((code & 0xffffffffull) >> 2),
                        kValues[code & 3]};
 }
