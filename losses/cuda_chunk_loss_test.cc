@@ -505,6 +505,20 @@ Outcome RunOnDevice(const v1::LossConfig& config,
   return out;
 }
 
+// The same run by another path: terms within the reductions' order, the
+// gradient within `grad_tolerance` in relative norm, argmax and top-k
+// exact.
+void ExpectSameResult(const Outcome& got, const Outcome& want,
+                      double grad_tolerance) {
+  ASSERT_TRUE(want.terms.ok()) << want.terms.status();
+  ASSERT_TRUE(got.terms.ok()) << got.terms.status();
+  EXPECT_NEAR(got.terms->loss_num, want.terms->loss_num,
+              1e-6 * std::abs(want.terms->loss_num));
+  EXPECT_LT(RelativeNormError(got.grad, want.grad), grad_tolerance);
+  EXPECT_EQ(got.argmax, want.argmax);
+  EXPECT_EQ(got.top_k, want.top_k);
+}
+
 // Rows of a vocabulary not divisible by 8 (50257, GPT-2's), padded to 16
 // bytes as the CUDA head pads them, take the vector path: the result of
 // the unpadded (scalar) path, the padding (NaN) neither read nor changed.
@@ -519,13 +533,7 @@ TEST(CudaChunkLossLayoutTest, PaddedRowsGiveTheSameResult) {
       const Outcome plain = RunOnDevice<BFloat16>(config, options, p, *gpu, 0);
       const Outcome padded = RunOnDevice<BFloat16>(config, options, p, *gpu, 0,
                                                    {}, kRows, {true}, 50264);
-      ASSERT_TRUE(plain.terms.ok()) << plain.terms.status();
-      ASSERT_TRUE(padded.terms.ok()) << padded.terms.status();
-      EXPECT_NEAR(padded.terms->loss_num, plain.terms->loss_num,
-                  1e-6 * std::abs(plain.terms->loss_num));
-      EXPECT_LT(RelativeNormError(padded.grad, plain.grad), 4e-3);
-      EXPECT_EQ(padded.argmax, plain.argmax);
-      EXPECT_EQ(padded.top_k, plain.top_k);
+      ExpectSameResult(padded, plain, 4e-3);
     }
   }
 }
@@ -540,23 +548,10 @@ TEST(CudaChunkLossLayoutTest, MisalignedLogitsGiveTheSameResult) {
   for (const char* loss : {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }"}) {
     SCOPED_TRACE(loss);
     const v1::LossConfig config = Loss(loss);
-    const Outcome f0 = RunOnDevice<float>(config, options, p, *gpu, 0);
-    const Outcome f1 = RunOnDevice<float>(config, options, p, *gpu, 1);
-    const Outcome b0 = RunOnDevice<BFloat16>(config, options, p, *gpu, 0);
-    const Outcome b1 = RunOnDevice<BFloat16>(config, options, p, *gpu, 1);
-    for (const Outcome* o : {&f0, &f1, &b0, &b1}) {
-      ASSERT_TRUE(o->terms.ok()) << o->terms.status();
-    }
-    EXPECT_NEAR(f1.terms->loss_num, f0.terms->loss_num,
-                1e-6 * std::abs(f0.terms->loss_num));
-    EXPECT_LT(RelativeNormError(f1.grad, f0.grad), 1e-6);
-    EXPECT_NEAR(b1.terms->loss_num, b0.terms->loss_num,
-                1e-6 * std::abs(b0.terms->loss_num));
-    EXPECT_LT(RelativeNormError(b1.grad, b0.grad), 4e-3);
-    EXPECT_EQ(f1.argmax, f0.argmax);
-    EXPECT_EQ(f1.top_k, f0.top_k);
-    EXPECT_EQ(b1.argmax, b0.argmax);
-    EXPECT_EQ(b1.top_k, b0.top_k);
+    ExpectSameResult(RunOnDevice<float>(config, options, p, *gpu, 1),
+                     RunOnDevice<float>(config, options, p, *gpu, 0), 1e-6);
+    ExpectSameResult(RunOnDevice<BFloat16>(config, options, p, *gpu, 1),
+                     RunOnDevice<BFloat16>(config, options, p, *gpu, 0), 4e-3);
   }
 }
 

@@ -641,24 +641,23 @@ __global__ void __launch_bounds__(kThreads)
       bad |= !isfinite(chained);
       return chained;
     };
+    auto point_at = [&](float x, float y) {
+      float ls, lt;
+      logs(x, y, ls, lt);
+      return DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+    };
     Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
     if (divergence == Divergence::kForwardKl) {
       // Its gradient reads no row sum: one pass.
       MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        float ls, lt;
-        logs(x, y, ls, lt);
-        const DistillationPoint<float> point =
-            DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+        const DistillationPoint<float> point = point_at(x, y);
         acc.a += point.divergence;
         return store(x, g * point.forward_gradient);
       });
       acc = BlockReduce(acc, AddPairs);
     } else {
       ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        float ls, lt;
-        logs(x, y, ls, lt);
-        const DistillationPoint<float> point =
-            DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+        const DistillationPoint<float> point = point_at(x, y);
         acc.a += point.divergence;
         acc.b += point.student_part;
       });

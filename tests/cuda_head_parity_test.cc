@@ -399,17 +399,24 @@ TEST(CudaHeadTopKTest, BFloat16BackwardMatchesTheCpu) {
             2e-2);
 }
 
+// A batch on a grid of 1/4 (bias 1/16), so that the GEMM's logits are exact
+// in bfloat16 and a float64 reference sees the same logits.
+Batch GridBatch(uint32_t seed) {
+  Batch b = MakeBatch(seed);
+  for (auto* values : {&b.hidden, &b.teacher, &b.weight}) {
+    for (double& x : *values) x = std::round(x * 4) / 4;
+  }
+  for (double& x : b.bias) x = std::round(x * 16) / 16;
+  return b;
+}
+
 // BF16 with inputs on a grid of 1/4 (bias 1/16), so that the GEMM's logits
 // are exact in bf16 and the reference sees the same logits: per-token CE
 // within 1e-5, argmax and top-k exact, the hidden gradient within 5e-3 in
 // relative norm (SpecForge's fused-head tolerances).
 TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
   OPEN_GPU_OR_SKIP(gpu);
-  Batch b = MakeBatch(21);
-  for (auto* values : {&b.hidden, &b.teacher, &b.weight}) {
-    for (double& x : *values) x = std::round(x * 4) / 4;
-  }
-  for (double& x : b.bias) x = std::round(x * 16) / 16;
+  const Batch b = GridBatch(21);
   for (const char* loss : kLosses) {
     for (const char* mode : {"FUSED", "CHECKPOINT"}) {
       SCOPED_TRACE(absl::StrCat(loss, " ", mode));
@@ -437,11 +444,7 @@ TEST(CudaHeadBFloat16Test, WithinSpecForgeTolerances) {
 // weight's summed over chunks in FP32 and rounded once).
 TEST(CudaHeadBFloat16Test, TrainableWithinTolerancesOfFloat64) {
   OPEN_GPU_OR_SKIP(gpu);
-  Batch b = MakeBatch(22);
-  for (auto* values : {&b.hidden, &b.teacher, &b.weight}) {
-    for (double& x : *values) x = std::round(x * 4) / 4;
-  }
-  for (double& x : b.bias) x = std::round(x * 16) / 16;
+  const Batch b = GridBatch(22);
   for (const char* loss : kLosses) {
     if (!TrainsWith(loss)) continue;
     for (const char* mode : {"FUSED", "CHECKPOINT", "MATERIALIZE"}) {
