@@ -44,7 +44,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     // A scale known now goes into the input-gradient GEMMs' alpha: the
     // hidden and correction-input gradients are rounded once.
     input_scale_ = spec.known_gradient_scale;
-    const double alpha = input_scale_.value_or(1.0);
+    input_alpha_ = static_cast<float>(input_scale_.value_or(1.0));
     const v1::HeadConfig& head = config_.head();
     // A trainable BF16 weight's gradient is summed over chunks in FP32 and
     // rounded once, when scaled.
@@ -65,7 +65,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
         std::unique_ptr<VocabProjection<T>> projection,
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                 head.vocab_size(), head.hidden_size(), blas_,
-                                weight_sum, alpha));
+                                weight_sum, &input_alpha_));
     projection_ = std::move(projection);
     if (const int64_t rank = head.correction_rank(); rank > 0) {
       // A BF16 correction weight's gradient is summed over chunks in FP32
@@ -82,9 +82,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
         float_gradient = correction_sum_.data();
       }
       DFLASH_ASSIGN_OR_RETURN(
-          correction_, CreateCudaProjection<T>(spec.inputs->correction_weight,
-                                               {}, head.vocab_size(), rank,
-                                               blas_, float_gradient, alpha));
+          correction_,
+          CreateCudaProjection<T>(spec.inputs->correction_weight, {},
+                                  head.vocab_size(), rank, blas_,
+                                  float_gradient, &input_alpha_));
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
@@ -217,6 +218,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Synchronize() override { return stream_.Synchronize(); }
 
+  bool folds_gradient_scale() const override { return true; }
+  void InputGradientScale(double scale) override {
+    input_scale_ = scale;
+    input_alpha_ = static_cast<float>(scale);
+  }
+
   absl::StatusOr<ChunkTerms> Terms() override {
     DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss_->Terms());
     // The accepted lengths chain whole blocks: from the rows' q and rank.
@@ -310,7 +317,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const LossTraits traits_;
   const bool confidence_;
   HeadRunSpec<T> spec_;
-  std::optional<double> input_scale_;  // Folded into the input gradients.
+  // Folded into the input gradients: the scale and the GEMMs' alpha.
+  std::optional<double> input_scale_;
+  float input_alpha_ = 1;
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
   // A BF16 correction weight's and trainable weight's gradients, summed in

@@ -38,7 +38,7 @@ class CudaProjection final : public VocabProjection<T> {
  public:
   CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
                  CublasHandle& blas, float* float_weight_gradient,
-                 float input_gradient_scale)
+                 const float* input_gradient_scale)
       : VocabProjection<T>(vocab, hidden, PaddedStride<T>(vocab)),
         weight_(weight),
         bias_(bias),
@@ -83,8 +83,8 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, weight_, h, grad_logits,
-         this->logits_stride(), input_gradient_scale_, 0.0f, grad_rows,
-         kType<T>, h, "input-gradient GEMM");
+         this->logits_stride(), InputAlpha(), 0.0f, grad_rows, kType<T>, h,
+         "input-gradient GEMM");
     this->Count(m, 0);
   }
 
@@ -94,7 +94,7 @@ class CudaProjection final : public VocabProjection<T> {
     if (m == 0 || end <= begin) return;
     const int h = this->hidden();
     Gemm(CUBLAS_OP_N, CUBLAS_OP_N, h, m, end - begin, weight_ + begin * h, h,
-         grad_logits + begin, this->logits_stride(), input_gradient_scale_,
+         grad_logits + begin, this->logits_stride(), InputAlpha(),
          accumulate ? 1.0f : 0.0f, grad_rows, kType<T>, h,
          "input-gradient GEMM");
     this->Count(m, 0, end - begin);
@@ -126,6 +126,10 @@ class CudaProjection final : public VocabProjection<T> {
   absl::Status status() const override { return status_; }
 
  private:
+  float InputAlpha() const {
+    return input_gradient_scale_ != nullptr ? *input_gradient_scale_ : 1.0f;
+  }
+
   // C = alpha A B + beta C; C's type is T's, or FP32 for a weight
   // gradient summed in float.
   void Gemm(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
@@ -146,7 +150,7 @@ class CudaProjection final : public VocabProjection<T> {
   const T* const bias_;
   CublasHandle& blas_;
   float* const float_weight_gradient_;
-  const float input_gradient_scale_;
+  const float* const input_gradient_scale_;
   absl::Status status_;
 };
 
@@ -181,7 +185,7 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
     int64_t hidden, CublasHandle& blas, float* float_weight_gradient,
-    double input_gradient_scale) {
+    const float* input_gradient_scale) {
   if (absl::Status valid =
           ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
       !valid.ok()) {
@@ -189,15 +193,16 @@ absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
   }
   return std::unique_ptr<VocabProjection<T>>(new CudaProjection<T>(
       weight.data(), bias.empty() ? nullptr : bias.data(), vocab, hidden, blas,
-      float_weight_gradient, static_cast<float>(input_gradient_scale)));
+      float_weight_gradient, input_gradient_scale));
 }
 
 template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>
 CreateCudaProjection<float>(absl::Span<const float>, absl::Span<const float>,
-                            int64_t, int64_t, CublasHandle&, float*, double);
+                            int64_t, int64_t, CublasHandle&, float*,
+                            const float*);
 template absl::StatusOr<std::unique_ptr<VocabProjection<BFloat16>>>
 CreateCudaProjection<BFloat16>(absl::Span<const BFloat16>,
                                absl::Span<const BFloat16>, int64_t, int64_t,
-                               CublasHandle&, float*, double);
+                               CublasHandle&, float*, const float*);
 
 }  // namespace dflash

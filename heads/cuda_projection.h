@@ -44,14 +44,15 @@ class CublasHandle {
 // AccumulateWeightGradient sums into it in FP32 instead of into its
 // grad_weight argument (ignored), so that a BF16 weight gradient summed over
 // chunks is rounded once, by the caller (LaunchScaleToStorage).
-// InputGradient(Columns) multiply their products by
-// `input_gradient_scale` (the GEMM's alpha), so a gradient whose final
-// scale is known is rounded once.
+// InputGradient(Columns) multiply their products by *input_gradient_scale
+// (the GEMM's alpha; read at each product, so the caller may set it once
+// the scale is known; null: 1), so a gradient whose final scale is known is
+// rounded once.
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
     int64_t hidden, CublasHandle& blas, float* float_weight_gradient = nullptr,
-    double input_gradient_scale = 1);
+    const float* input_gradient_scale = nullptr);
 
 }  // namespace dflash
 

@@ -90,6 +90,14 @@ class HeadBackend {
   virtual absl::Status ScaleGradients(double upstream,
                                       const FinishedLoss& finished) = 0;
 
+  // Whether the backend folds upstream x the final gradient scale into its
+  // input-gradient products (rounding a BF16 gradient once): the run tells
+  // it HeadRunSpec.known_gradient_scale at Start, or, where the logits
+  // decide the scale (D-PACE) and the backward pass follows the forward
+  // one, InputGradientScale between the two.
+  virtual bool folds_gradient_scale() const { return false; }
+  virtual void InputGradientScale(double scale) {}
+
   // Host seconds spent in the loss so far (0 where it runs asynchronously).
   virtual double loss_seconds() const = 0;
   // Seconds Start spent laying the weight out (0 where it did not).

@@ -462,6 +462,18 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   teacher_ws_.Reset();
 
   const Clock::time_point backward = Clock::now();
+  if (!known_scale && !Fused() && backend_.folds_gradient_scale()) {
+    // Every chunk's terms are in before the backward pass: the scale the
+    // logits decided is known now (not the batch-level LK lambda's row
+    // factors).
+    absl::StatusOr<ChunkTerms> terms = backend_.Terms();
+    if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
+    const FinishedLoss finished = FinishTerms(params_, *terms, sequences);
+    if (!finished.lk_kl_weight) {
+      backend_.InputGradientScale(options.upstream_gradient *
+                                  finished.gradient_scale);
+    }
+  }
   if (!Fused()) {
     for (int64_t c = chunks - 1; c >= 0; --c) {
       DFLASH_RETURN_IF_ERROR(BackwardChunk(c));
