@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -12,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "heads/gradient_filter.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace dflash {
@@ -47,54 +49,102 @@ void UseThreads(int threads) {
 // or three chunk sizes).
 struct PackedGemm {
   int64_t k = 0, n = 0;
+  int64_t lda = 0;  // src's row stride; 0: k (dense).
   Desc packed;
   dnnl::memory weights;
   std::mutex mu;
   std::map<std::pair<int64_t, int>, dnnl::matmul> primitives;
 };
 
+// The gradient filter's input-gradient GEMM over kept vocabulary tiles:
+// W's rows laid out a tile (kGradientFilterTile ids) at a time, each
+// product added into the output. Made on the first filtered GEMM: only a
+// run with head.gradient_filter pays for this third copy.
+struct TileGemms {
+  PackedGemm full, tail;  // Whole tiles, and the vocabulary's last if shorter.
+  std::vector<dnnl::memory> weights;
+};
+
 struct PreparedProjection::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::primitive_attr attr;
+  dnnl::primitive_attr add_attr;  // attr, with dst += the product.
   absl::Span<const float> weight, bias;
   int64_t vocab = 0, hidden = 0;
   // logits = rows @ W^T (B = W^T, [H, V]); dx = dlogits @ W (B = W, [V, H]).
   PackedGemm forward, input_gradient;
+  std::once_flag tiles_made;
+  std::unique_ptr<TileGemms> tiles;
   double seconds = 0;
   std::string kernel;
 
   dnnl::matmul::primitive_desc Describe(int64_t m, const PackedGemm& g,
-                                        const Desc& weights) const {
-    const Desc src({m, g.k}, kF32, Tag::ab), dst({m, g.n}, kF32, Tag::ab);
-    return dnnl::matmul::primitive_desc(
-        dnnl::matmul::desc(src, weights, dst), attr, engine);
+                                        const Desc& weights,
+                                        const dnnl::primitive_attr& a) const {
+    const Desc src = g.lda > 0 ? Desc({m, g.k}, kF32, {g.lda, 1})
+                               : Desc({m, g.k}, kF32, Tag::ab);
+    const Desc dst({m, g.n}, kF32, Tag::ab);
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst),
+                                        a, engine);
   }
 
-  // Lays out B, given as `user` over the weight's memory, in the format a
-  // chunk of `typical` rows prefers.
-  void Pack(PackedGemm& g, int64_t k, int64_t n, Tag user, int64_t typical) {
+  // Chooses the format a chunk of `typical` rows prefers for B [k, n].
+  void Shape(PackedGemm& g, int64_t k, int64_t n, int64_t typical,
+             const dnnl::primitive_attr& a) {
     g.k = k;
     g.n = n;
     const dnnl::matmul::primitive_desc pd =
-        Describe(typical, g, Desc({k, n}, kF32, Tag::any));
+        Describe(typical, g, Desc({k, n}, kF32, Tag::any), a);
     g.packed = pd.weights_desc();
-    g.weights = dnnl::memory(g.packed, engine);
-    dnnl::memory source(Desc({k, n}, kF32, user), engine,
-                        const_cast<float*>(weight.data()));
+  }
+
+  // B [k, n], given as `user` over `data`, laid out as g.packed.
+  dnnl::memory Lay(const PackedGemm& g, Tag user, const float* data) const {
+    dnnl::memory packed(g.packed, engine);
+    dnnl::memory source(Desc({g.k, g.n}, kF32, user), engine,
+                        const_cast<float*>(data));
     dnnl::stream stream(engine);
-    dnnl::reorder(source, g.weights).execute(stream, source, g.weights);
+    dnnl::reorder(source, packed).execute(stream, source, packed);
     stream.wait();
-    kernel = pd.impl_info_str();
+    return packed;
+  }
+
+  void Pack(PackedGemm& g, int64_t k, int64_t n, Tag user, int64_t typical) {
+    Shape(g, k, n, typical, attr);
+    g.weights = Lay(g, user, weight.data());
+    kernel = Describe(typical, g, g.packed, attr).impl_info_str();
+  }
+
+  // W's tiles laid out (once; the caller catches dnnl::error).
+  TileGemms& Tiles() {
+    std::call_once(tiles_made, [this] {
+      auto made = std::make_unique<TileGemms>();
+      constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
+      // Their src: a tile's columns of the logits gradient, rows V apart.
+      made->full.lda = made->tail.lda = vocab;
+      Shape(made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
+      if (vocab % kTile != 0 && vocab > kTile) {
+        Shape(made->tail, vocab % kTile, hidden, kTypicalRows, add_attr);
+      }
+      for (int64_t begin = 0; begin < vocab; begin += kTile) {
+        const PackedGemm& g = vocab - begin < made->full.k ? made->tail
+                                                           : made->full;
+        made->weights.push_back(Lay(g, Tag::ab, weight.data() + begin * hidden));
+      }
+      tiles = std::move(made);
+    });
+    return *tiles;
   }
 
   // The primitive for m rows on the laid-out B, on the calling thread's
   // OpenMP thread count.
-  dnnl::matmul Primitive(PackedGemm& g, int64_t m) const {
+  dnnl::matmul Primitive(PackedGemm& g, int64_t m,
+                         const dnnl::primitive_attr& a) const {
     const std::pair<int64_t, int> key(m, omp_get_max_threads());
     std::lock_guard<std::mutex> lock(g.mu);
     auto it = g.primitives.find(key);
     if (it != g.primitives.end()) return it->second;
-    dnnl::matmul primitive(Describe(m, g, g.packed));
+    dnnl::matmul primitive(Describe(m, g, g.packed, a));
     g.primitives.emplace(key, primitive);
     return primitive;
   }
@@ -137,18 +187,42 @@ class PackedProjection final : public VocabProjection<float> {
     Count(m, Since(start));
   }
 
-  // Over part of the vocabulary, on the weight as it is (OpenBLAS, on the
-  // threads the head set for it): the filter's ranges are not the layout's
-  // blocks.
+  // Over part of the vocabulary: on W's tiles laid out for it where the
+  // range is whole filter tiles (the gradient filter's), else on the weight
+  // as it is (OpenBLAS, on the threads the head set for it).
   void InputGradientColumns(const float* grad_logits, int64_t m, int64_t begin,
                             int64_t end, bool accumulate,
                             float* grad_rows) override {
     if (m == 0 || end <= begin || !status_.ok()) return;
     const int64_t v = vocab(), h = hidden();
+    constexpr int64_t kTile = kGradientFilterTile;
     const auto start = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, h, end - begin,
-                1.0f, grad_logits + begin, v, impl_.weight.data() + begin * h,
-                h, accumulate ? 1.0f : 0.0f, grad_rows, h);
+    if (begin % kTile == 0 && (end % kTile == 0 || end == v)) {
+      if (!accumulate) std::fill_n(grad_rows, m * h, 0.0f);
+      try {
+        UseThreads(threads_);
+        if (!stream_) stream_.emplace(impl_.engine);
+        TileGemms& tiles = impl_.Tiles();
+        dnnl::memory c(Desc({m, h}, kF32, Tag::ab), impl_.engine, grad_rows);
+        for (int64_t t = begin / kTile; t * kTile < end; ++t) {
+          PackedGemm& g = v - t * kTile < tiles.full.k ? tiles.tail : tiles.full;
+          dnnl::memory a(Desc({m, g.k}, kF32, {v, 1}), impl_.engine,
+                         const_cast<float*>(grad_logits + t * kTile));
+          impl_.Primitive(g, m, impl_.add_attr)
+              .execute(*stream_, {{DNNL_ARG_SRC, a},
+                                  {DNNL_ARG_WEIGHTS, tiles.weights[t]},
+                                  {DNNL_ARG_DST, c}});
+        }
+        stream_->wait();
+      } catch (const dnnl::error& e) {
+        status_ = DnnlError(e, "filtered input-gradient GEMM");
+      }
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, h, end - begin,
+                  1.0f, grad_logits + begin, v,
+                  impl_.weight.data() + begin * h, h,
+                  accumulate ? 1.0f : 0.0f, grad_rows, h);
+    }
     Count(m, Since(start), end - begin);
   }
 
@@ -169,7 +243,7 @@ class PackedProjection final : public VocabProjection<float> {
     try {
       UseThreads(threads_);
       if (!stream_) stream_.emplace(impl_.engine);
-      const dnnl::matmul primitive = impl_.Primitive(g, m);
+      const dnnl::matmul primitive = impl_.Primitive(g, m, impl_.attr);
       dnnl::memory a(Desc({m, g.k}, kF32, Tag::ab), impl_.engine,
                      const_cast<float*>(src));
       dnnl::memory c(Desc({m, g.n}, kF32, Tag::ab), impl_.engine, dst);
@@ -212,6 +286,11 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
   try {
     // Exact float32: no implicit down-conversion to bf16 or tf32.
     impl->attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+    // Its own attr: primitive_attr copies share one object.
+    impl->add_attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+    dnnl::post_ops add;
+    add.append_sum(1.0f);
+    impl->add_attr.set_post_ops(add);
     UseThreads(threads);
     // W [V, H] row-major is W^T [H, V] in column order (ba).
     constexpr int64_t kTypicalRows = 256;

@@ -46,8 +46,11 @@ class PreparedProjection {
 
   // A VocabProjection for one run, borrowing this object: the forward and
   // input-gradient GEMMs on the laid-out weight, on `threads` threads (0:
-  // all cores). The weight is frozen: AccumulateWeightGradient is an
-  // error (status()), AddForward too.
+  // all cores). InputGradientColumns over whole gradient-filter tiles
+  // runs on W laid out a tile at a time, made on the first such call (a
+  // third copy, not in packed_bytes); other ranges on OpenBLAS. The weight
+  // is frozen: AccumulateWeightGradient is an error (status()), AddForward
+  // too.
   std::unique_ptr<VocabProjection<float>> NewProjection(int threads) const;
 
   // The name of the kernels oneDNN picked, e.g. "brg:avx512_core".

@@ -60,6 +60,45 @@ TEST(PreparedProjectionTest, GemmsMatchNaiveLoops) {
   }
 }
 
+// The gradient filter's GEMM over vocabulary ranges: on the tiles laid out
+// for it where a range is whole filter tiles (the vocabulary's last one
+// shorter), on OpenBLAS otherwise; overwriting or adding as asked.
+TEST(PreparedProjectionTest, InputGradientColumnsMatchNaiveLoops) {
+  constexpr int64_t kV = 700, kH = 37, kM = 9;  // Tiles of 256, 256, 188.
+  const std::vector<float> w = Uniform(kV * kH, 5);
+  const std::vector<float> g = Uniform(kM * kV, 6);
+  struct Range {
+    int64_t begin, end;
+  };
+  const std::vector<std::vector<Range>> cases = {
+      {{0, 256}}, {{256, 700}}, {{0, 700}}, {{512, 700}, {0, 256}},
+      {{10, 100}}, {{0, 256}, {300, 400}}};
+  for (int threads : {1, 2}) {
+    auto prepared = PreparedProjection::Create(w, {}, kV, kH, threads);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    auto projection = (*prepared)->NewProjection(threads);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      SCOPED_TRACE(absl::StrCat("threads ", threads, " case ", c));
+      std::vector<float> dx(kM * kH, 7);
+      std::vector<double> want(kM * kH, 0);
+      for (size_t i = 0; i < cases[c].size(); ++i) {
+        const Range range = cases[c][i];
+        projection->InputGradientColumns(g.data(), kM, range.begin, range.end,
+                                         /*accumulate=*/i > 0, dx.data());
+        for (int64_t r = 0; r < kM; ++r) {
+          for (int64_t v = range.begin; v < range.end; ++v) {
+            for (int64_t h = 0; h < kH; ++h) {
+              want[r * kH + h] += double{g[r * kV + v]} * w[v * kH + h];
+            }
+          }
+        }
+      }
+      ASSERT_TRUE(projection->status().ok()) << projection->status();
+      EXPECT_LE(RelativeMaxError<float>(dx, want), 1e-5);
+    }
+  }
+}
+
 TEST(PreparedProjectionTest, IsFrozenAndKnowsItsWeight) {
   constexpr int64_t kV = 40, kH = 8;
   const std::vector<float> w = Uniform(kV * kH, 5), other = w;
