@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <omp.h>
+
 #include "base/cpu_dispatch.h"
 
 namespace dflash {
@@ -48,12 +50,13 @@ DFLASH_CPU_DISPATCH float MaxAbs<float>(const float* x, int64_t count) {
 template <typename T>
 std::vector<VocabRange> KeptVocabRanges(const T* grad, int64_t rows,
                                         int64_t vocab, double threshold,
-                                        int64_t tile, int64_t& skipped_tiles) {
+                                        int64_t tile, int64_t& skipped_tiles,
+                                        int threads) {
   const int64_t tiles = (vocab + tile - 1) / tile;
   std::vector<unsigned char> kept(tiles, 0);
   // Rows in parallel on OpenMP's threads (the head's), each reading its row
   // once: the tiles' maxima, then the row's cut against them.
-#pragma omp parallel
+#pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
   {
     std::vector<unsigned char> mine(tiles, 0);
     std::vector<T> tile_max(tiles);
@@ -94,10 +97,11 @@ std::vector<VocabRange> KeptVocabRanges(const T* grad, int64_t rows,
 
 template std::vector<VocabRange> KeptVocabRanges<float>(const float*, int64_t,
                                                         int64_t, double,
-                                                        int64_t, int64_t&);
+                                                        int64_t, int64_t&,
+                                                        int);
 template std::vector<VocabRange> KeptVocabRanges<double>(const double*,
                                                          int64_t, int64_t,
                                                          double, int64_t,
-                                                         int64_t&);
+                                                         int64_t&, int);
 
 }  // namespace dflash

@@ -24,11 +24,13 @@ struct VocabRange {
 // in which some row has |g| >= threshold * (that row's largest |g|),
 // merged into ascending runs; `skipped_tiles` gets the count of the others.
 // A tile is skipped only when every row's entries in it are below the
-// cut, so each skipped entry is below its row's cut. T: float or double.
+// cut, so each skipped entry is below its row's cut. Rows run on `threads`
+// OpenMP threads (0: OpenMP's default). T: float or double.
 template <typename T>
 std::vector<VocabRange> KeptVocabRanges(const T* grad, int64_t rows,
                                         int64_t vocab, double threshold,
-                                        int64_t tile, int64_t& skipped_tiles);
+                                        int64_t tile, int64_t& skipped_tiles,
+                                        int threads = 0);
 
 }  // namespace dflash
 

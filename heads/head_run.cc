@@ -342,7 +342,7 @@ void HeadRun<T>::FilteredInputGradient(const T* grad_logits, int64_t m,
     int64_t skipped = 0;
     const std::vector<VocabRange> kept =
         KeptVocabRanges(grad_logits, m, vocab_, head_.gradient_filter(),
-                        kGradientFilterTile, skipped);
+                        kGradientFilterTile, skipped, head_.threads());
     filter_tiles_ += (vocab_ + kGradientFilterTile - 1) / kGradientFilterTile;
     filter_skipped_ += skipped;
     // Host memory: the filter runs on the CPU head only.
@@ -462,7 +462,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   teacher_ws_.Reset();
 
   const Clock::time_point backward = Clock::now();
-  if (!known_scale && !Fused() && backend_.folds_gradient_scale()) {
+  if (!known_scale && !Fused() && params_.lk != LkMode::kLambdaBatch &&
+      backend_.folds_gradient_scale()) {
     // Every chunk's terms are in before the backward pass: the scale the
     // logits decided is known now (not the batch-level LK lambda's row
     // factors).

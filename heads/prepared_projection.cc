@@ -73,7 +73,8 @@ struct PreparedProjection::Impl {
   int64_t vocab = 0, hidden = 0;
   // logits = rows @ W^T (B = W^T, [H, V]); dx = dlogits @ W (B = W, [V, H]).
   PackedGemm forward, input_gradient;
-  std::once_flag tiles_made;
+  std::mutex tiles_mu;
+  bool tiles_tried = false;
   std::unique_ptr<TileGemms> tiles;
   double seconds = 0;
   std::string kernel;
@@ -115,25 +116,31 @@ struct PreparedProjection::Impl {
     kernel = Describe(typical, g, g.packed, attr).impl_info_str();
   }
 
-  // W's tiles laid out (once; the caller catches dnnl::error).
-  TileGemms& Tiles() {
-    std::call_once(tiles_made, [this] {
-      auto made = std::make_unique<TileGemms>();
-      constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
-      // Their src: a tile's columns of the logits gradient, rows V apart.
-      made->full.lda = made->tail.lda = vocab;
-      Shape(made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
-      if (vocab % kTile != 0 && vocab > kTile) {
-        Shape(made->tail, vocab % kTile, hidden, kTypicalRows, add_attr);
-      }
-      for (int64_t begin = 0; begin < vocab; begin += kTile) {
-        const PackedGemm& g = vocab - begin < made->full.k ? made->tail
-                                                           : made->full;
-        made->weights.push_back(Lay(g, Tag::ab, weight.data() + begin * hidden));
-      }
-      tiles = std::move(made);
-    });
-    return *tiles;
+  // W's tiles laid out (once; the caller catches dnnl::error), or null
+  // where oneDNN has only its reference kernel for their GEMM.
+  TileGemms* Tiles() {
+    std::lock_guard<std::mutex> lock(tiles_mu);
+    if (tiles_tried) return tiles.get();
+    tiles_tried = true;
+    auto made = std::make_unique<TileGemms>();
+    constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
+    // Their src: a tile's columns of the logits gradient, rows V apart.
+    made->full.lda = made->tail.lda = vocab;
+    Shape(made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
+    if (vocab % kTile != 0 && vocab > kTile) {
+      Shape(made->tail, vocab % kTile, hidden, kTypicalRows, add_attr);
+    }
+    const std::string tile_kernel =
+        Describe(kTypicalRows, made->full, made->full.packed, add_attr)
+            .impl_info_str();
+    if (tile_kernel.rfind("ref", 0) == 0) return nullptr;
+    for (int64_t begin = 0; begin < vocab; begin += kTile) {
+      const PackedGemm& g = vocab - begin < made->full.k ? made->tail
+                                                         : made->full;
+      made->weights.push_back(Lay(g, Tag::ab, weight.data() + begin * hidden));
+    }
+    tiles = std::move(made);
+    return tiles.get();
   }
 
   // The primitive for m rows on the laid-out B, on the calling thread's
@@ -197,20 +204,29 @@ class PackedProjection final : public VocabProjection<float> {
     const int64_t v = vocab(), h = hidden();
     constexpr int64_t kTile = kGradientFilterTile;
     const auto start = std::chrono::steady_clock::now();
+    TileGemms* tiles = nullptr;
     if (begin % kTile == 0 && (end % kTile == 0 || end == v)) {
+      try {
+        tiles = impl_.Tiles();
+      } catch (const dnnl::error& e) {
+        status_ = DnnlError(e, "filter tiles' layout");
+        return;
+      }
+    }
+    if (tiles != nullptr) {
       if (!accumulate) std::fill_n(grad_rows, m * h, 0.0f);
       try {
         UseThreads(threads_);
         if (!stream_) stream_.emplace(impl_.engine);
-        TileGemms& tiles = impl_.Tiles();
         dnnl::memory c(Desc({m, h}, kF32, Tag::ab), impl_.engine, grad_rows);
         for (int64_t t = begin / kTile; t * kTile < end; ++t) {
-          PackedGemm& g = v - t * kTile < tiles.full.k ? tiles.tail : tiles.full;
+          PackedGemm& g =
+              v - t * kTile < tiles->full.k ? tiles->tail : tiles->full;
           dnnl::memory a(Desc({m, g.k}, kF32, {v, 1}), impl_.engine,
                          const_cast<float*>(grad_logits + t * kTile));
           impl_.Primitive(g, m, impl_.add_attr)
               .execute(*stream_, {{DNNL_ARG_SRC, a},
-                                  {DNNL_ARG_WEIGHTS, tiles.weights[t]},
+                                  {DNNL_ARG_WEIGHTS, tiles->weights[t]},
                                   {DNNL_ARG_DST, c}});
         }
         stream_->wait();
