@@ -41,10 +41,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
-    // A scale known now goes into the input-gradient GEMMs' alpha: the
-    // hidden and correction-input gradients are rounded once.
-    input_scale_ = spec.known_gradient_scale;
-    input_alpha_ = static_cast<float>(input_scale_.value_or(1.0));
+    // Until the run tells the scale (InputGradientScale), alpha is 1.
+    input_scale_.reset();
+    input_alpha_ = 1;
     const v1::HeadConfig& head = config_.head();
     // A trainable BF16 weight's gradient is summed over chunks in FP32 and
     // rounded once, when scaled.
@@ -272,7 +271,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
       // with.
       if (!(std::abs(*input_scale_ - scale) <= 1e-9 * std::abs(scale))) {
         return absl::InternalError(absl::StrCat(
-            "the gradient scale known before the run (", *input_scale_,
+            "the gradient scale folded into the input gradients (",
+            *input_scale_,
             ") differs from the finished one (", scale, ")"));
       }
     } else if (kl_weight) {

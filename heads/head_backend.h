@@ -27,11 +27,6 @@ struct HeadRunSpec {
   const HeadRowOutputs* row_outputs = nullptr;
   absl::Span<const int64_t> active;
   const PreparedProjection* prepared_projection = nullptr;  // Or none.
-  // upstream x the loss's gradient scale, where the rows alone decide it
-  // (RowsGradientScale): a backend may fold it into its input-gradient
-  // GEMMs, rounding a BF16 gradient once, and then leave those gradients
-  // alone in ScaleGradients.
-  std::optional<double> known_gradient_scale;
 };
 
 // What the head needs from the device it runs on: memory, the projection,
@@ -91,10 +86,11 @@ class HeadBackend {
                                       const FinishedLoss& finished) = 0;
 
   // Whether the backend folds upstream x the final gradient scale into its
-  // input-gradient products (rounding a BF16 gradient once): the run tells
-  // it HeadRunSpec.known_gradient_scale at Start, or, where the logits
-  // decide the scale (D-PACE) and the backward pass follows the forward
-  // one, InputGradientScale between the two.
+  // input-gradient products (rounding a BF16 gradient once). The run tells
+  // it the scale through InputGradientScale after Start where the rows
+  // alone decide it, or between the forward and the backward pass where
+  // the logits do (D-PACE, non-fused modes); ScaleGradients then leaves
+  // those gradients alone.
   virtual bool folds_gradient_scale() const { return false; }
   virtual void InputGradientScale(double scale) {}
 

@@ -434,13 +434,19 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
       anchors > 0
           ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
           : 1;
-  std::optional<double> known_scale =
-      RowsGradientScale(params_, inputs_.rows, sequences);
-  if (known_scale) *known_scale *= options.upstream_gradient;
   DFLASH_RETURN_IF_ERROR(
       backend_.Start({&config_, &inputs_, &gradients_, &row_outputs_, active_,
-                      options.prepared_projection, known_scale}));
+                      options.prepared_projection}));
   stride_ = backend_.projection().logits_stride();
+  // The final gradient scale, for a backend that folds it into its
+  // input-gradient products: now, where the rows alone decide it.
+  const bool folds = backend_.folds_gradient_scale();
+  const std::optional<double> known_scale =
+      folds ? RowsGradientScale(params_, inputs_.rows, sequences)
+            : std::nullopt;
+  if (known_scale) {
+    backend_.InputGradientScale(options.upstream_gradient * *known_scale);
+  }
 
   HeadResult result;
   result.mode = head_.mode();
@@ -462,18 +468,16 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   teacher_ws_.Reset();
 
   const Clock::time_point backward = Clock::now();
-  if (!known_scale && !Fused() && params_.lk != LkMode::kLambdaBatch &&
-      backend_.folds_gradient_scale()) {
+  if (folds && !known_scale && !Fused() &&
+      params_.lk != LkMode::kLambdaBatch) {
     // Every chunk's terms are in before the backward pass: the scale the
-    // logits decided is known now (not the batch-level LK lambda's row
-    // factors).
+    // logits decided (D-PACE) is known now; not the batch-level LK lambda's
+    // factor per row.
     absl::StatusOr<ChunkTerms> terms = backend_.Terms();
     if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
-    const FinishedLoss finished = FinishTerms(params_, *terms, sequences);
-    if (!finished.lk_kl_weight) {
-      backend_.InputGradientScale(options.upstream_gradient *
-                                  finished.gradient_scale);
-    }
+    backend_.InputGradientScale(
+        options.upstream_gradient *
+        FinishTerms(params_, *terms, sequences).gradient_scale);
   }
   if (!Fused()) {
     for (int64_t c = chunks - 1; c >= 0; --c) {

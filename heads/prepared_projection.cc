@@ -63,6 +63,11 @@ struct PackedGemm {
 struct TileGemms {
   PackedGemm full, tail;  // Whole tiles, and the vocabulary's last if shorter.
   std::vector<dnnl::memory> weights;
+
+  // The GEMM of the tile that starts at id `begin`.
+  PackedGemm& Of(int64_t begin, int64_t vocab) {
+    return vocab - begin < full.k ? tail : full;
+  }
 };
 
 struct PreparedProjection::Impl {
@@ -89,14 +94,16 @@ struct PreparedProjection::Impl {
                                         a, engine);
   }
 
-  // Chooses the format a chunk of `typical` rows prefers for B [k, n].
-  void Shape(PackedGemm& g, int64_t k, int64_t n, int64_t typical,
-             const dnnl::primitive_attr& a) {
+  // Chooses the format a chunk of `typical` rows prefers for B [k, n];
+  // returns the name of the kernels oneDNN picked for it.
+  std::string Shape(PackedGemm& g, int64_t k, int64_t n, int64_t typical,
+                    const dnnl::primitive_attr& a) {
     g.k = k;
     g.n = n;
     const dnnl::matmul::primitive_desc pd =
         Describe(typical, g, Desc({k, n}, kF32, Tag::any), a);
     g.packed = pd.weights_desc();
+    return pd.impl_info_str();
   }
 
   // B [k, n], given as `user` over `data`, laid out as g.packed.
@@ -111,9 +118,8 @@ struct PreparedProjection::Impl {
   }
 
   void Pack(PackedGemm& g, int64_t k, int64_t n, Tag user, int64_t typical) {
-    Shape(g, k, n, typical, attr);
+    kernel = Shape(g, k, n, typical, attr);
     g.weights = Lay(g, user, weight.data());
-    kernel = Describe(typical, g, g.packed, attr).impl_info_str();
   }
 
   // W's tiles laid out (once; the caller catches dnnl::error), or null
@@ -126,18 +132,15 @@ struct PreparedProjection::Impl {
     constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
     // Their src: a tile's columns of the logits gradient, rows V apart.
     made->full.lda = made->tail.lda = vocab;
-    Shape(made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
+    const std::string tile_kernel = Shape(
+        made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
+    if (tile_kernel.rfind("ref", 0) == 0) return nullptr;
     if (vocab % kTile != 0 && vocab > kTile) {
       Shape(made->tail, vocab % kTile, hidden, kTypicalRows, add_attr);
     }
-    const std::string tile_kernel =
-        Describe(kTypicalRows, made->full, made->full.packed, add_attr)
-            .impl_info_str();
-    if (tile_kernel.rfind("ref", 0) == 0) return nullptr;
     for (int64_t begin = 0; begin < vocab; begin += kTile) {
-      const PackedGemm& g = vocab - begin < made->full.k ? made->tail
-                                                         : made->full;
-      made->weights.push_back(Lay(g, Tag::ab, weight.data() + begin * hidden));
+      made->weights.push_back(Lay(made->Of(begin, vocab), Tag::ab,
+                                  weight.data() + begin * hidden));
     }
     tiles = std::move(made);
     return tiles.get();
@@ -220,8 +223,7 @@ class PackedProjection final : public VocabProjection<float> {
         if (!stream_) stream_.emplace(impl_.engine);
         dnnl::memory c(Desc({m, h}, kF32, Tag::ab), impl_.engine, grad_rows);
         for (int64_t t = begin / kTile; t * kTile < end; ++t) {
-          PackedGemm& g =
-              v - t * kTile < tiles->full.k ? tiles->tail : tiles->full;
+          PackedGemm& g = tiles->Of(t * kTile, v);
           dnnl::memory a(Desc({m, g.k}, kF32, {v, 1}), impl_.engine,
                          const_cast<float*>(grad_logits + t * kTile));
           impl_.Primitive(g, m, impl_.add_attr)

@@ -57,8 +57,6 @@ class RowSource {
 
   RowSource(const ChunkLossInputs<T>& inputs, const ChunkLossOptions& options)
       : inputs_(inputs),
-        scale_(options.logit_scale),
-        softcap_(options.logit_softcap),
         transform_(options.logit_scale, options.logit_softcap),
         identity_(transform_.identity()),
         transformed_(inputs.rows.size(), false) {
@@ -67,7 +65,7 @@ class RowSource {
         (!identity_ || !std::is_same_v<T, W>)) {
       teacher_.resize(inputs.vocab);
     }
-    if (softcap_ > 0) transformed_copy_.resize(inputs.vocab);
+    if (transform_.softcap() > 0) transformed_copy_.resize(inputs.vocab);
   }
 
   absl::Span<W> Draft(int64_t r) {
@@ -99,7 +97,7 @@ class RowSource {
 
   // Call with z' before its gradient overwrites it.
   void KeepTransformed(absl::Span<const W> z) {
-    if (softcap_ > 0) std::copy(z.begin(), z.end(), transformed_copy_.begin());
+    if (transform_.softcap() > 0) std::copy(z.begin(), z.end(), transformed_copy_.begin());
   }
 
   // Chains d/dz' in `grad` back to d/dz and stores row r. A gradient that
@@ -110,16 +108,16 @@ class RowSource {
   // (times the chain's factor, at most the logit scale) might not fit.
   absl::Status StoreGradient(int64_t r, absl::Span<W> grad, double weight,
                              double bound) {
-    if (softcap_ > 0) {
+    if (transform_.softcap() > 0) {
       for (size_t v = 0; v < grad.size(); ++v) {
         grad[v] =
             static_cast<W>(transform_.Chain(grad[v], transformed_copy_[v]));
       }
-    } else if (scale_ != 1) {
-      for (W& g : grad) g = static_cast<W>(g * scale_);
+    } else if (!identity_) {  // A scale alone: its chain reads no z'.
+      for (W& g : grad) g = static_cast<W>(transform_.Chain(g, 0));
     }
     const double fits = std::numeric_limits<W>::max() / 2;
-    const bool may_overflow = !(bound < fits && bound * scale_ < fits);
+    const bool may_overflow = !(bound < fits && bound * transform_.scale() < fits);
     if (may_overflow &&
         !AllFinite(grad.data(), static_cast<int64_t>(grad.size()))) {
       return RowError(r, absl::StrCat(
@@ -148,8 +146,6 @@ class RowSource {
   }
 
   const ChunkLossInputs<T>& inputs_;
-  const double scale_;
-  const double softcap_;
   const LogitTransform transform_;
   const bool identity_;
   std::vector<bool> transformed_;

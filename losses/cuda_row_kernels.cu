@@ -630,44 +630,47 @@ __global__ void __launch_bounds__(kThreads)
     const Divergence divergence = p.loss.divergence;
     const float beta = static_cast<float>(p.loss.beta);
     const float log_beta = logf(beta), log_rest = log1pf(-beta);
-    auto logs = [&](float x, float y, float& ls, float& lt) {
-      ls = transform(x) * inv_t - lse_s;
+    // ls and lt of the student's z' and the teacher's logit y.
+    auto logs = [&](float zp, float y, float& ls, float& lt) {
+      ls = zp * inv_t - lse_s;
       lt = transform(y) * inv_t - lse_t;
     };
     const float g = static_cast<float>(w * p.loss.inv_temperature);
     bool bad = false;
-    auto store = [&](float x, float grad) {
-      const float chained = transform.Chain(grad, transform(x));
+    auto store = [&](float zp, float grad) {
+      const float chained = transform.Chain(grad, zp);
       bad |= !isfinite(chained);
       return chained;
     };
-    auto point_at = [&](float x, float y) {
+    auto point_at = [&](float zp, float y) {
       float ls, lt;
-      logs(x, y, ls, lt);
+      logs(zp, y, ls, lt);
       return DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
     };
     Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
     if (divergence == Divergence::kForwardKl) {
       // Its gradient reads no row sum: one pass.
       MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        const DistillationPoint<float> point = point_at(x, y);
+        const float zp = transform(x);
+        const DistillationPoint<float> point = point_at(zp, y);
         acc.a += point.divergence;
-        return store(x, g * point.forward_gradient);
+        return store(zp, g * point.forward_gradient);
       });
       acc = BlockReduce(acc, AddPairs);
     } else {
       ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        const DistillationPoint<float> point = point_at(x, y);
+        const DistillationPoint<float> point = point_at(transform(x), y);
         acc.a += point.divergence;
         acc.b += point.student_part;
       });
       acc = BlockReduce(acc, AddPairs);
       MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
+        const float zp = transform(x);
         float ls, lt;
-        logs(x, y, ls, lt);
+        logs(zp, y, ls, lt);
         return store(
-            x, DistillationGradientAt(divergence, beta, log_beta, log_rest, ls,
-                                      lt, acc.a, acc.b, g));
+            zp, DistillationGradientAt(divergence, beta, log_beta, log_rest,
+                                       ls, lt, acc.a, acc.b, g));
       });
     }
     if (threadIdx.x == 0) terms[kLossNum] = w * acc.a;

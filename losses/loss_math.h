@@ -103,6 +103,8 @@ class LogitTransform {
     return grad * scale_ * (1 - t * t);
   }
   DFLASH_HOST_DEVICE bool identity() const { return scale_ == 1 && cap_ == 0; }
+  DFLASH_HOST_DEVICE double scale() const { return scale_; }
+  DFLASH_HOST_DEVICE double softcap() const { return cap_; }
 
  private:
   double scale_, cap_, scale_over_cap_, inv_cap_;
