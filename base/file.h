@@ -5,7 +5,8 @@
 // and the OS's reason (strerror). Reads refuse anything that is not a
 // regular file (a FIFO would block, a device never ends). Writes are
 // all-or-nothing: bytes go to a temporary beside the target and are renamed
-// into place only once complete and flushed to disk.
+// into place only once complete and flushed to disk; a set of files is
+// replaced as one (OutputFileSet).
 
 #include <cstdint>
 #include <string>
@@ -60,12 +61,28 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path,
 // strerror).
 absl::Status PrepareOutputDirectory(const std::string& dir);
 
-// A set of files replaced together. Stage() writes each file's bytes to a
-// temporary in the target's directory (every write checked, fsync'd and
-// closed); Commit() then renames them into place and removes the paths
-// given to StageRemoval(). Until Commit() no target changes, and a set
-// destroyed uncommitted removes its temporaries. A failure during Commit()
-// itself (a rename refused midway) is reported; earlier renames stand.
+// A set of files replaced as one. Stage() writes each file's bytes to a
+// temporary `.NAME.tmp-PID-RANDOM` in the target's directory (every write
+// checked, fsync'd and closed); StageRemoval() names a file the new set
+// does not hold. Until Commit() no target changes, and a set destroyed
+// uncommitted removes its temporaries.
+//
+// Commit() holds SIGINT, SIGTERM, SIGHUP and SIGPIPE off, refuses a target
+// that is neither a regular file nor a link (a directory) before anything
+// changes, then (1) renames each existing target aside to a hidden
+// `.NAME.old-PID-RANDOM` beside it, (2) renames the temporaries into
+// place, (3) removes the set-aside files. A rename refused in (1) (an
+// immutable or bind-mounted file) moves the set-aside files back, and one
+// refused in (2) also removes the new files already placed: either way the
+// error names the file and the reason, and the old set is as it was. So
+// at every moment the files present are a subset of the old set or a
+// subset of the new one, never a mix: a concurrent reader may find a file
+// missing during the commit, never an old file beside a new one. Only a
+// SIGKILL or a crash inside the commit can leave a subset; its hidden
+// files are then removed by a later Stage() of the same names.
+//
+// Stage() and StageRemoval() first remove such leftovers of the target's
+// name, temporaries and set-aside files of processes no longer alive.
 class OutputFileSet {
  public:
   OutputFileSet() = default;
@@ -81,9 +98,23 @@ class OutputFileSet {
   absl::Status Commit();
 
  private:
-  std::vector<std::pair<std::string, std::string>> staged_;  // temp, target
+  struct Staged {
+    std::string temp, target;
+    int slot;  // In the registry of temporaries the signal handler removes.
+  };
+  // Removes every temporary not yet renamed into place.
+  void Abandon();
+
+  std::vector<Staged> staged_;
   std::vector<std::string> removals_;
 };
+
+// Installs handlers of SIGINT, SIGTERM and SIGHUP that remove the
+// temporaries of every OutputFileSet being written and then end the
+// process by the same signal (its exit status says which); a signal that
+// arrives during a Commit() takes effect once the commit is done. Call
+// once, early in main.
+void RemoveTemporariesOnSignals();
 
 // One file written all-or-nothing (an OutputFileSet of one).
 absl::Status WriteFileAtomically(const std::string& path,

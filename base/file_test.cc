@@ -1,12 +1,17 @@
 #include "base/file.h"
 
+#include <dirent.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -17,6 +22,7 @@ namespace dflash {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 std::string TestDir(const std::string& name) {
   const char* root = std::getenv("TEST_TMPDIR");
@@ -167,16 +173,202 @@ TEST(OutputFileSetTest, AFailedWriteChangesNothing) {
   EXPECT_EQ(HiddenEntries(dir), 0);
 }
 
+// Every entry of `dir` (hidden ones too) and its bytes; a directory's are
+// "<dir>".
+std::map<std::string, std::string> Snapshot(const std::string& dir) {
+  std::map<std::string, std::string> entries;
+  DIR* listing = ::opendir(dir.c_str());
+  if (listing == nullptr) return entries;
+  while (const struct dirent* entry = ::readdir(listing)) {
+    const std::string name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st;
+    const std::string path = dir + "/" + name;
+    const bool is_dir = ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+    entries[name] = is_dir ? "<dir>" : Contents(path);
+  }
+  ::closedir(listing);
+  return entries;
+}
+
+// The old set of a commit that must fail: a, b and a stale c. The new set
+// replaces a and b, adds d and removes c.
+void PutOldSet(const std::string& dir) {
+  Put(dir + "/a", "old a");
+  Put(dir + "/b", "old b");
+  Put(dir + "/c", "old c");
+}
+
+absl::Status CommitNewSet(const std::string& dir) {
+  OutputFileSet files;
+  for (const char* name : {"a", "b", "d"}) {
+    const absl::Status staged =
+        files.Stage(dir + "/" + name, std::string("new ") + name);
+    if (!staged.ok()) return staged;
+  }
+  files.StageRemoval(dir + "/c");
+  return files.Commit();
+}
+
 TEST(OutputFileSetTest, ADirectoryInATargetsPlaceMovesNothing) {
   const std::string dir = TestDir("blocked");
-  Put(dir + "/a", "old a");
+  PutOldSet(dir);
+  std::remove((dir + "/b").c_str());
   ::mkdir((dir + "/b").c_str(), 0777);
+  const auto before = Snapshot(dir);
+  EXPECT_EQ(std::string(CommitNewSet(dir).message()),
+            dir + "/b: is a directory, cannot replace it");
+  EXPECT_EQ(Snapshot(dir), before);
+}
+
+TEST(OutputFileSetTest, ADirectoryInAStaleFilesPlaceMovesNothing) {
+  const std::string dir = TestDir("blocked_stale");
+  PutOldSet(dir);
+  std::remove((dir + "/c").c_str());
+  ::mkdir((dir + "/c").c_str(), 0777);
+  const auto before = Snapshot(dir);
+  EXPECT_EQ(std::string(CommitNewSet(dir).message()),
+            dir + "/c: is a directory, cannot remove it");
+  EXPECT_EQ(Snapshot(dir), before);
+}
+
+// chattr +i on a file while in scope; undone after, or Bazel could not
+// remove the test's directory.
+class Immutable {
+ public:
+  explicit Immutable(const std::string& path) : path_(path) {
+    set_ = std::system(("chattr +i " + path_ + " 2>/dev/null").c_str()) == 0;
+  }
+  Immutable(const Immutable&) = delete;
+  Immutable& operator=(const Immutable&) = delete;
+  ~Immutable() {
+    if (set_) {
+      EXPECT_EQ(std::system(("chattr -i " + path_).c_str()), 0);
+    }
+  }
+  bool set() const { return set_; }
+
+ private:
+  std::string path_;
+  bool set_ = false;
+};
+
+// The rename of b is refused after a was set aside: a comes back, the new
+// files go, and the directory is as it was.
+TEST(OutputFileSetTest, AnImmutableTargetChangesNothing) {
+  const std::string dir = TestDir("immutable");
+  PutOldSet(dir);
+  const auto before = Snapshot(dir);
+  Immutable pinned(dir + "/b");
+  if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
+  EXPECT_EQ(std::string(CommitNewSet(dir).message()),
+            dir + "/b: cannot replace it: Operation not permitted; no file "
+                  "was changed");
+  EXPECT_EQ(Snapshot(dir), before);
+}
+
+TEST(OutputFileSetTest, AnImmutableStaleFileChangesNothing) {
+  const std::string dir = TestDir("immutable_stale");
+  PutOldSet(dir);
+  const auto before = Snapshot(dir);
+  Immutable pinned(dir + "/c");
+  if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
+  EXPECT_EQ(std::string(CommitNewSet(dir).message()),
+            dir + "/c: cannot remove the previous run's file: Operation not "
+                  "permitted; no file was changed");
+  EXPECT_EQ(Snapshot(dir), before);
+}
+
+// A file bind-mounted onto b cannot be renamed (EBUSY). The mount needs a
+// mount namespace of its own, so the commit runs in a child that reports
+// by its exit code.
+TEST(OutputFileSetTest, ABindMountedTargetChangesNothing) {
+  if (::geteuid() != 0) GTEST_SKIP() << "bind mounts need root";
+  const std::string dir = TestDir("bind_mounted");
+  PutOldSet(dir);
+  const std::string source = TestDir("bind_source") + "/file";
+  Put(source, "mounted b");
+  enum { kPassed, kCommitted, kWrongMessage, kChanged, kNoMount = 77 };
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount(source.c_str(), (dir + "/b").c_str(), nullptr, MS_BIND,
+                nullptr) != 0) {
+      ::_exit(kNoMount);
+    }
+    const auto before = Snapshot(dir);
+    const absl::Status status = CommitNewSet(dir);
+    if (status.ok()) ::_exit(kCommitted);
+    if (status.message() != dir + "/b: cannot replace it: Device or resource "
+                                  "busy; no file was changed") {
+      ::_exit(kWrongMessage);
+    }
+    ::_exit(Snapshot(dir) == before ? kPassed : kChanged);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  if (WEXITSTATUS(status) == kNoMount) {
+    GTEST_SKIP() << "unshare(CLONE_NEWNS) or mount --bind is refused here";
+  }
+  EXPECT_EQ(WEXITSTATUS(status), kPassed)
+      << "1: committed, 2: another message, 3: the directory changed";
+  EXPECT_EQ(Contents(dir + "/b"), "old b");
+}
+
+// A process that has exited: its pid names no live process (until reused).
+pid_t DeadPid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  return child;
+}
+
+// What a run killed by SIGKILL leaves is removed by the next Stage() of the
+// same name; a live process's files, and other names, are left alone.
+TEST(OutputFileSetTest, StageRemovesTheLeftoversOfDeadProcesses) {
+  const std::string dir = TestDir("leftovers");
+  const std::string dead = std::to_string(DeadPid());
+  const std::string self = std::to_string(::getpid());
+  for (const std::string& name :
+       {".a.tmp-" + dead + "-000000000001", ".a.old-" + dead + "-000000000002",
+        ".a.tmp-" + self + "-000000000003", ".b.tmp-" + dead + "-000000000004",
+        std::string(".a.tmp-x")}) {
+    Put(dir + "/" + name, "left over");
+  }
   OutputFileSet files;
   ASSERT_TRUE(files.Stage(dir + "/a", "new a").ok());
-  ASSERT_TRUE(files.Stage(dir + "/b", "new b").ok());
-  EXPECT_EQ(files.Commit().message(),
-            dir + "/b: is a directory, cannot replace it");
-  EXPECT_EQ(Contents(dir + "/a"), "old a");
+  std::vector<std::string> hidden;
+  for (const auto& [name, bytes] : Snapshot(dir)) hidden.push_back(name);
+  ASSERT_EQ(hidden.size(), 4u);
+  EXPECT_EQ(hidden[0], ".a.tmp-" + self + "-000000000003");
+  EXPECT_THAT(hidden[1], StartsWith(".a.tmp-" + self + "-"));  // Ours.
+  EXPECT_EQ(hidden[2], ".a.tmp-x");
+  EXPECT_EQ(hidden[3], ".b.tmp-" + dead + "-000000000004");
+  files.StageRemoval(dir + "/b");
+  EXPECT_EQ(Snapshot(dir).count(".b.tmp-" + dead + "-000000000004"), 0u);
+}
+
+// SIGINT, SIGTERM or SIGHUP while a set is staged: its temporaries are
+// removed and the process ends by that signal.
+TEST(OutputFileSetDeathTest, ATerminatingSignalRemovesTheTemporaries) {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    SCOPED_TRACE(signal);
+    const std::string dir = TestDir("signal_" + std::to_string(signal));
+    EXPECT_EXIT(
+        {
+          RemoveTemporariesOnSignals();
+          OutputFileSet files;
+          if (files.Stage(dir + "/a", std::string(1 << 20, 'x')).ok()) {
+            std::fprintf(stderr, "staged %zu\n", Snapshot(dir).size());
+          }
+          ::raise(signal);
+        },
+        ::testing::KilledBySignal(signal), "staged 1");
+    EXPECT_TRUE(Snapshot(dir).empty());
+  }
 }
 
 // A link to a device in a target's place is replaced, not written through.
