@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -95,12 +96,30 @@ constexpr size_t kPrefixSize = 12;
 // NumPy writes headers of a few hundred bytes; anything near this is not
 // one of its files, and is refused before it is read.
 constexpr size_t kMaxHeaderSize = size_t{1} << 20;
+// The largest extent of an axis: far beyond any tensor that fits a machine,
+// and small enough that a header alone cannot make sizes near 2^63.
+constexpr int64_t kMaxExtent = int64_t{1} << 40;
+
+// A file cut inside its header: `size` bytes, of the `needed` it takes.
+absl::Status Truncated(absl::string_view name, size_t size, size_t needed,
+                       absl::string_view part) {
+  return Error(name, absl::StrCat("truncated .npy header: ends after ", size,
+                                  " bytes, inside its ", part, " (", needed,
+                                  " bytes)"));
+}
 
 absl::StatusOr<std::pair<size_t, size_t>> HeaderSpan(absl::string_view bytes,
                                                      absl::string_view name) {
-  if (bytes.size() < kMagicSize + 4 ||
-      bytes.substr(0, kMagicSize) != absl::string_view(kMagic, kMagicSize)) {
+  if (bytes.empty()) return Error(name, "empty file, expected a .npy file");
+  // A file shorter than the magic is a .npy file cut short if what it
+  // holds is the magic's beginning.
+  const size_t seen = std::min(bytes.size(), kMagicSize);
+  if (bytes.substr(0, seen) != absl::string_view(kMagic, seen)) {
     return Error(name, "not a .npy file (no \\x93NUMPY magic)");
+  }
+  constexpr absl::string_view kFixedPart = "magic, version and header length";
+  if (bytes.size() < kMagicSize + 4) {
+    return Truncated(name, bytes.size(), kMagicSize + 4, kFixedPart);
   }
   const int major = static_cast<unsigned char>(bytes[6]);
   size_t header_len = 0, offset;
@@ -109,7 +128,7 @@ absl::StatusOr<std::pair<size_t, size_t>> HeaderSpan(absl::string_view bytes,
                  static_cast<unsigned char>(bytes[9]) << 8;
     offset = 10;
   } else if (major == 2 || major == 3) {
-    if (bytes.size() < 12) return Error(name, "truncated .npy header");
+    if (bytes.size() < 12) return Truncated(name, bytes.size(), 12, kFixedPart);
     for (int i = 0; i < 4; ++i) {
       header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i]))
                     << (8 * i);
@@ -174,10 +193,26 @@ absl::StatusOr<NpyHeader> ParseHeaderText(absl::string_view header,
     return Error(name, absl::StrCat("malformed shape ", *shape));
   }
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipWhitespace())) {
+    part = absl::StripAsciiWhitespace(part);
     int64_t extent;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &extent) ||
-        extent < 0 || extent > (int64_t{1} << 40)) {
+    const bool digits =
+        !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+          return absl::ascii_isdigit(static_cast<unsigned char>(c));
+        });
+    // Digits that do not fit 64 bits are above the limit too.
+    if (digits && (!absl::SimpleAtoi(part, &extent) || extent > kMaxExtent)) {
+      return Error(name, absl::StrCat("shape ", *shape, ": extent ", part,
+                                      " on axis ", out.shape.size(),
+                                      " is above the limit of 2^40 = ",
+                                      kMaxExtent, " per axis"));
+    }
+    if (!absl::SimpleAtoi(part, &extent)) {
       return Error(name, absl::StrCat("malformed shape ", *shape));
+    }
+    if (extent < 0) {
+      return Error(name, absl::StrCat("shape ", *shape, ": extent ", extent,
+                                      " on axis ", out.shape.size(),
+                                      " is negative"));
     }
     out.shape.push_back(extent);
   }
@@ -216,7 +251,7 @@ absl::StatusOr<NpyHeader> ParseNpyHeader(absl::string_view bytes,
                           HeaderSpan(bytes, name));
   const auto [offset, header_len] = span;
   if (bytes.size() < offset + header_len) {
-    return Error(name, "truncated .npy header");
+    return Truncated(name, bytes.size(), offset + header_len, "header text");
   }
   return ParseHeaderText(bytes.substr(offset, header_len), offset, name);
 }
@@ -247,7 +282,8 @@ absl::StatusOr<NpyHeader> ReadHeader(const ReadableFile& file) {
                           HeaderSpan(prefix, file.path()));
   const auto [offset, header_len] = span;
   if (file.size() < static_cast<int64_t>(offset + header_len)) {
-    return Error(file.path(), "truncated .npy header");
+    return Truncated(file.path(), file.size(), offset + header_len,
+                     "header text");
   }
   std::string header(header_len, '\0');
   DFLASH_RETURN_IF_ERROR(file.ReadAt(offset, absl::MakeSpan(header)));

@@ -116,7 +116,8 @@ TEST(NpyTest, RejectsWhatItCannotRead) {
             "cut: data holds 21 bytes, shape [2, 3] of <f4 needs 24 "
             "(truncated or padded file)");
   EXPECT_EQ(ParseNpy(good.substr(0, 40), "short").status().message(),
-            "short: truncated .npy header");
+            "short: truncated .npy header: ends after 40 bytes, inside its "
+            "header text (128 bytes)");
   EXPECT_EQ(ParseNpy("PK\x03\x04 not numpy at all", "zip").status().message(),
             "zip: not a .npy file (no \\x93NUMPY magic)");
   std::string v4 = good;
@@ -190,7 +191,8 @@ TEST(NpyTest, FileSizeIsCheckedBeforeTheDataIsRead) {
                   "needs 24 (truncated or padded file)");
   std::ofstream(dir + "/cut.npy", std::ios::binary) << good.substr(0, 9);
   EXPECT_EQ(ReadNpy(dir + "/cut.npy").status().message(),
-            dir + "/cut.npy: not a .npy file (no \\x93NUMPY magic)");
+            dir + "/cut.npy: truncated .npy header: ends after 9 bytes, "
+                  "inside its magic, version and header length (10 bytes)");
   std::string long_header = good.substr(0, 12);
   long_header[6] = 2;
   long_header[8] = 0;
@@ -201,6 +203,50 @@ TEST(NpyTest, FileSizeIsCheckedBeforeTheDataIsRead) {
   EXPECT_EQ(ReadNpy(dir + "/long.npy").status().message(),
             dir + "/long.npy: a .npy header of 2097152 bytes is larger than "
                   "the 1048576 accepted");
+}
+
+// A file cut short inside its magic, version or length is truncated, not
+// something else than a .npy file.
+TEST(NpyTest, AFileCutInItsFirstBytesIsTruncated) {
+  const std::string dir = TestDir("first_bytes");
+  const std::string good = Fixture("float32_2x3.npy");
+  std::ofstream(dir + "/eight.npy", std::ios::binary) << good.substr(0, 8);
+  EXPECT_EQ(ReadNpyHeader(dir + "/eight.npy").status().message(),
+            dir + "/eight.npy: truncated .npy header: ends after 8 bytes, "
+                  "inside its magic, version and header length (10 bytes)");
+  EXPECT_EQ(ParseNpy(good.substr(0, 3), "three").status().message(),
+            "three: truncated .npy header: ends after 3 bytes, inside its "
+            "magic, version and header length (10 bytes)");
+  std::string v2 = good.substr(0, 11);
+  v2[6] = 2;
+  EXPECT_EQ(ParseNpy(v2, "v2").status().message(),
+            "v2: truncated .npy header: ends after 11 bytes, inside its "
+            "magic, version and header length (12 bytes)");
+  std::ofstream(dir + "/empty.npy", std::ios::binary);
+  EXPECT_EQ(ReadNpy(dir + "/empty.npy").status().message(),
+            dir + "/empty.npy: empty file, expected a .npy file");
+}
+
+std::string WithShape(const std::string& shape) {
+  std::string bytes = Fixture("float32_2x3.npy");
+  bytes.replace(bytes.find("(2, 3)"), 6, shape);
+  return bytes;
+}
+
+TEST(NpyTest, AnExtentAboveTheLimitNamesTheLimit) {
+  EXPECT_EQ(ParseNpyHeader(WithShape("(2, 1099511627777)"), "big")
+                .status()
+                .message(),
+            "big: shape (2, 1099511627777): extent 1099511627777 on axis 1 "
+            "is above the limit of 2^40 = 1099511627776 per axis");
+  EXPECT_EQ(
+      ParseNpyHeader(WithShape("(99999999999999999999,)"), "huge")
+          .status()
+          .message(),
+      "huge: shape (99999999999999999999,): extent 99999999999999999999 on "
+      "axis 0 is above the limit of 2^40 = 1099511627776 per axis");
+  EXPECT_EQ(ParseNpyHeader(WithShape("(2, -3)"), "negative").status().message(),
+            "negative: shape (2, -3): extent -3 on axis 1 is negative");
 }
 
 TEST(NpyTest, OnlyRegularFilesAreRead) {
