@@ -226,6 +226,19 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config) {
   return problems.ToStatus();
 }
 
+absl::Status ValidateConfigAsWritten(const v1::ObjectiveConfig& config) {
+  Problems problems;
+  ValidateLayout(config.layout(), problems);
+#ifndef DFLASH_WITH_CUDA
+  if (config.head().backend() == v1::HeadConfig::CUDA) {
+    problems.Add("head.backend",
+                 "CUDA needs a build with the CUDA toolkit, and this one has "
+                 "none (CPU runs anywhere), got CUDA");
+  }
+#endif
+  return problems.ToStatus();
+}
+
 absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy) {
   Problems problems;
   ValidateCheckpoint(policy, problems);

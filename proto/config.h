@@ -40,6 +40,14 @@ absl::Status ValidateObjectiveConfig(const v1::ObjectiveConfig& config);
 absl::Status ValidateCheckpointPolicy(const v1::CheckpointPolicy& policy);
 
 
+// What a config must satisfy whatever shapes a consumer later gives it
+// (dflash_head replaces layout and sizes from its flags or files): its
+// layout fields as written (a value replaced later must not hide an
+// invalid one), and a head.backend this build can run (CUDA needs a build
+// with the CUDA toolkit). check_config and dflash_head both refuse what
+// this refuses, with its "field: what, got VALUE" lines.
+absl::Status ValidateConfigAsWritten(const v1::ObjectiveConfig& config);
+
 // Parse, resolve defaults, validate.
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
     absl::string_view text, absl::string_view source = "<string>");
