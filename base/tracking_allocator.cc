@@ -49,8 +49,9 @@ absl::StatusOr<void*> TrackingAllocator::Allocate(int64_t bytes) {
   if (now > limit_bytes_ || now < 0) {
     current_.fetch_sub(bytes);
     return absl::ResourceExhaustedError(
-        absl::StrCat("allocating ", bytes, " bytes would exceed the limit of ",
-                     limit_bytes_, " bytes (", now - bytes, " in use)"));
+        absl::StrCat("out of memory: allocating ", bytes,
+                     " bytes would exceed the limit of ", limit_bytes_,
+                     " bytes (", now - bytes, " in use)"));
   }
   const bool cacheable = cache_blocks_ && bytes >= kMinCachedBytes;
   void* data = cacheable ? TakeCached(bytes) : nullptr;

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "base/file.h"
 #include "base/status_macros.h"
 #include "cli/head_job.h"
 
@@ -82,21 +85,35 @@ std::string UserPath(const std::string& path) {
   return std::string(cwd) + "/" + path;
 }
 
-// An optional flag given an empty value (--gamma=) parses as unset; say so
-// instead of running without it. Read from argv: absl keeps whether a flag
-// was given to itself.
+// The flags whose empty value reads as unset. Given empty (--out= or
+// --out '', as an unset shell variable gives them) they are errors, not
+// silently ignored. Read from argv: abseil 20220623 keeps whether a flag
+// was given to itself (CommandLineFlag::IsSpecifiedOnCommandLine is
+// private there).
+constexpr const char* kNeedValues[] = {
+    "config", "loss",   "gamma", "lk",     "kl_scale", "kl_decay",
+    "mode",   "chunk_blocks", "threads", "seed", "batch", "seq",
+    "anchors", "block", "hidden", "vocab", "inputs", "out", "memory_limit"};
+
 absl::Status CheckNotEmpty(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
+    absl::string_view arg = argv[i];
     if (arg == "--") break;
-    for (const char* name : {"gamma", "kl_scale", "kl_decay", "chunk_blocks",
-                             "threads", "seed", "batch", "seq", "anchors",
-                             "block", "hidden", "vocab", "memory_limit"}) {
-      if (arg == absl::StrCat("--", name, "=") ||
-          arg == absl::StrCat("-", name, "=")) {
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
+      continue;
+    }
+    for (const char* name : kNeedValues) {
+      absl::string_view value = arg;
+      if (!absl::ConsumePrefix(&value, name)) continue;
+      // --name=VALUE, or --name VALUE in the next argument.
+      const bool separate = value.empty() && i + 1 < argc;
+      if (separate) value = argv[++i];
+      else if (!absl::ConsumePrefix(&value, "=")) continue;
+      if (value.empty()) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", name, ": needs a value, got ''"));
       }
+      break;
     }
   }
   return absl::OkStatus();
@@ -195,7 +212,11 @@ int Run(int argc, char** argv) {
   if (!std::cout || std::fflush(stdout) != 0) {
     return Fail(absl::StrCat(
         "cannot write standard output",
-        errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : std::string()));
+        errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : std::string(),
+        options->out_dir.empty()
+            ? std::string()
+            : absl::StrCat(" (the outputs in ", options->out_dir,
+                           " were written)")));
   }
   return 0;
 }
@@ -206,14 +227,20 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Runs forward and backward of a DFlash-family objective through the "
       "fused head and reports loss, accuracy, GEMMs, time and peak memory.");
+  // A closed standard output is an error said once the outputs are safe,
+  // not a death by SIGPIPE before.
+  std::signal(SIGPIPE, SIG_IGN);
+  // An interrupted run leaves no temporaries in --out.
+  dflash::RemoveTemporariesOnSignals();
   // Sizes are checked before they are allocated; anything that still
   // escapes is reported, not an abort.
   try {
     return Run(argc, argv);
   } catch (const std::bad_alloc&) {
     return Fail(
-        "out of memory (a size passed the checks but could not be "
-        "allocated); lower the sizes or set --memory_limit");
+        "out of memory: a size passed the checks but could not be allocated "
+        "(is --memory_limit, or the memory reported available, more than "
+        "this process may hold?); lower the sizes or --memory_limit");
   } catch (const std::exception& e) {
     return Fail(absl::StrCat("internal error: ", e.what()));
   }

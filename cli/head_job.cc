@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/checked_math.h"
 #include "base/file.h"
 #include "base/status_macros.h"
@@ -92,6 +94,21 @@ struct InputHeaders {
   int64_t largest_file_bytes = 0;
 };
 
+// An empty axis would reach the config as a zero layout.block_size or
+// vocab_size: name it against the file instead.
+absl::Status CheckNoEmptyAxis(const NpyHeader& header, const std::string& path,
+                              const InputSpec& spec) {
+  const std::vector<std::string> axes = absl::StrSplit(
+      absl::StripSuffix(absl::StripPrefix(spec.axes, "("), ")"), ", ");
+  for (size_t i = 0; i < header.shape.size() && i < axes.size(); ++i) {
+    if (header.shape[i] != 0) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": axis ", axes[i], " of ", spec.axes, " has extent 0 (shape [",
+        absl::StrJoin(header.shape, ", "), "]); every axis needs at least 1"));
+  }
+  return absl::OkStatus();
+}
+
 // Reads the headers of every file `config`'s objective needs; shapes are
 // checked as each file's extents become known (hidden.npy gives B, N, K, H).
 absl::StatusOr<InputHeaders> ReadInputHeaders(
@@ -101,6 +118,7 @@ absl::StatusOr<InputHeaders> ReadInputHeaders(
     const std::string path = Join(dir, spec.name);
     DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ReadNpyHeader(path));
     DFLASH_RETURN_IF_ERROR(CheckNpy(header, path, spec.shape, *spec.types));
+    DFLASH_RETURN_IF_ERROR(CheckNoEmptyAxis(header, path, spec));
     in.largest_file_bytes = std::max(in.largest_file_bytes, header.data_bytes);
     in.specs.push_back(spec);
     return &(in.headers[spec.name] = std::move(header));
@@ -188,6 +206,26 @@ absl::StatusOr<std::vector<int64_t>> ReadInts(const std::string& dir,
                                               const InputSpec& spec) {
   DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadChecked(dir, spec));
   return NpyToInt64(array);
+}
+
+// A [rows, columns] mask of 0 and 1: any other value (a -1 padding
+// sentinel, a 255) is an error naming its index, not read as 1.
+absl::StatusOr<std::vector<uint8_t>> ReadMask(const std::string& dir,
+                                              const InputSpec& spec) {
+  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> values, ReadInts(dir, spec));
+  const int64_t columns = spec.shape[1];
+  std::vector<uint8_t> mask(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] != 0 && values[i] != 1) {
+      const int64_t at = static_cast<int64_t>(i);
+      return absl::InvalidArgumentError(absl::StrCat(
+          Join(dir, spec.name), ": value ", values[i], " at ", spec.axes,
+          " = (", at / columns, ", ", at % columns,
+          ") is not 0 or 1; a mask holds 0 (off) or 1 (on)"));
+    }
+    mask[i] = static_cast<uint8_t>(values[i]);
+  }
+  return mask;
 }
 
 const InputSpec* FindSpec(const InputHeaders& in, absl::string_view name) {
@@ -507,14 +545,14 @@ absl::StatusOr<std::vector<v1::ObjectiveConfig>> ModeConfigs(
   return configs;
 }
 
+// Whether the whole report reached `report`; errno, cleared before the
+// report was written, holds the reason of a failed write.
 absl::Status CheckStream(std::ostream& report) {
-  const int error = errno;
   report.flush();
   if (report) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(
-      "standard output: cannot write the report",
-      errno != error && errno != 0 ? absl::StrCat(": ", std::strerror(errno))
-                                   : std::string()));
+      "cannot write standard output",
+      errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : std::string()));
 }
 
 // The --inputs tensors, their headers already read and checked.
@@ -593,6 +631,7 @@ absl::StatusOr<HeadJobResult> RunJob(
         "no row of the batch carries weight (every position is unsupervised, "
         "dropped or ignored): loss and accuracy are 0, gradients are 0");
   }
+  errno = 0;
   PrintReport(job, source, report);
   if (options.compare_modes) {
     v1::ObjectiveConfig fused_config = config;
@@ -613,11 +652,18 @@ absl::StatusOr<HeadJobResult> RunJob(
           MaxDifference(run.grad_hidden, fused.grad_hidden));
     }
   }
-  DFLASH_RETURN_IF_ERROR(CheckStream(report));
+  // The outputs never depend on standard output (a closed pipe, a full
+  // disk): they are written first, and a report that failed is said after.
+  const absl::Status reported = CheckStream(report);
   if (!options.out_dir.empty()) {
     OutputFileSet files;
     DFLASH_RETURN_IF_ERROR(StageOutputs(job, b, options.out_dir, files));
     DFLASH_RETURN_IF_ERROR(files.Commit());
+    if (!reported.ok()) {
+      return absl::Status(reported.code(),
+                          absl::StrCat(reported.message(), " (the outputs in ",
+                                       options.out_dir, " were written)"));
+    }
     report << "  wrote        " << Join(options.out_dir, kMetricsFile) << ", "
            << kGradHiddenFile
            << (Empty(job.grad_weight) ? ""
@@ -628,6 +674,7 @@ absl::StatusOr<HeadJobResult> RunJob(
                                   kGradCorrectionWeightFile))
            << "\n";
   }
+  DFLASH_RETURN_IF_ERROR(reported);
   return job;
 }
 
@@ -638,24 +685,28 @@ absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig() {
                                        kDefaultConfigSource);
 }
 
-absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
-  DFLASH_RETURN_IF_ERROR(CheckSyntheticFlags(options));
-  absl::StatusOr<v1::ObjectiveConfig> parsed;
+namespace {
+
+// The --config file, or the built-in default, as written.
+absl::StatusOr<v1::ObjectiveConfig> ParseJobConfig(
+    const HeadJobOptions& options) {
   if (options.config_path.empty()) {
-    parsed = ParseObjectiveConfig(DefaultObjectiveConfigText(),
-                                  kDefaultConfigSource);
-  } else {
-    constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
-    absl::StatusOr<std::string> text =
-        ReadFileToString(options.config_path, kMaxConfigBytes);
-    if (!text.ok()) {
-      return absl::Status(text.status().code(),
-                          absl::StrCat("--config: ", text.status().message()));
-    }
-    parsed = ParseObjectiveConfig(*text, options.config_path);
+    return ParseObjectiveConfig(DefaultObjectiveConfigText(),
+                                kDefaultConfigSource);
   }
-  if (!parsed.ok()) return parsed.status();
-  v1::ObjectiveConfig config = *std::move(parsed);
+  constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
+  absl::StatusOr<std::string> text =
+      ReadFileToString(options.config_path, kMaxConfigBytes);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("--config: ", text.status().message()));
+  }
+  return ParseObjectiveConfig(*text, options.config_path);
+}
+
+// --loss, --gamma, --lk, --mode, --chunk_blocks and --threads.
+absl::Status ApplyObjectiveFlags(const HeadJobOptions& options,
+                                 v1::ObjectiveConfig& config) {
   if (!options.loss.empty()) {
     DFLASH_RETURN_IF_ERROR(
         SetLossByName("--loss", options.loss, *config.mutable_loss()));
@@ -681,27 +732,99 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   if (options.threads.has_value()) {
     config.mutable_head()->set_threads(*options.threads);
   }
-  // The shapes the run will use, before the one validation.
-  if (options.inputs_dir.empty()) {
-    if (options.block) config.mutable_layout()->set_block_size(*options.block);
-    if (options.hidden) config.mutable_head()->set_hidden_size(*options.hidden);
-    if (options.vocab) config.mutable_head()->set_vocab_size(*options.vocab);
-    config.mutable_layout()->set_num_anchors(
-        options.anchors.value_or(kDefaultSyntheticShape.num_anchors));
+  return absl::OkStatus();
+}
+
+// The synthetic batch's shapes in `config`. Anchor blocks: --anchors, else
+// the config's own layout.num_anchors, else the default; refused when the
+// sequence cannot hold that many (SampleAnchors would make fewer, and the
+// gradient's shape would disagree with the layout after the whole run).
+absl::Status SetSyntheticShapes(const HeadJobOptions& options,
+                                v1::ObjectiveConfig& config) {
+  v1::BatchLayout& layout = *config.mutable_layout();
+  if (options.block) layout.set_block_size(*options.block);
+  if (options.hidden) config.mutable_head()->set_hidden_size(*options.hidden);
+  if (options.vocab) config.mutable_head()->set_vocab_size(*options.vocab);
+  std::string from = "--anchors";
+  if (options.anchors) {
+    layout.set_num_anchors(*options.anchors);
+  } else if (!layout.has_num_anchors()) {
+    layout.set_num_anchors(kDefaultSyntheticShape.num_anchors);
+    from = "--anchors (default)";
+  } else if (options.config_path.empty()) {
+    from = "--anchors (default)";  // The built-in config's.
   } else {
-    DFLASH_ASSIGN_OR_RETURN(InputHeaders in,
-                            ReadInputHeaders(options.inputs_dir, config));
-    config.mutable_layout()->set_block_size(in.block);
-    config.mutable_layout()->set_num_anchors(in.anchors);
-    config.mutable_head()->set_hidden_size(in.hidden);
-    config.mutable_head()->set_vocab_size(in.vocab);
+    from = absl::StrCat("layout.num_anchors (", options.config_path, ")");
   }
+  const int64_t seq = options.seq.value_or(kDefaultSyntheticShape.seq_len);
+  if (seq < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--seq: a synthetic sequence needs at least 2 tokens, got ", seq));
+  }
+  const int64_t anchors = layout.num_anchors();
+  const int64_t most = SyntheticAnchorCapacity(seq);
+  if (anchors <= most) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      from, ": ", anchors, " anchor blocks do not fit a synthetic sequence of ",
+      seq, " tokens (--seq", options.seq ? "" : ", the default",
+      "): it holds at most ", most,
+      " (an anchor needs two consecutive supervised tokens, and every 7th "
+      "token is unsupervised); ask for fewer anchor blocks or more tokens"));
+}
+
+// The shapes of the --inputs files in `config`. A --config that sets
+// layout.num_anchors or layout.block_size must agree with the files (the
+// built-in config's layout is the synthetic batch's, and yields to them).
+absl::Status SetFileShapes(const HeadJobOptions& options,
+                           v1::ObjectiveConfig& config) {
+  DFLASH_ASSIGN_OR_RETURN(InputHeaders in,
+                          ReadInputHeaders(options.inputs_dir, config));
+  v1::BatchLayout& layout = *config.mutable_layout();
+  const struct {
+    const char* field;
+    bool set;
+    int64_t value, files;
+    const char* axis;
+  } fields[] = {
+      {"layout.num_anchors", layout.has_num_anchors(), layout.num_anchors(),
+       in.anchors, "N"},
+      {"layout.block_size", layout.has_block_size(), layout.block_size(),
+       in.block, "K"},
+  };
+  for (const auto& f : fields) {
+    if (options.config_path.empty() || !f.set || f.value == f.files) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        f.field, ": ", options.config_path, " sets ", f.value, ", but ",
+        Join(options.inputs_dir, "hidden.npy"), " [B, N, K, H] = [",
+        absl::StrJoin(in.headers.at("hidden.npy").shape, ", "), "] has ",
+        f.axis, " = ", f.files,
+        "; remove the field from the config or make them agree"));
+  }
+  layout.set_block_size(in.block);
+  layout.set_num_anchors(in.anchors);
+  config.mutable_head()->set_hidden_size(in.hidden);
+  config.mutable_head()->set_vocab_size(in.vocab);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
+  DFLASH_RETURN_IF_ERROR(CheckSyntheticFlags(options));
+  DFLASH_ASSIGN_OR_RETURN(v1::ObjectiveConfig config, ParseJobConfig(options));
+  // What check_config refuses, refused before flags or files replace it.
+  DFLASH_RETURN_IF_ERROR(ValidateConfigAsWritten(config));
+  DFLASH_RETURN_IF_ERROR(ApplyObjectiveFlags(options, config));
+  // The shapes the run will use, before the one validation.
+  DFLASH_RETURN_IF_ERROR(options.inputs_dir.empty()
+                             ? SetSyntheticShapes(options, config)
+                             : SetFileShapes(options, config));
   config = ResolveDefaults(std::move(config));
   DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
   if (config.head().backend() != v1::HeadConfig::CPU) {
     return absl::InvalidArgumentError(absl::StrCat(
         "head.backend: dflash_head runs the CPU backend; CUDA heads run from "
-        "C++ (RunCudaHead), got ",
+        "C++ (RunCudaHead) or Python, got ",
         v1::HeadConfig::Backend_Name(config.head().backend())));
   }
   return config;
@@ -727,16 +850,14 @@ absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
   DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> ids,
                           ReadInts(dir, *FindSpec(in, "input_ids.npy")));
   batch.input_ids = std::move(ids);
-  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> mask,
-                          ReadInts(dir, *FindSpec(in, "loss_mask.npy")));
-  for (int64_t x : mask) batch.loss_mask.push_back(x != 0);
+  DFLASH_ASSIGN_OR_RETURN(batch.loss_mask,
+                          ReadMask(dir, *FindSpec(in, "loss_mask.npy")));
   DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> anchors,
                           ReadInts(dir, *FindSpec(in, "anchors.npy")));
-  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> keep,
-                          ReadInts(dir, *FindSpec(in, "keep.npy")));
+  DFLASH_ASSIGN_OR_RETURN(batch.anchors.keep,
+                          ReadMask(dir, *FindSpec(in, "keep.npy")));
   batch.anchors.num_anchors = n;
   batch.anchors.positions = std::move(anchors);
-  for (int64_t x : keep) batch.anchors.keep.push_back(x != 0);
   absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
       {b, s, batch.input_ids, batch.loss_mask}, batch.anchors.positions,
       batch.anchors.keep, n, k, v,

@@ -46,22 +46,28 @@ struct HeadJobOptions {
   std::optional<int64_t> memory_limit;
 };
 
-// The synthetic batch's shape when no flag changes it.
+// The synthetic batch's shape when no flag changes it (anchor blocks: a
+// config's layout.num_anchors, when it sets one, comes before 128).
 inline constexpr SyntheticShape kDefaultSyntheticShape = {1, 4096, 128};
 inline constexpr uint64_t kDefaultSeed = 1;
 
 // The built-in default objective (configs/dflash_default.textproto).
 absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig();
 
-// The config the job runs: file or built-in, flags applied, the shapes of
-// the batch actually used (the synthetic flags, or the headers of the
-// --inputs files), defaults resolved, validated once.
+// The config the job runs: file or built-in (refused where check_config
+// refuses it, ValidateConfigAsWritten), flags applied, the shapes of the
+// batch actually used (the synthetic flags, or the headers of the --inputs
+// files, which a --config's layout must agree with), defaults resolved,
+// validated once. Anchor blocks a synthetic sequence cannot hold are
+// refused here, before any work.
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options);
 
 // The tensors of --inputs=DIR (docs/semantics.md section 2 derives the
 // rows) for `config` = JobConfig(...): T is float for FLOAT32, double for
-// FLOAT64. Non-finite values, and float64 values that overflow float32 when
-// T is float, are errors naming the file and the element's index.
+// FLOAT64. Non-finite values, float64 values that overflow float32 when T
+// is float, and mask values other than 0 and 1 (loss_mask.npy, keep.npy)
+// are errors naming the file and the element's index; so is an axis of
+// extent 0.
 template <typename T>
 absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
                                         const v1::ObjectiveConfig& config);
@@ -90,8 +96,10 @@ struct HeadJobResult {
 // Runs the job, printing the readable report (and the --compare_modes
 // table) to `report`; `progress` gets (steps done, steps) per chunk step.
 // With out_dir, the directory is created and checked before any work, and
-// the run's files replace the previous run's together once complete (a
-// frozen run removes a trainable run's grad_lm_head.npy).
+// the run's files replace the previous run's as one once complete
+// (OutputFileSet; a frozen run removes a trainable run's grad_lm_head.npy).
+// The outputs do not depend on `report`: they are written even when it
+// fails, and the error then says so.
 absl::StatusOr<HeadJobResult> RunHeadJob(
     const HeadJobOptions& options, std::ostream& report,
     std::function<void(int64_t, int64_t)> progress = nullptr);

@@ -9,9 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -520,6 +522,277 @@ TEST(HeadJobTest, ABatchWithoutWeightIsReported) {
   EXPECT_THAT(job->notes[0], HasSubstr("no row of the batch carries weight"));
   EXPECT_THAT(Contents(options.out_dir + "/metrics.json"),
               HasSubstr("\"weighted_rows\": \"0\""));
+}
+
+// Mask values other than 0 and 1 (a -1 padding sentinel, 2, 255) are
+// refused naming the file and the index, whatever the integer type; bool
+// masks stay accepted.
+TEST(HeadJobTest, MasksHoldOnlyZeroAndOne) {
+  const std::string dir = TempDir("masks");
+  const HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  const auto original = ReadNpy(dir + "/loss_mask.npy");
+  const auto keep = ReadNpy(dir + "/keep.npy");
+  ASSERT_TRUE(original.ok() && keep.ok());
+  const std::vector<int64_t> mask = NpyToInt64(*original);
+  const std::vector<int64_t> kept = NpyToInt64(*keep);
+  struct Case {
+    const char* file;
+    NpyType type;
+    int64_t value, row, column;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"loss_mask.npy", NpyType::kInt32, -1, 1, 9},
+           {"loss_mask.npy", NpyType::kInt64, 2, 0, 63},
+           {"loss_mask.npy", NpyType::kUint8, 255, 0, 0},
+           {"keep.npy", NpyType::kInt64, -1, 1, 4},
+           {"keep.npy", NpyType::kInt32, 2, 0, 2},
+           {"keep.npy", NpyType::kUint8, 255, 1, 0}}) {
+    const bool is_mask = std::string(c.file) == "loss_mask.npy";
+    const int64_t columns = is_mask ? 64 : 5;
+    std::vector<int64_t> values = is_mask ? mask : kept;
+    values[c.row * columns + c.column] = c.value;
+    SCOPED_TRACE(std::string(c.file) + " " + std::string(NpyDescr(c.type)));
+    const std::vector<int64_t> shape = {2, columns};
+    NpyArray array;
+    if (c.type == NpyType::kInt64) array = MakeNpy<int64_t>(values, shape);
+    if (c.type == NpyType::kInt32) {
+      array = MakeNpy<int32_t>(
+          std::vector<int32_t>(values.begin(), values.end()), shape);
+    }
+    if (c.type == NpyType::kUint8) {
+      array = MakeNpy<uint8_t>(
+          std::vector<uint8_t>(values.begin(), values.end()), shape);
+    }
+    ASSERT_TRUE(WriteNpy(dir + "/" + c.file, array).ok());
+    std::ostringstream report;
+    EXPECT_EQ(RunHeadJob(options, report).status().message(),
+              absl::StrCat(dir, "/", c.file, ": value ", c.value, " at ",
+                           is_mask ? "(b, s)" : "(b, n)", " = (", c.row, ", ",
+                           c.column,
+                           ") is not 0 or 1; a mask holds 0 (off) or 1 (on)"));
+    ASSERT_TRUE(WriteNpy(dir + "/" + c.file, is_mask ? *original : *keep).ok());
+  }
+  // The same masks as bool files run as the uint8 ones do.
+  std::ostringstream report;
+  auto as_uint8 = RunHeadJob(options, report);
+  ASSERT_TRUE(as_uint8.ok()) << as_uint8.status();
+  const std::vector<bool> mask_bits(mask.begin(), mask.end());
+  const std::vector<bool> keep_bits(kept.begin(), kept.end());
+  auto bools = [](const std::vector<bool>& bits, std::vector<int64_t> shape) {
+    std::unique_ptr<bool[]> values(new bool[bits.size()]);
+    for (size_t i = 0; i < bits.size(); ++i) values[i] = bits[i];
+    return MakeNpy<bool>(absl::MakeConstSpan(values.get(), bits.size()),
+                         std::move(shape));
+  };
+  ASSERT_TRUE(WriteNpy(dir + "/loss_mask.npy", bools(mask_bits, {2, 64})).ok());
+  ASSERT_TRUE(WriteNpy(dir + "/keep.npy", bools(keep_bits, {2, 5})).ok());
+  auto as_bool = RunHeadJob(options, report);
+  ASSERT_TRUE(as_bool.ok()) << as_bool.status();
+  EXPECT_EQ(as_bool->metrics.loss(), as_uint8->metrics.loss());
+  EXPECT_EQ(Floats(as_bool->grad_hidden), Floats(as_uint8->grad_hidden));
+}
+
+// A zero extent is named against its file and axis, before the config's
+// validation would call it a zero layout.block_size or vocab_size.
+TEST(HeadJobTest, AnEmptyAxisIsNamedAgainstItsFile) {
+  const std::string dir = TempDir("empty_axis");
+  const HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  ASSERT_TRUE(WriteNpy(dir + "/hidden.npy",
+                       MakeNpy<float>(std::vector<float>(), {2, 5, 0, 16}))
+                  .ok());
+  std::ostringstream report;
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/hidden.npy: axis k of (b, n, k, h) has extent 0 (shape "
+                  "[2, 5, 0, 16]); every axis needs at least 1");
+  FromFiles(Small("dflash"), dir);
+  ASSERT_TRUE(
+      WriteNpy(dir + "/lm_head.npy", MakeNpy<float>(std::vector<float>(), {0, 16}))
+          .ok());
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            dir + "/lm_head.npy: axis v of (v, h) has extent 0 (shape [0, "
+                  "16]); every axis needs at least 1");
+}
+
+// --seq=64 holds 45 anchor blocks (positions 0..62, five of every seven):
+// asking for more is refused before any work, whichever source asked.
+TEST(HeadJobTest, AnchorsASequenceCannotHoldAreRefusedFirst) {
+  HeadJobOptions options = Small("dflash");
+  options.anchors = 64;
+  options.vocab = 1000000;  // Would be refused later: this comes first.
+  const std::string tail =
+      " anchor blocks do not fit a synthetic sequence of 64 tokens (--seq): "
+      "it holds at most 45 (an anchor needs two consecutive supervised "
+      "tokens, and every 7th token is unsupervised); ask for fewer anchor "
+      "blocks or more tokens";
+  EXPECT_EQ(JobConfig(options).status().message(), "--anchors: 64" + tail);
+  options.anchors = 45;
+  options.vocab = 97;
+  EXPECT_TRUE(JobConfig(options).ok());
+
+  options.anchors.reset();
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "--anchors (default): 128" + tail);
+  const std::string dir = TempDir("anchors_config");
+  options.config_path = WriteConfig(
+      dir, "layout { block_size: 4 num_anchors: 46 } head { vocab_size: 97 "
+           "hidden_size: 16 } loss { dflash { gamma: 7 } }");
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "layout.num_anchors (" + options.config_path + "): 46" + tail);
+}
+
+// The capacity is what SampleAnchors finds in the synthetic mask, counted
+// by asking for more anchors than any of these sequences holds.
+TEST(HeadJobTest, TheSyntheticCapacityIsWhatTheBatchHolds) {
+  auto config = JobConfig(Small("dflash"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(SyntheticAnchorCapacity(64), 45);
+  EXPECT_EQ(SyntheticAnchorCapacity(4096), 2925);
+  for (int64_t seq : {2, 6, 7, 8, 13, 14, 64, 100}) {
+    SCOPED_TRACE(seq);
+    auto batch = MakeSyntheticBatch<float>(*config, {1, seq, 1000}, 3);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_EQ(batch->anchors.num_anchors, SyntheticAnchorCapacity(seq));
+  }
+}
+
+// A config's layout.num_anchors shapes the synthetic batch when no
+// --anchors does.
+TEST(HeadJobTest, AConfigsAnchorsShapeTheSyntheticBatch) {
+  const std::string dir = TempDir("config_anchors");
+  HeadJobOptions options = Small("dflash");
+  options.anchors.reset();
+  options.block.reset();
+  options.config_path = WriteConfig(
+      dir, "layout { block_size: 4 num_anchors: 7 } head { vocab_size: 97 "
+           "hidden_size: 16 } loss { dflash { gamma: 7 } }");
+  options.out_dir = dir + "/out";
+  std::ostringstream report;
+  auto job = RunHeadJob(options, report);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->config.layout().num_anchors(), 7);
+  auto grad = ReadNpyHeader(options.out_dir + "/grad_hidden.npy");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->shape, (std::vector<int64_t>{2, 7, 4, 16}));
+  options.anchors = 3;  // The flag comes first.
+  auto flagged = JobConfig(options);
+  ASSERT_TRUE(flagged.ok()) << flagged.status();
+  EXPECT_EQ(flagged->layout().num_anchors(), 3);
+}
+
+// With --inputs, a --config's layout that disagrees with the files is an
+// error naming the field, the file and both values; the built-in config's
+// layout yields to the files.
+TEST(HeadJobTest, AConfigsLayoutMustAgreeWithTheFiles) {
+  const std::string dir = TempDir("layout_files");
+  HeadJobOptions options = FromFiles(Small("dflash"), dir);
+  ASSERT_TRUE(JobConfig(options).ok());  // Built-in: N 128, K 16 yield.
+  const std::string config_dir = TempDir("layout_files_config");
+  options.config_path = WriteConfig(
+      config_dir, "layout { num_anchors: 6 } head { vocab_size: 97 "
+                  "hidden_size: 16 } loss { dflash { gamma: 7 } }");
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "layout.num_anchors: " + options.config_path + " sets 6, but " +
+                dir +
+                "/hidden.npy [B, N, K, H] = [2, 5, 4, 16] has N = 5; remove "
+                "the field from the config or make them agree");
+  options.config_path = WriteConfig(
+      config_dir, "layout { block_size: 8 } head { vocab_size: 97 "
+                  "hidden_size: 16 } loss { dflash { gamma: 7 } }");
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "layout.block_size: " + options.config_path + " sets 8, but " +
+                dir +
+                "/hidden.npy [B, N, K, H] = [2, 5, 4, 16] has K = 4; remove "
+                "the field from the config or make them agree");
+  options.config_path = WriteConfig(
+      config_dir, "layout { block_size: 4 num_anchors: 5 } head { "
+                  "vocab_size: 97 hidden_size: 16 } loss { dflash { gamma: 7 "
+                  "} }");
+  EXPECT_TRUE(JobConfig(options).ok()) << JobConfig(options).status();
+}
+
+// What check_config refuses, a flag does not hide: --anchors would replace
+// layout.num_anchors: 0, but the config itself is invalid.
+TEST(HeadJobTest, AnInvalidLayoutIsRefusedBeforeFlagsReplaceIt) {
+  const std::string dir = TempDir("layout_zero");
+  HeadJobOptions options = Small("dflash");
+  options.config_path = WriteConfig(
+      dir, "layout { num_anchors: 0 } head { vocab_size: 97 hidden_size: 16 "
+           "} loss { dflash { gamma: 7 } }");
+  EXPECT_EQ(JobConfig(options).status().message(),
+            "layout.num_anchors: must be > 0, got 0");
+}
+
+// A report that cannot be written does not keep the outputs from being
+// written; the error says they were.
+TEST(HeadJobTest, AFailedReportStillWritesTheOutputs) {
+  const std::string dir = TempDir("failed_report");
+  HeadJobOptions options = Small("dflash");
+  options.out_dir = dir;
+  std::ostringstream report;
+  report.setstate(std::ios::badbit);
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            "cannot write standard output (the outputs in " + dir +
+                " were written)");
+  auto grad = ReadNpy(dir + "/grad_hidden.npy");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->shape, (std::vector<int64_t>{2, 5, 4, 16}));
+  EXPECT_TRUE(Exists(dir + "/metrics.json"));
+}
+
+// chattr +i on a file while in scope (undone after, or Bazel could not
+// remove the test's directory).
+class Immutable {
+ public:
+  explicit Immutable(const std::string& path) : path_(path) {
+    set_ = std::system(("chattr +i " + path_ + " 2>/dev/null").c_str()) == 0;
+  }
+  Immutable(const Immutable&) = delete;
+  Immutable& operator=(const Immutable&) = delete;
+  ~Immutable() {
+    if (set_) {
+      EXPECT_EQ(std::system(("chattr -i " + path_).c_str()), 0);
+    }
+  }
+  bool set() const { return set_; }
+
+ private:
+  std::string path_;
+  bool set_ = false;
+};
+
+// A frozen run after a trainable one must remove grad_lm_head.npy; when it
+// cannot (immutable), no output changes: no new metrics beside an old
+// gradient.
+TEST(HeadJobTest, AStaleGradientThatCannotGoChangesNothing) {
+  const std::string dir = TempDir("stale_immutable");
+  HeadJobOptions options;
+  options.config_path = WriteConfig(
+      dir,
+      "layout { block_size: 4 } head { vocab_size: 31 hidden_size: 8 "
+      "trainable: true threads: 1 } loss { dflash { gamma: 7 } }");
+  options.batch = 1;
+  options.seq = 40;
+  options.anchors = 4;
+  options.out_dir = dir + "/out";
+  std::ostringstream report;
+  ASSERT_TRUE(RunHeadJob(options, report).ok());
+  const std::string metrics = Contents(options.out_dir + "/metrics.json");
+  const std::string grad = Contents(options.out_dir + "/grad_hidden.npy");
+  const std::string weight = Contents(options.out_dir + "/grad_lm_head.npy");
+  options.config_path = WriteConfig(
+      dir, "layout { block_size: 4 } head { vocab_size: 31 hidden_size: 8 "
+           "threads: 1 } loss { dflash { gamma: 7 } }");
+  options.seed = 9;
+  Immutable pinned(options.out_dir + "/grad_lm_head.npy");
+  if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
+  EXPECT_EQ(RunHeadJob(options, report).status().message(),
+            options.out_dir +
+                "/grad_lm_head.npy: cannot remove the previous run's file: "
+                "Operation not permitted; no file was changed");
+  EXPECT_TRUE(Contents(options.out_dir + "/metrics.json") == metrics);
+  EXPECT_TRUE(Contents(options.out_dir + "/grad_hidden.npy") == grad);
+  EXPECT_TRUE(Contents(options.out_dir + "/grad_lm_head.npy") == weight);
+  EXPECT_EQ(HiddenEntries(options.out_dir), 0);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "heads/synthetic_batch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -9,6 +10,21 @@
 #include "proto/config.h"
 
 namespace dflash {
+
+namespace {
+
+// Position p of a synthetic sequence is unsupervised when p % 7 == 6.
+constexpr int64_t kUnsupervisedEvery = 7;
+
+}  // namespace
+
+int64_t SyntheticAnchorCapacity(int64_t seq_len) {
+  // Anchors p in [0, seq_len - 2] with p and p + 1 supervised: p % 7 < 5.
+  const int64_t positions = std::max<int64_t>(seq_len - 1, 0);
+  constexpr int64_t kPerPeriod = kUnsupervisedEvery - 2;
+  return positions / kUnsupervisedEvery * kPerPeriod +
+         std::min(positions % kUnsupervisedEvery, kPerPeriod);
+}
 
 template <typename T>
 HeadInputs<T> HeadBatch<T>::Inputs(
@@ -60,7 +76,8 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
                   vocab - 1,
                   static_cast<int64_t>(std::exp(unit(rng) * log_vocab)) - 1)
             : token(rng);
-    b.loss_mask[i] = (i % shape.seq_len) % 7 != 6;
+    b.loss_mask[i] =
+        (i % shape.seq_len) % kUnsupervisedEvery != kUnsupervisedEvery - 1;
   }
   const TokenBatch token_batch{shape.batch, shape.seq_len, b.input_ids,
                                b.loss_mask};

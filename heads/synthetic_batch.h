@@ -59,6 +59,12 @@ struct HeadBatch {
   HeadInputs<T> Inputs(const v1::ObjectiveConfig& config) const;
 };
 
+// The anchor blocks a synthetic sequence of `seq_len` tokens holds: an
+// anchor needs two consecutive supervised tokens (docs/semantics.md section
+// 2.2), and every 7th token is unsupervised. MakeSyntheticBatch asked for
+// more makes this many.
+int64_t SyntheticAnchorCapacity(int64_t seq_len);
+
 template <typename T>
 absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     const v1::ObjectiveConfig& config, const SyntheticShape& shape,
