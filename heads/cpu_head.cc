@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/threads.h"
 #include "heads/cpu_head_backend.h"
 #include "heads/head_backend.h"
 
@@ -28,6 +29,7 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
     return absl::InvalidArgumentError(
         "allocator: RunHead needs host memory, got a CUDA allocator");
   }
+  ScopedLibraryCall call;
   std::unique_ptr<HeadBackend<T>> backend =
       CreateCpuHeadBackend<T>(config, allocator);
   return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,

@@ -7,13 +7,13 @@
 #include <chrono>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/threads.h"
 #include "heads/cpu_projection.h"
 #include "heads/prepared_projection.h"
 #include "heads/head_backend.h"
@@ -109,9 +109,6 @@ class CpuHeadBackend final : public HeadBackend<T> {
         options_(ChunkLossOptionsOf(config)),
         traits_(LossTraitsOf(params_)),
         confidence_(traits_.needs_confidence) {
-    const int32_t threads = config.head().threads();
-    threads_ = threads > 0 ? threads
-                           : std::max(1u, std::thread::hardware_concurrency());
     terms_ = ChunkTerms::Zero(options_.block_size);
   }
 
@@ -123,6 +120,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
     const v1::HeadConfig& head = config_.head();
+    DFLASH_ASSIGN_OR_RETURN(threads_,
+                            ResolveThreads(head.threads(), "head.threads"));
     // OpenBLAS's threads (a process-wide setting) follow head.threads, as
     // oneDNN's and the loss's do.
     openblas_set_num_threads(threads_);
@@ -292,6 +291,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   }
 
   double loss_seconds() const override { return loss_seconds_; }
+  int threads() const override { return threads_; }
   double prepare_seconds() const override { return prepare_seconds_; }
   std::string gemm_library() const override { return gemm_library_; }
 
@@ -317,8 +317,15 @@ class CpuHeadBackend final : public HeadBackend<T> {
               "weight or bias than inputs.weight and inputs.bias (prepare "
               "it from the tensors the run reads)");
         }
-        gemm_library_ = absl::StrCat("oneDNN (", prepared->KernelName(),
-                                     "), the weight laid out by the caller");
+        // A weight written in place since it was laid out is laid out again.
+        DFLASH_ASSIGN_OR_RETURN(const bool relaid,
+                                prepared->Revalidate(threads_));
+        if (relaid) prepare_seconds_ = prepared->prepare_seconds();
+        gemm_library_ = absl::StrCat(
+            "oneDNN (", prepared->KernelName(),
+            relaid ? "), the weight laid out by the caller and again here "
+                     "(it changed since)"
+                   : "), the weight laid out by the caller");
         return prepared->NewProjection(threads_);
       }
       if (frozen_float && head.pack_weight()) {

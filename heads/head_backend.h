@@ -96,6 +96,8 @@ class HeadBackend {
 
   // Host seconds spent in the loss so far (0 where it runs asynchronously).
   virtual double loss_seconds() const = 0;
+  // The host threads its CPU work runs on (known after Start).
+  virtual int threads() const { return 1; }
   // Seconds Start spent laying the weight out (0 where it did not).
   virtual double prepare_seconds() const { return 0; }
   // What runs the projection's GEMMs.

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "base/threads.h"
 
 namespace dflash {
 
@@ -32,7 +33,7 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
     problems.AtLeast("head.logit_softcap", head.logit_softcap(), 0);
   }
   problems.Above("head.logit_scale", head.logit_scale(), 0);
-  problems.AtLeast("head.threads", head.threads(), 0);
+  problems.Within("head.threads", head.threads(), 0, kMaxThreads);
   problems.Within("head.metric_top_k", head.metric_top_k(), 0, 64);
   problems.AtLeast("head.correction_rank", head.correction_rank(), 0);
   if (head.has_gradient_filter()) {

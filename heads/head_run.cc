@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -105,6 +106,13 @@ class HeadRun {
   // grad = grad_logits @ W over the vocabulary tiles head.gradient_filter
   // keeps.
   void FilteredInputGradient(const T* grad_logits, int64_t m, T* grad);
+  // Cancelled once the caller's interrupt is set (HeadOptions::interrupt).
+  absl::Status CheckInterrupt() const {
+    if (interrupt_ == nullptr || !interrupt_->load(std::memory_order_relaxed)) {
+      return absl::OkStatus();
+    }
+    return absl::CancelledError("the head run was interrupted");
+  }
 
   const v1::ObjectiveConfig& config_;
   const v1::HeadConfig& head_;
@@ -121,6 +129,7 @@ class HeadRun {
   const int64_t rank_;
   const bool teacher_, confidence_, split_;
 
+  const std::atomic<bool>* interrupt_ = nullptr;  // From Run's options.
   std::unique_ptr<CheckpointContext> context_;
   ChunkPlan plan_;
   std::vector<int64_t> active_;       // Rows with weight, ascending.
@@ -301,6 +310,7 @@ absl::Status HeadRun<T>::TeacherLogits(int64_t c, T* out) {
 template <typename T>
 absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   const int64_t m = Rows(c);
+  DFLASH_RETURN_IF_ERROR(CheckInterrupt());
   DFLASH_ASSIGN_OR_RETURN(T * grad, Workspace(grad_ws_, hidden_));
   if (head_.gradient_filter() > 0) {
     FilteredInputGradient(grad_logits, m, grad);
@@ -310,6 +320,7 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(grad, hidden_, Begin(c), m,
                                               gradients_.hidden.data()));
   if (head_.trainable()) {
+    DFLASH_RETURN_IF_ERROR(CheckInterrupt());
     DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
     DFLASH_RETURN_IF_ERROR(
         backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
@@ -342,7 +353,7 @@ void HeadRun<T>::FilteredInputGradient(const T* grad_logits, int64_t m,
     int64_t skipped = 0;
     const std::vector<VocabRange> kept =
         KeptVocabRanges(grad_logits, m, vocab_, head_.gradient_filter(),
-                        kGradientFilterTile, skipped, head_.threads());
+                        kGradientFilterTile, skipped, backend_.threads());
     filter_tiles_ += (vocab_ + kGradientFilterTile - 1) / kGradientFilterTile;
     filter_skipped_ += skipped;
     // Host memory: the filter runs on the CPU head only.
@@ -388,9 +399,11 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   if (m == 0) return absl::OkStatus();
   DFLASH_ASSIGN_OR_RETURN(T * logits,
                           Workspace(logits_ws_, LogitRows(1) * stride_));
+  DFLASH_RETURN_IF_ERROR(CheckInterrupt());
   DFLASH_RETURN_IF_ERROR(ProjectChunk(c, logits));
   T* teacher = nullptr;
   if (teacher_) {
+    DFLASH_RETURN_IF_ERROR(CheckInterrupt());
     DFLASH_ASSIGN_OR_RETURN(T * buffer, Workspace(teacher_ws_, stride_));
     teacher = buffer;
     DFLASH_RETURN_IF_ERROR(TeacherLogits(c, teacher));
@@ -426,6 +439,7 @@ absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
 
 template <typename T>
 absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
+  interrupt_ = options.interrupt;
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
   DFLASH_RETURN_IF_ERROR(Plan());
@@ -524,6 +538,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   stats.gemm_library = backend_.gemm_library();
   stats.filter_tiles = filter_tiles_;
   stats.filter_skipped_tiles = filter_skipped_;
+  stats.threads = backend_.threads();
   const double pass = 2.0 * stats.projected_rows * hidden_ * vocab_;
   stats.gemm_passes = pass > 0 ? stats.gemm_flops / pass : 0;
   if (context_ != nullptr) {

@@ -7,6 +7,7 @@
 // HeadResult (terms, accuracy, plan, HeadStats) out.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -82,7 +83,8 @@ struct HeadStats {
   double backward_seconds = 0;
   double gemm_seconds = 0;     // Of which in GEMMs,
   double loss_seconds = 0;     // and in the loss row kernels.
-  // Laying the frozen weight out for this run (0 when it was given).
+  // Laying the frozen weight out for this run (0 when it was given and
+  // unchanged since).
   double prepare_seconds = 0;
   // What ran the projection's GEMMs, e.g. "oneDNN (brg:avx512_core), the
   // weight laid out once" or "OpenBLAS 0.3.21 (SkylakeX kernels)".
@@ -91,6 +93,9 @@ struct HeadStats {
   // GEMMs, and those skipped.
   int64_t filter_tiles = 0;
   int64_t filter_skipped_tiles = 0;
+  // The threads the CPU work ran on: head.threads (0: every usable CPU),
+  // at most the CPUs this process may use, 1 in a forked child.
+  int threads = 1;
   CheckpointStats checkpoint;  // Empty in FUSED mode (no context).
 };
 
@@ -135,6 +140,10 @@ struct HeadOptions {
   // kept across runs (a training loop's frozen lm_head). It must have been
   // prepared from inputs.weight and inputs.bias themselves; borrowed.
   const PreparedProjection* prepared_projection = nullptr;
+  // Set (by a signal handler, another thread) to stop the run: checked
+  // before each of its GEMMs, it then returns Cancelled with the gradients
+  // and row outputs partly written. Borrowed; null: the run completes.
+  const std::atomic<bool>* interrupt = nullptr;
 };
 
 }  // namespace dflash

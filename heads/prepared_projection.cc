@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/checksum.h"
+#include "base/threads.h"
 #include "heads/gradient_filter.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -28,18 +30,21 @@ double Since(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-// oneDNN reports failures by throwing dnnl::error; they stop here.
+// oneDNN reports failures by throwing dnnl::error; they stop here. Memory
+// running out is ResourceExhausted (a MemoryError in Python).
 absl::Status DnnlError(const dnnl::error& e, const char* what) {
+  if (e.status == dnnl_out_of_memory) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory in oneDNN's ", what, ": ", e.what()));
+  }
   return absl::InternalError(
       absl::StrCat("oneDNN ", what, ": ", e.what(), " (status ",
                    static_cast<int>(e.status), ")"));
 }
 
-// The GEMMs' threads: oneDNN runs on OpenMP, whose thread count is this
-// calling thread's setting (not the process's).
-void UseThreads(int threads) {
-  omp_set_num_threads(threads > 0 ? threads : omp_get_num_procs());
-}
+// The GEMMs' threads (a count from ResolveThreads): oneDNN runs on OpenMP,
+// whose thread count is this calling thread's setting (not the process's).
+void UseThreads(int threads) { omp_set_num_threads(std::max(1, threads)); }
 
 }  // namespace
 
@@ -83,6 +88,16 @@ struct PreparedProjection::Impl {
   std::unique_ptr<TileGemms> tiles;
   double seconds = 0;
   std::string kernel;
+  // The weight's and bias's ContentChecksum when last laid out; a run
+  // compares it with theirs now (Revalidate), under layout_mu.
+  std::mutex layout_mu;
+  uint64_t checksum = 0;
+
+  uint64_t Checksum(int threads) const {
+    return ContentChecksum(weight.data(), weight.size() * sizeof(float),
+                           threads) ^
+           ContentChecksum(bias.data(), bias.size() * sizeof(float), 1);
+  }
 
   dnnl::matmul::primitive_desc Describe(int64_t m, const PackedGemm& g,
                                         const Desc& weights,
@@ -106,20 +121,44 @@ struct PreparedProjection::Impl {
     return pd.impl_info_str();
   }
 
-  // B [k, n], given as `user` over `data`, laid out as g.packed.
-  dnnl::memory Lay(const PackedGemm& g, Tag user, const float* data) const {
-    dnnl::memory packed(g.packed, engine);
+  // B [k, n], given as `user` over `data`, laid out as g.packed into
+  // `packed` (allocated as g.packed when empty).
+  void LayInto(const PackedGemm& g, Tag user, const float* data,
+               dnnl::memory& packed) const {
+    if (!packed) packed = dnnl::memory(g.packed, engine);
     dnnl::memory source(Desc({g.k, g.n}, kF32, user), engine,
                         const_cast<float*>(data));
     dnnl::stream stream(engine);
     dnnl::reorder(source, packed).execute(stream, source, packed);
     stream.wait();
-    return packed;
   }
 
-  void Pack(PackedGemm& g, int64_t k, int64_t n, Tag user, int64_t typical) {
-    kernel = Shape(g, k, n, typical, attr);
-    g.weights = Lay(g, user, weight.data());
+  // The weight laid out again where it was (the tiles too, if made).
+  void Relay() {
+    LayInto(forward, Tag::ba, weight.data(), forward.weights);
+    LayInto(input_gradient, Tag::ab, weight.data(), input_gradient.weights);
+    std::lock_guard<std::mutex> lock(tiles_mu);
+    if (tiles == nullptr) return;
+    for (size_t t = 0; t < tiles->weights.size(); ++t) {
+      const int64_t begin = static_cast<int64_t>(t) * kGradientFilterTile;
+      LayInto(tiles->Of(begin, vocab), Tag::ab, weight.data() + begin * hidden,
+              tiles->weights[t]);
+    }
+  }
+
+  // Chooses the tiles' formats; returns how many tiles there are, 0 where
+  // oneDNN has only its reference kernel for their GEMM.
+  int64_t TileFormats(TileGemms& tiles) {
+    constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
+    // Their src: a tile's columns of the logits gradient, rows V apart.
+    tiles.full.lda = tiles.tail.lda = vocab;
+    const std::string tile_kernel = Shape(
+        tiles.full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
+    if (tile_kernel.rfind("ref", 0) == 0) return 0;
+    if (vocab % kTile != 0 && vocab > kTile) {
+      Shape(tiles.tail, vocab % kTile, hidden, kTypicalRows, add_attr);
+    }
+    return (vocab + kTile - 1) / kTile;
   }
 
   // W's tiles laid out (once; the caller catches dnnl::error), or null
@@ -129,18 +168,11 @@ struct PreparedProjection::Impl {
     if (tiles_tried) return tiles.get();
     tiles_tried = true;
     auto made = std::make_unique<TileGemms>();
-    constexpr int64_t kTypicalRows = 256, kTile = kGradientFilterTile;
-    // Their src: a tile's columns of the logits gradient, rows V apart.
-    made->full.lda = made->tail.lda = vocab;
-    const std::string tile_kernel = Shape(
-        made->full, std::min(kTile, vocab), hidden, kTypicalRows, add_attr);
-    if (tile_kernel.rfind("ref", 0) == 0) return nullptr;
-    if (vocab % kTile != 0 && vocab > kTile) {
-      Shape(made->tail, vocab % kTile, hidden, kTypicalRows, add_attr);
-    }
-    for (int64_t begin = 0; begin < vocab; begin += kTile) {
-      made->weights.push_back(Lay(made->Of(begin, vocab), Tag::ab,
-                                  weight.data() + begin * hidden));
+    if (TileFormats(*made) == 0) return nullptr;
+    for (int64_t begin = 0; begin < vocab; begin += kGradientFilterTile) {
+      made->weights.emplace_back();
+      LayInto(made->Of(begin, vocab), Tag::ab, weight.data() + begin * hidden,
+              made->weights.back());
     }
     tiles = std::move(made);
     return tiles.get();
@@ -287,6 +319,37 @@ PreparedProjection::PreparedProjection(std::unique_ptr<Impl> impl)
 
 PreparedProjection::~PreparedProjection() = default;
 
+namespace {
+
+constexpr int64_t kTypicalRows = 256;
+
+// An Impl with its GEMMs' formats chosen for `vocab` x `hidden`, nothing
+// laid out yet (the caller catches dnnl::error).
+std::unique_ptr<PreparedProjection::Impl> Formats(int64_t vocab,
+                                                  int64_t hidden) {
+  auto impl = std::make_unique<PreparedProjection::Impl>();
+  impl->vocab = vocab;
+  impl->hidden = hidden;
+  // Exact float32: no implicit down-conversion to bf16 or tf32.
+  impl->attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+  // Its own attr: primitive_attr copies share one object.
+  impl->add_attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+  dnnl::post_ops add;
+  add.append_sum(1.0f);
+  impl->add_attr.set_post_ops(add);
+  // W [V, H] row-major is W^T [H, V] in column order (ba).
+  impl->kernel =
+      impl->Shape(impl->forward, hidden, vocab, kTypicalRows, impl->attr);
+  impl->Shape(impl->input_gradient, vocab, hidden, kTypicalRows, impl->attr);
+  return impl;
+}
+
+std::string Bytes(int64_t bytes) {
+  return absl::StrCat(bytes, " bytes (", bytes >> 20, " MiB)");
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
     absl::Span<const float> weight, absl::Span<const float> bias,
     int64_t vocab, int64_t hidden, int threads) {
@@ -295,25 +358,13 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
       !valid.ok()) {
     return valid;
   }
-  auto impl = std::make_unique<Impl>();
-  impl->weight = weight;
-  impl->bias = bias;
-  impl->vocab = vocab;
-  impl->hidden = hidden;
+  ScopedLibraryCall call;
+  absl::StatusOr<int> resolved = ResolveThreads(threads, "threads");
+  if (!resolved.ok()) return resolved.status();
   const auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<Impl> impl;
   try {
-    // Exact float32: no implicit down-conversion to bf16 or tf32.
-    impl->attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
-    // Its own attr: primitive_attr copies share one object.
-    impl->add_attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
-    dnnl::post_ops add;
-    add.append_sum(1.0f);
-    impl->add_attr.set_post_ops(add);
-    UseThreads(threads);
-    // W [V, H] row-major is W^T [H, V] in column order (ba).
-    constexpr int64_t kTypicalRows = 256;
-    impl->Pack(impl->forward, hidden, vocab, Tag::ba, kTypicalRows);
-    impl->Pack(impl->input_gradient, vocab, hidden, Tag::ab, kTypicalRows);
+    impl = Formats(vocab, hidden);
   } catch (const dnnl::error& e) {
     return DnnlError(e, "weight layout");
   }
@@ -323,9 +374,61 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
         "oneDNN has only its reference matmul (", impl->kernel,
         ") on this CPU; run OpenBLAS (head.pack_weight: false)"));
   }
+  impl->weight = weight;
+  impl->bias = bias;
+  UseThreads(*resolved);
+  try {
+    impl->LayInto(impl->forward, Tag::ba, weight.data(), impl->forward.weights);
+    impl->LayInto(impl->input_gradient, Tag::ab, weight.data(),
+                  impl->input_gradient.weights);
+  } catch (const dnnl::error& e) {
+    if (e.status != dnnl_out_of_memory) return DnnlError(e, "weight layout");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of memory laying out the lm_head weight [", vocab, ", ", hidden,
+        "] for oneDNN: two copies of ",
+        Bytes(static_cast<int64_t>(impl->forward.packed.get_size())),
+        " each"));
+  }
+  impl->checksum = impl->Checksum(*resolved);
   impl->seconds = Since(start);
   return std::unique_ptr<PreparedProjection>(
       new PreparedProjection(std::move(impl)));
+}
+
+absl::StatusOr<int64_t> PreparedProjection::LaidOutBytes(int64_t vocab,
+                                                         int64_t hidden,
+                                                         bool filter_tiles) {
+  try {
+    const std::unique_ptr<Impl> impl = Formats(vocab, hidden);
+    int64_t bytes = static_cast<int64_t>(impl->forward.packed.get_size() +
+                                         impl->input_gradient.packed.get_size());
+    if (filter_tiles) {
+      TileGemms tiles;
+      bytes += impl->TileFormats(tiles) *
+               static_cast<int64_t>(tiles.full.packed.get_size());
+    }
+    return bytes;
+  } catch (const dnnl::error& e) {
+    return DnnlError(e, "weight layout");
+  }
+}
+
+absl::StatusOr<bool> PreparedProjection::Revalidate(int threads) const {
+  ScopedLibraryCall call;
+  Impl& impl = *impl_;
+  const uint64_t now = impl.Checksum(std::max(1, threads));
+  std::lock_guard<std::mutex> lock(impl.layout_mu);
+  if (now == impl.checksum) return false;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    UseThreads(threads);
+    impl.Relay();
+  } catch (const dnnl::error& e) {
+    return DnnlError(e, "weight layout");
+  }
+  impl.checksum = now;
+  impl.seconds = Since(start);
+  return true;
 }
 
 int64_t PreparedProjection::vocab() const { return impl_->vocab; }

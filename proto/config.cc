@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "base/file.h"
 #include "base/problem_list.h"
 #include "base/status_macros.h"
@@ -197,6 +198,8 @@ void ValidateHead(const v1::ObjectiveConfig& config, Problems& problems) {
 
 absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfig(
     absl::string_view text, absl::string_view source) {
+  // Editors on some systems start UTF-8 files with a byte-order mark.
+  absl::ConsumePrefix(&text, "\xEF\xBB\xBF");
   v1::ObjectiveConfig config;
   CollectErrors errors(source);
   google::protobuf::TextFormat::Parser parser;

@@ -6,12 +6,29 @@ import os
 from dflash._core import ObjectiveConfig
 
 
+_CONFIG_SUFFIXES = (".textproto", ".txtpb", ".pbtxt")
+
+
+def _names_a_path(text):
+    """Whether a str config is a path: an existing file, or a one-line str
+    with a path separator or a config file's suffix and none of text
+    format's '{' and ':' (a missing path then gets a message saying so,
+    not a parse error of the path as text)."""
+    if os.path.isfile(text):
+        return True
+    if "\n" in text or "{" in text or ":" in text:
+        return False
+    return os.sep in text or text.strip().endswith(_CONFIG_SUFFIXES)
+
+
 def objective_config(config=None, **overrides):
     """The ObjectiveConfig that `config` and `overrides` name.
 
     config: None (configs/dflash_default.textproto: dflash loss, gamma 7,
     chunks of 128 blocks, fused head), an ObjectiveConfig, a path
-    (os.PathLike, or a str naming an existing file) or protobuf text format.
+    (os.PathLike; a str naming an existing file, or one line holding a path
+    separator or ending in .textproto, .txtpb or .pbtxt, without '{' or
+    ':') or protobuf text format (a leading UTF-8 BOM is ignored).
     overrides: loss_type, lk_loss_type, kl_scale, kl_decay, gamma, mode,
     chunk_blocks, segment_chunks, threads,
     ignore_index, label_smoothing, z_loss_scale
@@ -24,7 +41,7 @@ def objective_config(config=None, **overrides):
     elif isinstance(config, ObjectiveConfig):
         base = config
     elif isinstance(config, os.PathLike) or (
-        isinstance(config, str) and os.path.isfile(config)
+        isinstance(config, str) and _names_a_path(config)
     ):
         base = ObjectiveConfig.from_file(os.fspath(config))
     elif isinstance(config, str):

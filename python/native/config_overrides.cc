@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/file.h"
 #include "base/status_macros.h"
+#include "base/threads.h"
 #include "configs/default_config.h"
 #include "proto/config.h"
 
@@ -39,7 +40,13 @@ absl::Status ApplyOverrides(const ConfigOverrides& overrides,
     config.mutable_checkpoint()->set_segment_chunks(*overrides.segment_chunks);
   }
   if (overrides.threads.has_value()) {
-    config.mutable_head()->set_threads(*overrides.threads);
+    if (*overrides.threads < 0 || *overrides.threads > kMaxThreads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "threads: must lie in [0, ", kMaxThreads,
+          "] (0: every usable CPU), got ", *overrides.threads));
+    }
+    config.mutable_head()->set_threads(
+        static_cast<int32_t>(*overrides.threads));
   }
   v1::CrossEntropyOptions& ce = *loss.mutable_cross_entropy();
   if (overrides.ignore_index.has_value()) {

@@ -27,7 +27,7 @@ struct ConfigOverrides {
                                         // selective, fused.
   std::optional<int64_t> chunk_blocks;  // chunking.blocks_per_chunk.
   std::optional<int64_t> segment_chunks;  // checkpoint.segment_chunks.
-  std::optional<int32_t> threads;         // head.threads.
+  std::optional<int64_t> threads;         // head.threads.
   std::optional<int64_t> ignore_index;
   std::optional<double> label_smoothing;
   std::optional<double> z_loss_scale;

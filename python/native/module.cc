@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,7 +17,9 @@
 #include "losses/loss_math.h"
 #include "proto/config.h"
 #include "python/native/config_overrides.h"
+#include "base/threads.h"
 #include "python/native/cuda_run.h"
+#include "python/native/interrupt.h"
 #include "python/native/objective.h"
 
 namespace py = pybind11;
@@ -46,7 +49,16 @@ namespace {
     default:
       break;
   }
-  PyErr_SetString(type, std::string(status.message()).c_str());
+  // Messages may quote input bytes that are not UTF-8 (a config's): kept
+  // as \x escapes rather than failing to become a str.
+  const absl::string_view message = status.message();
+  PyObject* text = PyUnicode_DecodeUTF8(
+      message.data(), static_cast<Py_ssize_t>(message.size()),
+      "backslashreplace");
+  if (text != nullptr) {
+    PyErr_SetObject(type, text);
+    Py_DECREF(text);
+  }
   throw py::error_already_set();
 }
 
@@ -61,12 +73,24 @@ T ValueOrRaise(absl::StatusOr<T> value) {
   throw py::error_already_set();
 }
 
-// A torch tensor's metadata; None stays absent.
+// A torch tensor's metadata; None stays absent. Sparse, mkldnn and meta
+// tensors have no strided data to read in place: a TypeError.
 std::optional<TensorArg> ArgOf(const char* name, py::handle tensor) {
   if (tensor.is_none()) return std::nullopt;
-  if (!py::hasattr(tensor, "data_ptr") || !py::hasattr(tensor, "stride")) {
+  if (!py::hasattr(tensor, "data_ptr") || !py::hasattr(tensor, "stride") ||
+      !py::hasattr(tensor, "layout")) {
     RaiseType(absl::StrCat(name, ": must be a torch.Tensor, got ",
                            std::string(py::str(tensor.get_type()))));
+  }
+  const std::string layout = py::str(tensor.attr("layout"));
+  if (layout != "torch.strided") {
+    RaiseType(absl::StrCat(name, ": must be a dense (strided) tensor, got ",
+                           layout, " (call .to_dense())"));
+  }
+  if (py::hasattr(tensor, "is_meta") && tensor.attr("is_meta").cast<bool>()) {
+    RaiseType(absl::StrCat(name,
+                           ": must hold data, got a meta tensor (shape and "
+                           "dtype only)"));
   }
   TensorArg arg;
   arg.name = name;
@@ -86,9 +110,16 @@ TensorArg RequiredArgOf(const char* name, py::handle tensor) {
   return *std::move(arg);
 }
 
-// `value` as T, or a TypeError naming the keyword.
+// `value` as T, or a TypeError naming the keyword. A bool is not a number
+// here (True would read as 1).
 template <typename T>
 T Cast(const std::string& key, py::handle value, const char* expected) {
+  if constexpr (!std::is_same_v<T, std::string>) {
+    if (py::isinstance<py::bool_>(value)) {
+      RaiseType(absl::StrCat(key, ": must be ", expected, ", got ",
+                             std::string(py::repr(value))));
+    }
+  }
   try {
     return value.cast<T>();
   } catch (const py::cast_error&) {
@@ -118,7 +149,7 @@ ConfigOverrides OverridesOf(const py::kwargs& kwargs) {
     } else if (key == "segment_chunks") {
       o.segment_chunks = Cast<int64_t>(key, value, "an int");
     } else if (key == "threads") {
-      o.threads = Cast<int32_t>(key, value, "an int");
+      o.threads = Cast<int64_t>(key, value, "an int");
     } else if (key == "ignore_index") {
       o.ignore_index = Cast<int64_t>(key, value, "an int");
     } else if (key == "label_smoothing") {
@@ -188,6 +219,7 @@ py::dict ResultOf(const HeadResult& r) {
   stats["peak_bytes"] = r.stats.peak_bytes;
   stats["forward_seconds"] = r.stats.forward_seconds;
   stats["backward_seconds"] = r.stats.backward_seconds;
+  stats["threads"] = r.stats.threads;
   py::dict d;
   d["loss_num"] = r.terms.loss_num;
   d["loss_den"] = r.terms.loss_den;
@@ -257,7 +289,8 @@ py::dict RunObjectiveFromPython(
     py::handle top_k, py::handle top_k_values, py::handle loss_weight,
     py::handle correction_inputs, py::handle correction_weight,
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
-    const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream) {
+    const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
+    bool interruptible) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -282,11 +315,20 @@ py::dict RunObjectiveFromPython(
                                  grad_correction_weight)};
   absl::StatusOr<HeadResult> result;
   {
+    std::optional<ScopedInterrupt> interrupt;
+    if (interruptible) interrupt.emplace();
     py::gil_scoped_release release;
     result = RunObjective(
         config, tensors, outputs,
         {trainable, cuda_stream,
-         prepared != nullptr ? prepared->projection.get() : nullptr});
+         prepared != nullptr ? prepared->projection.get() : nullptr,
+         interrupt ? interrupt->flag() : nullptr});
+  }
+  if (result.status().code() == absl::StatusCode::kCancelled) {
+    // Python's own SIGINT handler raises (KeyboardInterrupt by default).
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
   }
   py::dict d = ResultOf(ValueOrRaise(std::move(result)));
   d["loss_den_offset"] =
@@ -390,11 +432,13 @@ PYBIND11_MODULE(_core, m) {
         py::arg("correction_inputs"), py::arg("correction_weight"),
         py::arg("grad_correction_inputs"), py::arg("grad_correction_weight"),
         py::arg("prepared").none(true), py::arg("trainable"),
-        py::arg("cuda_stream"),
+        py::arg("cuda_stream"), py::arg("interruptible") = false,
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. Returns the terms and "
         "stats. "
-        "The GIL is released while it runs.");
+        "The GIL is released while it runs; with interruptible (a call from "
+        "the main thread under Python's default SIGINT handler) Ctrl-C stops "
+        "it before its next GEMM and raises KeyboardInterrupt.");
   m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
         py::arg("config"), py::arg("hidden"), py::arg("weight"),
         py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),
@@ -407,13 +451,27 @@ PYBIND11_MODULE(_core, m) {
       m, "PreparedProjection",
       "A frozen float32 CPU lm_head weight (and bias) laid out once in "
       "oneDNN's blocked format, for every run it is given to "
-      "(dflash_objective(prepared_projection=...)). Prepare it again after "
-      "the weight changes.")
-      .def(py::init([](py::object weight, py::object bias, int threads) {
+      "(dflash_objective(prepared_projection=...)). A weight changed in place "
+      "since (even through .data) is found by its checksum at the next call "
+      "and laid out again there.")
+      .def(py::init([](py::object weight, py::object bias, py::handle threads) {
+             const int64_t count =
+                 dp::Cast<int64_t>("threads", threads, "an int");
+             if (count < 0 || count > dflash::kMaxThreads) {
+               dp::Raise(absl::InvalidArgumentError(absl::StrCat(
+                   "threads: must lie in [0, ", dflash::kMaxThreads,
+                   "] (0: every usable CPU), got ", count)));
+             }
+             const dp::TensorArg w = dp::RequiredArgOf("lm_head_weight", weight);
+             const std::optional<dp::TensorArg> b =
+                 dp::ArgOf("lm_head_bias", bias);
+             absl::StatusOr<std::unique_ptr<dflash::PreparedProjection>> made;
+             {
+               py::gil_scoped_release release;
+               made = dp::PrepareProjection(w, b, static_cast<int>(count));
+             }
              auto handle = std::make_unique<dp::PreparedHandle>();
-             handle->projection = dp::ValueOrRaise(dp::PrepareProjection(
-                 dp::RequiredArgOf("lm_head_weight", weight),
-                 dp::ArgOf("lm_head_bias", bias), threads));
+             handle->projection = dp::ValueOrRaise(std::move(made));
              handle->weight = weight;
              handle->bias = bias;
              return handle;

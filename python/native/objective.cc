@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "base/bfloat16.h"
 #include "base/status_macros.h"
+#include "base/threads.h"
 #include "base/tracking_allocator.h"
 #include "heads/top_k_gradient.h"
 #include "losses/loss_family.h"
@@ -395,9 +396,35 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     std::lock_guard<std::mutex> lock(HostMutex());
     HeadOptions options;
     options.prepared_projection = objective_options.prepared_projection;
+    options.interrupt = objective_options.interrupt;
     return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs,
                       options);
   }
+}
+
+// A prepared projection serves the frozen float32 CPU weight and bias it
+// was made from.
+absl::Status CheckPrepared(const PreparedProjection* prepared,
+                           const ObjectiveTensors& t,
+                           const v1::ObjectiveConfig& bound) {
+  if (prepared == nullptr) return absl::OkStatus();
+  if (bound.head().trainable() || t.hidden.dtype != "float32" ||
+      t.hidden.on_cuda()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prepared_projection: serves a frozen float32 CPU lm_head_weight, got ",
+        bound.head().trainable() ? "one that requires grad"
+                                 : absl::StrCat(t.hidden.dtype, " on ",
+                                                t.hidden.device)));
+  }
+  if (!prepared->PreparedFrom(
+          t.weight.span<const float>(),
+          t.bias.has_value() ? t.bias->span<const float>()
+                             : absl::Span<const float>())) {
+    return absl::InvalidArgumentError(
+        "prepared_projection: was made from other tensors than "
+        "lm_head_weight and lm_head_bias (make it from the ones passed)");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -439,6 +466,10 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                 k_size = target_ids.shape[2];
   std::vector<RowMeta> rows;
   rows.reserve(static_cast<size_t>(b_size * n_size * k_size));
+  // The masks are kept as float32 and their sums (loss_den, accuracy_den)
+  // returned in it: a sum beyond float32 would be inf.
+  constexpr double kFloat32Max = std::numeric_limits<float>::max();
+  double mask_sum = 0;
   const std::vector<int64_t>& ts = target_ids.strides;
   const std::vector<int64_t>& ms = weight_mask.strides;
   for (int64_t b = 0; b < b_size; ++b) {
@@ -450,6 +481,13 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
           return absl::InvalidArgumentError(
               absl::StrCat(Element(weight_mask, b, n, k),
                            ": must be finite and >= 0, got ", mask));
+        }
+        mask_sum += mask;
+        if (mask_sum > kFloat32Max) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              weight_mask.name, ": its values sum to more than float32 holds (",
+              kFloat32Max, ") by ", Element(weight_mask, b, n, k), " = ", mask,
+              "; the loss and accuracy denominators would be inf"));
         }
         const int64_t target =
             ReadId(target_ids, b * ts[0] + n * ts[1] + k * ts[2]);
@@ -478,6 +516,7 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                         const ObjectiveTensors& tensors,
                                         const ObjectiveOutputs& outputs,
                                         const ObjectiveOptions& options) {
+  ScopedLibraryCall call;
   DFLASH_RETURN_IF_ERROR(CheckTensors(tensors));
   if (tensors.hidden.on_cuda() && !BuiltWithCuda()) {
     return Invalid(tensors.hidden,
@@ -488,6 +527,8 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
   DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
                           BindConfig(config, tensors, options.trainable));
   DFLASH_RETURN_IF_ERROR(CheckOutputs(outputs, tensors, bound));
+  DFLASH_RETURN_IF_ERROR(
+      CheckPrepared(options.prepared_projection, tensors, bound));
   DFLASH_ASSIGN_OR_RETURN(
       const std::vector<RowMeta> rows,
       RowsOf(tensors.target_ids, tensors.weight_mask, bound.head().vocab_size(),
@@ -541,6 +582,7 @@ absl::Status TopKBackward(const v1::ObjectiveConfig& config,
 absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
                                   const TopKBackwardTensors& t,
                                   const ObjectiveOptions& options) {
+  ScopedLibraryCall call;
   DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
   const std::vector<int64_t>& s = t.hidden.shape;
   const TensorArg& w = t.weight;
@@ -594,10 +636,6 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareProjection(
     DFLASH_RETURN_IF_ERROR(CheckBeside(*bias, weight, {weight.shape[0]},
                                        "[V] (V of lm_head_weight)"));
   }
-  if (threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("threads: must be >= 0, got ", threads));
-  }
   return PreparedProjection::Create(
       weight.span<const float>(),
       bias.has_value() ? bias->span<const float>() : absl::Span<const float>(),
@@ -605,6 +643,7 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareProjection(
 }
 
 void ReleaseCachedHostMemory() {
+  ScopedLibraryCall call;
   std::lock_guard<std::mutex> lock(HostMutex());
   HostAllocator().ReleaseCache();
 }

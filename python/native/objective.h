@@ -1,6 +1,7 @@
 #ifndef DFLASH_PYTHON_NATIVE_OBJECTIVE_H_
 #define DFLASH_PYTHON_NATIVE_OBJECTIVE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -60,6 +61,9 @@ struct ObjectiveOptions {
   uintptr_t cuda_stream = 0;
   // A frozen float32 CPU weight laid out once (PreparedProjection), or none.
   const PreparedProjection* prepared_projection = nullptr;
+  // Stops a CPU run before its next GEMM once set (HeadOptions::interrupt);
+  // the run then fails with Cancelled.
+  const std::atomic<bool>* interrupt = nullptr;
 };
 
 // A PreparedProjection of a torch weight and bias: CPU, float32,
@@ -76,9 +80,9 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
     const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
     bool trainable);
 
-// The rows' metadata. Masks must be finite and >= 0; where a mask is > 0,
-// a target must lie in [0, vocab) or equal ignore_index. Errors name the
-// element, e.g. "target_ids[1, 0, 3]".
+// The rows' metadata. Masks must be finite, >= 0, and sum to what float32
+// holds; where a mask is > 0, a target must lie in [0, vocab) or equal
+// ignore_index. Errors name the element, e.g. "target_ids[1, 0, 3]".
 absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                             const TensorArg& weight_mask,
                                             int64_t vocab,

@@ -2,12 +2,16 @@
 message names the argument, the value and what was expected; none crashes
 the interpreter."""
 
+import os
+import tempfile
 import unittest
 
+import numpy as np
 import torch
 
+import dflash
 import reference
-from dflash.torch import FusedHead, dflash_objective
+from dflash.torch import FusedHead, chunked_reduce, dflash_objective
 
 
 class BadInputsTest(unittest.TestCase):
@@ -81,13 +85,52 @@ class BadInputsTest(unittest.TestCase):
         self.assertIn("correction_inputs[0, 0, 1, 2]: must be finite, got inf",
                       str(raised.exception))
 
-    def test_wrong_device(self):
+    def test_tensors_without_strided_data(self):
         self.assertRaisesMessage(
-            ValueError, "hidden: must be on the CPU or a CUDA device, got meta",
+            TypeError,
+            "hidden: must hold data, got a meta tensor (shape and dtype only)",
             hidden=self.hidden.to("meta"))
         self.assertRaisesMessage(
-            ValueError, "lm_head_weight: must be on cpu (hidden's device), got meta",
+            TypeError,
+            "lm_head_weight: must hold data, got a meta tensor (shape and "
+            "dtype only)",
             lm_head_weight=self.weight.to("meta"))
+        self.assertRaisesMessage(
+            TypeError,
+            "lm_head_weight: must be a dense (strided) tensor, got "
+            "torch.sparse_coo (call .to_dense())",
+            lm_head_weight=self.weight.to_sparse())
+        self.assertRaisesMessage(
+            TypeError,
+            "weight_mask: must be a dense (strided) tensor, got "
+            "torch.sparse_coo (call .to_dense())",
+            weight_mask=self.weight_mask.to_sparse())
+        if torch.backends.mkldnn.is_available():
+            self.assertRaisesMessage(
+                TypeError,
+                "hidden: must be a dense (strided) tensor, got torch._mkldnn "
+                "(call .to_dense())",
+                hidden=self.hidden.to_mkldnn())
+        with self.assertRaisesRegex(
+                TypeError, "^lm_head_bias: must be a dense \\(strided\\)"):
+            self.call(lm_head_bias=torch.zeros(13).to_sparse())
+        with self.assertRaisesRegex(
+                TypeError, "^lm_head_weight: must hold data, got a meta"):
+            dflash.PreparedProjection(self.weight.to("meta"))
+
+    def test_prepared_projection_of_the_wrong_kind(self):
+        self.assertRaisesMessage(
+            TypeError,
+            "prepared_projection: must be a dflash.PreparedProjection or "
+            "None, got str",
+            prepared_projection="x")
+        prepared = dflash.PreparedProjection(self.weight)
+        self.assertRaisesMessage(
+            ValueError,
+            "prepared_projection: serves a frozen float32 CPU lm_head_weight, "
+            "got one that requires grad",
+            lm_head_weight=self.weight.clone().requires_grad_(),
+            prepared_projection=prepared)
 
     def test_wrong_shape(self):
         self.assertRaisesMessage(
@@ -191,6 +234,46 @@ class BadInputsTest(unittest.TestCase):
             import pathlib
             self.call(config=pathlib.Path("/nonexistent/objective.textproto"))
 
+    def test_config_strings_that_name_paths(self):
+        # A str that looks like a path is read as one: missing, a directory
+        # or a FIFO is said so, not parsed as text format.
+        with self.assertRaisesRegex(
+                FileNotFoundError,
+                "^config: objective.textproto: cannot open: No such file"):
+            self.call(config="objective.textproto")
+        with self.assertRaisesRegex(
+                FileNotFoundError,
+                "^config: configs/missing: cannot open: No such file"):
+            self.call(config="configs/missing")
+        with tempfile.TemporaryDirectory() as tmp:
+            with self.assertRaisesRegex(
+                    ValueError, f"^config: {tmp}/: is a directory"):
+                self.call(config=tmp + "/")
+            fifo = os.path.join(tmp, "objective.txtpb")
+            os.mkfifo(fifo)
+            with self.assertRaisesRegex(
+                    ValueError,
+                    f"^config: {fifo}: is a FIFO \\(named pipe\\)"):
+                self.call(config=fifo)
+            # A file with a byte-order mark and non-ASCII comments parses.
+            path = os.path.join(tmp, "bom.textproto")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\ufeff# objectif: décroissance\n"
+                        "loss { dflash { gamma: 3 } }\n")
+            self.assertEqual(self.call(config=path).loss_num,
+                             self.call(gamma=3.0).loss_num)
+        self.assertEqual(
+            self.call(config="\ufeffloss { dflash { gamma: 3 } }").loss_num,
+            self.call(gamma=3.0).loss_num)
+        # Non-ASCII outside a comment: line:column and a message.
+        for text, where in (("loss { dflash { } } é", "config:1:21: "),
+                            ("loss {\n dflésh { } }", "config:2:5: ")):
+            with self.assertRaises(ValueError) as raised:
+                self.call(config=text)
+            self.assertTrue(str(raised.exception).startswith(where),
+                            str(raised.exception))
+            self.assertIn("non ascii", str(raised.exception))
+
     def test_loss_inputs_must_match_the_family(self):
         self.assertRaisesMessage(
             ValueError,
@@ -207,6 +290,60 @@ class BadInputsTest(unittest.TestCase):
             loss_type="dspark", teacher_hidden=self.hidden,
             confidence_logits=torch.zeros(2, 3, 4, dtype=torch.float64))
 
+    def test_argument_types(self):
+        # NumPy integers are ints; bools and floats are not.
+        self.assertEqual(self.call(top_k=np.int64(3)).top_k.shape[-1], 3)
+        torch.testing.assert_close(
+            self.call(top_k=np.int64(3)).top_k_values,
+            self.call(top_k=3).top_k_values)
+        for bad in (True, 2.0):
+            with self.assertRaisesRegex(
+                    TypeError, f"^top_k: must be an int, got {bad!r}$"):
+                self.call(top_k=bad)
+        self.assertRaisesMessage(
+            TypeError, "gamma: must be a float, got True", gamma=True)
+        self.assertRaisesMessage(
+            TypeError, "chunk_blocks: must be an int, got True",
+            chunk_blocks=True)
+        self.assertRaisesMessage(
+            TypeError, "threads: must be an int, got False", threads=False)
+        self.assertEqual(self.call(gamma=np.float64(5)).loss_num,
+                         self.call(gamma=5.0).loss_num)
+        self.assertEqual(self.call(chunk_blocks=np.int32(1)).loss_num,
+                         self.call(chunk_blocks=1).loss_num)
+
+    def test_thread_counts_are_bounded(self):
+        message = ("threads: must lie in [0, 1024] (0: every usable CPU), "
+                   "got 100000")
+        self.assertRaisesMessage(ValueError, message, threads=100000)
+        self.assertRaisesMessage(
+            ValueError, message.replace("100000", "-1"), threads=-1)
+        with self.assertRaises(ValueError) as raised:
+            dflash.PreparedProjection(self.weight, threads=100000)
+        self.assertEqual(str(raised.exception), message)
+        with self.assertRaisesRegex(TypeError, "^threads: must be an int"):
+            dflash.PreparedProjection(self.weight, threads=2.5)
+        with self.assertRaisesRegex(
+                ValueError, r"^head.threads: must lie in \[0, 1024\], got "
+                "5000"):
+            self.call(config="head { threads: 5000 } loss { dflash {} }")
+        # More than the CPUs runs on the CPUs, and says so in its stats.
+        cpus = len(os.sched_getaffinity(0))
+        terms = self.call(threads=1024)
+        self.assertEqual(terms.stats["threads"], min(1024, cpus))
+        self.assertEqual(terms.loss_num, self.call(threads=1).loss_num)
+
+    def test_mask_sum_beyond_float32(self):
+        mask = self.weight_mask.clone()
+        mask[0, 1, 1] = 3e38
+        mask[0, 1, 2] = 3e38
+        self.assertRaisesMessage(
+            ValueError,
+            "weight_mask: its values sum to more than float32 holds "
+            "(3.40282e+38) by weight_mask[0, 1, 2] = 3e+38; the loss and "
+            "accuracy denominators would be inf",
+            weight_mask=mask)
+
     def test_memory_error(self):
         # 2^18 rows x 2^24 logits (16 TiB) in one chunk: the allocation fails.
         rows = (1, 2**14, 16)
@@ -216,6 +353,27 @@ class BadInputsTest(unittest.TestCase):
                 torch.zeros(rows, dtype=torch.long), torch.ones(rows),
                 mode="materialize")
         self.assertIn("bytes", str(raised.exception))
+
+    def test_chunked_reduce_argument_types(self):
+        x = torch.ones(6, 2)
+        terms = lambda t: (t.sum(),)  # noqa: E731
+        with self.assertRaisesRegex(
+                ValueError, r"^chunk_size: must be an int >= 0, got 2.5$"):
+            chunked_reduce(terms, x, chunk_size=2.5)
+        with self.assertRaisesRegex(
+                ValueError, r"^chunk_size: must be an int >= 0, got True$"):
+            chunked_reduce(terms, x, chunk_size=True)
+        with self.assertRaisesRegex(
+                ValueError, r"^segment_chunks: must be an int >= 1, got 1.5$"):
+            chunked_reduce(terms, x, chunk_size=2, segment_chunks=1.5)
+        with self.assertRaisesRegex(
+                TypeError,
+                r"^tensors\[1\]: must be a torch.Tensor or None, got float$"):
+            chunked_reduce(terms, x, 2.0, chunk_size=2)
+        with self.assertRaisesRegex(TypeError, r"^dim: must be an int, got"):
+            chunked_reduce(terms, x, chunk_size=2, dim=0.0)
+        self.assertEqual(
+            chunked_reduce(terms, x, chunk_size=np.int64(4))[0].item(), 12)
 
     def test_fused_head_names_its_arguments_too(self):
         head = FusedHead(torch.nn.Linear(8, 13))

@@ -2,6 +2,7 @@
 function, with the recompute boundary decoupled from the chunk."""
 
 import inspect
+import operator
 
 import torch
 import torch.utils.checkpoint
@@ -10,6 +11,17 @@ import torch.utils.checkpoint
 # torch 2.1; before, its keyword arguments went to the function.
 _HAS_CONTEXT_FN = "context_fn" in inspect.signature(
     torch.utils.checkpoint.checkpoint).parameters
+
+
+def _count(name, value, least):
+    """`value` as an int (Python or NumPy integers, not bools or floats);
+    its range is checked with SpecForge's messages after."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: must be an int >= {least}, got {value!r}")
 
 
 def _checked_dim(dim, tensor):
@@ -66,10 +78,22 @@ def chunked_reduce(function, *tensors, chunk_size, dim=0, checkpoint=True,
     torch.utils.checkpoint for selective activation checkpointing (torch >=
     2.1; see selective_checkpoint_context_fn).
     """
+    chunk_size = _count("chunk_size", chunk_size, 0)
+    segment_chunks = _count("segment_chunks", segment_chunks, 1)
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 0, got {chunk_size}")
     if segment_chunks < 1:
         raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
+    if isinstance(dim, bool):
+        raise TypeError(f"dim: must be an int, got {dim!r}")
+    try:
+        dim = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"dim: must be an int, got {dim!r}") from None
+    for i, tensor in enumerate(tensors):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensors[{i}]: must be a torch.Tensor or None, "
+                            f"got {type(tensor).__name__}")
     present = [t for t in tensors if t is not None]
     if not present:
         raise ValueError("chunked reduction requires at least one tensor")

@@ -21,8 +21,9 @@ class FusedHead(torch.nn.Module):
 
     A frozen float32 CPU lm_head is laid out once for the head's GEMMs
     (dflash.PreparedProjection) and kept across calls; it is laid out again
-    when the weight or bias is replaced or changed in place (their torch
-    version counters say so).
+    when the weight or bias is replaced, or changed in place (even through
+    `.data`, which torch's version counter misses: each call compares the
+    weight with its checksum, one pass over it).
     """
 
     def __init__(self, lm_head, config=None, *, freeze=True, **overrides):
@@ -45,9 +46,12 @@ class FusedHead(torch.nn.Module):
         if (not frozen or weight.is_cuda or weight.dtype != torch.float32
                 or not weight.is_contiguous()):
             return None
-        state = (weight.data_ptr(), weight._version,
-                 None if bias is None else (bias.data_ptr(), bias._version))
+        # A replaced weight or bias gets a new layout; one changed in place
+        # is laid out again where it is, by the call (its checksum).
+        state = (weight.data_ptr(), tuple(weight.shape),
+                 None if bias is None else (bias.data_ptr(), tuple(bias.shape)))
         if state != self._prepared_from:
+            self._prepared = None
             self._prepared = _core.PreparedProjection(weight, bias)
             self._prepared_from = state
         return self._prepared

@@ -5,6 +5,9 @@ is computed chunk by chunk in forward, so nothing is recomputed); autograd's
 backward then only scales the saved gradients by what flows in.
 """
 
+import operator
+import signal
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -65,7 +68,8 @@ class ObjectiveTerms(NamedTuple):
     loss_weight: Optional[torch.Tensor] = None
     # The head's run: mode, chunks, projected_rows, gemm_calls, gemm_passes,
     # segment_recomputes, peak_bytes (its own buffers), forward_seconds,
-    # backward_seconds.
+    # backward_seconds, threads (the config's threads, at most the usable
+    # CPUs; 1 in a forked child).
     stats: Optional[dict] = None
     # SpecForge's DSpark and Domino chunk terms by their names there (floats;
     # ce_position_num and dpard_credit_position_num [K] lists): DSpark's
@@ -101,12 +105,64 @@ def _tensor(name, value, optional=False):
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{name}: must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name}: must be a dense (strided) tensor, got "
+                        f"{value.layout} (call .to_dense())")
+    if value.is_meta:
+        raise TypeError(f"{name}: must hold data, got a meta tensor (shape "
+                        "and dtype only)")
     return value
+
+
+def _int(name, value):
+    """`value` as an int: Python and NumPy integers, not bools or floats."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: must be an int, got {value!r}") from None
+
+
+def _empty(name, shape, dtype, device):
+    """torch.empty, its failure to allocate a MemoryError naming `name`."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as error:
+        text = str(error).lower()
+        if "alloc" not in text and "out of memory" not in text:
+            raise
+        size = torch.Size(shape).numel() * torch.empty(
+            (), dtype=dtype).element_size()
+        raise MemoryError(
+            f"{name}: cannot allocate {list(shape)} {dtype} ({size} bytes) on "
+            f"{device}: out of memory") from error
+
+
+def _interruptible():
+    # Ctrl-C can stop the call where Python raises KeyboardInterrupt for it:
+    # its main thread, under the default SIGINT handler.
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
 def _on_host(tensor):
     # Row metadata is read on the host: one small copy from a CUDA device.
     return tensor.cpu() if tensor.is_cuda else tensor
+
+
+# The head's gradient buffers, in the order they are saved for backward.
+_GRADIENTS = ("grad_hidden", "grad_weight", "grad_bias", "grad_confidence",
+              "grad_correction_inputs", "grad_correction_weight")
+# What each buffer is, in the caller's words (a MemoryError names it).
+_BUFFER_NAMES = {
+    "grad_hidden": "the gradient of hidden",
+    "grad_weight": "the gradient of lm_head_weight",
+    "grad_bias": "the gradient of lm_head_bias",
+    "grad_confidence": "the gradient of confidence_logits",
+    "grad_correction_inputs": "the gradient of correction_inputs",
+    "grad_correction_weight": "the gradient of correction_weight",
+}
 
 
 class _Objective(torch.autograd.Function):
@@ -119,41 +175,40 @@ class _Objective(torch.autograd.Function):
         rows = tuple(hidden.shape[:3])
         device = hidden.device
 
-        def empty(shape, dtype):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        grads = {
-            "grad_hidden": empty(hidden.shape, hidden.dtype),
-            "grad_weight": (empty(weight.shape, weight.dtype)
-                            if trainable else None),
-            "grad_bias": (empty(bias.shape, bias.dtype)
+        wanted = {
+            "grad_hidden": (hidden.shape, hidden.dtype),
+            "grad_weight": (weight.shape, weight.dtype) if trainable else None,
+            "grad_bias": ((bias.shape, bias.dtype)
                           if trainable and bias is not None else None),
-            "grad_confidence": (empty(rows, torch.float32)
+            "grad_confidence": ((rows, torch.float32)
                                 if confidence is not None else None),
             "grad_correction_inputs": (
-                empty(correction_inputs.shape, correction_inputs.dtype)
+                (correction_inputs.shape, correction_inputs.dtype)
                 if correction_inputs is not None else None),
             "grad_correction_weight": (
-                empty(correction_weight.shape, correction_weight.dtype)
+                (correction_weight.shape, correction_weight.dtype)
                 if correction_weight is not None else None),
-        }
-        outputs = {
-            "neg_log_q": empty(rows, torch.float32) if return_rows else None,
-            "argmax": empty(rows, torch.int32) if return_rows else None,
-            "top_k": empty(rows + (top_k,), torch.int32) if top_k else None,
-            "top_k_values": (empty(rows + (top_k,), torch.float32)
+            "neg_log_q": (rows, torch.float32) if return_rows else None,
+            "argmax": (rows, torch.int32) if return_rows else None,
+            "top_k": (rows + (top_k,), torch.int32) if top_k else None,
+            "top_k_values": ((rows + (top_k,), torch.float32)
                              if top_k else None),
-            "loss_weight": (empty(rows, torch.float32)
+            "loss_weight": ((rows, torch.float32)
                             if return_rows or top_k else None),
         }
+        made = {name: None if spec is None else _empty(
+                    _BUFFER_NAMES.get(name, name), *spec, device)
+                for name, spec in wanted.items()}
+        grads = {name: made[name] for name in _GRADIENTS}
+        outputs = {name: made[name] for name in made if name not in grads}
         stream = (torch.cuda.current_stream(device).cuda_stream
                   if hidden.is_cuda else 0)
         result = _core.run_objective(
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
             confidence, correction_inputs=correction_inputs,
             correction_weight=correction_weight, prepared=prepared,
-            trainable=trainable,
-            cuda_stream=stream, **grads, **outputs)
+            trainable=trainable, cuda_stream=stream,
+            interruptible=_interruptible(), **grads, **outputs)
 
         # One host-to-device copy for every scalar term, then a tensor of its
         # own for each (not views of one: a caller may all_reduce one in
@@ -187,7 +242,6 @@ class _Objective(torch.autograd.Function):
             for name, value in result["diagnostics"].items()}
         # The head's gradients are of loss_num / loss_denominator.
         ctx.den = result["loss_denominator"]
-        ctx.grads = grads
         ctx.config = config
         ctx.trainable = trainable
         ctx.stream = stream
@@ -199,19 +253,48 @@ class _Objective(torch.autograd.Function):
         if values is not None:
             ctx.values_at = next(i for i, e in enumerate(returned)
                                  if e is values)
-            ctx.top_k = outputs["top_k"]
-            ctx.save_for_backward(hidden, weight, bias, values)
+        # Saved, not kept on ctx: autograd frees them after backward, so a
+        # second backward without retain_graph raises as torch's own ops do.
+        ctx.save_for_backward(
+            *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
+            values, outputs["top_k"])
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
               if i != 0 and i != ctx.values_at])
         return tuple(returned)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_num, *unused):
+    def backward(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = _Objective._gradients(ctx, *grad_outputs)
+        if not torch.is_grad_enabled() or not any(
+                isinstance(g, torch.Tensor) and g.requires_grad
+                for g in grad_outputs):
+            return grads
+        # create_graph=True: the gradients come back, but differentiating
+        # them again raises (as torch's once_differentiable, naming us).
+        error = torch._C._functions.DelayedError(
+            "dflash_objective: double backward is not supported (its "
+            "gradients are computed by the fused head, not by autograd ops)",
+            len(grads))
+
+        def differentiable(grad):
+            if grad is None:
+                return None
+            grad = grad.detach()
+            grad.requires_grad = True
+            return grad
+
+        return error(*[differentiable(g) for g in grads])
+
+    @staticmethod
+    def _gradients(ctx, grad_num, *unused):
         # The head's gradients are of loss_num / loss_den; loss_num's are
         # loss_den times those, scaled by what autograd brings (1 / a global
         # denominator, an accumulation factor, ...).
+        saved = ctx.saved_tensors
+        g = dict(zip(_GRADIENTS, saved))
+        hidden, weight, bias, values, ids = saved[len(_GRADIENTS):]
         scale = grad_num * ctx.den
 
         def scaled(grad):
@@ -221,7 +304,6 @@ class _Objective(torch.autograd.Function):
             return grad * scale.to(grad.dtype)
 
         needs = ctx.needs_input_grad
-        g = ctx.grads
         grad_hidden = scaled(g["grad_hidden"]) if needs[4] else None
         grad_weight = scaled(g["grad_weight"]) if needs[5] else None
         grad_bias = scaled(g["grad_bias"]) if needs[6] else None
@@ -235,7 +317,6 @@ class _Objective(torch.autograd.Function):
         grad_values = (None if ctx.values_at is None
                        else unused[ctx.values_at - 1])
         if grad_values is not None and (needs[4] or needs[5] or needs[6]):
-            hidden, weight, bias, values = ctx.saved_tensors
             if grad_hidden is None:
                 grad_hidden = torch.zeros_like(hidden)
             trainable = ctx.trainable
@@ -244,7 +325,7 @@ class _Objective(torch.autograd.Function):
             if trainable and bias is not None and grad_bias is None:
                 grad_bias = torch.zeros_like(bias)
             _core.top_k_value_backward(
-                ctx.config, hidden, weight, bias, ctx.top_k, values,
+                ctx.config, hidden, weight, bias, ids, values,
                 grad_values.float().contiguous(), grad_hidden,
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
@@ -296,6 +377,9 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
 
     Returns ObjectiveTerms. Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
+    From the main thread under Python's default SIGINT handler, Ctrl-C
+    stops the call before its next GEMM and raises KeyboardInterrupt. In a
+    forked child (a data-loader worker) the call runs on one thread.
     """
     hidden = _tensor("hidden", hidden)
     lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
@@ -307,9 +391,14 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
                         ("correction_inputs", correction_inputs),
                         ("correction_weight", correction_weight)):
         _tensor(name, value, optional=True)
+    if (prepared_projection is not None and not isinstance(
+            prepared_projection, _core.PreparedProjection)):
+        raise TypeError(
+            "prepared_projection: must be a dflash.PreparedProjection or "
+            f"None, got {type(prepared_projection).__name__}")
     vocab = lm_head_weight.shape[0] if lm_head_weight.dim() == 2 else 64
-    if (not isinstance(top_k, int) or isinstance(top_k, bool)
-            or not 0 <= top_k <= min(64, vocab)):
+    top_k = _int("top_k", top_k)
+    if not 0 <= top_k <= min(64, vocab):
         raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
                          f"got {top_k!r}")
     resolved = objective_config(config, **overrides)
