@@ -267,9 +267,7 @@ class _Objective(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         with torch.no_grad():
             grads = _Objective._gradients(ctx, *grad_outputs)
-        if not torch.is_grad_enabled() or not any(
-                isinstance(g, torch.Tensor) and g.requires_grad
-                for g in grad_outputs):
+        if not torch.is_grad_enabled():
             return grads
         # create_graph=True: the gradients come back, but differentiating
         # them again raises (as torch's once_differentiable, naming us).
