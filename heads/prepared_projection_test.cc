@@ -179,5 +179,72 @@ TEST(PreparedProjectionTest, HeadRunsOnItAcrossRuns) {
             "trainable or FLOAT64 one");
 }
 
+// A weight written in place after its layout is laid out again by the next
+// run (its checksum changed), also the gradient filter's tiles: the runs
+// equal OpenBLAS on the new weight. An unchanged weight is not.
+TEST(PreparedProjectionTest, AWeightWrittenInPlaceIsLaidOutAgain) {
+  absl::StatusOr<v1::ObjectiveConfig> config = LoadObjectiveConfigFromString(
+      "layout { block_size: 4 num_anchors: 6 } head { vocab_size: 600 "
+      "hidden_size: 32 gradient_filter: 1e-30 } chunking { blocks_per_chunk: "
+      "2 } loss { dflash { gamma: 7 } }",
+      "test");
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<HeadBatch<float>> batch =
+      MakeSyntheticBatch<float>(*config, {2, 64, 6}, 4);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto run = [&](const v1::ObjectiveConfig& c, const PreparedProjection* p) {
+    std::vector<float> grad(batch->hidden.size());
+    HeadOptions options;
+    options.prepared_projection = p;
+    TrackingAllocator allocator;
+    absl::StatusOr<HeadResult> result =
+        RunHead<float>(c, batch->Inputs(c), {absl::MakeSpan(grad)}, allocator,
+                       {}, options);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return std::make_pair(result.ok() ? result->loss : 0.0, grad);
+  };
+  v1::ObjectiveConfig blas = *config;
+  blas.mutable_head()->set_pack_weight(false);
+  blas.mutable_head()->clear_gradient_filter();
+  auto prepared = PreparedProjection::Create(batch->weight, {}, 600, 32, 2);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ(*(*prepared)->Revalidate(2), false);
+  run(*config, prepared->get());  // Lays the filter's tiles out.
+  for (float scale : {2.0f, -0.5f}) {
+    for (float& w : batch->weight) w *= scale;
+    const auto want = run(blas, nullptr);
+    const auto got = run(*config, prepared->get());
+    EXPECT_NEAR(got.first, want.first, 1e-5 * std::abs(want.first));
+    std::vector<double> expected(want.second.begin(), want.second.end());
+    EXPECT_LE(RelativeMaxError<float>(got.second, expected), 1e-5);
+    EXPECT_EQ(*(*prepared)->Revalidate(1), false);
+  }
+  batch->weight[123] += 0.5f;  // One element.
+  EXPECT_EQ(*(*prepared)->Revalidate(1), true);
+  EXPECT_EQ(*(*prepared)->Revalidate(1), false);
+}
+
+TEST(PreparedProjectionTest, LaidOutBytesWithoutLayingOut) {
+  constexpr int64_t kV = 700, kH = 37;
+  const std::vector<float> w = Uniform(kV * kH, 8);
+  auto prepared = PreparedProjection::Create(w, {}, kV, kH, 1);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  absl::StatusOr<int64_t> bytes = PreparedProjection::LaidOutBytes(kV, kH, false);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(*bytes, (*prepared)->packed_bytes());
+  absl::StatusOr<int64_t> with_tiles =
+      PreparedProjection::LaidOutBytes(kV, kH, true);
+  ASSERT_TRUE(with_tiles.ok()) << with_tiles.status();
+  // A third copy, rounded up to whole tiles.
+  EXPECT_GE(*with_tiles - *bytes, kV * kH * 4);
+  EXPECT_LE(*with_tiles - *bytes, 2 * 768 * kH * 4);
+}
+
+TEST(PreparedProjectionTest, ThreadCountsAreChecked) {
+  const std::vector<float> w = Uniform(40 * 8, 9);
+  EXPECT_EQ(PreparedProjection::Create(w, {}, 40, 8, 5000).status().message(),
+            "threads: must lie in [0, 1024] (0: every usable CPU), got 5000");
+}
+
 }  // namespace
 }  // namespace dflash

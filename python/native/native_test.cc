@@ -1,6 +1,8 @@
 // The binding's own logic: how tensors are described, checked and turned
 // into rows, and how keyword overrides change a config. The numbers the head
 // computes are checked from Python against an independent reference.
+#include <signal.h>
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -10,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "proto/config.h"
 #include "python/native/config_overrides.h"
+#include "python/native/interrupt.h"
 #include "python/native/objective.h"
 #include "python/native/tensor_arg.h"
 
@@ -278,6 +281,35 @@ TEST(RunObjectiveTest, RunsOnTheCpu) {
   // Two weighted rows at k = 1 (no decay), uniform logits: loss log(5).
   EXPECT_DOUBLE_EQ(result->terms.loss_den, 2);
   EXPECT_NEAR(result->terms.loss_num, 2 * std::log(5.0), 1e-5);
+}
+
+int handled_before = 0;
+void CountSignal(int) { ++handled_before; }
+
+// The chained handler sets the flag and then runs the handler it found
+// (Python's, in the binding), which is back in place after the scope.
+TEST(ScopedInterruptTest, ChainsBeforeTheHandlerItFinds) {
+  struct sigaction counting = {};
+  counting.sa_handler = CountSignal;
+  sigemptyset(&counting.sa_mask);
+  struct sigaction original;
+  ASSERT_EQ(sigaction(SIGINT, &counting, &original), 0);
+  {
+    ScopedInterrupt scope;
+    EXPECT_FALSE(scope.flag()->load());
+    raise(SIGINT);
+    EXPECT_TRUE(scope.flag()->load());
+    EXPECT_EQ(handled_before, 1);
+  }
+  {
+    ScopedInterrupt scope;  // A new scope starts unset.
+    EXPECT_FALSE(scope.flag()->load());
+  }
+  raise(SIGINT);
+  EXPECT_EQ(handled_before, 2);
+  struct sigaction now;
+  ASSERT_EQ(sigaction(SIGINT, &original, &now), 0);
+  EXPECT_EQ(now.sa_handler, CountSignal);
 }
 
 }  // namespace
