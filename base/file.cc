@@ -487,19 +487,19 @@ absl::Status OutputFileSet::Commit() {
   }
   // (2) The new files in place.
   for (size_t i = 0; i < staged_.size(); ++i) {
-    const Staged& staged = staged_[i];
-    if (::rename(staged.temp.c_str(), staged.target.c_str()) == 0) {
-      UnregisterTemporary(staged.slot);
+    if (::rename(staged_[i].temp.c_str(), staged_[i].target.c_str()) == 0) {
+      UnregisterTemporary(staged_[i].slot);
       continue;
     }
     const int error = errno;
+    const std::string target = staged_[i].target;
     for (size_t placed = 0; placed < i; ++placed) {
       ::unlink(staged_[placed].target.c_str());
     }
     staged_.erase(staged_.begin(), staged_.begin() + i);
     const std::string lost = MoveBack(aside);
     Abandon();
-    return CommitError(error, staged.target, "cannot move into place",
+    return CommitError(error, target, "cannot move into place",
                        lost.empty() ? "; the previous files were restored"
                                     : lost);
   }

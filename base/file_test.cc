@@ -318,6 +318,26 @@ TEST(OutputFileSetTest, ABindMountedTargetChangesNothing) {
   EXPECT_EQ(Contents(dir + "/b"), "old b");
 }
 
+// A rename into place refused after the old files went aside (here b's
+// temporary vanished): the new files placed go, the old ones come back.
+TEST(OutputFileSetTest, ARefusedRenameIntoPlaceRestoresTheOldSet) {
+  const std::string dir = TestDir("into_place");
+  PutOldSet(dir);
+  const auto before = Snapshot(dir);
+  OutputFileSet files;
+  for (const char* name : {"a", "b", "d"}) {
+    ASSERT_TRUE(files.Stage(dir + "/" + name, std::string("new ") + name).ok());
+  }
+  files.StageRemoval(dir + "/c");
+  for (const auto& [name, bytes] : Snapshot(dir)) {
+    if (bytes == "new b") std::remove((dir + "/" + name).c_str());
+  }
+  EXPECT_EQ(std::string(files.Commit().message()),
+            dir + "/b: cannot move into place: No such file or directory; the "
+                  "previous files were restored");
+  EXPECT_EQ(Snapshot(dir), before);
+}
+
 // A process that has exited: its pid names no live process (until reused).
 pid_t DeadPid() {
   const pid_t child = ::fork();
