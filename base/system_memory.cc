@@ -50,7 +50,39 @@ std::optional<int64_t> CgroupRoomBytes() {
   return limit > current ? limit - current : 0;
 }
 
+// A "Name:   123 kB" line of /proc/self/status, in bytes.
+std::optional<int64_t> StatusBytes(absl::string_view line,
+                                   absl::string_view name) {
+  if (!absl::ConsumePrefix(&line, name)) return std::nullopt;
+  line = absl::StripAsciiWhitespace(line);
+  absl::ConsumeSuffix(&line, "kB");
+  int64_t kib;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &kib)) {
+    return std::nullopt;
+  }
+  return kib * 1024;
+}
+
 }  // namespace
+
+std::optional<ResidentMemory> ProcessResidentMemory() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  std::optional<int64_t> current, peak;
+  while (std::getline(status, line)) {
+    if (!current) current = StatusBytes(line, "VmRSS:");
+    if (!peak) peak = StatusBytes(line, "VmHWM:");
+  }
+  if (!current || !peak) return std::nullopt;
+  return ResidentMemory{*current, *peak};
+}
+
+bool ResetResidentPeak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
 
 std::optional<AvailableMemory> SystemAvailableMemory() {
   std::optional<AvailableMemory> best;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -17,9 +18,11 @@
 #include "base/file.h"
 #include "base/status_macros.h"
 #include "base/system_memory.h"
+#include "base/threads.h"
 #include "base/tracking_allocator.h"
 #include "configs/default_config.h"
 #include "google/protobuf/util/json_util.h"
+#include "heads/cpu_head.h"
 #include "heads/cpu_projection.h"
 #include "heads/head_metrics.h"
 #include "heads/head_plan.h"
@@ -315,17 +318,43 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
   return std::make_pair(*batch, *all_grads);
 }
 
-absl::Status CheckFits(const std::optional<MemoryBudget>& budget, int64_t batch,
-                       int64_t grads, int64_t head) {
-  const std::optional<int64_t> total = CheckedSum({batch, grads, head});
+// What a job holds at its peak, by part.
+struct JobBytes {
+  int64_t batch = 0, gradients = 0;
+  // The head's workspaces (PredictPeakBytes), once the rows are known.
+  std::optional<int64_t> head;
+  int64_t layout = 0;  // The weight laid out for oneDNN, when it is.
+  // What the libraries touch as they run: code pages, BLAS packing buffers,
+  // thread stacks and per-thread heaps.
+  int64_t runtime = 0;
+
+  std::optional<int64_t> Total() const {
+    return CheckedSum({batch, gradients, head.value_or(0), layout, runtime});
+  }
+};
+
+// Measured at 3-24 MiB on two threads (OpenBLAS's packing buffers are most
+// of it); //cli:memory_prediction_test checks the whole prediction against
+// the peak resident memory.
+int64_t RuntimeBytes(int threads) {
+  return (int64_t{32} << 20) + threads * (int64_t{8} << 20);
+}
+
+absl::Status CheckFits(const std::optional<MemoryBudget>& budget,
+                       const JobBytes& bytes) {
+  const std::optional<int64_t> total = bytes.Total();
   if (budget && total && *total <= budget->bytes) return absl::OkStatus();
   if (!budget && total) return absl::OkStatus();
   const std::string needs =
       total ? absl::StrCat(*total, " bytes (", Bytes(*total), ")")
             : std::string("more than 2^63 bytes");
   return TooBig(absl::StrCat(
-      "this run needs ", needs, ": batch ", Bytes(batch), ", gradients ",
-      Bytes(grads), ", head buffers ", Bytes(head), "; ",
+      "this run needs ", bytes.head ? "" : "at least ", needs, ": batch ",
+      Bytes(bytes.batch),
+      ", gradients ", Bytes(bytes.gradients), ", head buffers ",
+      bytes.head ? Bytes(*bytes.head) : "not yet planned", ", weight layout ",
+      Bytes(bytes.layout),
+      ", libraries and threads ", Bytes(bytes.runtime), "; ",
       budget ? absl::StrCat(budget->bytes, " bytes (", Bytes(budget->bytes),
                             ") are available (", budget->source, ")")
              : std::string("")));
@@ -565,6 +594,10 @@ template <typename T>
 absl::StatusOr<HeadJobResult> RunJob(
     const HeadJobOptions& options, const v1::ObjectiveConfig& config,
     std::ostream& report, std::function<void(int64_t, int64_t)> progress) {
+  // The job's own resident memory is measured from here (the libraries
+  // already loaded are the process's, not the job's).
+  ResetResidentPeak();
+  const std::optional<ResidentMemory> at_start = ProcessResidentMemory();
   // Sizes first: the batch and the gradients the run holds, checked against
   // the memory available before anything is allocated.
   const std::optional<MemoryBudget> budget = Budget(options);
@@ -584,8 +617,14 @@ absl::StatusOr<HeadJobResult> RunJob(
   const int64_t sets = options.compare_modes ? 3 : 1;
   DFLASH_ASSIGN_OR_RETURN(auto host,
                           HostBytes(config, b, s, n, transient, sets));
-  const auto [batch_bytes, grad_bytes] = host;
-  DFLASH_RETURN_IF_ERROR(CheckFits(budget, batch_bytes, grad_bytes, 0));
+  JobBytes bytes;
+  std::tie(bytes.batch, bytes.gradients) = host;
+  DFLASH_ASSIGN_OR_RETURN(bytes.layout, PredictProjectionBytes(config));
+  DFLASH_ASSIGN_OR_RETURN(const int threads,
+                          ResolveThreads(config.head().threads(),
+                                         "head.threads"));
+  bytes.runtime = RuntimeBytes(threads);
+  DFLASH_RETURN_IF_ERROR(CheckFits(budget, bytes));
 
   const uint64_t seed = options.seed.value_or(kDefaultSeed);
   DFLASH_ASSIGN_OR_RETURN(
@@ -601,23 +640,21 @@ absl::StatusOr<HeadJobResult> RunJob(
                             ModeConfigs(config));
     mode_configs = std::move(configs);
   }
-  int64_t head_bytes = 0;
   mode_configs.push_back(config);
   for (const v1::ObjectiveConfig& c : mode_configs) {
     DFLASH_ASSIGN_OR_RETURN(
         int64_t peak, PredictPeakBytes(c, batch.rows, ElementBytes(config)));
-    head_bytes = std::max(head_bytes, peak);
+    bytes.head = std::max(bytes.head.value_or(0), peak);
   }
-  if (absl::Status fits =
-          CheckFits(budget, batch_bytes, grad_bytes, head_bytes);
-      !fits.ok()) {
-    return fits;
-  }
+  DFLASH_RETURN_IF_ERROR(CheckFits(budget, bytes));
   mode_configs.pop_back();
   // The head's allocator refuses what the prediction missed, rather than
   // the system failing later.
   const int64_t head_limit =
-      budget ? std::max<int64_t>(budget->bytes - batch_bytes - grad_bytes, 0)
+      budget ? std::max<int64_t>(budget->bytes - bytes.batch -
+                                     bytes.gradients - bytes.layout -
+                                     bytes.runtime,
+                                 0)
              : std::numeric_limits<int64_t>::max();
 
   const std::string source =
@@ -626,6 +663,7 @@ absl::StatusOr<HeadJobResult> RunJob(
           : absl::StrCat("inputs from ", options.inputs_dir);
   DFLASH_ASSIGN_OR_RETURN(HeadJobResult job,
                           RunOnce<T>(config, batch, head_limit, progress));
+  job.predicted_bytes = *bytes.Total();
   if (job.result.stats.projected_rows == 0) {
     job.notes.push_back(
         "no row of the batch carries weight (every position is unsupervised, "
@@ -651,6 +689,12 @@ absl::StatusOr<HeadJobResult> RunJob(
           run.metrics.peak_bytes() / 1048576.0,
           MaxDifference(run.grad_hidden, fused.grad_hidden));
     }
+  }
+  job.metrics.set_predicted_bytes(job.predicted_bytes);
+  if (const std::optional<ResidentMemory> now = ProcessResidentMemory();
+      now && at_start) {
+    job.metrics.set_resident_peak_bytes(now->peak_bytes -
+                                        at_start->current_bytes);
   }
   // The outputs never depend on standard output (a closed pipe, a full
   // disk): they are written first, and a report that failed is said after.

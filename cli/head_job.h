@@ -91,6 +91,10 @@ struct HeadJobResult {
   JobTensor grad_correction_inputs, grad_correction_weight;
   // Things a user should know that are not errors (printed on stderr).
   std::vector<std::string> notes;
+  // What the job predicted it would hold at its peak (checked against
+  // --memory_limit before it allocated): batch, gradients, head buffers,
+  // weight layout, libraries and threads.
+  int64_t predicted_bytes = 0;
 };
 
 // Runs the job, printing the readable report (and the --compare_modes

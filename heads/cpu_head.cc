@@ -9,6 +9,7 @@
 #include "base/threads.h"
 #include "heads/cpu_head_backend.h"
 #include "heads/head_backend.h"
+#include "heads/prepared_projection.h"
 
 namespace dflash {
 
@@ -34,6 +35,18 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
       CreateCpuHeadBackend<T>(config, allocator);
   return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,
                       options);
+}
+
+absl::StatusOr<int64_t> PredictProjectionBytes(
+    const v1::ObjectiveConfig& config) {
+  const v1::HeadConfig& head = config.head();
+  if (head.trainable() || head.dtype() != v1::HeadConfig::FLOAT32 ||
+      !head.pack_weight()) {
+    return 0;
+  }
+  return PreparedProjection::LaidOutBytes(head.vocab_size(),
+                                          head.hidden_size(),
+                                          head.gradient_filter() > 0);
 }
 
 template absl::StatusOr<HeadResult> RunHead<float>(const v1::ObjectiveConfig&,

@@ -36,6 +36,14 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    const HeadRowOutputs& row_outputs = {},
                                    const HeadOptions& options = {});
 
+// The bytes RunHead holds outside `allocator` for `config` (validated, with
+// defaults resolved), to add to PredictPeakBytes: the frozen FLOAT32
+// weight laid out for oneDNN when head.pack_weight and no
+// PreparedProjection is given (with head.gradient_filter, its tile copy
+// too); 0 for the other heads.
+absl::StatusOr<int64_t> PredictProjectionBytes(
+    const v1::ObjectiveConfig& config);
+
 }  // namespace dflash
 
 #endif  // DFLASH_HEADS_CPU_HEAD_H_
