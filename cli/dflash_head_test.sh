@@ -39,6 +39,13 @@ for flag in config loss gamma lk kl_scale kl_decay mode chunk_blocks threads \
   expect 1 "--$flag: needs a value, got ''" -- "$bin" "${small[@]}" "--$flag" ''
 done
 expect 1 "--memory_limit: must be a positive number" -- "$bin" --memory_limit=-5
+# Thread counts: bounded, and more than the CPUs run on the CPUs, said so.
+expect 1 "--threads: must lie in [0, 1024] (0: every usable CPU), got 100000" -- \
+  "$bin" "${small[@]}" --threads=100000
+expect 1 "--threads: must lie in [0, 1024] (0: every usable CPU), got -3" -- \
+  "$bin" "${small[@]}" --threads=-3
+expect 0 "dflash_head: note: head.threads is 1024, more than the $(nproc) CPU(s) this process may use: ran on $(nproc)" -- \
+  "$bin" "${small[@]}" --threads=1024
 expect 1 "--config: $tmp: is a directory" -- "$bin" --config="$tmp"
 expect 1 "are available (--memory_limit)" -- \
   "$bin" --vocab=1000000 --hidden=8192 --memory_limit=8G

@@ -664,6 +664,12 @@ absl::StatusOr<HeadJobResult> RunJob(
   DFLASH_ASSIGN_OR_RETURN(HeadJobResult job,
                           RunOnce<T>(config, batch, head_limit, progress));
   job.predicted_bytes = *bytes.Total();
+  if (config.head().threads() > job.result.stats.threads) {
+    job.notes.push_back(absl::StrCat(
+        "head.threads is ", config.head().threads(), ", more than the ",
+        UsableCpus(), " CPU(s) this process may use: ran on ",
+        job.result.stats.threads));
+  }
   if (job.result.stats.projected_rows == 0) {
     job.notes.push_back(
         "no row of the batch carries weight (every position is unsupervised, "
@@ -774,6 +780,11 @@ absl::Status ApplyObjectiveFlags(const HeadJobOptions& options,
     config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);
   }
   if (options.threads.has_value()) {
+    if (*options.threads < 0 || *options.threads > kMaxThreads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--threads: must lie in [0, ", kMaxThreads,
+          "] (0: every usable CPU), got ", *options.threads));
+    }
     config.mutable_head()->set_threads(*options.threads);
   }
   return absl::OkStatus();
