@@ -6,12 +6,15 @@
 // (the 2 floor GEMMs' flops / time), peak bytes from the tracking allocator,
 // GEMM passes, and gemm_ratio = time / floor time.
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/checksum.h"
 #include "bench/gemm_floor.h"
 #include "bench/head_cases.h"
 #include "benchmark/benchmark.h"
@@ -96,6 +99,56 @@ void BM_Head(benchmark::State& state, HeadShape shape,
   state.counters["prepare_s"] =
       *prepared != nullptr ? (*prepared)->prepare_seconds() : 0.0;
 }
+
+// What each run given a PreparedProjection pays to find a weight written in
+// place: ContentChecksum over W [V, 1024] float32 (Revalidate's pass), next
+// to a floor measured in the same process: a plain sum of the same words
+// on the same threads (a read at memory speed).
+void BM_WeightChecksum(benchmark::State& state) {
+  const int64_t vocab = state.range(0), hidden = 1024;
+  const int threads = static_cast<int>(state.range(1));
+  // The weight's bits as words, so the floor reads them as integers (a
+  // vectorised sum; a float sum would be serial).
+  std::vector<uint32_t> weight(vocab * hidden);
+  for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0x3a000000u + i % 977;
+  const size_t bytes = weight.size() * sizeof(uint32_t);
+  auto seconds_of = [](auto&& work) {
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                         start)
+        .count();
+  };
+  auto read = [&] {
+    uint32_t sum = 0;
+#pragma omp parallel for simd num_threads(threads) reduction(+ : sum)
+    for (int64_t i = 0; i < static_cast<int64_t>(weight.size()); ++i) {
+      sum += weight[i];
+    }
+    benchmark::DoNotOptimize(sum);
+  };
+  read();
+  double floor = std::numeric_limits<double>::max();
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    floor = std::min(floor, seconds_of(read));
+  }
+  double total = 0;
+  for (auto _ : state) {
+    const double seconds = seconds_of([&] {
+      benchmark::DoNotOptimize(
+          ContentChecksum(weight.data(), bytes, threads));
+    });
+    state.SetIterationTime(seconds);
+    total += seconds;
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+  state.counters["floor_ms"] = floor * 1e3;
+  state.counters["floor_ratio"] = total / state.iterations() / floor;
+}
+BENCHMARK(BM_WeightChecksum)
+    ->ArgsProduct({{32768, 151936}, {1, 2}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 int Register() {
   for (const HeadShape& shape : kShapes) {
