@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 
+#include "base/immutable_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -232,34 +233,13 @@ TEST(OutputFileSetTest, ADirectoryInAStaleFilesPlaceMovesNothing) {
   EXPECT_EQ(Snapshot(dir), before);
 }
 
-// chattr +i on a file while in scope; undone after, or Bazel could not
-// remove the test's directory.
-class Immutable {
- public:
-  explicit Immutable(const std::string& path) : path_(path) {
-    set_ = std::system(("chattr +i " + path_ + " 2>/dev/null").c_str()) == 0;
-  }
-  Immutable(const Immutable&) = delete;
-  Immutable& operator=(const Immutable&) = delete;
-  ~Immutable() {
-    if (set_) {
-      EXPECT_EQ(std::system(("chattr -i " + path_).c_str()), 0);
-    }
-  }
-  bool set() const { return set_; }
-
- private:
-  std::string path_;
-  bool set_ = false;
-};
-
 // The rename of b is refused after a was set aside: a comes back, the new
 // files go, and the directory is as it was.
 TEST(OutputFileSetTest, AnImmutableTargetChangesNothing) {
   const std::string dir = TestDir("immutable");
   PutOldSet(dir);
   const auto before = Snapshot(dir);
-  Immutable pinned(dir + "/b");
+  ImmutableFile pinned(dir + "/b");
   if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
   EXPECT_EQ(std::string(CommitNewSet(dir).message()),
             dir + "/b: cannot replace it: Operation not permitted; no file "
@@ -271,7 +251,7 @@ TEST(OutputFileSetTest, AnImmutableStaleFileChangesNothing) {
   const std::string dir = TestDir("immutable_stale");
   PutOldSet(dir);
   const auto before = Snapshot(dir);
-  Immutable pinned(dir + "/c");
+  ImmutableFile pinned(dir + "/c");
   if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
   EXPECT_EQ(std::string(CommitNewSet(dir).message()),
             dir + "/c: cannot remove the previous run's file: Operation not "

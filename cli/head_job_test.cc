@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/immutable_file.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -739,27 +740,6 @@ TEST(HeadJobTest, AFailedReportStillWritesTheOutputs) {
   EXPECT_TRUE(Exists(dir + "/metrics.json"));
 }
 
-// chattr +i on a file while in scope (undone after, or Bazel could not
-// remove the test's directory).
-class Immutable {
- public:
-  explicit Immutable(const std::string& path) : path_(path) {
-    set_ = std::system(("chattr +i " + path_ + " 2>/dev/null").c_str()) == 0;
-  }
-  Immutable(const Immutable&) = delete;
-  Immutable& operator=(const Immutable&) = delete;
-  ~Immutable() {
-    if (set_) {
-      EXPECT_EQ(std::system(("chattr -i " + path_).c_str()), 0);
-    }
-  }
-  bool set() const { return set_; }
-
- private:
-  std::string path_;
-  bool set_ = false;
-};
-
 // A frozen run after a trainable one must remove grad_lm_head.npy; when it
 // cannot (immutable), no output changes: no new metrics beside an old
 // gradient.
@@ -783,7 +763,7 @@ TEST(HeadJobTest, AStaleGradientThatCannotGoChangesNothing) {
       dir, "layout { block_size: 4 } head { vocab_size: 31 hidden_size: 8 "
            "threads: 1 } loss { dflash { gamma: 7 } }");
   options.seed = 9;
-  Immutable pinned(options.out_dir + "/grad_lm_head.npy");
+  ImmutableFile pinned(options.out_dir + "/grad_lm_head.npy");
   if (!pinned.set()) GTEST_SKIP() << "chattr +i is refused on this filesystem";
   EXPECT_EQ(RunHeadJob(options, report).status().message(),
             options.out_dir +

@@ -117,6 +117,21 @@ TEST(PreparedProjectionTest, IsFrozenAndKnowsItsWeight) {
             "320");
 }
 
+// RunHead of `config` over `batch` on `prepared` (or none): its result
+// and d(loss)/d(hidden).
+std::pair<absl::StatusOr<HeadResult>, std::vector<float>> RunOn(
+    const v1::ObjectiveConfig& config, const HeadBatch<float>& batch,
+    const PreparedProjection* prepared) {
+  std::vector<float> grad(batch.hidden.size());
+  HeadOptions options;
+  options.prepared_projection = prepared;
+  TrackingAllocator allocator;
+  absl::StatusOr<HeadResult> result =
+      RunHead<float>(config, batch.Inputs(config), {absl::MakeSpan(grad)},
+                     allocator, {}, options);
+  return {std::move(result), std::move(grad)};
+}
+
 // A head run on a prepared projection equals one on OpenBLAS; the wrong
 // projection, or one for a trainable head, is refused.
 TEST(PreparedProjectionTest, HeadRunsOnItAcrossRuns) {
@@ -131,13 +146,7 @@ TEST(PreparedProjectionTest, HeadRunsOnItAcrossRuns) {
   ASSERT_TRUE(batch.ok()) << batch.status();
   const HeadInputs<float> inputs = batch->Inputs(*config);
   auto run = [&](const v1::ObjectiveConfig& c, const PreparedProjection* p) {
-    std::vector<float> grad(batch->hidden.size());
-    HeadOptions options;
-    options.prepared_projection = p;
-    TrackingAllocator allocator;
-    absl::StatusOr<HeadResult> result = RunHead<float>(
-        c, inputs, {absl::MakeSpan(grad)}, allocator, {}, options);
-    return std::make_pair(std::move(result), grad);
+    return RunOn(c, *batch, p);
   };
   v1::ObjectiveConfig blas = *config;
   blas.mutable_head()->set_pack_weight(false);
@@ -193,13 +202,7 @@ TEST(PreparedProjectionTest, AWeightWrittenInPlaceIsLaidOutAgain) {
       MakeSyntheticBatch<float>(*config, {2, 64, 6}, 4);
   ASSERT_TRUE(batch.ok()) << batch.status();
   auto run = [&](const v1::ObjectiveConfig& c, const PreparedProjection* p) {
-    std::vector<float> grad(batch->hidden.size());
-    HeadOptions options;
-    options.prepared_projection = p;
-    TrackingAllocator allocator;
-    absl::StatusOr<HeadResult> result =
-        RunHead<float>(c, batch->Inputs(c), {absl::MakeSpan(grad)}, allocator,
-                       {}, options);
+    auto [result, grad] = RunOn(c, *batch, p);
     EXPECT_TRUE(result.ok()) << result.status();
     return std::make_pair(result.ok() ? result->loss : 0.0, grad);
   };
