@@ -1,5 +1,6 @@
 #include "python/native/config_overrides.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -11,8 +12,50 @@
 #include "proto/config.h"
 
 namespace dflash::python {
+namespace {
+
+// A keyword's range, checked where the caller's name for it is known (the
+// config's later validation would name only its field).
+absl::Status CheckOverride(absl::string_view keyword, absl::string_view field,
+                           double value, bool valid, absl::string_view range) {
+  if (valid) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      keyword, ": must be ", range, " (", field, "), got ", value));
+}
+
+}  // namespace
+
 absl::Status ApplyOverrides(const ConfigOverrides& overrides,
                             v1::ObjectiveConfig& config) {
+  const ConfigOverrides& o = overrides;
+  if (o.chunk_blocks) {
+    DFLASH_RETURN_IF_ERROR(CheckOverride("chunk_blocks",
+                                         "chunking.blocks_per_chunk",
+                                         *o.chunk_blocks, *o.chunk_blocks > 0,
+                                         "> 0"));
+  }
+  if (o.segment_chunks) {
+    DFLASH_RETURN_IF_ERROR(CheckOverride(
+        "segment_chunks", "checkpoint.segment_chunks", *o.segment_chunks,
+        *o.segment_chunks >= 0, ">= 0 (0: never recompute)"));
+  }
+  if (o.gamma) {
+    DFLASH_RETURN_IF_ERROR(CheckOverride(
+        "gamma", "the loss family's gamma", *o.gamma,
+        *o.gamma >= 0 && std::isfinite(*o.gamma), "finite and >= 0"));
+  }
+  if (o.label_smoothing) {
+    DFLASH_RETURN_IF_ERROR(CheckOverride(
+        "label_smoothing", "loss.cross_entropy.label_smoothing",
+        *o.label_smoothing, *o.label_smoothing >= 0 && *o.label_smoothing < 1,
+        "in [0, 1)"));
+  }
+  if (o.z_loss_scale) {
+    DFLASH_RETURN_IF_ERROR(CheckOverride(
+        "z_loss_scale", "loss.cross_entropy.z_loss_scale", *o.z_loss_scale,
+        *o.z_loss_scale >= 0 && std::isfinite(*o.z_loss_scale),
+        "finite and >= 0"));
+  }
   v1::LossConfig& loss = *config.mutable_loss();
   if (overrides.loss_type.has_value()) {
     DFLASH_RETURN_IF_ERROR(

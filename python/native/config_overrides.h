@@ -33,9 +33,10 @@ struct ConfigOverrides {
   std::optional<double> z_loss_scale;
 };
 
-// Applies `overrides` in the order above. A name outside its list, or gamma
-// for D-PACE, is an error naming the keyword; values are checked when the
-// config is validated.
+// Applies `overrides` in the order above. A name outside its list, gamma
+// for D-PACE, or a value outside its range (chunk_blocks, segment_chunks,
+// gamma, threads, label_smoothing, z_loss_scale) is an error naming the
+// keyword; the rest is checked when the config is validated.
 absl::Status ApplyOverrides(const ConfigOverrides& overrides,
                             v1::ObjectiveConfig& config);
 

@@ -312,6 +312,30 @@ class BadInputsTest(unittest.TestCase):
         self.assertEqual(self.call(chunk_blocks=np.int32(1)).loss_num,
                          self.call(chunk_blocks=1).loss_num)
 
+    def test_override_ranges_name_the_keyword(self):
+        for keyword, value, message in (
+                ("chunk_blocks", 0,
+                 "chunk_blocks: must be > 0 (chunking.blocks_per_chunk), "
+                 "got 0"),
+                ("segment_chunks", -1,
+                 "segment_chunks: must be >= 0 (0: never recompute) "
+                 "(checkpoint.segment_chunks), got -1"),
+                ("gamma", -1.0,
+                 "gamma: must be finite and >= 0 (the loss family's gamma), "
+                 "got -1"),
+                ("gamma", float("nan"),
+                 "gamma: must be finite and >= 0 (the loss family's gamma), "
+                 "got nan"),
+                ("label_smoothing", 1.0,
+                 "label_smoothing: must be in [0, 1) "
+                 "(loss.cross_entropy.label_smoothing), got 1"),
+                ("z_loss_scale", float("inf"),
+                 "z_loss_scale: must be finite and >= 0 "
+                 "(loss.cross_entropy.z_loss_scale), got inf")):
+            with self.subTest(keyword=keyword, value=value):
+                self.assertRaisesMessage(ValueError, message,
+                                         **{keyword: value})
+
     def test_thread_counts_are_bounded(self):
         message = ("threads: must lie in [0, 1024] (0: every usable CPU), "
                    "got 100000")
