@@ -225,6 +225,12 @@ void RemoveRegisteredTemporaries() {
   }
 }
 
+// The signals whose default action ends the process (SIGKILL and SIGSTOP
+// aside, which cannot be caught).
+constexpr int kTerminatingSignals[] = {SIGINT,  SIGTERM, SIGHUP,    SIGQUIT,
+                                       SIGUSR1, SIGUSR2, SIGALRM,   SIGXCPU,
+                                       SIGXFSZ, SIGPROF, SIGVTALRM};
+
 extern "C" void RemoveTemporariesAndDie(int signal) {
   int idle = 0;
   if (g_commit_gate.compare_exchange_strong(idle, -1)) {
@@ -245,7 +251,8 @@ class CommitGuard {
   CommitGuard() {
     sigset_t held;
     sigemptyset(&held);
-    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&held, s);
+    for (int s : kTerminatingSignals) sigaddset(&held, s);
+    sigaddset(&held, SIGPIPE);
     ::pthread_sigmask(SIG_BLOCK, &held, &saved_);
     int commits = g_commit_gate.load();
     do {
@@ -398,7 +405,15 @@ void RemoveTemporariesOnSignals() {
   std::memset(&action, 0, sizeof(action));
   action.sa_handler = RemoveTemporariesAndDie;
   sigemptyset(&action.sa_mask);
-  for (int s : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(s, &action, nullptr);
+  for (int s : kTerminatingSignals) {
+    // One the process ignores (SIGXFSZ in dflash_head) stays ignored.
+    struct sigaction current;
+    if (::sigaction(s, nullptr, &current) == 0 &&
+        current.sa_handler == SIG_IGN) {
+      continue;
+    }
+    ::sigaction(s, &action, nullptr);
+  }
 }
 
 OutputFileSet::~OutputFileSet() { Abandon(); }

@@ -67,7 +67,7 @@ absl::Status PrepareOutputDirectory(const std::string& dir);
 // does not hold. Until Commit() no target changes, and a set destroyed
 // uncommitted removes its temporaries.
 //
-// Commit() holds SIGINT, SIGTERM, SIGHUP and SIGPIPE off, refuses a target
+// Commit() holds those signals and SIGPIPE off, refuses a target
 // that is neither a regular file nor a link (a directory) before anything
 // changes, then (1) renames each existing target aside to a hidden
 // `.NAME.old-PID-RANDOM` beside it, (2) renames the temporaries into
@@ -109,7 +109,9 @@ class OutputFileSet {
   std::vector<std::string> removals_;
 };
 
-// Installs handlers of SIGINT, SIGTERM and SIGHUP that remove the
+// Installs handlers of the signals that end a process by default (SIGINT,
+// SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGXFSZ,
+// SIGPROF, SIGVTALRM; not those the process ignores) that remove the
 // temporaries of every OutputFileSet being written and then end the
 // process by the same signal (its exit status says which); a signal that
 // arrives during a Commit() takes effect once the commit is done. Call

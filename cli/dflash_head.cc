@@ -230,6 +230,8 @@ int main(int argc, char** argv) {
   // A closed standard output is an error said once the outputs are safe,
   // not a death by SIGPIPE before.
   std::signal(SIGPIPE, SIG_IGN);
+  // A file-size limit (ulimit -f) is a write error naming the file too.
+  std::signal(SIGXFSZ, SIG_IGN);
   // An interrupted run leaves no temporaries in --out.
   dflash::RemoveTemporariesOnSignals();
   // Sizes are checked before they are allocated; anything that still

@@ -39,6 +39,18 @@ for flag in config loss gamma lk kl_scale kl_decay mode chunk_blocks threads \
   expect 1 "--$flag: needs a value, got ''" -- "$bin" "${small[@]}" "--$flag" ''
 done
 expect 1 "--memory_limit: must be a positive number" -- "$bin" --memory_limit=-5
+expect 1 "--chunk_blocks: must be > 0 (anchor blocks a chunk), got 0" -- \
+  "$bin" "${small[@]}" --chunk_blocks=0
+expect 1 "head.hidden_size: must lie in [1, 2147483647] (the GEMMs take int32 sizes), got 1099511627776" -- \
+  "$bin" "${small[@]}" --hidden=1099511627776
+# A file-size limit while writing --out: an error naming the file, no
+# temporaries left, no death by SIGXFSZ.
+mkdir -p "$tmp/fsize"
+err=$(bash -c 'ulimit -f 1 && exec "$@"' _ "$bin" "${small[@]}" \
+  --out="$tmp/fsize" 2>&1 >/dev/null)
+code=$?
+[[ $code == 1 && "$err" == *"File too large"* && -z "$(ls -A "$tmp/fsize")" ]] ||
+  fail "ulimit -f 1: exit $code, stderr: $err, left: $(ls -A "$tmp/fsize")"
 # Thread counts: bounded, and more than the CPUs run on the CPUs, said so.
 expect 1 "--threads: must lie in [0, 1024] (0: every usable CPU), got 100000" -- \
   "$bin" "${small[@]}" --threads=100000
@@ -206,6 +218,16 @@ echo 'head { vocab_size: 100 hidden_size: 8 } loss { dflash {} }' \
   >"$tmp/good.textproto"
 expect 2 "unexpected argument 'extra'" -- \
   "$check_config" --config="$tmp/good.textproto" extra
+# A pipe with no reader: one line, not a death by SIGPIPE.
+mkfifo "$tmp/pipe2"
+exec 4<>"$tmp/pipe2"
+exec 5>"$tmp/pipe2"
+exec 4<&-
+err=$("$check_config" --config="$tmp/good.textproto" 2>&1 >&5)
+code=$?
+exec 5>&-
+[[ $code == 1 && "$err" == "check_config: cannot write standard output: Broken pipe" ]] ||
+  fail "check_config to a closed pipe: exit $code, stderr: $err"
 err=$("$check_config" --config="$tmp/good.textproto" 2>&1 >/dev/full)
 code=$?
 [[ $code == 1 && "$err" == "check_config: cannot write standard output: No space left on device" ]] ||

@@ -777,6 +777,11 @@ absl::Status ApplyObjectiveFlags(const HeadJobOptions& options,
     DFLASH_RETURN_IF_ERROR(SetModeByName("--mode", options.mode, config));
   }
   if (options.chunk_blocks.has_value()) {
+    if (*options.chunk_blocks <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--chunk_blocks: must be > 0 (anchor blocks a chunk), got ",
+          *options.chunk_blocks));
+    }
     config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);
   }
   if (options.threads.has_value()) {
@@ -800,24 +805,25 @@ absl::Status SetSyntheticShapes(const HeadJobOptions& options,
   if (options.block) layout.set_block_size(*options.block);
   if (options.hidden) config.mutable_head()->set_hidden_size(*options.hidden);
   if (options.vocab) config.mutable_head()->set_vocab_size(*options.vocab);
-  std::string from = "--anchors";
-  if (options.anchors) {
-    layout.set_num_anchors(*options.anchors);
-  } else if (!layout.has_num_anchors()) {
-    layout.set_num_anchors(kDefaultSyntheticShape.num_anchors);
-    from = "--anchors (default)";
-  } else if (options.config_path.empty()) {
-    from = "--anchors (default)";  // The built-in config's.
-  } else {
-    from = absl::StrCat("layout.num_anchors (", options.config_path, ")");
-  }
   const int64_t seq = options.seq.value_or(kDefaultSyntheticShape.seq_len);
   if (seq < 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--seq: a synthetic sequence needs at least 2 tokens, got ", seq));
   }
-  const int64_t anchors = layout.num_anchors();
   const int64_t most = SyntheticAnchorCapacity(seq);
+  std::string from = "--anchors";
+  if (options.anchors) {
+    layout.set_num_anchors(*options.anchors);
+  } else if (!layout.has_num_anchors() || options.config_path.empty()) {
+    // Nobody asked for a number: the default, or what a short sequence
+    // holds.
+    layout.set_num_anchors(
+        std::min(kDefaultSyntheticShape.num_anchors, std::max<int64_t>(most, 1)));
+    from = "--anchors (default)";
+  } else {
+    from = absl::StrCat("layout.num_anchors (", options.config_path, ")");
+  }
+  const int64_t anchors = layout.num_anchors();
   if (anchors <= most) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       from, ": ", anchors, " anchor blocks do not fit a synthetic sequence of ",

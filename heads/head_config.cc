@@ -20,8 +20,12 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
   }
   if (!head.has_hidden_size()) {
     problems.Add("head.hidden_size", "is required");
-  } else {
-    problems.Above("head.hidden_size", head.hidden_size(), 0);
+  } else if (head.hidden_size() <= 0 ||
+             head.hidden_size() > std::numeric_limits<int32_t>::max()) {
+    problems.Add("head.hidden_size",
+                 absl::StrCat("must lie in [1, 2147483647] (the GEMMs take "
+                              "int32 sizes), got ",
+                              head.hidden_size()));
   }
   problems.Specified("head.dtype", head.dtype(),
                      v1::HeadConfig::DType_Name(head.dtype()));

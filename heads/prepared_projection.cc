@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -398,6 +399,19 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PreparedProjection::Create(
 absl::StatusOr<int64_t> PreparedProjection::LaidOutBytes(int64_t vocab,
                                                          int64_t hidden,
                                                          bool filter_tiles) {
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (vocab <= 0 || hidden <= 0 || vocab > kMaxDim || hidden > kMaxDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projection: vocab and hidden must lie in [1, 2^31), got ", vocab,
+        " and ", hidden));
+  }
+  // Beyond a TiB oneDNN is not asked (its blocking arithmetic overflows);
+  // the plain copies' size says enough to refuse such a run.
+  constexpr int64_t kAskedUpTo = int64_t{1} << 38;  // Values.
+  if (vocab * hidden > kAskedUpTo) {
+    return (filter_tiles ? 3 : 2) * vocab * hidden *
+           static_cast<int64_t>(sizeof(float));
+  }
   try {
     const std::unique_ptr<Impl> impl = Formats(vocab, hidden);
     int64_t bytes = static_cast<int64_t>(impl->forward.packed.get_size() +

@@ -1,6 +1,7 @@
 // Loads, validates and prints the resolved policy of an objective config.
 #include <cerrno>
 #include <cstdio>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -37,6 +38,9 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Loads an objective config, fills defaults, validates it and prints the "
       "resolved policy.\n  check_config --config=FILE [--format=text|json]");
+  // A closed standard output is the error line below, not a death by
+  // SIGPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     std::cerr << "unexpected argument '" << positional[1]

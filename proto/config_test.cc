@@ -128,7 +128,7 @@ TEST(ConfigTest, ProblemsAreAllReported) {
   EXPECT_THAT(config.status().message(), HasSubstr("two.textproto"));
   EXPECT_THAT(config.status().message(), HasSubstr("head.vocab_size"));
   EXPECT_THAT(config.status().message(),
-              HasSubstr("head.hidden_size: must be > 0, got 0"));
+              HasSubstr("head.hidden_size: must lie in [1, 2147483647] (the GEMMs take int32 sizes), got 0"));
   EXPECT_THAT(config.status().message(),
               HasSubstr("loss.dflash.gamma: must be >= 0, got -2"));
 }

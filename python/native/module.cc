@@ -92,6 +92,12 @@ std::optional<TensorArg> ArgOf(const char* name, py::handle tensor) {
                            ": must hold data, got a meta tensor (shape and "
                            "dtype only)"));
   }
+  // A lazily negated view's memory holds the values un-negated.
+  if (py::hasattr(tensor, "is_neg") && tensor.attr("is_neg")().cast<bool>()) {
+    RaiseType(absl::StrCat(name,
+                           ": must not be a lazily negated view (call "
+                           ".resolve_neg(), one copy)"));
+  }
   TensorArg arg;
   arg.name = name;
   arg.data = tensor.attr("data_ptr")().cast<uintptr_t>();
@@ -115,7 +121,9 @@ TensorArg RequiredArgOf(const char* name, py::handle tensor) {
 template <typename T>
 T Cast(const std::string& key, py::handle value, const char* expected) {
   if constexpr (!std::is_same_v<T, std::string>) {
-    if (py::isinstance<py::bool_>(value)) {
+    // NumPy's bools too (numpy.bool_, named bool from NumPy 2).
+    const std::string type = py::str(value.get_type().attr("__name__"));
+    if (type == "bool" || type == "bool_") {
       RaiseType(absl::StrCat(key, ": must be ", expected, ", got ",
                              std::string(py::repr(value))));
     }
@@ -123,6 +131,13 @@ T Cast(const std::string& key, py::handle value, const char* expected) {
   try {
     return value.cast<T>();
   } catch (const py::cast_error&) {
+    if constexpr (std::is_integral_v<T>) {
+      if (py::isinstance<py::int_>(value)) {
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat(key, ": must fit in ", sizeof(T) * 8,
+                         " bits, got ", std::string(py::repr(value)))));
+      }
+    }
     RaiseType(absl::StrCat(key, ": must be ", expected, ", got ",
                            std::string(py::repr(value))));
   }

@@ -118,6 +118,18 @@ class BadInputsTest(unittest.TestCase):
                 TypeError, "^lm_head_weight: must hold data, got a meta"):
             dflash.PreparedProjection(self.weight.to("meta"))
 
+    def test_lazily_negated_views(self):
+        # torch's neg bit: the memory holds the values un-negated.
+        negated = torch._neg_view(self.hidden)
+        self.assertTrue(negated.is_neg())
+        self.assertRaisesMessage(
+            TypeError,
+            "hidden: must not be a lazily negated view (call .resolve_neg(), "
+            "one copy)",
+            hidden=negated)
+        self.assertEqual(self.call(hidden=negated.resolve_neg()).loss_num,
+                         self.call(hidden=-self.hidden).loss_num)
+
     def test_prepared_projection_of_the_wrong_kind(self):
         self.assertRaisesMessage(
             TypeError,
@@ -307,6 +319,18 @@ class BadInputsTest(unittest.TestCase):
             chunk_blocks=True)
         self.assertRaisesMessage(
             TypeError, "threads: must be an int, got False", threads=False)
+        with self.assertRaisesRegex(TypeError, "^top_k: must be an int, got"):
+            self.call(top_k=np.bool_(True))
+        with self.assertRaisesRegex(TypeError, "^gamma: must be a float, got"):
+            self.call(gamma=np.bool_(True))
+        self.assertRaisesMessage(
+            ValueError,
+            "chunk_blocks: must fit in 64 bits, got 9223372036854775808",
+            chunk_blocks=2**63)
+        self.assertRaisesMessage(
+            ValueError,
+            "ignore_index: must fit in 64 bits, got 1180591620717411303424",
+            ignore_index=2**70)
         self.assertEqual(self.call(gamma=np.float64(5)).loss_num,
                          self.call(gamma=5.0).loss_num)
         self.assertEqual(self.call(chunk_blocks=np.int32(1)).loss_num,
@@ -367,6 +391,20 @@ class BadInputsTest(unittest.TestCase):
             "(3.40282e+38) by weight_mask[0, 1, 2] = 3e+38; the loss and "
             "accuracy denominators would be inf",
             weight_mask=mask)
+
+    def test_terms_beyond_float32(self):
+        # The masks' sum fits float32; the loss they weigh does not.
+        mask = (self.weight_mask > 0).float() * 2.5e37
+        with self.assertRaisesRegex(
+                ValueError, r"^weight_mask: the loss_num it weighs, [0-9.]+e\+3"
+                r"[89], overflows float32 \(the terms' dtype\); scale "
+                "weight_mask down$"):
+            self.call(weight_mask=mask)
+        # float64 holds them.
+        terms = self.call(hidden=self.hidden.double(),
+                          lm_head_weight=self.weight.double(),
+                          weight_mask=mask.double())
+        self.assertTrue(torch.isfinite(terms.loss_num))
 
     def test_memory_error(self):
         # 2^18 rows x 2^24 logits (16 TiB) in one chunk: the allocation fails.

@@ -111,12 +111,22 @@ def _tensor(name, value, optional=False):
     if value.is_meta:
         raise TypeError(f"{name}: must hold data, got a meta tensor (shape "
                         "and dtype only)")
+    if value.is_neg():
+        # Its memory holds the values un-negated: read in place, they would
+        # be wrong.
+        raise TypeError(f"{name}: must not be a lazily negated view (call "
+                        ".resolve_neg(), one copy)")
     return value
+
+
+def _is_bool(value):
+    # Python's and NumPy's (np.bool_, which has __index__).
+    return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")
 
 
 def _int(name, value):
     """`value` as an int: Python and NumPy integers, not bools or floats."""
-    if isinstance(value, bool):
+    if _is_bool(value):
         raise TypeError(f"{name}: must be an int, got {value!r}")
     try:
         return operator.index(value)
@@ -215,6 +225,13 @@ class _Objective(torch.autograd.Function):
         # place).
         scalar_dtype = (torch.float32 if hidden.dtype == torch.bfloat16
                         else hidden.dtype)
+        if scalar_dtype == torch.float32:
+            for term in ("loss_num", "ce_num", "tv_num"):
+                if abs(result[term]) > torch.finfo(torch.float32).max:
+                    raise ValueError(
+                        f"weight_mask: the {term} it weighs, "
+                        f"{result[term]:.6g}, overflows float32 (the terms' "
+                        "dtype); scale weight_mask down")
         values = torch.tensor(
             [result["loss_num"], result["loss_den"], result["correct"],
              result["accuracy_den"], result["target_probability"],
