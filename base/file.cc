@@ -170,7 +170,14 @@ absl::Status PrepareOutputDirectory(const std::string& dir) {
     return OsError(errno, dir, "cannot create files in this directory");
   }
   ::close(fd);
-  ::unlink(probe.c_str());
+  // A directory that lets files in but not out (append-only) would refuse
+  // the commit's renames after all the work.
+  if (::unlink(probe.c_str()) != 0) {
+    return OsError(errno, dir,
+                   absl::StrCat("can create files but not remove them (",
+                                probe.substr(probe.rfind('/') + 1),
+                                " stays); outputs could not be replaced"));
+  }
   return absl::OkStatus();
 }
 

@@ -109,6 +109,26 @@ TEST(PrepareOutputDirectoryTest, AFileInThePathIsAnError) {
                 "/plain is a regular file, expected a directory");
 }
 
+// An append-only directory takes new files but lets none go: the commit's
+// renames would fail after the work, so it is refused first.
+TEST(PrepareOutputDirectoryTest, AnAppendOnlyDirectoryIsAnError) {
+  const std::string dir = TestDir("append_only");
+  std::string message;
+  {
+    ImmutableFile append_only(dir, /*append_only=*/true);
+    if (!append_only.set()) {
+      GTEST_SKIP() << "chattr +a is refused on this filesystem";
+    }
+    message = std::string(PrepareOutputDirectory(dir).message());
+  }
+  EXPECT_THAT(message, ::testing::StartsWith(
+                           dir + ": can create files but not remove them "
+                                 "(.dflash-probe-"));
+  EXPECT_THAT(message, ::testing::HasSubstr(
+                           " stays); outputs could not be replaced: "
+                           "Operation not permitted"));
+}
+
 // Root ignores permission bits, so an unwritable directory is one the
 // kernel refuses: sysfs.
 TEST(PrepareOutputDirectoryTest, AnUnwritableDirectoryIsAnError) {

@@ -45,6 +45,10 @@ def objective_config(config=None, **overrides):
     ):
         base = ObjectiveConfig.from_file(os.fspath(config))
     elif isinstance(config, str):
+        if not config.strip():
+            raise ValueError(
+                "config: an empty str; pass None for the default config, "
+                "text format or a path")
         base = ObjectiveConfig.from_text(config, "config")
     else:
         raise TypeError(

@@ -246,6 +246,14 @@ class BadInputsTest(unittest.TestCase):
             import pathlib
             self.call(config=pathlib.Path("/nonexistent/objective.textproto"))
 
+    def test_an_empty_config_string(self):
+        for text in ("", "  \n"):
+            self.assertRaisesMessage(
+                ValueError,
+                "config: an empty str; pass None for the default config, text "
+                "format or a path",
+                config=text)
+
     def test_config_strings_that_name_paths(self):
         # A str that looks like a path is read as one: missing, a directory
         # or a FIFO is said so, not parsed as text format.

@@ -266,10 +266,38 @@ class AutogradTest(unittest.TestCase):
         terms = dflash_objective(hidden, weight, target_ids, weight_mask)
         (grad,) = torch.autograd.grad(terms.loss_num, hidden,
                                       create_graph=True)
-        with self.assertRaisesRegex(RuntimeError,
-                                    "dflash_objective: double backward is "
-                                    "not supported"):
+        message = "dflash_objective: double backward is not supported"
+        with self.assertRaisesRegex(RuntimeError, message):
             grad.sum().backward()
+        # Differentiated with respect to an input: the error, not "unused".
+        terms = dflash_objective(hidden, weight, target_ids, weight_mask)
+        (grad,) = torch.autograd.grad(terms.loss_num, hidden,
+                                      create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, message):
+            torch.autograd.grad(grad.sum(), hidden)
+        # A Hessian-vector product: the error, not zeros.
+        loss = lambda h: dflash_objective(  # noqa: E731
+            h, weight, target_ids, weight_mask).loss_num
+        with self.assertRaisesRegex(RuntimeError, message):
+            torch.autograd.functional.hvp(loss, hidden.detach(),
+                                          torch.ones_like(hidden))
+        # A trainable weight alike.
+        weight = weight.clone().requires_grad_()
+        terms = dflash_objective(hidden, weight, target_ids, weight_mask)
+        (grad,) = torch.autograd.grad(terms.loss_num, weight,
+                                      create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, message):
+            torch.autograd.grad(grad.sum(), weight)
+        # First derivatives with create_graph stay right.
+        hidden2 = hidden.detach().clone().requires_grad_()
+        terms = dflash_objective(hidden2, weight.detach(), target_ids,
+                                 weight_mask)
+        (with_graph,) = torch.autograd.grad(terms.loss_num, hidden2,
+                                            create_graph=True)
+        terms = dflash_objective(hidden2, weight.detach(), target_ids,
+                                 weight_mask)
+        (plain,) = torch.autograd.grad(terms.loss_num, hidden2)
+        torch.testing.assert_close(with_graph.detach(), plain)
 
 
 if __name__ == "__main__":

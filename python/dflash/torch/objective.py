@@ -274,7 +274,8 @@ class _Objective(torch.autograd.Function):
         # second backward without retain_graph raises as torch's own ops do.
         ctx.save_for_backward(
             *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
-            values, outputs["top_k"])
+            values, outputs["top_k"], confidence, correction_inputs,
+            correction_weight)
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
               if i != 0 and i != ctx.values_at])
@@ -288,19 +289,31 @@ class _Objective(torch.autograd.Function):
             return grads
         # create_graph=True: the gradients come back, but differentiating
         # them again raises (as torch's once_differentiable, naming us).
+        # Each is tied to the inputs by a term that is exactly 0, so that a
+        # second pass from any of them reaches the error (instead of
+        # finding no path and giving zeros, as for torch.autograd.
+        # functional.hvp).
+        saved = ctx.saved_tensors[len(_GRADIENTS):]
+        inputs = [t for t in saved[:3] + saved[5:]
+                  if t is not None and t.requires_grad]
+        inputs += [g for g in grad_outputs
+                   if isinstance(g, torch.Tensor) and g.requires_grad]
+        zero = sum(t.reshape(-1)[:0].sum() for t in inputs)
         error = torch._C._functions.DelayedError(
             "dflash_objective: double backward is not supported (its "
             "gradients are computed by the fused head, not by autograd ops)",
             len(grads))
 
-        def differentiable(grad):
+        def tied(grad):
             if grad is None:
                 return None
             grad = grad.detach()
+            if isinstance(zero, torch.Tensor):
+                return grad + zero.to(grad.dtype)
             grad.requires_grad = True
             return grad
 
-        return error(*[differentiable(g) for g in grads])
+        return error(*[tied(g) for g in grads])
 
     @staticmethod
     def _gradients(ctx, grad_num, *unused):
@@ -309,7 +322,7 @@ class _Objective(torch.autograd.Function):
         # denominator, an accumulation factor, ...).
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
-        hidden, weight, bias, values, ids = saved[len(_GRADIENTS):]
+        hidden, weight, bias, values, ids = saved[len(_GRADIENTS):][:5]
         scale = grad_num * ctx.den
 
         def scaled(grad):
