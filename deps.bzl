@@ -200,7 +200,7 @@ package(default_visibility = ["//visibility:public"])
 [cc_library(
     name = name,
     target_compatible_with = ["@platforms//:incompatible"],
-) for name in ["cuda_headers", "cudart", "cublas"]]
+) for name in ["cuda_headers", "cudart"]]
 """
 
 def _cuda_lib_dir(ctx, root):
@@ -213,6 +213,14 @@ def _cuda_lib_dir(ctx, root):
         if ctx.path(lib + "/libcudart.so").exists:
             return lib
     return None
+
+def _cudart_major(ctx, lib):
+    """The major version in libcudart's file name (libcudart.so.13)."""
+    for entry in ctx.path(lib).readdir():
+        name = entry.basename
+        if name.startswith("libcudart.so.") and name.count(".") == 2:
+            return name.split(".")[2]
+    fail("no libcudart.so.<major> in " + lib)
 
 def _host_cxx(ctx):
     """nvcc's host compiler: CUDAHOSTCXX, else CXX, else g++ on PATH."""
@@ -233,9 +241,12 @@ def _cuda_configure_impl(ctx):
     archs = [a for a in env.get("DFLASH_CUDA_ARCHS", "80,90").split(",") if a]
     if not enabled:
         ctx.file("BUILD", _CUDA_DISABLED_BUILD)
-        ctx.file("defs.bzl", "CUDA_ENABLED = False\nCUDA_ROOT = \"\"\nNVCC = \"\"\nHOST_CXX = \"\"\nCUDA_ARCHS = []\n")
+        ctx.file("defs.bzl", "CUDA_ENABLED = False\nCUDA_ROOT = \"\"\nCUDA_LIB_DIR = \"\"\nNVCC = \"\"\nHOST_CXX = \"\"\nCUDA_ARCHS = []\n")
         return
     ctx.symlink(root + "/include", "include")
+    major = _cudart_major(ctx, lib)
+    for name in ["libcudart_static.a", "libcudart.so." + major]:
+        ctx.symlink(lib + "/" + name, "lib/" + name)
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
@@ -245,20 +256,28 @@ cc_library(
     includes = ["include"],
 )
 
-cc_library(
-    name = "cudart",
-    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-lcudart"],
-    deps = [":cuda_headers"],
+# The CUDA runtime: static where a target links statically (a cc_binary,
+# the Python extension module), so that it opens the driver (libcuda.so.1)
+# itself on the first CUDA call and nothing of CUDA is needed to load it;
+# the shared library where Bazel links tests dynamically.
+cc_import(
+    name = "cudart_import",
+    static_library = "lib/libcudart_static.a",
+    shared_library = "lib/libcudart.so.{major}",
 )
 
 cc_library(
-    name = "cublas",
-    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-lcublasLt", "-lcublas"],
-    deps = [":cudart"],
+    name = "cudart",
+    linkopts = ["-ldl", "-lrt", "-lpthread"],
+    deps = [
+        ":cuda_headers",
+        ":cudart_import",
+    ],
 )
-""".format(lib = lib))
-    ctx.file("defs.bzl", "CUDA_ENABLED = True\nCUDA_ROOT = %r\nNVCC = %r\nHOST_CXX = %r\nCUDA_ARCHS = %r\n" % (
+""".format(major = major))
+    ctx.file("defs.bzl", "CUDA_ENABLED = True\nCUDA_ROOT = %r\nCUDA_LIB_DIR = %r\nNVCC = %r\nHOST_CXX = %r\nCUDA_ARCHS = %r\n" % (
         root,
+        lib,
         str(nvcc),
         _host_cxx(ctx),
         archs,

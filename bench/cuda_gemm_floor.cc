@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/cublas_library.h"
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "bench/cuda_fill.h"
@@ -49,17 +50,17 @@ absl::StatusOr<double> PairSeconds(CublasHandle& blas, int64_t rows,
       const char* xs = x->data() + begin * hidden * element;
       char* gs = grad->data() + begin * hidden * element;
       cublasStatus_t s =
-          cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, &one,
+          blas.api().gemm_ex(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, v, m, h, &one,
                        w->data(), type, h, xs, type, h, &zero, logits->data(),
                        type, v, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       if (s == CUBLAS_STATUS_SUCCESS) {
-        s = cublasGemmEx(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, &one,
+        s = blas.api().gemm_ex(blas.get(), CUBLAS_OP_N, CUBLAS_OP_N, h, m, v, &one,
                          w->data(), type, h, logits->data(), type, v, &zero, gs,
                          type, h, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       }
       if (s != CUBLAS_STATUS_SUCCESS) {
         return absl::InternalError(
-            absl::StrCat("floor GEMM: ", cublasGetStatusString(s)));
+            absl::StrCat("floor GEMM: ", blas.api().status_string(s)));
       }
     }
     return absl::OkStatus();

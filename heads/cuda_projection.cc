@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/cublas_library.h"
 #include "base/status_macros.h"
 #include "heads/cuda_head_kernels.h"
 
@@ -17,10 +18,11 @@ template <typename T>
 constexpr cudaDataType_t kType =
     std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
 
-absl::Status BlasStatus(cublasStatus_t status, const char* what) {
+absl::Status BlasStatus(const CublasApi& api, cublasStatus_t status,
+                        const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   return absl::InternalError(
-      absl::StrCat(what, ": ", cublasGetStatusString(status)));
+      absl::StrCat(what, ": ", api.status_string(status)));
 }
 
 // Logit rows padded to whole 16-byte vectors, for the loss's vector loads.
@@ -138,7 +140,8 @@ class CudaProjection final : public VocabProjection<T> {
             cudaDataType_t c_type, int64_t ldc, const char* what) {
     if (!status_.ok()) return;
     status_ = BlasStatus(
-        cublasGemmEx(
+        blas_.api(),
+        blas_.api().gemm_ex(
             blas_.get(), op_a, op_b, static_cast<int>(m), static_cast<int>(n),
             static_cast<int>(k), &alpha, a, kType<T>, static_cast<int>(lda), b,
             kType<T>, static_cast<int>(ldb), &beta, c, c_type,
@@ -158,28 +161,31 @@ class CudaProjection final : public VocabProjection<T> {
 
 absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
     CudaStream& stream) {
+  DFLASH_ASSIGN_OR_RETURN(const CublasApi* api, Cublas());
   cublasHandle_t handle = nullptr;
-  DFLASH_RETURN_IF_ERROR(BlasStatus(cublasCreate(&handle), "cublasCreate"));
+  DFLASH_RETURN_IF_ERROR(
+      BlasStatus(*api, api->create(&handle), "cublasCreate"));
   // BF16 GEMMs accumulate in FP32 with no reduced-precision reductions in
   // split-K, so they match the CPU's FP32 accumulation.
-  absl::Status ok = BlasStatus(cublasSetStream(handle, stream.stream()),
-                               "cublasSetStream");
+  absl::Status ok = BlasStatus(
+      *api, api->set_stream(handle, stream.stream()), "cublasSetStream");
   if (ok.ok()) {
     ok = BlasStatus(
-        cublasSetMathMode(handle,
-                          static_cast<cublasMath_t>(
-                              CUBLAS_DEFAULT_MATH |
-                              CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+        *api,
+        api->set_math_mode(
+            handle, static_cast<cublasMath_t>(
+                        CUBLAS_DEFAULT_MATH |
+                        CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
         "cublasSetMathMode");
   }
   if (!ok.ok()) {
-    cublasDestroy(handle);
+    api->destroy(handle);
     return ok;
   }
-  return std::unique_ptr<CublasHandle>(new CublasHandle(handle, stream));
+  return std::unique_ptr<CublasHandle>(new CublasHandle(handle, *api, stream));
 }
 
-CublasHandle::~CublasHandle() { cublasDestroy(handle_); }
+CublasHandle::~CublasHandle() { api_.destroy(handle_); }
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(

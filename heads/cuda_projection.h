@@ -13,8 +13,12 @@ struct cublasContext;
 
 namespace dflash {
 
+struct CublasApi;  // base/cublas_library.h
+
 // A cuBLAS handle bound to a CudaStream. Creating one costs milliseconds:
-// make it once and reuse it for every step.
+// make it once and reuse it for every step. cuBLAS itself is opened on the
+// first (base/cublas_library.h): NotFound, naming where it looked, when it
+// is nowhere.
 class CublasHandle {
  public:
   static absl::StatusOr<std::unique_ptr<CublasHandle>> Create(
@@ -24,12 +28,14 @@ class CublasHandle {
   CublasHandle& operator=(const CublasHandle&) = delete;
 
   cublasContext* get() const { return handle_; }
+  const CublasApi& api() const { return api_; }
   CudaStream& stream() const { return stream_; }
 
  private:
-  CublasHandle(cublasContext* handle, CudaStream& stream)
-      : handle_(handle), stream_(stream) {}
+  CublasHandle(cublasContext* handle, const CublasApi& api, CudaStream& stream)
+      : handle_(handle), api_(api), stream_(stream) {}
   cublasContext* const handle_;
+  const CublasApi& api_;
   CudaStream& stream_;
 };
 

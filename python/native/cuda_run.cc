@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/cublas_library.h"
 #include "base/cuda_stream.h"
 #include "base/status_macros.h"
 #include "heads/cuda_head.h"
@@ -109,6 +110,10 @@ auto OnHeadStream(int device, uintptr_t stream, Work work)
 }  // namespace
 
 bool BuiltWithCuda() { return true; }
+
+void SetCudaLibraryDirs(std::vector<std::string> dirs) {
+  dflash::SetCudaLibraryDirs(std::move(dirs));
+}
 
 template <typename T>
 absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,

@@ -2,6 +2,8 @@
 #define DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -13,6 +15,11 @@ namespace dflash::python {
 
 // Whether this build has the CUDA head (Bazel found a CUDA toolkit).
 bool BuiltWithCuda();
+
+// Folders where the CUDA head looks for cuBLAS first (torch's bundled
+// NVIDIA libraries); the system's and the build's toolkit come after. Does
+// nothing in a build without CUDA.
+void SetCudaLibraryDirs(std::vector<std::string> dirs);
 
 // RunCudaHead (T = float or BFloat16) on CUDA device `device`, ordered
 // after the work already queued on `stream` (torch's current stream there)

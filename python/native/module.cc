@@ -502,6 +502,9 @@ PYBIND11_MODULE(_core, m) {
                              [](const dp::PreparedHandle& h) {
                                return h.projection->prepare_seconds();
                              });
+  m.def("set_cuda_library_dirs", &dp::SetCudaLibraryDirs, py::arg("dirs"),
+        "Folders where the CUDA head looks for cuBLAS first, before the "
+        "system's library path and the build's toolkit.");
   m.def("built_with_cuda", &dp::BuiltWithCuda,
         "Whether this build runs CUDA tensors.");
   m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,

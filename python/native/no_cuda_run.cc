@@ -7,6 +7,8 @@ namespace dflash::python {
 
 bool BuiltWithCuda() { return false; }
 
+void SetCudaLibraryDirs(std::vector<std::string>) {}
+
 template <typename T>
 absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
                                             const HeadInputs<T>&,

@@ -31,22 +31,59 @@ print("installed dflash", dflash.__version__, "with torch", torch.__version__)
 """
 
 
+# Runs the rest of the command line with every folder named here hidden
+# behind an empty tmpfs, in a mount namespace of its own.
+HIDE = """
+set -e
+for dir in "$@"; do
+  [ "$dir" = -- ] && break
+  [ -d "$dir" ] && mount -t tmpfs none "$dir"
+done
+while [ "$1" != -- ]; do shift; done
+shift
+exec "$@"
+"""
+
+
+def can_hide_folders():
+    return (os.geteuid() == 0 and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0)
+
+
 class WheelTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        env_dir = os.path.join(cls.root, "venv")
+        venv.create(env_dir, system_site_packages=True, with_pip=True)
+        cls.python = os.path.join(env_dir, "bin", "python")
+        cls.environment = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        cls.environment.pop("PYTHONPATH", None)  # Not the source tree's.
+        subprocess.run([cls.python, "-m", "pip", "install", "--quiet",
+                        "--no-index", "--no-deps", WHEEL],
+                       check=True, env=cls.environment)
+
+    def smoke(self, prefix=()):
+        result = subprocess.run(list(prefix) + [self.python, "-c", SMOKE],
+                                cwd=self.root, env=self.environment,
+                                capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("installed dflash", result.stdout)
+        return result.stdout
+
     def test_installs_and_runs(self):
-        with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as root:
-            env_dir = os.path.join(root, "venv")
-            venv.create(env_dir, system_site_packages=True, with_pip=True)
-            python = os.path.join(env_dir, "bin", "python")
-            environment = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-            environment.pop("PYTHONPATH", None)  # Not the source tree's dflash.
-            subprocess.run([python, "-m", "pip", "install", "--quiet",
-                            "--no-index", "--no-deps", WHEEL],
-                           check=True, env=environment)
-            result = subprocess.run([python, "-c", SMOKE], cwd=root, check=True,
-                                    env=environment, capture_output=True,
-                                    text=True)
-            print(result.stdout, end="")
-            self.assertIn("installed dflash", result.stdout)
+        print(self.smoke(), end="")
+
+    def test_imports_and_runs_without_cuda(self):
+        # Nothing of CUDA is needed until a CUDA tensor arrives: the runtime
+        # is linked statically and cuBLAS opened on first use.
+        if not can_hide_folders():
+            self.skipTest("hiding folders needs root and mount namespaces")
+        hidden = [d for d in ("/usr/local/cuda", "/usr/local/cuda-13",
+                              "/usr/local/cuda-13.0")
+                  if os.path.isdir(d)]
+        self.smoke(["unshare", "-m", "sh", "-c", HIDE, "sh"] + hidden +
+                   ["--"])
 
 
 if __name__ == "__main__":

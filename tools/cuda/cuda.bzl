@@ -13,7 +13,12 @@ load(
     "CUDA_ENABLED",
     "HOST_CXX",
     "NVCC",
+    _CUDA_LIB_DIR = "CUDA_LIB_DIR",
 )
+
+# The toolkit's library folder the build found ("" without one): the last
+# place the CUDA head looks for cuBLAS at run time.
+CUDA_LIB_DIR = _CUDA_LIB_DIR
 
 def if_cuda(if_true, if_false = []):
     """Chooses by whether the toolkit was found (e.g. a source with CUDA)."""

@@ -5,7 +5,10 @@ is computed chunk by chunk in forward, so nothing is recomputed); autograd's
 backward then only scales the saved gradients by what flows in.
 """
 
+import functools
+import glob
 import operator
+import os
 import signal
 import threading
 from typing import NamedTuple, Optional
@@ -149,6 +152,16 @@ def _empty(name, shape, dtype, device):
             f"{device}: out of memory") from error
 
 
+@functools.lru_cache(maxsize=None)
+def _use_torchs_cuda_libraries():
+    """Points the CUDA head at the cuBLAS torch ships (PyPI's torch bundles
+    its NVIDIA libraries under site-packages/nvidia/), before the system's
+    and the build's toolkit: the one torch itself runs on."""
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    _core.set_cuda_library_dirs(
+        sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib"))))
+
+
 def _interruptible():
     # Ctrl-C can stop the call where Python raises KeyboardInterrupt for it:
     # its main thread, under the default SIGINT handler.
@@ -211,6 +224,8 @@ class _Objective(torch.autograd.Function):
                 for name, spec in wanted.items()}
         grads = {name: made[name] for name in _GRADIENTS}
         outputs = {name: made[name] for name in made if name not in grads}
+        if hidden.is_cuda:
+            _use_torchs_cuda_libraries()
         stream = (torch.cuda.current_stream(device).cuda_stream
                   if hidden.is_cuda else 0)
         result = _core.run_objective(
