@@ -22,7 +22,7 @@ def _record_hash(data):
     return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def _metadata(version, readme):
+def _metadata(version, readme, python_tag):
     return "\n".join([
         "Metadata-Version: 2.1",
         "Name: dflash",
@@ -30,7 +30,8 @@ def _metadata(version, readme):
         "Summary: Fused, chunked vocabulary-projection heads and DFlash-family "
         "losses for PyTorch training of speculative-decoding draft models",
         "License: Apache-2.0",
-        "Requires-Python: >=3.11,<3.12",
+        # The extension is built for one CPython minor version (cp311).
+        f"Requires-Python: =={python_tag[2]}.{python_tag[3:]}.*",
         "Provides-Extra: torch",
         'Requires-Dist: torch>=1.13; extra == "torch"',
         "Description-Content-Type: text/markdown",
@@ -57,7 +58,8 @@ def main():
     with open(args.readme) as f:
         readme = f.read()
     info = f"{name}-{version}.dist-info"
-    entries[f"{info}/METADATA"] = _metadata(version, readme).encode()
+    entries[f"{info}/METADATA"] = _metadata(version, readme,
+                                            python_tag).encode()
     entries[f"{info}/WHEEL"] = "\n".join([
         "Wheel-Version: 1.0",
         "Generator: dflash python/build_wheel.py",

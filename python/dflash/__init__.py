@@ -5,9 +5,10 @@ DFlash-family losses for training speculative-decoding draft models.
 repository); `dflash.torch` runs it on PyTorch tensors.
 """
 
-from dflash import _openblas
+from dflash import _openblas, _openmp
 
 _openblas.choose_kernels()
+_openmp.share_torchs()
 
 from dflash._core import (  # noqa: E402
     ObjectiveConfig, PreparedProjection, built_with_cuda,
