@@ -250,8 +250,26 @@ def _cuda_configure_impl(ctx):
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
-cc_library(
+# Under --config=cuda_emulated the project's CUDA code compiles against,
+# and runs on, dflash's CPU emulation of CUDA (tools/cuda_emulation).
+alias(
     name = "cuda_headers",
+    actual = select({{
+        "@dflash//tools/cuda:emulated": "@dflash//tools/cuda_emulation:headers",
+        "//conditions:default": ":toolkit_headers",
+    }}),
+)
+
+alias(
+    name = "cudart",
+    actual = select({{
+        "@dflash//tools/cuda:emulated": "@dflash//tools/cuda_emulation:runtime",
+        "//conditions:default": ":toolkit_cudart",
+    }}),
+)
+
+cc_library(
+    name = "toolkit_headers",
     hdrs = glob(["include/**"]),
     includes = ["include"],
 )
@@ -267,10 +285,10 @@ cc_import(
 )
 
 cc_library(
-    name = "cudart",
+    name = "toolkit_cudart",
     linkopts = ["-ldl", "-lrt", "-lpthread"],
     deps = [
-        ":cuda_headers",
+        ":toolkit_headers",
         ":cudart_import",
     ],
 )

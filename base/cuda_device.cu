@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/cuda_launch.h"
 
 namespace dflash {
 namespace {
@@ -43,7 +44,8 @@ absl::Status CudaSelfTest() {
   if (error != cudaSuccess) return CudaError(error, "cudaMalloc");
   cudaMemcpy(device, x.data(), kN * sizeof(float), cudaMemcpyHostToDevice);
   cudaMemcpy(device + kN, y.data(), kN * sizeof(float), cudaMemcpyHostToDevice);
-  Axpy<<<(kN + 255) / 256, 256>>>(kN, 2.0f, device, device + kN);
+  DFLASH_LAUNCH(Axpy, (kN + 255) / 256, 256, 0, 0)
+  (kN, 2.0f, device, device + kN);
   error = cudaGetLastError();
   if (error == cudaSuccess) {
     error = cudaMemcpy(y.data(), device + kN, kN * sizeof(float),

@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include "base/bfloat16.h"
+#include "base/cuda_launch.h"
 #include "bench/cuda_fill.h"
 
 namespace dflash {
@@ -37,7 +38,8 @@ template <typename T>
 void LaunchFillNormal(T* data, int64_t count, float scale, uint64_t seed,
                       CUstream_st* stream) {
   if (count == 0) return;
-  FillNormalKernel<T><<<4096, 256, 0, stream>>>(data, count, scale, seed);
+  DFLASH_LAUNCH(FillNormalKernel<T>, 4096, 256, 0, stream)
+  (data, count, scale, seed);
 }
 
 template void LaunchFillNormal<float>(float*, int64_t, float, uint64_t,

@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include "base/bfloat16.h"
+#include "base/cuda_launch.h"
 #include "heads/cuda_head_kernels.h"
 #include "losses/loss_math.h"
 
@@ -79,16 +80,18 @@ template <typename T>
 void LaunchGatherRows(const T* source, int64_t width, const int64_t* rows,
                       int64_t count, T* out, CUstream_st* stream) {
   if (count == 0) return;
-  CopyRowsKernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-      source, width, rows, /*gather=*/true, out);
+  DFLASH_LAUNCH(CopyRowsKernel<T>, static_cast<unsigned>(count), kThreads, 0,
+                stream)
+  (source, width, rows, /*gather=*/true, out);
 }
 
 template <typename T>
 void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
                        int64_t count, T* out, CUstream_st* stream) {
   if (count == 0) return;
-  CopyRowsKernel<T><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-      values, width, rows, /*gather=*/false, out);
+  DFLASH_LAUNCH(CopyRowsKernel<T>, static_cast<unsigned>(count), kThreads, 0,
+                stream)
+  (values, width, rows, /*gather=*/false, out);
 }
 
 template <typename T>
@@ -96,8 +99,8 @@ void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
                    int64_t stride, CUstream_st* stream) {
   const int64_t total = count * vocab;
   if (total == 0) return;
-  AddBiasKernel<T><<<Blocks(total), kThreads, 0, stream>>>(logits, bias, total,
-                                                           vocab, stride);
+  DFLASH_LAUNCH(AddBiasKernel<T>, Blocks(total), kThreads, 0, stream)
+  (logits, bias, total, vocab, stride);
 }
 
 template <typename T>
@@ -105,9 +108,10 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
                                   int64_t vocab, int64_t stride, T* grad_bias,
                                   CUstream_st* stream) {
   if (count == 0) return;
-  BiasGradientKernel<T>
-      <<<static_cast<unsigned>((vocab + kThreads - 1) / kThreads), kThreads, 0,
-         stream>>>(grad_logits, count, vocab, stride, grad_bias);
+  DFLASH_LAUNCH(BiasGradientKernel<T>,
+                static_cast<unsigned>((vocab + kThreads - 1) / kThreads),
+                kThreads, 0, stream)
+  (grad_logits, count, vocab, stride, grad_bias);
 }
 
 namespace {
@@ -173,11 +177,11 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  T* grad_weight, T* grad_bias,
                                  CUstream_st* stream) {
   if (rows == 0 || k == 0) return;
-  TopKValueGradientKernel<T>
-      <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-          hidden, weight, ids, values, grad_values, k, width,
-          LogitTransform(logit_scale, logit_softcap), grad_hidden, grad_weight,
-          grad_bias);
+  DFLASH_LAUNCH(TopKValueGradientKernel<T>, static_cast<unsigned>(rows),
+                kThreads, 0, stream)
+  (hidden, weight, ids, values, grad_values, k, width,
+   LogitTransform(logit_scale, logit_softcap), grad_hidden, grad_weight,
+   grad_bias);
 }
 
 template <typename T>
@@ -193,14 +197,15 @@ template <typename T>
 void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
                           T* out, CUstream_st* stream) {
   if (count == 0) return;
-  ScaleToStorageKernel<T><<<Blocks(count), kThreads, 0, stream>>>(
-      sum, count, static_cast<float>(scale), out);
+  DFLASH_LAUNCH(ScaleToStorageKernel<T>, Blocks(count), kThreads, 0, stream)
+  (sum, count, static_cast<float>(scale), out);
 }
 
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream) {
   if (count == 0) return;
-  FillKernel<<<Blocks(count), kThreads, 0, stream>>>(data, count, value);
+  DFLASH_LAUNCH(FillKernel, Blocks(count), kThreads, 0, stream)
+  (data, count, value);
 }
 
 #define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                     \

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "base/bfloat16.h"
+#include "base/cuda_launch.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_math.h"
 #include "losses/top_k_cursor.h"
@@ -168,7 +169,7 @@ template <typename S, typename Op>
 __device__ S BlockReduce(S value, Op op) {
   // The tree below covers kThreads threads, every launch's block size.
   assert(blockDim.x == kThreads);
-  __shared__ S buffer[kThreads];
+  DFLASH_SHARED_ARRAY(S, buffer, kThreads);
   buffer[threadIdx.x] = value;
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kThreads)
   // A second exponential sum only at a temperature other than 1.
   const bool tempered = distill && inv_t != 1.0f;
   const T* z_row = a.logits + r * a.stride;
-  __shared__ float target;
+  DFLASH_SHARED(float, target);
   Online s;
   ForRow(z_row, v, a.stride, [&](int64_t i, float x) {
     const float z = transform(x);
@@ -356,7 +357,7 @@ __device__ __forceinline__ Candidate BlockFirst(Candidate c) {
   constexpr int kWarps = kThreads / 32;
   static_assert(kWarps <= 32 && (kWarps & (kWarps - 1)) == 0,
                 "the warps' firsts are reduced by one warp's shuffles");
-  __shared__ Candidate firsts[kWarps];
+  DFLASH_SHARED_ARRAY(Candidate, firsts, kWarps);
   auto warp_first = [](Candidate x, int width) {
     for (int offset = width / 2; offset > 0; offset /= 2) {
       const Candidate other{__shfl_xor_sync(0xffffffffu, x.value, offset),
@@ -825,7 +826,8 @@ __global__ void __launch_bounds__(kThreads)
   auto final_of = [&](float b, float c) {
     return transform(corrected ? ToF(FromF<T>(b + c)) : b);
   };
-  __shared__ float final_target, base_target;
+  DFLASH_SHARED(float, final_target);
+  DFLASH_SHARED(float, base_target);
   Online fs, bs;
   for (int64_t i = threadIdx.x; i < v; i += kThreads) {
     const float b = ToF(base_row[i]), c = ToF(correction_row[i]);
@@ -948,30 +950,30 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   const dim3 rows(static_cast<unsigned>(args.rows));
   auto reduce_terms = [&] {
     if (args.totals == nullptr) return;
-    ReduceTermsKernel<<<1, kThreads, 0, stream>>>(
-        args.meta, args.row_terms, args.rows,
-        static_cast<int32_t>(params.options.block_size), args.totals);
+    DFLASH_LAUNCH(ReduceTermsKernel, 1, kThreads, 0, stream)
+    (args.meta, args.row_terms, args.rows,
+     static_cast<int32_t>(params.options.block_size), args.totals);
   };
   if (params.loss.family == LossFamily::kDomino) {
-    DominoKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+    DFLASH_LAUNCH(DominoKernel<T>, rows, kThreads, 0, stream)(params, args);
     reduce_terms();
     return;
   }
-  StatsKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  DFLASH_LAUNCH(StatsKernel<T>, rows, kThreads, 0, stream)(params, args);
   if ((args.top_k != nullptr && args.k > 0) || args.metric_k > 0) {
-    TopKKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+    DFLASH_LAUNCH(TopKKernel<T>, rows, kThreads, 0, stream)(params, args);
   }
   if (params.loss.dpard) {
-    AcceptanceKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+    DFLASH_LAUNCH(AcceptanceKernel<T>, rows, kThreads, 0, stream)(params, args);
   }
   if (CouplesBlocks(params.loss) && args.blocks > 0) {
     constexpr int kPerBlock = 128;
-    BlockWeightsKernel<<<(args.blocks + kPerBlock - 1) / kPerBlock, kPerBlock,
-                         0, stream>>>(params.loss, args.meta, args.stats,
-                                      args.block_begin, args.blocks,
-                                      args.accept, args.weight, args.ce_share);
+    DFLASH_LAUNCH(BlockWeightsKernel, (args.blocks + kPerBlock - 1) / kPerBlock,
+                  kPerBlock, 0, stream)
+    (params.loss, args.meta, args.stats, args.block_begin, args.blocks,
+     args.accept, args.weight, args.ce_share);
   }
-  LossKernel<T><<<rows, kThreads, 0, stream>>>(params, args);
+  DFLASH_LAUNCH(LossKernel<T>, rows, kThreads, 0, stream)(params, args);
   reduce_terms();
 }
 
@@ -980,8 +982,10 @@ void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream) {
   if (count == 0) return;
   constexpr int kBlock = 256;
   const int64_t blocks = (count + kBlock - 1) / kBlock;
-  ScaleKernel<T><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
-                   0, stream>>>(data, count, static_cast<float>(scale));
+  DFLASH_LAUNCH(ScaleKernel<T>,
+                static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock, 0,
+                stream)
+  (data, count, static_cast<float>(scale));
 }
 
 template <typename T>
@@ -990,9 +994,9 @@ void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
                                double scale, CUstream_st* stream) {
   if (count == 0) return;
   const int64_t blocks = count < 65535 ? count : 65535;
-  ScaleRowsByLkFactorKernel<T>
-      <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-          data, width, rows, count, q, kl_weight, scale);
+  DFLASH_LAUNCH(ScaleRowsByLkFactorKernel<T>, static_cast<unsigned>(blocks),
+                256, 0, stream)
+  (data, width, rows, count, q, kl_weight, scale);
 }
 
 template void LaunchChunkLoss<float>(const KernelParams&,

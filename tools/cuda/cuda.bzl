@@ -83,9 +83,25 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_inputs = [], copts = [],
             testonly = testonly,
         )
         objs.append(obj)
+    # --config=cuda_emulated: the same sources compiled as C++ against the
+    # CPU emulation (a build-time copy, for the .cc extension).
+    emulated = []
+    for src in srcs:
+        cc = "_%s_emulated/%s" % (name, src.replace(".cu", ".cc"))
+        native.genrule(
+            name = "%s_%s_emulated" % (name, src.replace("/", "_").replace(".", "_")),
+            srcs = [src],
+            outs = [cc],
+            cmd = "cp $< $@",
+            testonly = testonly,
+        )
+        emulated.append(cc)
     native.cc_library(
         name = name,
-        srcs = objs,
+        srcs = select({
+            str(Label("//tools/cuda:emulated")): emulated,
+            "//conditions:default": objs,
+        }),
         hdrs = hdrs,
         deps = deps + ["@local_config_cuda//:cudart"],
         visibility = visibility,

@@ -1,0 +1,344 @@
+#ifndef DFLASH_TOOLS_CUDA_EMULATION_EMULATED_CUDA_H_
+#define DFLASH_TOOLS_CUDA_EMULATION_EMULATED_CUDA_H_
+
+// The CUDA the project uses, executed on the CPU, for tests only (never in a
+// shipped target): under --config=cuda_emulated the project's .cu sources
+// and CUDA host code compile as C++ against this header (it stands in for
+// <cuda_runtime.h>) and run for real:
+// - a kernel's blocks run one after another on their stream's worker
+//   thread, the threads of a block as fibers that switch at __syncthreads
+//   and warp shuffles; a barrier reached by part of the block, or a shuffle
+//   whose mask names a lane that never reaches it, is a launch failure;
+// - __shared__ memory (DFLASH_SHARED, base/cuda_launch.h) is per block and
+//   starts poisoned (all bits set: NaN for floats, -1 for integers);
+// - device memory lives where host code cannot touch it outside kernels and
+//   copies: a host access, an access past an allocation or to a freed one
+//   stops the process with a message naming the allocation and the offset;
+// - each stream runs in issue order on a worker of its own, so streams
+//   without an event between them run concurrently; an error inside a
+//   kernel surfaces at the next synchronisation, as on a GPU.
+// What only a GPU shows (speed, real scheduling, tensor-core rounding)
+// stays with tools/gpu_check.sh.
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#define DFLASH_CUDA_EMULATED 1
+
+// Qualifiers: all code is host code here.
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __shared__                                                          \
+  static_assert(false,                                                      \
+                "declare shared memory with DFLASH_SHARED or "              \
+                "DFLASH_SHARED_ARRAY (base/cuda_launch.h): the emulation " \
+                "gives each block its own, poisoned");
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1)
+      : x(x_), y(y_), z(z_) {}
+};
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchOutOfResources = 701,
+  cudaErrorLaunchFailure = 719,
+};
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+enum cudaDeviceAttr {
+  cudaDevAttrMemoryPoolsSupported = 115,
+};
+
+enum cudaMemPoolAttr {
+  cudaMemPoolAttrReleaseThreshold = 4,
+};
+
+enum cudaDataType_t {
+  CUDA_R_32F = 0,
+  CUDA_R_16BF = 14,
+};
+typedef cudaDataType_t cudaDataType;
+
+constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDisableTiming = 2;
+
+struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  int major, minor;
+  int multiProcessorCount;
+  int maxThreadsPerBlock;
+  size_t sharedMemPerBlock;
+};
+
+typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
+typedef struct CUmemPoolHandle_st* cudaMemPool_t;
+
+const char* cudaGetErrorString(cudaError_t error);
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr,
+                                   int device);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device);
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
+                                    void* value);
+
+cudaError_t cudaMalloc(void** pointer, size_t bytes);
+cudaError_t cudaFree(void* pointer);
+cudaError_t cudaMallocAsync(void** pointer, size_t bytes,
+                            cudaStream_t stream);
+cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream);
+// cuda_runtime.h's typed forms.
+template <typename T>
+cudaError_t cudaMalloc(T** pointer, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(pointer), bytes);
+}
+template <typename T>
+cudaError_t cudaMallocAsync(T** pointer, size_t bytes, cudaStream_t stream) {
+  return cudaMallocAsync(reinterpret_cast<void**>(pointer), bytes, stream);
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
+                       cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
+                            cudaMemcpyKind kind, cudaStream_t stream = 0);
+cudaError_t cudaMemset(void* dst, int value, size_t bytes);
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes,
+                            cudaStream_t stream = 0);
+cudaError_t cudaMemset2DAsync(void* dst, size_t pitch, int value,
+                              size_t width, size_t height,
+                              cudaStream_t stream = 0);
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                unsigned flags = 0);
+
+cudaError_t cudaEventCreate(cudaEvent_t* event);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = 0);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
+                                 cudaEvent_t end);
+
+namespace dflash_emu {
+
+// Sizes a GPU of compute capability 8.x/9.x allows.
+inline constexpr unsigned kMaxThreadsPerBlock = 1024;
+inline constexpr size_t kMaxSharedBytes = 48 << 10;
+inline constexpr int kWarpSize = 32;
+
+// The GPU thread the calling code runs as; outside a kernel, an abort.
+struct ThreadIndex {
+  uint3 thread_idx, block_idx;
+  dim3 block_dim, grid_dim;
+};
+const ThreadIndex& Current();
+
+void SyncThreads();
+// The value of lane (lane ^ lane_mask) within groups of `width`, once every
+// lane `mask` names has reached this shuffle.
+uint64_t ShuffleXor(unsigned mask, uint64_t bits, int lane_mask, int width);
+// The block's own storage for one DFLASH_SHARED declaration (`tag` tells
+// them apart), poisoned when the block starts.
+void* Shared(const void* tag, size_t bytes, size_t align);
+
+// A device-side failure the emulation found (a launch failure on a GPU).
+[[noreturn]] void KernelFault(const std::string& what);
+
+// Queues `blocks` on `stream` (0: the default stream). Launch-configuration
+// errors are reported through cudaGetLastError, as on a GPU.
+void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
+            cudaStream_t stream, std::function<void()> thread_body,
+            std::function<std::string()> check_arguments);
+
+// Whether `pointer` lies in an emulated device allocation (or is null).
+bool IsDevicePointerOrNull(const void* pointer);
+
+template <typename T>
+std::string CheckArgument(int index, const T& value) {
+  if constexpr (std::is_pointer_v<T>) {
+    if (!IsDevicePointerOrNull(value)) {
+      char text[128];
+      std::snprintf(text, sizeof(text),
+                    "argument %d is %p, which is not device memory; ", index,
+                    static_cast<const void*>(value));
+      return text;
+    }
+  }
+  return "";
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...) as the emulation runs it
+// (DFLASH_LAUNCH, base/cuda_launch.h): every thread of every block calls
+// kernel(args...), the arguments converted once, at launch, to the
+// kernel's parameter types, and its pointer arguments checked to be device
+// memory.
+template <typename... Params>
+struct BoundLaunch {
+  const char* name;
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  size_t shared_bytes;
+  cudaStream_t stream;
+
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    static_assert(sizeof...(Args) == sizeof...(Params),
+                  "a kernel launch with the wrong number of arguments");
+    auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(
+        static_cast<std::decay_t<Params>>(std::forward<Args>(args))...);
+    auto check = [params] {
+      std::string problems;
+      std::apply(
+          [&](const auto&... values) {
+            int index = 0;
+            ((problems += CheckArgument(index++, values)), ...);
+          },
+          *params);
+      return problems;
+    };
+    void (*body)(Params...) = kernel;
+    Launch(name, grid, block, shared_bytes, stream,
+           [body, params] { std::apply(body, *params); }, check);
+  }
+};
+
+template <typename... Params>
+BoundLaunch<Params...> Bind(const char* name, void (*kernel)(Params...),
+                            dim3 grid, dim3 block, size_t shared_bytes = 0,
+                            cudaStream_t stream = 0) {
+  return {name, kernel, grid, block, shared_bytes, stream};
+}
+
+}  // namespace dflash_emu
+
+#define threadIdx (::dflash_emu::Current().thread_idx)
+#define blockIdx (::dflash_emu::Current().block_idx)
+#define blockDim (::dflash_emu::Current().block_dim)
+#define gridDim (::dflash_emu::Current().grid_dim)
+#define warpSize (::dflash_emu::kWarpSize)
+
+inline void __syncthreads() { ::dflash_emu::SyncThreads(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>,
+                "__shfl_xor_sync: a type of at most 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  bits = ::dflash_emu::ShuffleXor(mask, bits, lane_mask, width);
+  T result;
+  std::memcpy(&result, &bits, sizeof(T));
+  return result;
+}
+
+// Device atomics: blocks of kernels on different streams run at once.
+template <typename T>
+T atomicAdd(T* address, T value) {
+  T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  while (!__atomic_compare_exchange_n(address, &old, old + value, true,
+                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+inline float atomicAdd(float* address, float value) {
+  uint32_t* word = reinterpret_cast<uint32_t*>(address);
+  uint32_t old = __atomic_load_n(word, __ATOMIC_RELAXED);
+  while (true) {
+    float current;
+    std::memcpy(&current, &old, 4);
+    const float sum = current + value;
+    uint32_t updated;
+    std::memcpy(&updated, &sum, 4);
+    if (__atomic_compare_exchange_n(word, &old, updated, true,
+                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      return current;
+    }
+  }
+}
+template <typename T>
+T atomicMin(T* address, T value) {
+  T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  while (value < old &&
+         !__atomic_compare_exchange_n(address, &old, value, true,
+                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  __atomic_compare_exchange_n(address, &compare, value, false,
+                              __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;
+}
+
+// CUDA's math functions in the global namespace (<cmath> puts the
+// classification ones in std), and those <cmath> lacks.
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+inline float cospif(float x) {
+  return static_cast<float>(std::cos(3.14159265358979323846 * x));
+}
+inline float sinpif(float x) {
+  return static_cast<float>(std::sin(3.14159265358979323846 * x));
+}
+
+inline float __uint_as_float(unsigned bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+#endif  // DFLASH_TOOLS_CUDA_EMULATION_EMULATED_CUDA_H_
