@@ -133,6 +133,14 @@ absl::StatusOr<CublasApi> OpenCublas(const std::vector<std::string>& dirs,
 }
 
 absl::StatusOr<const CublasApi*> Cublas() {
+#if defined(DFLASH_CUDA_EMULATED)
+  // The CUDA emulation's cuBLAS, linked in (tools/cuda_emulation).
+  static const CublasApi emulated = {
+      &cublasCreate_v2,   &cublasDestroy_v2, &cublasSetStream_v2,
+      &cublasSetMathMode, &cublasGemmEx,     &cublasGetStatusString,
+      "the CUDA emulation's cuBLAS"};
+  return &emulated;
+#endif
   std::lock_guard<std::mutex> lock(Mu());
   static CublasApi* loaded = nullptr;
   if (loaded != nullptr) return loaded;

@@ -14,7 +14,7 @@ TEST(CudaDeviceTest, KernelRunsWhereAGpuIsPresent) {
 }
 
 TEST(CudaDeviceTest, SelfTestWithoutGpuNamesTheReason) {
-  if (CudaDeviceCount().ok()) GTEST_SKIP() << "a GPU is present";
+  DFLASH_WITHOUT_GPU_OR_SKIP(CudaDeviceCount().ok());
   absl::Status status = CudaSelfTest();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_FALSE(status.message().empty());

@@ -33,4 +33,28 @@ inline bool GpuRequired() {
     GTEST_SKIP() << "no GPU here: " << dflash_gpu_status_.message();      \
   }
 
+// The tests of what a run without a GPU says: under the CUDA emulation
+// (--config=cuda_emulated) the emulated GPU is hidden for the rest of the
+// test, so they run there too; with a real GPU present they skip.
+#if defined(DFLASH_CUDA_EMULATED)
+#define DFLASH_WITHOUT_GPU_OR_SKIP(gpu_present) \
+  ::dflash::ScopedNoEmulatedGpu dflash_no_gpu_
+#else
+#define DFLASH_WITHOUT_GPU_OR_SKIP(gpu_present) \
+  if (gpu_present) GTEST_SKIP() << "a GPU is present"
+#endif
+
+namespace dflash {
+
+// Hides the CUDA emulation's GPU for its scope (DFLASH_EMULATED_GPUS=0).
+class ScopedNoEmulatedGpu {
+ public:
+  ScopedNoEmulatedGpu() { setenv("DFLASH_EMULATED_GPUS", "0", 1); }
+  ~ScopedNoEmulatedGpu() { unsetenv("DFLASH_EMULATED_GPUS"); }
+  ScopedNoEmulatedGpu(const ScopedNoEmulatedGpu&) = delete;
+  ScopedNoEmulatedGpu& operator=(const ScopedNoEmulatedGpu&) = delete;
+};
+
+}  // namespace dflash
+
 #endif  // DFLASH_BASE_GPU_TEST_H_

@@ -50,10 +50,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
     float* weight_sum = nullptr;
     if constexpr (std::is_same_v<T, BFloat16>) {
       if (head.trainable()) {
+        // The bias's sum after the weight's.
         DFLASH_ASSIGN_OR_RETURN(
             TrackedBuffer<float> sum,
             TrackedBuffer<float>::Create(
-                allocator(), head.vocab_size() * head.hidden_size()));
+                allocator(), head.vocab_size() * head.hidden_size() +
+                                 (head.bias() ? head.vocab_size() : 0)));
         weight_sum_ = std::move(sum);
         DFLASH_RETURN_IF_ERROR(
             stream_.Zero(weight_sum_.data(), weight_sum_.bytes()));
@@ -283,12 +285,15 @@ class CudaHeadBackend final : public HeadBackend<T> {
       cuda::LaunchScale<T>(g.hidden.data(), g.hidden.size(), scale, stream);
     }
     if (weight_sum_.size() > 0) {
-      cuda::LaunchScaleToStorage<T>(weight_sum_.data(), weight_sum_.size(),
-                                    scale, g.weight.data(), stream);
+      cuda::LaunchScaleToStorage<T>(weight_sum_.data(), g.weight.size(), scale,
+                                    g.weight.data(), stream);
+      cuda::LaunchScaleToStorage<T>(weight_sum_.data() + g.weight.size(),
+                                    g.bias.size(), scale, g.bias.data(),
+                                    stream);
     } else {
       cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), scale, stream);
+      cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
     }
-    cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), scale, stream);
     if (!input_scale_) {
       cuda::LaunchScale<T>(g.correction_inputs.data(),
                            g.correction_inputs.size(), scale, stream);

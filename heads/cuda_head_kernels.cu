@@ -50,10 +50,11 @@ __global__ void AddBiasKernel(T* logits, const T* bias, int64_t total,
   }
 }
 
-// One thread per vocabulary column, rows summed in order.
-template <typename T>
+// One thread per vocabulary column, rows summed in order, into the bias's
+// type or an FP32 sum.
+template <typename T, typename S>
 __global__ void BiasGradientKernel(const T* grad, int64_t count, int64_t vocab,
-                                   int64_t stride, T* grad_bias) {
+                                   int64_t stride, S* grad_bias) {
   const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (v >= vocab) return;
   float sum = 0;
@@ -103,12 +104,14 @@ void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
   (logits, bias, total, vocab, stride);
 }
 
-template <typename T>
+template <typename T, typename S>
 void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
-                                  int64_t vocab, int64_t stride, T* grad_bias,
+                                  int64_t vocab, int64_t stride, S* grad_bias,
                                   CUstream_st* stream) {
   if (count == 0) return;
-  DFLASH_LAUNCH(BiasGradientKernel<T>,
+  void (*const kernel)(const T*, int64_t, int64_t, int64_t, S*) =
+      BiasGradientKernel<T, S>;
+  DFLASH_LAUNCH(kernel,
                 static_cast<unsigned>((vocab + kThreads - 1) / kThreads),
                 kThreads, 0, stream)
   (grad_logits, count, vocab, stride, grad_bias);
@@ -215,8 +218,8 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                                      int64_t, T*, CUstream_st*);               \
   template void LaunchAddBias<T>(T*, const T*, int64_t, int64_t, int64_t,      \
                                  CUstream_st*);                                \
-  template void LaunchAccumulateBiasGradient<T>(const T*, int64_t, int64_t,    \
-                                                int64_t, T*, CUstream_st*);    \
+  template void LaunchAccumulateBiasGradient<T, T>(                            \
+      const T*, int64_t, int64_t, int64_t, T*, CUstream_st*);                  \
   template void LaunchAddTopKValueGradients<T>(                                \
       const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
       int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);             \
@@ -224,6 +227,9 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                                         CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
+// A BF16 head's bias gradient summed over chunks in FP32, rounded once.
+template void LaunchAccumulateBiasGradient<BFloat16, float>(
+    const BFloat16*, int64_t, int64_t, int64_t, float*, CUstream_st*);
 #undef DFLASH_INSTANTIATE_HEAD_KERNELS
 
 }  // namespace cuda

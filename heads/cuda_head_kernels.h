@@ -28,10 +28,10 @@ void LaunchAddBias(T* logits, const T* bias, int64_t count, int64_t vocab,
                    int64_t stride, CUstream_st* stream);
 
 // grad_bias[v] += sum_i grad_logits[i, v], summed in FP32, rows `stride`
-// apart.
-template <typename T>
+// apart; S is T, or float for an FP32 sum of BF16 gradients.
+template <typename T, typename S>
 void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
-                                  int64_t vocab, int64_t stride, T* grad_bias,
+                                  int64_t vocab, int64_t stride, S* grad_bias,
                                   CUstream_st* stream);
 
 // AddTopKValueGradients (heads/top_k_gradient.h) on the device: one block

@@ -117,9 +117,17 @@ class CudaProjection final : public VocabProjection<T> {
            "weight-gradient GEMM");
     }
     if (grad_bias != nullptr && status_.ok()) {
-      cuda::LaunchAccumulateBiasGradient<T>(grad_logits, m, v,
-                                            this->logits_stride(), grad_bias,
-                                            blas_.stream().stream());
+      // With an FP32 weight-gradient sum, the bias's follows it (V x H
+      // floats, then V).
+      if (float_weight_gradient_ != nullptr) {
+        cuda::LaunchAccumulateBiasGradient<T, float>(
+            grad_logits, m, v, this->logits_stride(),
+            float_weight_gradient_ + int64_t{v} * h, blas_.stream().stream());
+      } else {
+        cuda::LaunchAccumulateBiasGradient<T, T>(
+            grad_logits, m, v, this->logits_stride(), grad_bias,
+            blas_.stream().stream());
+      }
       status_ = blas_.stream().LaunchStatus("bias gradient");
     }
     this->Count(m, 0);

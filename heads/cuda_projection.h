@@ -46,10 +46,11 @@ class CublasHandle {
 // stream, and a cuBLAS failure shows in status(). The BF16 weight gradient
 // accumulates in bf16 across chunks, as autograd's does for a bf16 weight.
 // GemmCount.seconds stays 0: the products are not waited for.
-// With `float_weight_gradient` (device, vocab x hidden floats),
-// AccumulateWeightGradient sums into it in FP32 instead of into its
-// grad_weight argument (ignored), so that a BF16 weight gradient summed over
-// chunks is rounded once, by the caller (LaunchScaleToStorage).
+// With `float_weight_gradient` (device, vocab x hidden floats, then vocab
+// more when there is a bias), AccumulateWeightGradient sums into it in FP32
+// instead of into its grad_weight and grad_bias arguments (ignored but for
+// whether there is a bias), so that a BF16 weight and bias gradient summed
+// over chunks are rounded once, by the caller (LaunchScaleToStorage).
 // InputGradient(Columns) multiply their products by *input_gradient_scale
 // (the GEMM's alpha; read at each product, so the caller may set it once
 // the scale is known; null: 1), so a gradient whose final scale is known is

@@ -260,14 +260,12 @@ TEST(CudaCorrectionTest, BFloat16CorrectionWeightGradientIsRoundedOnce) {
   const Result want = OnCpu(config, c);
   const Result got = OnGpu<BFloat16>(config, c, *gpu);
   ASSERT_TRUE(got.head.ok()) << got.head.status();
-  double worst = 0;
-  for (size_t i = 0; i < want.grad_m.size(); ++i) {
-    const double e = want.grad_m[i];
-    // One rounding to bfloat16 (8 bits), plus the float logits' own error.
-    worst = std::max(worst, std::abs(got.grad_m[i] - e) /
-                                std::max(std::abs(e), 1e-3));
-  }
-  EXPECT_LE(worst, 1.5 / 256);
+  // The logits' gradient, the GEMM's input, is itself bfloat16 (about 2^-9
+  // relative an element), so entries that cancel to near zero carry more
+  // than a rounding: normwise, once-rounded stays near 2^-9 (2.6e-3 under
+  // the CUDA emulation), where a rounding per chunk would add one for each
+  // of the six.
+  EXPECT_LT(RelativeL2Error<double>(got.grad_m, want.grad_m), 1.0 / 256);
   // The hidden and correction-input gradients, their scale folded into the
   // GEMM so that they too are rounded once: within a bfloat16 rounding of
   // the logits' gradient, normwise.

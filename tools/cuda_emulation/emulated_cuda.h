@@ -33,7 +33,9 @@
 #include <type_traits>
 #include <utility>
 
+#ifndef DFLASH_CUDA_EMULATED
 #define DFLASH_CUDA_EMULATED 1
+#endif
 
 // Qualifiers: all code is host code here.
 #define __global__
@@ -64,6 +66,7 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
@@ -196,6 +199,11 @@ void* Shared(const void* tag, size_t bytes, size_t align);
 void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
             cudaStream_t stream, std::function<void()> thread_body,
             std::function<std::string()> check_arguments);
+
+// Whether the emulated GPU is hidden (DFLASH_EMULATED_GPUS=0 in the
+// environment, what ScopedNoEmulatedGpu sets): then the calls that need a
+// device fail with cudaErrorNoDevice, as on a machine without one.
+bool GpuHidden();
 
 // Whether `pointer` lies in an emulated device allocation (or is null).
 bool IsDevicePointerOrNull(const void* pointer);

@@ -425,7 +425,8 @@ std::vector<Stream*>& Streams() {
 // A stream: its work runs in issue order on a worker thread of its own.
 class Stream {
  public:
-  Stream() : worker_([this] { Work(); }) {
+  explicit Stream(bool blocking = true)
+      : blocking_(blocking), worker_([this] { Work(); }) {
     std::lock_guard<std::mutex> lock(StreamsMu());
     Streams().push_back(this);
   }
@@ -451,11 +452,17 @@ class Stream {
     ready_.notify_all();
   }
 
-  void Synchronize() {
+  void Synchronize() { WaitDone(Issued()); }
+
+  uint64_t Issued() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return issued_;
+  }
+  void WaitDone(uint64_t target) {
     std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = issued_;
     idle_.wait(lock, [&] { return done_ >= target; });
   }
+  bool blocking() const { return blocking_; }
 
   bool Idle() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -483,11 +490,12 @@ class Stream {
   std::deque<std::function<void()>> tasks_;
   uint64_t issued_ = 0, done_ = 0;
   bool stop_ = false;
+  const bool blocking_;
   std::thread worker_;
 };
 
 Stream& DefaultStream() {
-  static Stream* stream = new Stream();
+  static Stream* stream = new Stream(/*blocking=*/false);
   return *stream;
 }
 
@@ -504,6 +512,33 @@ void SynchronizeAll() {
 Stream& Of(cudaStream_t stream) {
   return stream == nullptr ? DefaultStream()
                            : *reinterpret_cast<Stream*>(stream);
+}
+
+// Queues `task` on `stream` with the legacy default stream's ordering, as
+// CUDA's: work on the default stream waits for the work already queued on
+// every blocking stream, and work on a blocking stream for the default
+// stream's.
+void Enqueue(cudaStream_t stream, std::function<void()> task) {
+  Stream& target = Of(stream);
+  std::vector<std::pair<Stream*, uint64_t>> before;
+  if (stream == nullptr) {
+    std::lock_guard<std::mutex> lock(StreamsMu());
+    for (Stream* other : Streams()) {
+      if (other != &target && other->blocking()) {
+        before.emplace_back(other, other->Issued());
+      }
+    }
+  } else if (target.blocking()) {
+    before.emplace_back(&DefaultStream(), DefaultStream().Issued());
+  }
+  if (before.empty()) {
+    target.Enqueue(std::move(task));
+    return;
+  }
+  target.Enqueue([before = std::move(before), task = std::move(task)] {
+    for (const auto& [other, issued] : before) other->WaitDone(issued);
+    task();
+  });
 }
 
 struct Event {
@@ -696,11 +731,16 @@ void* Shared(const void* tag, size_t bytes, size_t align) {
 }
 
 void RunInStreamOrder(cudaStream_t stream, std::function<void()> work) {
-  Of(stream).Enqueue([work = std::move(work)] {
+  Enqueue(stream, [work = std::move(work)] {
     if (Sticky() != cudaSuccess) return;
     OpenScope open;
     work();
   });
+}
+
+bool GpuHidden() {
+  const char* gpus = std::getenv("DFLASH_EMULATED_GPUS");
+  return gpus != nullptr && std::string(gpus) == "0";
 }
 
 bool IsDevicePointerOrNull(const void* pointer) {
@@ -731,7 +771,7 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
     return;
   }
   auto body = std::make_shared<std::function<void()>>(std::move(thread_body));
-  Of(stream).Enqueue([name, grid, block, body, check_arguments] {
+  Enqueue(stream, [name, grid, block, body, check_arguments] {
     if (Sticky() != cudaSuccess) return;
     if (const std::string problems = check_arguments(); !problems.empty()) {
       FailAsync(cudaErrorIllegalAddress,
@@ -790,6 +830,8 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "out of memory";
     case cudaErrorInvalidConfiguration:
       return "invalid configuration argument";
+    case cudaErrorNoDevice:
+      return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice:
       return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle:
@@ -820,8 +862,8 @@ cudaError_t cudaPeekAtLastError() {
 }
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
-  return cudaSuccess;
+  *count = dflash_emu::GpuHidden() ? 0 : 1;
+  return *count == 0 ? cudaErrorNoDevice : cudaSuccess;
 }
 
 cudaError_t cudaGetDevice(int* device) {
@@ -830,6 +872,7 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaSetDevice(int device) {
+  if (dflash_emu::GpuHidden()) return cudaErrorNoDevice;
   return device == 0 ? cudaSuccess
                      : Fail(cudaErrorInvalidDevice,
                             "cudaSetDevice: the emulation has device 0 only");
@@ -869,6 +912,7 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void*) {
 }
 
 cudaError_t cudaMalloc(void** pointer, size_t bytes) {
+  if (dflash_emu::GpuHidden()) return cudaErrorNoDevice;
   dflash_emu::InstallFaultHandler();
   *pointer = DeviceMemory::Get().Allocate(bytes);
   if (*pointer == nullptr && bytes > 0) {
@@ -903,9 +947,15 @@ cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
                   "cudaFreeAsync(%p): not a live device allocation", pointer);
     return Fail(cudaErrorInvalidValue, text);
   }
-  // Freed when the stream reaches it: later work on another stream that
-  // was not ordered after it faults.
-  Of(stream).Enqueue([pointer] { DeviceMemory::Get().Free(pointer); });
+  // Freed when the stream reaches it (at once where it has nothing queued,
+  // as a GPU's frees an idle stream's memory): later work on another stream
+  // that was not ordered after it faults.
+  if (Of(stream).Idle()) {
+    DeviceMemory::Get().Free(pointer);
+    return cudaSuccess;
+  }
+  dflash_emu::Enqueue(stream,
+                      [pointer] { DeviceMemory::Get().Free(pointer); });
   return cudaSuccess;
 }
 
@@ -916,10 +966,23 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
       error != cudaSuccess) {
     return error;
   }
-  Of(stream).Enqueue([dst, src, bytes] {
+  // Host memory here is pageable, as malloc's is on a GPU machine: a copy
+  // from it is staged at the call (the caller may reuse its buffer when the
+  // call returns), and a copy to it returns once it is done.
+  if (kind == cudaMemcpyHostToDevice) {
+    auto staged = std::make_shared<std::vector<char>>(
+        static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    dflash_emu::Enqueue(stream, [dst, staged] {
+      dflash_emu::OpenScope open;
+      std::memcpy(dst, staged->data(), staged->size());
+    });
+    return cudaSuccess;
+  }
+  dflash_emu::Enqueue(stream, [dst, src, bytes] {
     dflash_emu::OpenScope open;
     std::memmove(dst, src, bytes);
   });
+  if (kind == cudaMemcpyDeviceToHost) return cudaStreamSynchronize(stream);
   return cudaSuccess;
 }
 
@@ -937,7 +1000,7 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes,
       error != cudaSuccess) {
     return error;
   }
-  Of(stream).Enqueue([dst, value, bytes] {
+  dflash_emu::Enqueue(stream, [dst, value, bytes] {
     dflash_emu::OpenScope open;
     std::memset(dst, value, bytes);
   });
@@ -963,7 +1026,7 @@ cudaError_t cudaMemset2DAsync(void* dst, size_t pitch, int value,
       error != cudaSuccess) {
     return error;
   }
-  Of(stream).Enqueue([dst, pitch, value, width, height] {
+  dflash_emu::Enqueue(stream, [dst, pitch, value, width, height] {
     dflash_emu::OpenScope open;
     for (size_t row = 0; row < height; ++row) {
       std::memset(static_cast<char*>(dst) + row * pitch, value, width);
@@ -973,12 +1036,14 @@ cudaError_t cudaMemset2DAsync(void* dst, size_t pitch, int value,
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
-  *stream = reinterpret_cast<cudaStream_t>(new dflash_emu::Stream());
-  return cudaSuccess;
+  return cudaStreamCreateWithFlags(stream, 0);
 }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
-  return cudaStreamCreate(stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+  if (dflash_emu::GpuHidden()) return cudaErrorNoDevice;
+  *stream = reinterpret_cast<cudaStream_t>(
+      new dflash_emu::Stream(!(flags & cudaStreamNonBlocking)));
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
@@ -998,6 +1063,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  if (dflash_emu::GpuHidden()) return cudaErrorNoDevice;
   *event = reinterpret_cast<cudaEvent_t>(new dflash_emu::Event());
   return cudaSuccess;
 }
@@ -1018,7 +1084,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(e.mu);
     generation = ++e.recorded;
   }
-  Of(stream).Enqueue([&e, generation] {
+  dflash_emu::Enqueue(stream, [&e, generation] {
     std::lock_guard<std::mutex> lock(e.mu);
     e.completed = std::max(e.completed, generation);
     e.time = dflash_emu::Clock::now();
@@ -1035,7 +1101,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
     std::lock_guard<std::mutex> lock(e.mu);
     generation = e.recorded;
   }
-  Of(stream).Enqueue([&e, generation] {
+  dflash_emu::Enqueue(stream, [&e, generation] {
     std::unique_lock<std::mutex> lock(e.mu);
     e.done.wait(lock, [&] { return e.completed >= generation; });
   });
