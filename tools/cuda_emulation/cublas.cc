@@ -107,6 +107,9 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
   std::memcpy(&b_scale, beta, sizeof(float));
   const int a_cols = transa == CUBLAS_OP_N ? k : m;
   const int b_cols = transb == CUBLAS_OP_N ? n : k;
+  const std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(A),
+                                        reinterpret_cast<uintptr_t>(B),
+                                        reinterpret_cast<uintptr_t>(C)};
   dflash_emu::RunInStreamOrder(handle->stream, [=] {
     // Column-major: element (i, j) of an ld-strided matrix at i + j * ld.
     const size_t a_count = k == 0 ? 0 : size_t(lda) * (a_cols - 1) + a_rows;
@@ -135,6 +138,6 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
         }
       }
     }
-  });
+  }, words, "cublasGemmEx");
   return CUBLAS_STATUS_SUCCESS;
 }

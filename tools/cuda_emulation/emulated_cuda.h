@@ -32,6 +32,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #ifndef DFLASH_CUDA_EMULATED
 #define DFLASH_CUDA_EMULATED 1
@@ -123,6 +124,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr,
                                    int device);
 cudaError_t cudaDeviceSynchronize();
+// Waits for every stream and clears a sticky error (allocations stay).
+cudaError_t cudaDeviceReset();
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device);
 cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr,
                                     void* value);
@@ -196,9 +199,29 @@ void* Shared(const void* tag, size_t bytes, size_t align);
 
 // Queues `blocks` on `stream` (0: the default stream). Launch-configuration
 // errors are reported through cudaGetLastError, as on a GPU.
+// `device_words`: every 8-byte word of the arguments that lies in device
+// memory (pointers, also inside structs), for the check that streams using
+// the same allocation are ordered by events.
 void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
             cudaStream_t stream, std::function<void()> thread_body,
-            std::function<std::string()> check_arguments);
+            std::function<std::string()> check_arguments,
+            std::vector<uintptr_t> device_words);
+
+// The words of `value`'s bytes that lie in device memory.
+bool IsDevicePointer(uintptr_t word);
+template <typename T>
+void CollectDeviceWords(const T& value, std::vector<uintptr_t>& out) {
+  if constexpr (std::is_trivially_copyable_v<T>) {
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (size_t at = 0; at + sizeof(uintptr_t) <= sizeof(T);
+         at += alignof(uintptr_t)) {
+      uintptr_t word;
+      std::memcpy(&word, bytes + at, sizeof(word));
+      if (IsDevicePointer(word)) out.push_back(word);
+    }
+  }
+}
 
 // Whether the emulated GPU is hidden (DFLASH_EMULATED_GPUS=0 in the
 // environment, what ScopedNoEmulatedGpu sets): then the calls that need a
@@ -251,9 +274,14 @@ struct BoundLaunch {
           *params);
       return problems;
     };
+    std::vector<uintptr_t> words;
+    std::apply(
+        [&](const auto&... values) { (CollectDeviceWords(values, words), ...); },
+        *params);
     void (*body)(Params...) = kernel;
     Launch(name, grid, block, shared_bytes, stream,
-           [body, params] { std::apply(body, *params); }, check);
+           [body, params] { std::apply(body, *params); }, check,
+           std::move(words));
   }
 };
 

@@ -3,14 +3,20 @@
 
 // What the emulation's cuBLAS needs of its runtime.
 
+#include <cstdint>
 #include <functional>
+#include <string>
+#include <vector>
 
 #include "tools/cuda_emulation/emulated_cuda.h"
 
 namespace dflash_emu {
 
-// Runs `work` on `stream`'s worker in issue order, device memory open.
-void RunInStreamOrder(cudaStream_t stream, std::function<void()> work);
+// Runs `work` on `stream`'s worker in issue order, device memory open;
+// `words`: the device addresses it uses, as `what`.
+void RunInStreamOrder(cudaStream_t stream, std::function<void()> work,
+                      const std::vector<uintptr_t>& words,
+                      const std::string& what);
 
 }  // namespace dflash_emu
 
