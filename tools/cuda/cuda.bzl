@@ -24,8 +24,17 @@ def if_cuda(if_true, if_false = []):
     """Chooses by whether the toolkit was found (e.g. a source with CUDA)."""
     return if_true if CUDA_ENABLED else if_false
 
-# For target_compatible_with of anything that needs the toolkit.
+# For target_compatible_with of anything that needs the toolkit. Tests of
+# CUDA code also carry tags = ["cuda"]: CI runs them under the emulation
+# (--config=cuda_emulated --test_tag_filters=cuda).
 CUDA_COMPATIBLE = [] if CUDA_ENABLED else ["@platforms//:incompatible"]
+
+# For target_compatible_with of what ships (the Python extension and its
+# wheel): never built against the CUDA emulation, which is for tests.
+NOT_EMULATED = select({
+    str(Label("//tools/cuda:emulated")): ["@platforms//:incompatible"],
+    "//conditions:default": [],
+})
 
 def _gencode():
     # SASS for every listed architecture, plus PTX of the newest one, which
@@ -80,6 +89,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_inputs = [], copts = [],
                 str(Label("//tools/cuda:fastbuild")): "-O1",
                 "//conditions:default": "-O3",
             }) + " -c $(location %s) -o $@" % src,
+            # The emulated build compiles the sources below instead.
+            target_compatible_with = NOT_EMULATED,
             testonly = testonly,
         )
         objs.append(obj)
