@@ -4,14 +4,18 @@ r"""Packs dflash's wheel from the files Bazel built (standard library only).
                    --readme README.md FILE...
 
 Each FILE lies under a python/dflash/ directory (source or bazel-out) and
-lands at dflash/... in the wheel; the name of --out gives version and tags.
-Entries carry fixed timestamps, so the same inputs give the same wheel.
+lands at dflash/... in the wheel; the name of --out gives version and tags,
+and the version must be the one dflash/_version.py holds (both come from
+python/defs.bzl's VERSION). Entries carry fixed timestamps, so the same
+inputs give the same wheel.
 """
 
 import argparse
 import base64
 import hashlib
 import os
+import re
+import sys
 import zipfile
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -55,6 +59,12 @@ def main():
         archive = path[path.rindex(marker) + len("python/"):]
         with open(path, "rb") as f:
             entries[archive] = f.read()
+    written = re.fullmatch(r'__version__ = "([^"]*)"\n',
+                           entries.get("dflash/_version.py", b"").decode())
+    if written is None or written.group(1) != version:
+        sys.exit(f"build_wheel.py: --out names version {version}, but "
+                 "dflash/_version.py is missing or holds another: "
+                 f"{entries.get('dflash/_version.py')!r}")
     with open(args.readme) as f:
         readme = f.read()
     info = f"{name}-{version}.dist-info"

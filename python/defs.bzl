@@ -16,8 +16,8 @@ load(
 # exported from this file without a new name).
 PYTHON_BIN = _PYTHON_BIN
 
-# The wheel's version; dflash/__init__.py's __version__ must match (checked
-# by //python:wheel_test).
+# The wheel's version, and dflash.__version__ (//python/dflash:version writes
+# it into the package).
 VERSION = "0.1.0"
 
 WHEEL = "dflash-%s-%s-%s-%s.whl" % (

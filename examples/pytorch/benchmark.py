@@ -69,7 +69,8 @@ def dflash_fused(hidden, weight, target_ids, weight_mask, chunk_blocks):
     terms = dflash_objective(hidden, weight, target_ids, weight_mask,
                              loss_type="dflash", gamma=GAMMA, mode="fused",
                              chunk_blocks=chunk_blocks)
-    return terms.loss_num / terms.loss_den, terms.stats["peak_bytes"]
+    return (terms.loss_num / terms.loss_den,
+            terms.diagnostics.stats["peak_bytes"])
 
 
 def torch_materialised(hidden, weight, target_ids, weight_mask, chunk_blocks):

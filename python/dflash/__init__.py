@@ -14,11 +14,12 @@ from dflash._core import (  # noqa: E402
     ObjectiveConfig, PreparedProjection, built_with_cuda,
     release_cached_memory)
 from dflash.config import objective_config  # noqa: E402
-
-__version__ = "0.1.0"
+# Written by the build from python/defs.bzl's VERSION, the wheel's version.
+from dflash._version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "ObjectiveConfig",
+    "PreparedProjection",
     "built_with_cuda",
     "objective_config",
     "release_cached_memory",

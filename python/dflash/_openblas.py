@@ -5,10 +5,13 @@ kernels from the CPU's flags, as the repository's tools/bazel does; a
 process that loaded OpenBLAS already (torch imported first) keeps its
 choice, and OPENBLAS_CORETYPE set by the user always wins."""
 
+from __future__ import annotations
+
 import os
+from typing import Set
 
 
-def _cpu_flags():
+def _cpu_flags() -> Set[str]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
@@ -19,7 +22,7 @@ def _cpu_flags():
     return set()
 
 
-def _openblas_loaded():
+def _openblas_loaded() -> bool:
     try:
         with open("/proc/self/maps") as maps:
             return any("libopenblas" in line for line in maps)
@@ -27,7 +30,7 @@ def _openblas_loaded():
         return False
 
 
-def choose_kernels():
+def choose_kernels() -> None:
     if "OPENBLAS_CORETYPE" in os.environ or _openblas_loaded():
         return
     flags = _cpu_flags()

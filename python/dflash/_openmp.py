@@ -6,12 +6,14 @@ loader reuses a library already loaded under the name a binary asks for
 one both use, whichever of torch and dflash is imported first. Without
 torch, the wheel's own (or the system's) is loaded by the extension."""
 
+from __future__ import annotations
+
 import ctypes
 import importlib.util
 import os
 
 
-def share_torchs():
+def share_torchs() -> None:
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):

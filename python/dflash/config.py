@@ -1,15 +1,23 @@
 """Where an objective comes from: the built-in default, an ObjectiveConfig,
 text format or a file, with keyword overrides on top."""
 
+from __future__ import annotations
+
 import os
+from typing import SupportsIndex, Union
 
 from dflash._core import ObjectiveConfig
+
+# What names a config: None (the default), a config, text format or a path.
+ConfigSource = Union[None, ObjectiveConfig, str, os.PathLike[str]]
+# An override's value (ObjectiveConfig.with_overrides checks each keyword's).
+Override = Union[str, float, SupportsIndex]
 
 
 _CONFIG_SUFFIXES = (".textproto", ".txtpb", ".pbtxt")
 
 
-def _names_a_path(text):
+def _names_a_path(text: str) -> bool:
     """Whether a str config is a path: an existing file, or a one-line str
     with a path separator or a config file's suffix and none of text
     format's '{' and ':' (a missing path then gets a message saying so,
@@ -21,7 +29,8 @@ def _names_a_path(text):
     return os.sep in text or text.strip().endswith(_CONFIG_SUFFIXES)
 
 
-def objective_config(config=None, **overrides):
+def objective_config(config: ConfigSource = None,
+                     **overrides: Override) -> ObjectiveConfig:
     """The ObjectiveConfig that `config` and `overrides` name.
 
     config: None (configs/dflash_default.textproto: dflash loss, gamma 7,

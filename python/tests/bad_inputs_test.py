@@ -312,10 +312,10 @@ class BadInputsTest(unittest.TestCase):
 
     def test_argument_types(self):
         # NumPy integers are ints; bools and floats are not.
-        self.assertEqual(self.call(top_k=np.int64(3)).top_k.shape[-1], 3)
+        numpy_k = self.call(top_k=np.int64(3)).diagnostics
+        self.assertEqual(numpy_k.top_k.shape[-1], 3)
         torch.testing.assert_close(
-            self.call(top_k=np.int64(3)).top_k_values,
-            self.call(top_k=3).top_k_values)
+            numpy_k.top_k_values, self.call(top_k=3).diagnostics.top_k_values)
         for bad in (True, 2.0):
             with self.assertRaisesRegex(
                     TypeError, f"^top_k: must be an int, got {bad!r}$"):
@@ -386,7 +386,7 @@ class BadInputsTest(unittest.TestCase):
         # More than the CPUs runs on the CPUs, and says so in its stats.
         cpus = len(os.sched_getaffinity(0))
         terms = self.call(threads=1024)
-        self.assertEqual(terms.stats["threads"], min(1024, cpus))
+        self.assertEqual(terms.diagnostics.stats["threads"], min(1024, cpus))
         self.assertEqual(terms.loss_num, self.call(threads=1).loss_num)
 
     def test_mask_sum_beyond_float32(self):

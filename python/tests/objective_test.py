@@ -57,9 +57,15 @@ class ObjectiveParityTest(unittest.TestCase):
         # The loss and its gradient with the same normalisation as SpecForge.
         (terms.loss_num / terms.loss_den).backward()
         (want[0] / want[1]).backward()
+        diag = terms.diagnostics
+        # reference.objective's order: the four core terms (which unpack
+        # first), then the per-position and probability numerators.
+        got = tuple(terms[:4]) + (diag.position_correct, diag.position_den,
+                                  diag.target_probability_num)
         names = ["loss_num", "loss_den", "correct_num", "accuracy_den",
                  "position_correct", "position_den", "target_probability_num"]
-        for name, actual, wanted in zip(names, terms, want):
+        self.assertEqual(len(want), len(names))
+        for name, actual, wanted in zip(names, got, want):
             self.assertClose(actual, wanted.detach(), rtol, name)
         for name, leaf, want_leaf in zip(
                 ["hidden", "weight", "bias", "confidence"], leaves, want_leaves):
@@ -210,31 +216,33 @@ class RowOutputsTest(unittest.TestCase):
         f = reference.FAMILIES[0]
         data = reference.batch(seed=10)
         terms, _ = run(f, data, return_rows=True, top_k=3)
+        rows = terms.diagnostics
         z = data["hidden"] @ data["weight"].T
         nll = torch.logsumexp(z, -1) - z.gather(
             -1, data["target_ids"].unsqueeze(-1)).squeeze(-1)
         weighted = data["weight_mask"] > 0
-        torch.testing.assert_close(terms.neg_log_q[weighted],
+        torch.testing.assert_close(rows.neg_log_q[weighted],
                                    nll[weighted].float())
-        self.assertTrue(torch.equal(terms.argmax[weighted],
+        self.assertTrue(torch.equal(rows.argmax[weighted],
                                     z.argmax(-1)[weighted]))
-        self.assertTrue(torch.equal(terms.top_k[weighted],
+        self.assertTrue(torch.equal(rows.top_k[weighted],
                                     z.topk(3, dim=-1).indices[weighted]))
-        self.assertTrue((terms.argmax[~weighted] == -1).all())
-        self.assertTrue((terms.neg_log_q[~weighted] == 0).all())
-        self.assertEqual(terms.argmax.dtype, torch.int64)
+        self.assertTrue((rows.argmax[~weighted] == -1).all())
+        self.assertTrue((rows.neg_log_q[~weighted] == 0).all())
+        self.assertEqual(rows.argmax.dtype, torch.int64)
 
     def test_accuracy_per_position_and_stats(self):
         data = reference.batch(seed=11)
         terms, _ = run(reference.FAMILIES[0], data, mode="CHECKPOINT")
-        acc = terms.accuracy_per_position
+        diag = terms.diagnostics
+        acc = diag.accuracy_per_position
         self.assertEqual(acc[0].item(), 0)  # k = 0 never carries a mask.
         torch.testing.assert_close(
-            acc[1:], terms.position_correct[1:] / terms.position_den[1:])
-        self.assertEqual(terms.stats["mode"], "CHECKPOINT")
-        self.assertEqual(terms.stats["chunks"], 3)  # 6 blocks, 2 a chunk.
-        self.assertGreater(terms.stats["segment_recomputes"], 0)
-        self.assertIsNone(terms.neg_log_q)
+            acc[1:], diag.position_correct[1:] / diag.position_den[1:])
+        self.assertEqual(diag.stats["mode"], "CHECKPOINT")
+        self.assertEqual(diag.stats["chunks"], 3)  # 6 blocks, 2 a chunk.
+        self.assertGreater(diag.stats["segment_recomputes"], 0)
+        self.assertIsNone(diag.neg_log_q)
 
     def test_no_grad_runs_without_a_graph(self):
         data = reference.batch(seed=12)

@@ -64,8 +64,9 @@ class SelectorInputsTest(unittest.TestCase):
                         leaves[0], leaves[1], target_ids, weight_mask,
                         lm_head_bias=leaves[2], config=config, mode=mode,
                         chunk_blocks=2, top_k=TOP_K)
+                    rows = terms.diagnostics
                     supervised = (weight_mask > 0).unsqueeze(-1)
-                    (terms.loss + (terms.top_k_values.double() * probe
+                    (terms.loss + (rows.top_k_values.double() * probe
                                    * supervised).sum()).backward()
 
                     ref_leaves = [t.clone().requires_grad_(
@@ -75,20 +76,20 @@ class SelectorInputsTest(unittest.TestCase):
                         *ref_leaves, target_ids, weight_mask, cap, probe)
                     objective.backward()
                     mask = weight_mask > 0
-                    self.assertTrue(torch.equal(terms.top_k[mask], ids[mask]))
-                    self.assertTrue(bool((terms.top_k[~mask] == -1).all()))
+                    self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
+                    self.assertTrue(bool((rows.top_k[~mask] == -1).all()))
                     torch.testing.assert_close(
-                        terms.top_k_values[mask].double(),
+                        rows.top_k_values[mask].double(),
                         values[mask].detach(), rtol=1e-6, atol=1e-6)
                     matches = ids.eq(target_ids.unsqueeze(-1))
                     self.assertTrue(torch.equal(
-                        terms.target_is_candidate[mask], matches.any(-1)[mask]))
-                    self.assertTrue(bool(terms.target_is_candidate[0, 0, 1:]
+                        rows.target_is_candidate[mask], matches.any(-1)[mask]))
+                    self.assertTrue(bool(rows.target_is_candidate[0, 0, 1:]
                                          .all()))
                     self.assertTrue(torch.equal(
-                        terms.target_candidate_index[mask],
+                        rows.target_candidate_index[mask],
                         matches.long().argmax(-1)[mask]))
-                    torch.testing.assert_close(terms.loss_weight.double(), w,
+                    torch.testing.assert_close(rows.loss_weight.double(), w,
                                                rtol=1e-6, atol=1e-7)
                     # The values are float32: their dz'/dz is good to ~1e-7.
                     for name, got, want in zip(
@@ -107,7 +108,7 @@ class SelectorInputsTest(unittest.TestCase):
                                  top_k=TOP_K)
         # A gradient of the wrong shape is autograd's error, before ours.
         with self.assertRaises(RuntimeError):
-            terms.top_k_values.backward(torch.ones(3))
+            terms.diagnostics.top_k_values.backward(torch.ones(3))
 
 
 if __name__ == "__main__":

@@ -146,9 +146,10 @@ class CorrectionGoldensTest(unittest.TestCase):
                 rtol = 3e-7 if "gamma" in g["config"] else 1e-12
                 self.assertAlmostEqual(float(terms.loss), t[DOMINO_LOSS],
                                        delta=rtol * abs(t[DOMINO_LOSS]))
-                self.assertAlmostEqual(float(terms.ce_loss_num), t[FINAL_NUM],
+                self.assertAlmostEqual(float(terms.diagnostics.ce_loss_num),
+                                       t[FINAL_NUM],
                                        delta=rtol * abs(t[FINAL_NUM]))
-                family = terms.family_terms
+                family = terms.diagnostics.family_terms
                 self.assertAlmostEqual(family["base_num"], t[BASE_NUM],
                                        delta=rtol * abs(t[BASE_NUM]))
                 for key, at in (("base_correct_num", BASE_CORRECT),

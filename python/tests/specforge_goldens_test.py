@@ -65,19 +65,20 @@ def selector_loss_num(g, terms, hidden, target_ids):
     selector_stop_gradient."""
     gen = generator()
     selector = gen.SelectorStandIn(g["selector_embed"], g["selector_proj"])
-    values = terms.top_k_values.double()
+    rows = terms.diagnostics
+    values = rows.top_k_values.double()
     alpha, stop_gradient = g["selector"][5], g["selector"][6]
     if stop_gradient:
         values, hidden = values.detach(), hidden.detach()
     predecessor_ids = torch.cat([target_ids[..., :1], target_ids[..., :-1]],
                                 dim=-1)
-    logits = selector.score_candidates(terms.top_k.clamp(min=0), values,
+    logits = selector.score_candidates(rows.top_k.clamp(min=0), values,
                                        hidden, predecessor_ids)
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
-        terms.target_candidate_index.reshape(-1),
+        rows.target_candidate_index.reshape(-1),
         reduction="none").reshape(target_ids.shape)
-    weights = terms.loss_weight.double() * terms.target_is_candidate.double()
+    weights = rows.loss_weight.double() * rows.target_is_candidate.double()
     return alpha * (ce * weights).sum(), float((ce * weights).sum())
 
 
@@ -127,14 +128,15 @@ class SpecForgeGoldensTest(unittest.TestCase):
                     loss = loss_num / terms.loss_den
                     loss.backward()
                     want = g["terms"]
+                    diag = terms.diagnostics
                     for label, actual, index in (
                             ("loss", loss, LOSS),
                             ("loss_num", loss_num, LOSS_NUM),
                             ("loss_den", terms.loss_den, LOSS_DEN),
-                            ("ce_loss_num", terms.ce_loss_num, CE_NUM),
-                            ("tv_loss_num", terms.tv_loss_num, TV_NUM),
+                            ("ce_loss_num", diag.ce_loss_num, CE_NUM),
+                            ("tv_loss_num", diag.tv_loss_num, TV_NUM),
                             ("target_probability_num",
-                             terms.target_probability_num, PROB_NUM),
+                             diag.target_probability_num, PROB_NUM),
                             ("correct_num", terms.correct_num, CORRECT),
                             ("accuracy_den", terms.accuracy_den, ACC_DEN)):
                         self.assertAlmostEqual(
@@ -148,7 +150,7 @@ class SpecForgeGoldensTest(unittest.TestCase):
                         "d(loss)/d(hidden)")
                     # The diagnostics: SpecForge takes its softmax in
                     # float32 for them (position.npy, accepted.npy).
-                    d = terms.diagnostics
+                    d = diag.metrics
                     position = g["position"]
                     checked = [
                         (2, "target_probability_per_position", 2e-6),
@@ -175,9 +177,9 @@ class SpecForgeGoldensTest(unittest.TestCase):
                         float(d["expected_accepted_length_num"]), accepted[2],
                         delta=2e-6 * accepted[2])
                     if "LAMBDA" in g["config"]:
-                        self.assertIsNotNone(terms.lk_kl_weight)
+                        self.assertIsNotNone(diag.lk_kl_weight)
                     else:
-                        self.assertIsNone(terms.lk_kl_weight)
+                        self.assertIsNone(diag.lk_kl_weight)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,30 @@
 """dflash for PyTorch.
 
 - dflash_objective: the DFlash-family objective's chunk terms through the
-  fused C++ head, autograd-correct, zero-copy.
+  fused C++ head, autograd-correct, zero-copy: ObjectiveTerms (the core
+  terms) and their ObjectiveDiagnostics (HeadStats, FamilyTerms).
 - FusedHead: an nn.Module over a frozen nn.Linear lm_head and a config.
 - chunked_reduce: SpecForge's checkpointed_chunk_reduce for any chunk
   function, with segments of chunks as the recompute boundary.
-- selective_checkpoint_context_fn, checkpoint_options: a dflash checkpoint
-  policy for torch.utils.checkpoint.
+- selective_checkpoint_context_fn, checkpoint_options (CheckpointOptions): a
+  dflash checkpoint policy for torch.utils.checkpoint.
 """
 
-from dflash.torch.checkpoint_policy import (checkpoint_options,
+from dflash.torch.checkpoint_policy import (CheckpointOptions,
+                                            checkpoint_options,
                                             selective_checkpoint_context_fn)
 from dflash.torch.chunking import chunked_reduce
 from dflash.torch.head import FusedHead
-from dflash.torch.objective import ObjectiveTerms, dflash_objective
+from dflash.torch.objective import (FamilyTerms, HeadStats,
+                                    ObjectiveDiagnostics, ObjectiveTerms,
+                                    dflash_objective)
 
 __all__ = [
+    "CheckpointOptions",
+    "FamilyTerms",
     "FusedHead",
+    "HeadStats",
+    "ObjectiveDiagnostics",
     "ObjectiveTerms",
     "checkpoint_options",
     "chunked_reduce",

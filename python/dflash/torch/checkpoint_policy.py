@@ -2,10 +2,15 @@
 protobuf config that chooses what the C++ head keeps also chooses what a
 Python chunk function keeps under torch.utils.checkpoint."""
 
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict
+
 import torch
 import torch.utils.checkpoint
 
-from dflash.config import objective_config
+from dflash.config import ConfigSource, Override, objective_config
+from dflash.torch.chunking import ContextFn
 
 # Matrix products, as (activation, weight) argument positions.
 _PROJECTIONS = {
@@ -23,14 +28,25 @@ _STATISTICS = {
     "aten.amax", "aten.max", "aten.argmax", "aten.topk",
 }
 _RECOMPUTE = ("PREFER_RECOMPUTE", "MUST_RECOMPUTE")
+# One rule of ObjectiveConfig.checkpoint_policy() (None where unset).
+_Rule = Dict[str, Any]
 
 
-def _bytes(tensors):
+class CheckpointOptions(TypedDict):
+    """chunked_reduce's checkpoint arguments (checkpoint_options)."""
+
+    checkpoint: bool
+    segment_chunks: int
+    context_fn: Optional[ContextFn]
+
+
+def _bytes(tensors: Sequence[object]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors
                if isinstance(t, torch.Tensor))
 
 
-def _describe(func, args, output):
+def _describe(func: Any, args: Sequence[Any], output: Any
+              ) -> Tuple[str, str, bool, bool, int]:
     """(name, kind, weight_frozen, input_requires_grad, output bytes) of an
     op, the properties dflash's rules match on. Torch versions that ask the
     policy before running the op give no output: its size is estimated."""
@@ -50,7 +66,8 @@ def _describe(func, args, output):
     return name, kind, False, any(t.requires_grad for t in tensors), size
 
 
-def _matches(rule, name, kind, frozen, needs_grad):
+def _matches(rule: _Rule, name: str, kind: str, frozen: bool,
+             needs_grad: bool) -> bool:
     pattern = rule["name"]
     if pattern is not None and not (
             name.startswith(pattern[:-1]) if pattern.endswith("*")
@@ -69,15 +86,15 @@ class _Policy:
     that ask again during recomputation get forward's decisions replayed, as
     selective checkpointing requires."""
 
-    def __init__(self, policy):
-        self._rules = policy["rules"]
-        self._default = policy["default_action"]
-        self._budget = policy["memory_budget_bytes"]
+    def __init__(self, policy: Dict[str, Any]) -> None:
+        self._rules: List[_Rule] = policy["rules"]
+        self._default: str = policy["default_action"]
+        self._budget: Optional[int] = policy["memory_budget_bytes"]
         self._kept = 0
-        self._decisions = []
+        self._decisions: List[Any] = []
         self._replayed = 0
 
-    def __call__(self, ctx, func, *args, **kwargs):
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         if ctx.is_recompute:
             decision = self._decisions[self._replayed]
             self._replayed += 1
@@ -97,7 +114,8 @@ class _Policy:
         return decision
 
 
-def selective_checkpoint_context_fn(config=None, **overrides):
+def selective_checkpoint_context_fn(config: ConfigSource = None,
+                                    **overrides: Override) -> ContextFn:
     """A `context_fn` for torch.utils.checkpoint (and chunked_reduce) that
     keeps or recomputes each op by the config's checkpoint policy (presets
     expanded): a rule's kind is PROJECTION for matrix products (aten.mm,
@@ -118,13 +136,15 @@ def selective_checkpoint_context_fn(config=None, **overrides):
             f"(torch >= 2.4); this torch is {torch.__version__}")
     policy = objective_config(config, **overrides).checkpoint_policy()
 
-    def context_fn():
-        return create(_Policy(policy))
+    def context_fn() -> Tuple[Any, Any]:
+        contexts: Tuple[Any, Any] = create(_Policy(policy))
+        return contexts
 
     return context_fn
 
 
-def checkpoint_options(config=None, **overrides):
+def checkpoint_options(config: ConfigSource = None,
+                       **overrides: Override) -> CheckpointOptions:
     """chunked_reduce's checkpoint arguments from a config's checkpoint
     policy: `chunked_reduce(f, *tensors, chunk_size=c, **checkpoint_options(
     config))`. segment_chunks 0 (never recompute) turns checkpointing off; a

@@ -1,8 +1,11 @@
 """chunked_reduce: SpecForge's checkpointed_chunk_reduce for any Python chunk
 function, with the recompute boundary decoupled from the chunk."""
 
+from __future__ import annotations
+
 import inspect
 import operator
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -12,8 +15,13 @@ import torch.utils.checkpoint
 _HAS_CONTEXT_FN = "context_fn" in inspect.signature(
     torch.utils.checkpoint.checkpoint).parameters
 
+# A chunk function: slices (or None) in, a tuple of additive terms out.
+ChunkFunction = Callable[..., Tuple[torch.Tensor, ...]]
+# torch.utils.checkpoint's context_fn: a pair of context managers.
+ContextFn = Callable[[], Tuple[Any, Any]]
 
-def _count(name, value, least):
+
+def _count(name: str, value: Any, least: int) -> int:
     """`value` as an int (Python or NumPy integers, not bools or floats);
     its range is checked with SpecForge's messages after."""
     if not isinstance(value, bool):
@@ -24,14 +32,15 @@ def _count(name, value, least):
     raise ValueError(f"{name}: must be an int >= {least}, got {value!r}")
 
 
-def _checked_dim(dim, tensor):
+def _checked_dim(dim: int, tensor: torch.Tensor) -> int:
     normalized = dim if dim >= 0 else tensor.ndim + dim
     if normalized < 0 or normalized >= tensor.ndim:
         raise ValueError(f"dim {dim} is invalid for a {tensor.ndim}D tensor")
     return normalized
 
 
-def _chunk_terms(function, args):
+def _chunk_terms(function: ChunkFunction, args: Sequence[Optional[torch.Tensor]]
+                 ) -> Tuple[torch.Tensor, ...]:
     terms = function(*args)
     if not isinstance(terms, tuple) or not all(
             isinstance(term, torch.Tensor) for term in terms):
@@ -39,11 +48,13 @@ def _chunk_terms(function, args):
     return terms
 
 
-def _segment(function, starts, width, dim, length, *tensors):
+def _segment(function: ChunkFunction, starts: Sequence[int], width: int,
+             dim: int, length: int, *tensors: Optional[torch.Tensor]
+             ) -> Tuple[torch.Tensor, ...]:
     """The terms of the chunks at `starts`, flattened chunk after chunk: one
     checkpointed unit, recomputed whole in backward."""
-    flat = []
-    count = None
+    flat: list[torch.Tensor] = []
+    count: Optional[int] = None
     for start in starts:
         args = tuple(
             None if t is None else t.narrow(
@@ -59,8 +70,11 @@ def _segment(function, starts, width, dim, length, *tensors):
     return tuple(flat)
 
 
-def chunked_reduce(function, *tensors, chunk_size, dim=0, checkpoint=True,
-                   segment_chunks=1, context_fn=None):
+def chunked_reduce(function: ChunkFunction, *tensors: Optional[torch.Tensor],
+                   chunk_size: int, dim: int = 0, checkpoint: bool = True,
+                   segment_chunks: int = 1,
+                   context_fn: Optional[ContextFn] = None
+                   ) -> Tuple[torch.Tensor, ...]:
     """Sums the additive terms `function` returns over aligned slices.
 
     SpecForge's checkpointed_chunk_reduce, with its argument checks, order
@@ -117,8 +131,10 @@ def chunked_reduce(function, *tensors, chunk_size, dim=0, checkpoint=True,
     checkpointed = (checkpoint and chunk_size > 0 and torch.is_grad_enabled()
                     and any(t.requires_grad for t in present))
     group = segment_chunks if checkpointed else 1
-    options = {} if context_fn is None else {"context_fn": context_fn}
-    totals = None
+    # Only when given: torch before 2.1 passes keywords to the function.
+    options: Dict[str, Any] = (
+        {} if context_fn is None else {"context_fn": context_fn})
+    totals: Optional[Tuple[torch.Tensor, ...]] = None
     for first_chunk in range(0, len(starts), group):
         segment = starts[first_chunk:first_chunk + group]
         if checkpointed:
@@ -137,4 +153,5 @@ def chunked_reduce(function, *tensors, chunk_size, dim=0, checkpoint=True,
                 raise ValueError(
                     "chunk function returned a different number of terms")
             totals = tuple(left + right for left, right in zip(totals, terms))
+    assert totals is not None  # length > 0: one chunk at least.
     return totals

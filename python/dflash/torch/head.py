@@ -1,10 +1,18 @@
 """FusedHead: a training step's lm_head and objective in one module."""
 
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
 import torch
 
 from dflash import _core
-from dflash.config import objective_config
-from dflash.torch.objective import dflash_objective
+from dflash.config import ConfigSource, Override, objective_config
+from dflash.torch.objective import ObjectiveTerms, dflash_objective
+
+# What a prepared layout was made from: the weight's and the bias's storage
+# and shape.
+_LayoutKey = Tuple[int, Tuple[int, ...], Optional[Tuple[int, Tuple[int, ...]]]]
 
 
 class FusedHead(torch.nn.Module):
@@ -26,7 +34,8 @@ class FusedHead(torch.nn.Module):
     weight with its checksum, one pass over it).
     """
 
-    def __init__(self, lm_head, config=None, *, freeze=True, **overrides):
+    def __init__(self, lm_head: torch.nn.Linear, config: ConfigSource = None,
+                 *, freeze: bool = True, **overrides: Override) -> None:
         super().__init__()
         if not isinstance(lm_head, torch.nn.Linear):
             raise TypeError("lm_head: must be a torch.nn.Linear, got "
@@ -35,10 +44,10 @@ class FusedHead(torch.nn.Module):
         if freeze:
             lm_head.requires_grad_(False)
         self.config = objective_config(config, **overrides)
-        self._prepared = None
-        self._prepared_from = None
+        self._prepared: Optional[_core.PreparedProjection] = None
+        self._prepared_from: Optional[_LayoutKey] = None
 
-    def _prepared_projection(self):
+    def _prepared_projection(self) -> Optional[_core.PreparedProjection]:
         """The frozen weight's layout, made again when the weight changed."""
         weight, bias = self.lm_head.weight, self.lm_head.bias
         frozen = not weight.requires_grad and (
@@ -48,7 +57,7 @@ class FusedHead(torch.nn.Module):
             return None
         # A replaced weight or bias gets a new layout; one changed in place
         # is laid out again where it is, by the call (its checksum).
-        state = (weight.data_ptr(), tuple(weight.shape),
+        state: _LayoutKey = (weight.data_ptr(), tuple(weight.shape),
                  None if bias is None else (bias.data_ptr(), tuple(bias.shape)))
         if state != self._prepared_from:
             self._prepared = None
@@ -56,8 +65,11 @@ class FusedHead(torch.nn.Module):
             self._prepared_from = state
         return self._prepared
 
-    def forward(self, hidden, target_ids, weight_mask, *, teacher_hidden=None,
-                confidence_logits=None, return_rows=False, top_k=0):
+    def forward(self, hidden: torch.Tensor, target_ids: torch.Tensor,
+                weight_mask: torch.Tensor, *,
+                teacher_hidden: Optional[torch.Tensor] = None,
+                confidence_logits: Optional[torch.Tensor] = None,
+                return_rows: bool = False, top_k: int = 0) -> ObjectiveTerms:
         """dflash_objective over this head's weight, bias and config."""
         return dflash_objective(
             hidden, self.lm_head.weight, target_ids, weight_mask,

@@ -5,96 +5,132 @@ is computed chunk by chunk in forward, so nothing is recomputed); autograd's
 backward then only scales the saved gradients by what flows in.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import functools
 import glob
 import operator
 import os
 import signal
 import threading
-from typing import NamedTuple, Optional
+from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Tuple,
+                    TypedDict, Union)
 
 import torch
 
 from dflash import _core
-from dflash.config import objective_config
+from dflash.config import ConfigSource, Override, objective_config
 
 
-class ObjectiveTerms(NamedTuple):
-    """Additive terms of one batch, as SpecForge's chunk terms: the first four
-    unpack like `loss_num, loss_den, correct_num, accuracy_den`.
+class HeadStats(TypedDict):
+    """The head's run, as `ObjectiveDiagnostics.stats`."""
 
-    Only loss_num is differentiable (with respect to hidden, to the weight and
-    bias when they require grad, and to dspark's confidence logits). Sum the
-    terms over micro-batches or ranks, then divide: `loss_num / loss_den`.
+    mode: str  # The execution mode's name: MATERIALIZE, ..., FUSED.
+    chunks: int
+    projected_rows: int
+    gemm_calls: int
+    gemm_passes: int
+    segment_recomputes: int
+    peak_bytes: int  # The head's own buffers.
+    forward_seconds: float
+    backward_seconds: float
+    # The config's threads, at most the usable CPUs; 1 in a forked child.
+    threads: int
+
+
+class FamilyTerms(TypedDict):
+    """SpecForge's DSpark and Domino chunk terms by their names there, as
+    `ObjectiveDiagnostics.family_terms` (0 for the other families).
+
+    DSpark's tau_num and tau_den are `metrics`'
+    teacher_expected_accepted_length_num and block_den; Domino's final_num
+    is `ce_loss_num`.
     """
 
-    loss_num: torch.Tensor  # 0-dim; hidden's dtype (float32 for bfloat16).
-    loss_den: torch.Tensor  # 0-dim: sum of loss weights.
-    correct_num: torch.Tensor  # 0-dim: argmax == target where mask > 0.5.
-    accuracy_den: torch.Tensor  # 0-dim: sum of weight_mask.
-    position_correct: torch.Tensor  # [K]: correct_num per block position.
-    position_den: torch.Tensor  # [K]: accuracy_den per block position.
-    # 0-dim: sum of q * weight_mask, q the target's probability (no
-    # gradient); over accuracy_den, SpecForge's target_probability metric.
+    l1_loss_num: float
+    confidence_loss_num: float
+    confidence_abs_error_num: float
+    teacher_top1_num: float
+    draft_top1_num: float
+    dpard_loss_num: float
+    ce_position_num: List[float]  # [K]
+    dpard_credit_position_num: List[float]  # [K]
+    base_num: float
+    base_correct_num: float
+    accept_num: float
+    base_accept_num: float
+    accept_den: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveDiagnostics:
+    """Everything of one batch beyond the core terms: additive numerators to
+    sum over micro-batches or ranks and then divide, what the head's run
+    did, and the per-row outputs a call asks for.
+
+    Scalar tensors are 0-dim in the terms' dtype (hidden's; float32 for
+    bfloat16) on hidden's device, with no gradient, unless said otherwise.
+
+    Fields:
+        position_correct: [K] correct_num per block position.
+        position_den: [K] accuracy_den per block position.
+        target_probability_num: sum of q * weight_mask, q the target's
+            probability; over accuracy_den, SpecForge's target_probability.
+        ce_loss_num, tv_loss_num: SpecForge's ce_loss_num (sum of w * CE) and
+            tv_loss_num (sum of w * (1 - q); 0 unless the LK composition has
+            a tv part); loss_num is composed from them.
+        lk_kl_weight: with lk_loss_type="lambda", the batch's CE weight kl_w;
+            else None.
+        metrics: SpecForge's DFlash diagnostics as float64 CPU numerators:
+            target_probability_per_position, top_k_recall_per_position and
+            top_k_mass_per_position [K] over position_den;
+            loss_weight_per_position [K] over its sum;
+            expected_accepted_length_num and oracle_accepted_length_num over
+            block_den (anchor blocks with a supervised slot). Top-k is the
+            config's head.metric_top_k (default 16). With teacher_hidden for
+            a loss that reads no teacher (SpecForge's
+            target_last_hidden_states, aligned to the rows):
+            teacher_acceptance_per_position,
+            teacher_agreement_per_position and
+            teacher_top_k_mass_per_position [K] over position_den, and
+            teacher_expected_accepted_length_num over block_den.
+        family_terms: SpecForge's DSpark and Domino terms (FamilyTerms).
+        stats: the head's run (HeadStats).
+        neg_log_q: [B, N, K] float32, with return_rows; else None.
+        argmax: [B, N, K] int64, -1 where a row has no weight, with
+            return_rows; else None.
+        top_k, top_k_values: with top_k = k, the strict top-k of the loss's
+            logits (ties to the lower id; -1 where the row has no mask) as
+            ids [B, N, K, k] int64 and values [B, N, K, k] float32. The values
+            carry a gradient (a DFlash2 selector's unary logits). Else None.
+        target_is_candidate: [B, N, K] bool, whether the target is among
+            top_k; target_candidate_index: [B, N, K] int64, where (0 if not).
+            With top_k; else None.
+        loss_weight: [B, N, K] float32, each row's loss weight (SpecForge's
+            loss_weights, D-PACE's block weights), with return_rows or top_k;
+            else None.
+    """
+
+    position_correct: torch.Tensor
+    position_den: torch.Tensor
     target_probability_num: torch.Tensor
-    # 0-dim, no gradient: SpecForge's ce_loss_num (sum of w * CE) and
-    # tv_loss_num (sum of w * (1 - q), 0 unless the LK composition has a tv
-    # part); loss_num is composed from them.
-    ce_loss_num: Optional[torch.Tensor] = None
-    tv_loss_num: Optional[torch.Tensor] = None
-    # lk_loss_type="lambda": the batch's CE weight kl_w (a float); else None.
-    lk_kl_weight: Optional[float] = None
-    # SpecForge's DFlash diagnostics as numerators (float64 CPU tensors, no
-    # gradient; sum them over micro-batches, then divide):
-    # target_probability_per_position, top_k_recall_per_position and
-    # top_k_mass_per_position [K] over position_den; loss_weight_per_position
-    # [K] over its sum; expected_accepted_length_num and
-    # oracle_accepted_length_num over block_den (anchor blocks with a
-    # supervised slot). Top-k is the config's head.metric_top_k (default 16).
-    # With teacher_hidden for a loss that reads no teacher (SpecForge's
-    # target_last_hidden_states, aligned to the rows): the teacher_*
-    # entries, teacher acceptance, top-1 agreement and top-k mass [K] over
-    # position_den, and teacher_expected_accepted_length_num over block_den.
-    diagnostics: Optional[dict] = None
-    neg_log_q: Optional[torch.Tensor] = None  # [B, N, K] float32, when asked.
-    argmax: Optional[torch.Tensor] = None  # [B, N, K] int64, -1 if unweighted.
-    # With top_k = k: the strict top-k of the loss's logits (ties to the lower
-    # id; -1 where the row has no mask) as ids [B, N, K, k] int64 and values
-    # [B, N, K, k] float32 (differentiable: a DFlash2 selector's unary
-    # logits), and whether and where the target is among them [B, N, K].
+    ce_loss_num: torch.Tensor
+    tv_loss_num: torch.Tensor
+    lk_kl_weight: Optional[float]
+    metrics: Dict[str, torch.Tensor]
+    family_terms: FamilyTerms
+    stats: HeadStats
+    neg_log_q: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
     top_k: Optional[torch.Tensor] = None
     top_k_values: Optional[torch.Tensor] = None
-    target_is_candidate: Optional[torch.Tensor] = None  # bool.
-    target_candidate_index: Optional[torch.Tensor] = None  # int64, 0 if not.
-    # [B, N, K] float32, no gradient: each row's loss weight (SpecForge's
-    # loss_weights, D-PACE's block weights), with return_rows or top_k.
+    target_is_candidate: Optional[torch.Tensor] = None
+    target_candidate_index: Optional[torch.Tensor] = None
     loss_weight: Optional[torch.Tensor] = None
-    # The head's run: mode, chunks, projected_rows, gemm_calls, gemm_passes,
-    # segment_recomputes, peak_bytes (its own buffers), forward_seconds,
-    # backward_seconds, threads (the config's threads, at most the usable
-    # CPUs; 1 in a forked child).
-    stats: Optional[dict] = None
-    # SpecForge's DSpark and Domino chunk terms by their names there (floats;
-    # ce_position_num and dpard_credit_position_num [K] lists): DSpark's
-    # l1_loss_num, confidence_loss_num, confidence_abs_error_num,
-    # teacher_top1_num, draft_top1_num, dpard_loss_num (tau_num and tau_den
-    # are diagnostics' teacher_expected_accepted_length_num and block_den);
-    # Domino's base_num, base_correct_num, accept_num, base_accept_num,
-    # accept_den (final_num is ce_loss_num).
-    family_terms: Optional[dict] = None
-    # What loss_den takes before dividing: 1e-6 for domino (SpecForge's
-    # additive epsilon), else 0.
-    loss_den_offset: float = 0.0
 
     @property
-    def loss(self):
-        # Floored as SpecForge floors it: an all-masked batch gives 0. D-PARD's
-        # loss_num is the loss times loss_den (its main part is per sequence).
-        return self.loss_num / (self.loss_den + self.loss_den_offset).clamp_min(
-            torch.finfo(self.loss_den.dtype).tiny)
-
-    @property
-    def accuracy_per_position(self):
+    def accuracy_per_position(self) -> torch.Tensor:
         """position_correct / position_den, 0 where a position has no mask."""
         den = self.position_den
         return torch.where(den > 0,
@@ -102,9 +138,44 @@ class ObjectiveTerms(NamedTuple):
                            torch.zeros_like(den))
 
 
-def _tensor(name, value, optional=False):
-    if value is None and optional:
-        return None
+class ObjectiveTerms(NamedTuple):
+    """The core terms of one batch, as SpecForge's chunk terms: the first four
+    unpack like `loss_num, loss_den, correct_num, accuracy_den, *_ = terms`.
+
+    The four are 0-dim tensors in hidden's dtype (float32 for bfloat16) on
+    hidden's device. Only loss_num is differentiable (with respect to
+    hidden, to the weight and bias when they require grad, to dspark's
+    confidence logits and to a correction's inputs and weight). Sum them
+    over micro-batches or ranks, then divide: `loss_num / loss_den` (with
+    loss_den_offset added to the summed loss_den, as `loss` does).
+
+    Fields:
+        loss_num: the sum of the rows' weighted losses.
+        loss_den: the sum of the loss weights.
+        correct_num: rows whose argmax is the target where weight_mask > 0.5.
+        accuracy_den: the sum of weight_mask.
+        loss_den_offset: what loss_den takes before dividing: 1e-6 for
+            domino (SpecForge's additive epsilon), else 0.
+        diagnostics: the rest (ObjectiveDiagnostics).
+    """
+
+    loss_num: torch.Tensor
+    loss_den: torch.Tensor
+    correct_num: torch.Tensor
+    accuracy_den: torch.Tensor
+    loss_den_offset: float
+    diagnostics: ObjectiveDiagnostics
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """loss_num / (loss_den + loss_den_offset), floored as SpecForge
+        floors it: an all-masked batch gives 0. D-PARD's loss_num is the loss
+        times loss_den (its main part is per sequence)."""
+        return self.loss_num / (self.loss_den + self.loss_den_offset).clamp_min(
+            torch.finfo(self.loss_den.dtype).tiny)
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{name}: must be a torch.Tensor, got {type(value).__name__}")
@@ -122,12 +193,12 @@ def _tensor(name, value, optional=False):
     return value
 
 
-def _is_bool(value):
+def _is_bool(value: object) -> bool:
     # Python's and NumPy's (np.bool_, which has __index__).
     return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")
 
 
-def _int(name, value):
+def _int(name: str, value: Any) -> int:
     """`value` as an int: Python and NumPy integers, not bools or floats."""
     if _is_bool(value):
         raise TypeError(f"{name}: must be an int, got {value!r}")
@@ -137,7 +208,8 @@ def _int(name, value):
         raise TypeError(f"{name}: must be an int, got {value!r}") from None
 
 
-def _empty(name, shape, dtype, device):
+def _empty(name: str, shape: Sequence[int], dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
     """torch.empty, its failure to allocate a MemoryError naming `name`."""
     try:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -153,7 +225,7 @@ def _empty(name, shape, dtype, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _use_torchs_cuda_libraries():
+def _use_torchs_cuda_libraries() -> None:
     """Points the CUDA head at the cuBLAS torch ships (PyPI's torch bundles
     its NVIDIA libraries under site-packages/nvidia/), before the system's
     and the build's toolkit: the one torch itself runs on."""
@@ -162,14 +234,14 @@ def _use_torchs_cuda_libraries():
         sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib"))))
 
 
-def _interruptible():
+def _interruptible() -> bool:
     # Ctrl-C can stop the call where Python raises KeyboardInterrupt for it:
     # its main thread, under the default SIGINT handler.
     return (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
-def _on_host(tensor):
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     # Row metadata is read on the host: one small copy from a CUDA device.
     return tensor.cpu() if tensor.is_cuda else tensor
 
@@ -188,11 +260,29 @@ _BUFFER_NAMES = {
 }
 
 
+class _RunInfo:
+    """What the head's run reports beside the tensors autograd returns,
+    filled in by _Objective.forward."""
+
+    stats: HeadStats
+    lk_kl_weight: Optional[float]
+    family_terms: FamilyTerms
+    loss_den_offset: float
+    metrics: Dict[str, torch.Tensor]
+
+
 class _Objective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config, top_k, return_rows, run_info, hidden, weight, bias,
-                teacher, confidence, target_ids, weight_mask, correction_inputs,
-                correction_weight, prepared):
+    def forward(ctx: Any, config: _core.ObjectiveConfig, top_k: int,
+                return_rows: bool, run_info: _RunInfo, hidden: torch.Tensor,
+                weight: torch.Tensor, bias: Optional[torch.Tensor],
+                teacher: Optional[torch.Tensor],
+                confidence: Optional[torch.Tensor], target_ids: torch.Tensor,
+                weight_mask: torch.Tensor,
+                correction_inputs: Optional[torch.Tensor],
+                correction_weight: Optional[torch.Tensor],
+                prepared: Optional[_core.PreparedProjection]
+                ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
         rows = tuple(hidden.shape[:3])
@@ -265,11 +355,11 @@ class _Objective(torch.autograd.Function):
             outputs["top_k_values"],
             outputs["loss_weight"],
         ]
-        run_info.update(result["stats"])
-        run_info["lk_kl_weight"] = result["lk_kl_weight"]
-        run_info["family_terms"] = result["family_terms"]
-        run_info["loss_den_offset"] = result["loss_den_offset"]
-        run_info["diagnostics"] = {
+        run_info.stats = result["stats"]
+        run_info.lk_kl_weight = result["lk_kl_weight"]
+        run_info.family_terms = result["family_terms"]
+        run_info.loss_den_offset = result["loss_den_offset"]
+        run_info.metrics = {
             name: torch.tensor(value, dtype=torch.float64)
             for name, value in result["diagnostics"].items()}
         # The head's gradients are of loss_num / loss_denominator.
@@ -278,18 +368,18 @@ class _Objective(torch.autograd.Function):
         ctx.trainable = trainable
         ctx.stream = stream
         returned = terms + [e for e in extras if e is not None]
-        values = outputs["top_k_values"]
+        top_k_values = outputs["top_k_values"]
         # The top-k values carry a gradient back through the projection's
         # rows they came from (their backward is a sparse update).
         ctx.values_at = None
-        if values is not None:
+        if top_k_values is not None:
             ctx.values_at = next(i for i, e in enumerate(returned)
-                                 if e is values)
+                                 if e is top_k_values)
         # Saved, not kept on ctx: autograd frees them after backward, so a
         # second backward without retain_graph raises as torch's own ops do.
         ctx.save_for_backward(
             *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
-            values, outputs["top_k"], confidence, correction_inputs,
+            top_k_values, outputs["top_k"], confidence, correction_inputs,
             correction_weight)
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
@@ -297,7 +387,10 @@ class _Objective(torch.autograd.Function):
         return tuple(returned)
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx: Any, *grad_outputs: torch.Tensor
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        # grad_outputs are tensors: autograd materialises the gradient of
+        # an output none flows to as zeros.
         with torch.no_grad():
             grads = _Objective._gradients(ctx, *grad_outputs)
         if not torch.is_grad_enabled():
@@ -319,7 +412,7 @@ class _Objective(torch.autograd.Function):
             "gradients are computed by the fused head, not by autograd ops)",
             len(grads))
 
-        def tied(grad):
+        def tied(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             if grad is None:
                 return None
             grad = grad.detach()
@@ -328,19 +421,23 @@ class _Objective(torch.autograd.Function):
             grad.requires_grad = True
             return grad
 
-        return error(*[tied(g) for g in grads])
+        # DelayedError passes None (no gradient) through; torch's stub says
+        # Tensor.
+        return error(*[tied(g) for g in grads])  # type: ignore[arg-type]
 
     @staticmethod
-    def _gradients(ctx, grad_num, *unused):
+    def _gradients(ctx: Any, grad_num: torch.Tensor,
+                   *unused: torch.Tensor
+                   ) -> Tuple[Optional[torch.Tensor], ...]:
         # The head's gradients are of loss_num / loss_den; loss_num's are
         # loss_den times those, scaled by what autograd brings (1 / a global
         # denominator, an accumulation factor, ...).
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
         hidden, weight, bias, values, ids = saved[len(_GRADIENTS):][:5]
-        scale = grad_num * ctx.den
+        scale: torch.Tensor = grad_num * ctx.den
 
-        def scaled(grad):
+        def scaled(grad: torch.Tensor) -> torch.Tensor:
             if grad.dtype == torch.bfloat16:
                 # A bfloat16 scale would round it: scale in float32.
                 return (grad.float() * scale.float()).to(grad.dtype)
@@ -380,11 +477,18 @@ class _Objective(torch.autograd.Function):
                 None, grad_confidence, None, None, grad_z, grad_m, None)
 
 
-def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
-                     config=None, lm_head_bias=None, teacher_hidden=None,
-                     confidence_logits=None, correction_inputs=None,
-                     correction_weight=None, prepared_projection=None,
-                     return_rows=False, top_k=0, **overrides):
+def dflash_objective(
+        hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+        target_ids: torch.Tensor, weight_mask: torch.Tensor, *,
+        config: ConfigSource = None,
+        lm_head_bias: Optional[torch.Tensor] = None,
+        teacher_hidden: Optional[torch.Tensor] = None,
+        confidence_logits: Optional[torch.Tensor] = None,
+        correction_inputs: Optional[torch.Tensor] = None,
+        correction_weight: Optional[torch.Tensor] = None,
+        prepared_projection: Optional[_core.PreparedProjection] = None,
+        return_rows: bool = False, top_k: int = 0,
+        **overrides: Override) -> ObjectiveTerms:
     """The DFlash-family objective's chunk terms over one batch, through the
     fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
     by `checkpointed_chunk_reduce` returns, without materialising the logits.
@@ -416,9 +520,10 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         one). Without one a frozen float32 CPU head lays the weight out at
         each call.
     return_rows: also return per-row neg_log_q and argmax; top_k: the k
-        largest logits' ids per row (0 <= k <= min(64, V)).
+        largest logits' ids per row (0 <= k <= min(64, V)); both in the
+        result's diagnostics.
 
-    Returns ObjectiveTerms. Every bad input raises ValueError (TypeError for
+    Returns ObjectiveTerms: the core terms, the rest in its diagnostics. Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
     From the main thread under Python's default SIGINT handler, Ctrl-C
     stops the call before its next GEMM and raises KeyboardInterrupt. In a
@@ -433,7 +538,8 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
                         ("confidence_logits", confidence_logits),
                         ("correction_inputs", correction_inputs),
                         ("correction_weight", correction_weight)):
-        _tensor(name, value, optional=True)
+        if value is not None:
+            _tensor(name, value)
     if (prepared_projection is not None and not isinstance(
             prepared_projection, _core.PreparedProjection)):
         raise TypeError(
@@ -445,17 +551,14 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
                          f"got {top_k!r}")
     resolved = objective_config(config, **overrides)
-    stats = {}
+    run_info = _RunInfo()
     results = _Objective.apply(
-        resolved, top_k, bool(return_rows), stats, hidden, lm_head_weight,
+        resolved, top_k, bool(return_rows), run_info, hidden, lm_head_weight,
         lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
         _on_host(weight_mask), correction_inputs, correction_weight,
         prepared_projection)
-    terms = list(results[:9])
-    lk_kl_weight = stats.pop("lk_kl_weight")
-    family_terms = stats.pop("family_terms")
-    loss_den_offset = stats.pop("loss_den_offset")
-    diagnostics = stats.pop("diagnostics")
+    loss_num, loss_den, correct_num, accuracy_den = results[:4]
+    position_correct, position_den, probability, ce_num, tv_num = results[4:9]
     extras = iter(results[9:])
     neg_log_q, argmax, ids, values, loss_weight = [
         next(extras) if wanted else None
@@ -468,9 +571,14 @@ def dflash_objective(hidden, lm_head_weight, target_ids, weight_mask, *,
         matches = ids.eq(target_ids.to(ids.device).long().unsqueeze(-1))
         is_candidate = matches.any(dim=-1)
         index = matches.long().argmax(dim=-1)
-    return ObjectiveTerms(
-        *terms, lk_kl_weight=lk_kl_weight, diagnostics=diagnostics,
-        neg_log_q=neg_log_q, argmax=argmax, top_k=ids, top_k_values=values,
-        target_is_candidate=is_candidate, target_candidate_index=index,
-        loss_weight=loss_weight, stats=stats, family_terms=family_terms,
-        loss_den_offset=loss_den_offset)
+    diagnostics = ObjectiveDiagnostics(
+        position_correct=position_correct, position_den=position_den,
+        target_probability_num=probability, ce_loss_num=ce_num,
+        tv_loss_num=tv_num, lk_kl_weight=run_info.lk_kl_weight,
+        metrics=run_info.metrics, family_terms=run_info.family_terms,
+        stats=run_info.stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
+        top_k_values=values, target_is_candidate=is_candidate,
+        target_candidate_index=index, loss_weight=loss_weight)
+    return ObjectiveTerms(loss_num, loss_den, correct_num, accuracy_den,
+                          loss_den_offset=run_info.loss_den_offset,
+                          diagnostics=diagnostics)

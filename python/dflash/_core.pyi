@@ -1,0 +1,56 @@
+# Types of the extension module (python/native/module.cc), for type checkers:
+# a compiled module has no annotations of its own. Tensors cross as objects
+# (the extension reads their attributes and needs no torch).
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, SupportsIndex, Union
+
+_Override = Union[str, float, SupportsIndex]
+
+class ObjectiveConfig:
+    """A dflash.v1.ObjectiveConfig (proto/objective.proto)."""
+
+    @staticmethod
+    def default() -> ObjectiveConfig: ...
+    @staticmethod
+    def from_text(text: str, source: str = ...) -> ObjectiveConfig: ...
+    @staticmethod
+    def from_file(path: str) -> ObjectiveConfig: ...
+    def with_overrides(self, **kwargs: _Override) -> ObjectiveConfig: ...
+    @property
+    def text(self) -> str: ...
+    def checkpoint_policy(self) -> Dict[str, Any]: ...
+
+class PreparedProjection:
+    """A frozen float32 CPU lm_head weight (and bias) laid out once."""
+
+    def __init__(self, lm_head_weight: object,
+                 lm_head_bias: Optional[object] = ...,
+                 threads: SupportsIndex = ...) -> None: ...
+    @property
+    def packed_bytes(self) -> int: ...
+    @property
+    def prepare_seconds(self) -> float: ...
+
+def run_objective(
+    config: ObjectiveConfig, hidden: object, weight: object,
+    target_ids: object, weight_mask: object, bias: Optional[object],
+    teacher_hidden: Optional[object], confidence_logits: Optional[object],
+    grad_hidden: object, grad_weight: Optional[object],
+    grad_bias: Optional[object], grad_confidence: Optional[object],
+    neg_log_q: Optional[object], argmax: Optional[object],
+    top_k: Optional[object], top_k_values: Optional[object],
+    loss_weight: Optional[object], correction_inputs: Optional[object],
+    correction_weight: Optional[object],
+    grad_correction_inputs: Optional[object],
+    grad_correction_weight: Optional[object],
+    prepared: Optional[PreparedProjection], trainable: bool,
+    cuda_stream: int, interruptible: bool = ...) -> Dict[str, Any]: ...
+def top_k_value_backward(
+    config: ObjectiveConfig, hidden: object, weight: object,
+    bias: Optional[object], top_k: object, top_k_values: object,
+    grad_values: object, grad_hidden: object, grad_weight: Optional[object],
+    grad_bias: Optional[object], trainable: bool, cuda_stream: int) -> None: ...
+def set_cuda_library_dirs(dirs: List[str]) -> None: ...
+def built_with_cuda() -> bool: ...
+def release_cached_memory() -> None: ...
