@@ -187,6 +187,25 @@ class TypeHintsTest(unittest.TestCase):
                 with self.subTest(field=f"{cls.__name__}.{name}"):
                     self.assertRegex(cls.__doc__, rf"\b{name}\b")
 
+    def test_typed_dicts_match_a_run(self):
+        # The binding writes these dicts (python/native/module.cc): their
+        # keys and value types as HeadStats and FamilyTerms declare them.
+        import torch
+        terms = dflash.torch.dflash_objective(
+            torch.randn(1, 2, 4, 8), torch.randn(13, 8),
+            torch.randint(0, 13, (1, 2, 4)), torch.ones(1, 2, 4))
+        for cls, got in ((dflash.torch.HeadStats, terms.diagnostics.stats),
+                         (dflash.torch.FamilyTerms,
+                          terms.diagnostics.family_terms)):
+            hints = typing.get_type_hints(cls)
+            self.assertEqual(sorted(got), sorted(hints), cls.__name__)
+            for key, value in got.items():
+                want = typing.get_origin(hints[key]) or hints[key]
+                with self.subTest(key=f"{cls.__name__}[{key!r}]"):
+                    # An int where a float is declared, as PEP 484 allows.
+                    self.assertIsInstance(
+                        value, (int, float) if want is float else want)
+
     def test_stub_declares_every_extension_name(self):
         with open(os.path.join(PACKAGE, "_core.pyi")) as f:
             stub = ast.parse(f.read())

@@ -30,7 +30,8 @@ class HeadStats(TypedDict):
     chunks: int
     projected_rows: int
     gemm_calls: int
-    gemm_passes: int
+    # GEMM work in units of one projection of the projected rows.
+    gemm_passes: float
     segment_recomputes: int
     peak_bytes: int  # The head's own buffers.
     forward_seconds: float
