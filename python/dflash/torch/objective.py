@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Tuple,
-                    TypedDict, Union)
+                    TypedDict)
 
 import torch
 
