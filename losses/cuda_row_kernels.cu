@@ -225,6 +225,12 @@ __device__ __forceinline__ bool TeacherMetrics(const KernelParams& p,
          p.loss.family != LossFamily::kDomino;
 }
 
+// e^x by the hardware's exp2 (ex2.approx of x log2(e): a few ulp near the
+// row's maximum, where the sums take their value; results below 2^-126
+// flush to zero). For the per-logit loops, which expf's exact range
+// reduction made compute-bound; per-row scalars keep expf and exp.
+__device__ __forceinline__ float FastExp(float x) { return __expf(x); }
+
 // Online logsumexp (and, `tempered`, at 1/inv_t too), argmax (first index
 // of the maximum), sum, and a finiteness flag, over this thread's elements.
 struct Online {
@@ -243,13 +249,13 @@ __device__ __forceinline__ void Add(Online& s, int64_t i, float x, float inv_t,
   s.bad |= !isfinite(x);
   if (x > s.max) {
     const float shift = s.max - x;  // -inf at the first element: exp is 0.
-    s.sum = s.sum * expf(shift) + 1;
-    if (tempered) s.sum_t = s.sum_t * expf(shift * inv_t) + 1;
+    s.sum = s.sum * FastExp(shift) + 1;
+    if (tempered) s.sum_t = s.sum_t * FastExp(shift * inv_t) + 1;
     s.max = x;
     s.argmax = static_cast<int32_t>(i);
   } else {
-    s.sum += expf(x - s.max);
-    if (tempered) s.sum_t += expf((x - s.max) * inv_t);
+    s.sum += FastExp(x - s.max);
+    if (tempered) s.sum_t += FastExp((x - s.max) * inv_t);
   }
   s.total += x;
 }
@@ -277,9 +283,10 @@ __device__ __forceinline__ Online Merge(Online a, Online b, float inv_t,
   return m;
 }
 
-// Pass 1: the row's statistics (of z' and of the teacher's t').
+// Pass 1: the row's statistics (of z' and of the teacher's t'). Three
+// blocks per multiprocessor (at most 40 registers) rather than two.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     StatsKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const Row meta = a.meta[r];
@@ -741,7 +748,7 @@ __global__ void __launch_bounds__(kThreads)
   // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
   const float max_f = s.max, log_sum_f = s.log_sum;
   auto prob = [max_f, log_sum_f](float zp) {
-    return expf((zp - max_f) - log_sum_f);
+    return FastExp((zp - max_f) - log_sum_f);
   };
 
   // DSpark reads its teacher only for a term that needs it.
@@ -750,7 +757,7 @@ __global__ void __launch_bounds__(kThreads)
     Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
     ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
       const float pz = prob(transform(x));
-      const float d = pz - expf(transform(y) - t_lse);
+      const float d = pz - FastExp(transform(y) - t_lse);
       acc.a += fabsf(d);
       acc.b += pz * SignOf(d);
     });
@@ -767,7 +774,7 @@ __global__ void __launch_bounds__(kThreads)
     MapRow(z_row, t_row, v, a.stride, [&](int64_t i, float x, float y) {
       const float zp = transform(x);
       const float pz = prob(zp);
-      const float d = pz - expf(transform(y) - t_lse);
+      const float d = pz - FastExp(transform(y) - t_lse);
       float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
       if (i == meta.target) g -= on_target;
       const float chained = transform.Chain(g, zp);
@@ -891,30 +898,27 @@ __global__ void __launch_bounds__(kThreads)
   if (bad) ReportError(a.error, out, kGradientNotFinite);
 }
 
-// The rows' terms into the totals, in a fixed order.
+// The rows' terms into the totals: one block per total (a row slot, or a
+// per-position slot t at position k), each summed in a fixed order, so the
+// totals are deterministic and the ~150 sums run side by side.
 __global__ void __launch_bounds__(kThreads)
     ReduceTermsKernel(const Row* meta, const double* row_terms, int64_t rows,
                       int32_t block_size, double* totals) {
-  auto add = [](double x, double y) { return x + y; };
-  for (int j = 0; j < kTermSlots; ++j) {
-    double sum = 0;
-    for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
-      sum += row_terms[kTermSlots * r + j];
-    }
-    sum = BlockReduce(sum, add);
-    if (threadIdx.x == 0) totals[j] += sum;
-  }
-  for (int32_t k = 0; k < block_size; ++k) {
-    for (int t = 0; t < kPositionTerms; ++t) {
-      double sum = 0;
-      for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
-        if (meta[r].position == k)
-          sum += row_terms[kTermSlots * r + PositionSlot(t)];
-      }
-      sum = BlockReduce(sum, add);
-      if (threadIdx.x == 0) totals[kTermSlots + t * block_size + k] += sum;
+  const int64_t j = blockIdx.x;
+  const bool positional = j >= kTermSlots;
+  const int64_t t = positional ? (j - kTermSlots) / block_size : 0;
+  const int32_t k =
+      positional ? static_cast<int32_t>((j - kTermSlots) % block_size) : 0;
+  const int slot = positional ? PositionSlot(static_cast<int>(t))
+                              : static_cast<int>(j);
+  double sum = 0;
+  for (int64_t r = threadIdx.x; r < rows; r += kThreads) {
+    if (!positional || meta[r].position == k) {
+      sum += row_terms[kTermSlots * r + slot];
     }
   }
+  sum = BlockReduce(sum, [](double x, double y) { return x + y; });
+  if (threadIdx.x == 0) totals[j] += sum;
 }
 
 template <typename T>
@@ -950,7 +954,9 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   const dim3 rows(static_cast<unsigned>(args.rows));
   auto reduce_terms = [&] {
     if (args.totals == nullptr) return;
-    DFLASH_LAUNCH(ReduceTermsKernel, 1, kThreads, 0, stream)
+    DFLASH_LAUNCH(ReduceTermsKernel,
+                  static_cast<unsigned>(TotalsSize(params.options.block_size)),
+                  kThreads, 0, stream)
     (args.meta, args.row_terms, args.rows,
      static_cast<int32_t>(params.options.block_size), args.totals);
   };

@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -364,6 +365,13 @@ inline float cospif(float x) {
 }
 inline float sinpif(float x) {
   return static_cast<float>(std::sin(3.14159265358979323846 * x));
+}
+
+// The intrinsic as the hardware computes it: exp2 of x log2(e) rounded to
+// float, results below FLT_MIN flushed to zero (ex2.approx.ftz).
+inline float __expf(float x) {
+  const float r = std::exp2(x * 1.44269504088896341f);
+  return std::fabs(r) < std::numeric_limits<float>::min() ? 0.0f : r;
 }
 
 inline float __uint_as_float(unsigned bits) {
