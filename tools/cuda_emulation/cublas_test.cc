@@ -7,28 +7,13 @@
 
 #include "base/bfloat16.h"
 #include "gtest/gtest.h"
+#include "tools/cuda_emulation/copies_test_util.h"
 #include "tools/cuda_emulation/include/cublas_v2.h"
 
 namespace {
 
-template <typename T>
-T* ToDevice(const std::vector<T>& host) {
-  T* device = nullptr;
-  EXPECT_EQ(cudaMalloc(&device, host.size() * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return device;
-}
-
-template <typename T>
-std::vector<T> ToHost(const T* device, size_t count) {
-  std::vector<T> host(count);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, count * sizeof(T),
-                       cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return host;
-}
+using ::dflash_emu_test::ToDevice;
+using ::dflash_emu_test::ToHost;
 
 struct Case {
   cublasOperation_t a_op, b_op;

@@ -10,6 +10,7 @@
 #include "base/cuda_launch.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tools/cuda_emulation/copies_test_util.h"
 
 namespace {
 
@@ -64,24 +65,8 @@ __global__ void Fill(float* data, int64_t n, float value) {
 
 __global__ void Add(float* total, float value) { atomicAdd(total, value); }
 
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  T* device = nullptr;
-  EXPECT_EQ(cudaMalloc(&device, host.size() * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return device;
-}
-
-template <typename T>
-std::vector<T> HostCopy(const T* device, size_t n) {
-  std::vector<T> host(n);
-  EXPECT_EQ(
-      cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost),
-      cudaSuccess);
-  return host;
-}
+using ::dflash_emu_test::ToDevice;
+using ::dflash_emu_test::ToHost;
 
 class EmulationTest : public ::testing::Test {
  protected:
@@ -93,19 +78,19 @@ TEST_F(EmulationTest, KernelsRunWithCudasSemantics) {
   constexpr int kBlocks = 5, kThreads = 256;
   std::vector<float> values(kBlocks * kThreads);
   std::iota(values.begin(), values.end(), 0.0f);
-  float* d_values = DeviceCopy(values);
+  float* d_values = ToDevice(values);
   float* d_sums = nullptr;
   ASSERT_EQ(cudaMalloc(&d_sums, kBlocks * sizeof(float)), cudaSuccess);
   DFLASH_LAUNCH(BlockSums, kBlocks, kThreads, 0, 0)(d_values, d_sums);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  const std::vector<float> sums = HostCopy(d_sums, kBlocks);
+  const std::vector<float> sums = ToHost(d_sums, kBlocks);
   for (int b = 0; b < kBlocks; ++b) {
     const double first = b * kThreads, last = first + kThreads - 1;
     EXPECT_EQ(sums[b], (first + last) * kThreads / 2) << b;
   }
-  float* d_total = DeviceCopy(std::vector<float>{0});
+  float* d_total = ToDevice(std::vector<float>{0});
   DFLASH_LAUNCH(Add, 3, 64, 0, 0)(d_total, 0.5f);
-  EXPECT_EQ(HostCopy(d_total, 1)[0], 96.0f);
+  EXPECT_EQ(ToHost(d_total, 1)[0], 96.0f);
   cudaFree(d_values);
   cudaFree(d_sums);
   cudaFree(d_total);
@@ -118,7 +103,7 @@ TEST_F(EmulationTest, AMissingBarrierReadsThePoison) {
   int* d_out = nullptr;
   ASSERT_EQ(cudaMalloc(&d_out, 64 * sizeof(int)), cudaSuccess);
   DFLASH_LAUNCH(ReadNeighbourWithoutBarrier, 2, 64, 0, 0)(d_out);
-  const std::vector<int> out = HostCopy(d_out, 64);
+  const std::vector<int> out = ToHost(d_out, 64);
   for (int t = 0; t < 63; ++t) EXPECT_EQ(out[t], -1) << t;
   EXPECT_EQ(out[63], 0);
   cudaFree(d_out);
@@ -149,7 +134,7 @@ TEST_F(EmulationTest, AShuffleWhoseMaskNamesAnAbsentLaneIsALaunchFailure) {
   cudaDeviceReset();
   // With all 32 lanes the same kernel swaps neighbours.
   DFLASH_LAUNCH(ShuffleFullMask, 1, 32, 0, 0)(d_out);
-  const std::vector<int> out = HostCopy(d_out, 32);
+  const std::vector<int> out = ToHost(d_out, 32);
   for (int t = 0; t < 32; ++t) EXPECT_EQ(out[t], t ^ 1);
   cudaFree(d_out);
 }
