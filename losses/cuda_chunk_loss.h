@@ -3,8 +3,7 @@
 
 // CudaChunkLoss: ChunkLoss on a CUDA device, with the same families, terms
 // and gradients, its logits and outputs in device memory, chunks queued on
-// a CudaStream and the terms read back once (Terms()). CudaChunkLossFromHost
-// runs one chunk from host tensors, for tests and tools.
+// a CudaStream and the terms read back once (Terms()).
 
 #include <cstdint>
 #include <memory>
@@ -17,7 +16,6 @@
 #include "base/tracking_allocator.h"
 #include "losses/chunk_loss.h"
 #include "losses/loss_params.h"
-#include "proto/loss.pb.h"
 
 namespace dflash {
 
@@ -58,14 +56,9 @@ class CudaChunkLoss {
   std::unique_ptr<State> state_;
 };
 
-// One chunk through CudaChunkLoss with host tensors: copies them to the
-// device, runs, and copies the gradient and outputs back. The drop-in twin
-// of ChunkLoss, for tests and tools (not for speed).
-template <typename T>
-absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
-    const v1::LossConfig& config, const ChunkLossOptions& options,
-    const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
-    CudaStream& stream);
+// The device's error codes hold rows and logits below 2^30: Run checks
+// the chunk with it; a caller that copies inputs first checks before.
+absl::Status CheckCudaChunkLimits(int64_t vocab, int64_t rows);
 
 }  // namespace dflash
 

@@ -22,6 +22,7 @@
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "losses/chunk_loss.h"
+#include "losses/cuda_chunk_loss_from_host.h"
 
 namespace dflash {
 namespace {
