@@ -530,44 +530,36 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
 
 ChunkTerms ChunkTerms::Zero(int64_t block_size) {
   ChunkTerms terms;
-  for (std::vector<double>* v : terms.PerPosition()) {
-    v->assign(block_size, 0.0);
-  }
+#define DFLASH_POSITION_TERM(field, slot, dict, key) \
+  terms.field.assign(block_size, 0.0);
+#include "losses/chunk_terms.inc"
   return terms;
 }
 
+namespace {
+
+// Add reaches AcceptedLengthTerms' fields through the table's block terms.
+constexpr int kBlockTerms = 0
+#define DFLASH_BLOCK_TERM(field, dict, key) +1
+#include "losses/chunk_terms.inc"
+    ;
+static_assert(sizeof(AcceptedLengthTerms) == kBlockTerms * sizeof(double),
+              "a field of AcceptedLengthTerms is missing from chunk_terms.inc");
+
+void AddPerPosition(std::vector<double>& a, const std::vector<double>& b) {
+  a.resize(std::max(a.size(), b.size()));
+  for (size_t k = 0; k < b.size(); ++k) a[k] += b[k];
+}
+
+}  // namespace
+
 void ChunkTerms::Add(const ChunkTerms& other) {
-  loss_num += other.loss_num;
-  loss_den += other.loss_den;
-  correct += other.correct;
-  accuracy_den += other.accuracy_den;
-  target_probability += other.target_probability;
-  ce_num += other.ce_num;
-  tv_num += other.tv_num;
-  base_ce_num += other.base_ce_num;
-  base_correct += other.base_correct;
-  l1_num += other.l1_num;
-  confidence_num += other.confidence_num;
-  confidence_error_num += other.confidence_error_num;
-  teacher_top1 += other.teacher_top1;
-  draft_top1 += other.draft_top1;
-  dpard_num += other.dpard_num;
-  accepted_length.block_den += other.accepted_length.block_den;
-  accepted_length.expected_num += other.accepted_length.expected_num;
-  accepted_length.oracle_num += other.accepted_length.oracle_num;
-  accepted_length.teacher_expected_num +=
-      other.accepted_length.teacher_expected_num;
-  accepted_length.greedy_den += other.accepted_length.greedy_den;
-  accepted_length.greedy_num += other.accepted_length.greedy_num;
-  accepted_length.base_greedy_num += other.accepted_length.base_greedy_num;
-  const auto mine = PerPosition();
-  const auto theirs = other.PerPosition();
-  for (int i = 0; i < kPerPositionTerms; ++i) {
-    std::vector<double>& a = *mine[i];
-    const std::vector<double>& b = *theirs[i];
-    a.resize(std::max(a.size(), b.size()));
-    for (size_t k = 0; k < b.size(); ++k) a[k] += b[k];
-  }
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) field += other.field;
+#define DFLASH_POSITION_TERM(field, slot, dict, key) \
+  AddPerPosition(field, other.field);
+#define DFLASH_BLOCK_TERM(field, dict, key) \
+  accepted_length.field += other.accepted_length.field;
+#include "losses/chunk_terms.inc"
 }
 
 FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,

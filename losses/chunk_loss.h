@@ -9,7 +9,6 @@
 // ChunkLoss runs one chunk straight from a v1::LossConfig. Also the input
 // checks shared with the CUDA loss (ValidateChunkLoss*).
 
-#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -24,90 +23,20 @@
 
 namespace dflash {
 
-// Additive terms of one chunk; sum them over chunks, then divide.
+// Additive terms of one chunk; sum them over chunks, then divide. The
+// fields and what each sums: losses/chunk_terms.inc.
 struct ChunkTerms {
-  double loss_num = 0;
-  double loss_den = 0;
-  double correct = 0;       // argmax == target where m > 0.5.
-  double accuracy_den = 0;  // sum(m).
-  // sum(q * m), q = exp(-neg_log_q) without gradient: SpecForge's
-  // target_probability_num; over accuracy_den, the mean acceptance.
-  double target_probability = 0;
-  // SpecForge's ce_loss_num and tv_loss_num: sum(w * CE) for the softmax
-  // families, and sum(w * (1 - q)) where the LK composition has a tv part.
-  // Domino: ce_num is the final logits' (final_num); base_ce_num the base
-  // logits' sum(w * CE), base_correct their argmax hits where m > 0.5.
-  double ce_num = 0;
-  double tv_num = 0;
-  double base_ce_num = 0;
-  double base_correct = 0;
-  // DSpark (SpecForge's `_dspark_objective_chunk_terms`): sum(w * L1) where
-  // l1_weight > 0, sum(w * BCE) and sum(w * |sigmoid(c) - accept|) with a
-  // confidence term; with a teacher, sum(m * max p_teacher) and sum(m * max
-  // q) (SpecForge's teacher_top1_num and draft_top1_num); with D-PARD,
-  // sum(credit * Renyi divergence).
-  double l1_num = 0;
-  double confidence_num = 0;
-  double confidence_error_num = 0;
-  double teacher_top1 = 0;
-  double draft_top1 = 0;
-  double dpard_num = 0;
-  // Per block position k, size K each: SpecForge's per-position
-  // diagnostics (`_dflash_metric_chunk_terms`).
-  std::vector<double> correct_per_position;  // argmax == target, m > 0.5.
-  std::vector<double> mask_per_position;     // sum(m).
-  std::vector<double> target_probability_per_position;  // sum(q * m).
-  std::vector<double> loss_weight_per_position;         // sum(w).
-  // With ChunkLossOptions::metric_top_k: sum(m) where the target is among
-  // the k largest z', and sum(m * their softmax mass).
-  std::vector<double> top_k_recall_per_position;
-  std::vector<double> top_k_mass_per_position;
-  // With teacher logits for a loss that reads none (the teacher
-  // diagnostics): sum(m * clamp(1 - |p - t|_1 / 2, 0, 1)), sum(m) where
-  // the draft's and the teacher's argmax agree, and sum(m * the teacher's
-  // mass on the draft's top-k).
-  std::vector<double> teacher_acceptance_per_position;
-  std::vector<double> teacher_agreement_per_position;
-  std::vector<double> teacher_top_k_mass_per_position;
-  // DSpark: sum(m * CE) without decay (ce_position_num), and D-PARD's
-  // sum(credit).
-  std::vector<double> ce_per_position;
-  std::vector<double> dpard_credit_per_position;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) double field = 0;
+#define DFLASH_POSITION_TERM(field, slot, dict, key) std::vector<double> field;
+#include "losses/chunk_terms.inc"
   // Over whole blocks, so not from a chunk: a head sets them after its last
   // chunk (losses/accepted_length.h).
   AcceptedLengthTerms accepted_length;
-
-  // The per-position vectors above, in their order here.
-  static constexpr int kPerPositionTerms = 11;
-  std::array<std::vector<double>*, kPerPositionTerms> PerPosition() {
-    return PerPositionOf(*this);
-  }
-  std::array<const std::vector<double>*, kPerPositionTerms> PerPosition()
-      const {
-    return PerPositionOf(*this);
-  }
 
   // Zero terms for blocks of `block_size` positions.
   static ChunkTerms Zero(int64_t block_size);
   // Adds `other` (same K) term by term.
   void Add(const ChunkTerms& other);
-
- private:
-  template <typename Self>
-  static auto PerPositionOf(Self& self)
-      -> std::array<decltype(&self.correct_per_position), kPerPositionTerms> {
-    return {&self.correct_per_position,
-            &self.mask_per_position,
-            &self.target_probability_per_position,
-            &self.loss_weight_per_position,
-            &self.top_k_recall_per_position,
-            &self.top_k_mass_per_position,
-            &self.teacher_acceptance_per_position,
-            &self.teacher_agreement_per_position,
-            &self.teacher_top_k_mass_per_position,
-            &self.ce_per_position,
-            &self.dpard_credit_per_position};
-  }
 };
 
 // One chunk: `rows.size()` rows of `vocab` logits. T is float, double (the

@@ -49,40 +49,27 @@ struct RowStats {
 
 // Accumulators of ChunkTerms on the device (one kTermSlots row per chunk
 // row in row_terms), named by TermSlot; then, per block position, the sums
-// of the slots PositionSlot names, [K] each, in ChunkTerms::PerPosition
-// order.
+// of the slots PositionSlot names, [K] each, in the order of the per-position
+// terms (losses/chunk_terms.inc, which numbers the slots).
 enum TermSlot : int {
-  kLossNum = 0,
-  kLossDen,
-  kCorrect,
-  kAccuracyDen,
-  kTargetProbability,
-  kCeNum,
-  kTvNum,
-  kTopKRecall,
-  kTopKMass,
-  kTeacherAcceptance,
-  kTeacherAgreement,
-  kTeacherTopKMass,
-  kL1Num,
-  kConfidenceNum,
-  kConfidenceErrorNum,
-  kTeacherTop1,
-  kDraftTop1,
-  kDPardNum,
-  kBaseCeNum,
-  kBaseCorrect,
-  kCePosition,     // DSpark: m * CE, undecayed.
-  kDPardCredit,
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) slot,
+#define DFLASH_POSITION_SLOT(slot) slot,
+#include "losses/chunk_terms.inc"
   kTermSlots,
 };
-constexpr int kPositionTerms = 11;
+// LossKernel zeroes the slots from kL1Num on for each row, after TopKKernel
+// wrote these.
+static_assert(kTopKRecall < kL1Num && kTopKMass < kL1Num &&
+              kTeacherTopKMass < kL1Num);
+constexpr int kPositionTerms = 0
+#define DFLASH_POSITION_TERM(field, slot, dict, key) +1
+#include "losses/chunk_terms.inc"
+    ;
 DFLASH_HOST_DEVICE constexpr int PositionSlot(int t) {
   constexpr int kSlots[kPositionTerms] = {
-      kCorrect,          kAccuracyDen,     kTargetProbability,
-      kLossDen,          kTopKRecall,      kTopKMass,
-      kTeacherAcceptance, kTeacherAgreement, kTeacherTopKMass,
-      kCePosition,       kDPardCredit};
+#define DFLASH_POSITION_TERM(field, slot, dict, key) slot,
+#include "losses/chunk_terms.inc"
+  };
   return kSlots[t];
 }
 inline int64_t TotalsSize(int32_t block_size) {

@@ -235,56 +235,21 @@ py::dict ResultOf(const HeadResult& r) {
   stats["forward_seconds"] = r.stats.forward_seconds;
   stats["backward_seconds"] = r.stats.backward_seconds;
   stats["threads"] = r.stats.threads;
-  py::dict d;
-  d["loss_num"] = r.terms.loss_num;
-  d["loss_den"] = r.terms.loss_den;
-  d["correct"] = r.terms.correct;
-  d["accuracy_den"] = r.terms.accuracy_den;
-  d["target_probability"] = r.terms.target_probability;
-  d["ce_num"] = r.terms.ce_num;
-  d["tv_num"] = r.terms.tv_num;
+  // The terms go where losses/chunk_terms.inc says: the top level (`core`),
+  // FamilyTerms (`family`, SpecForge's DSpark and Domino terms by their
+  // names there) or ObjectiveDiagnostics.metrics (`diagnostics`).
+  py::dict d, family, diagnostics;
+  py::dict& core = d;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) dict[key] = r.terms.field;
+#define DFLASH_POSITION_TERM(field, slot, dict, key) dict[key] = r.terms.field;
+#define DFLASH_BLOCK_TERM(field, dict, key) \
+  dict[key] = r.terms.accepted_length.field;
+#include "losses/chunk_terms.inc"
   d["lk_kl_weight"] = r.lk_kl_weight ? py::object(py::float_(*r.lk_kl_weight))
                                      : py::object(py::none());
   d["loss_denominator"] = r.loss_denominator;
-  // SpecForge's DSpark and Domino chunk terms, by their names there.
-  const AcceptedLengthTerms& accepted = r.terms.accepted_length;
-  py::dict family;
-  family["l1_loss_num"] = r.terms.l1_num;
-  family["confidence_loss_num"] = r.terms.confidence_num;
-  family["confidence_abs_error_num"] = r.terms.confidence_error_num;
-  family["teacher_top1_num"] = r.terms.teacher_top1;
-  family["draft_top1_num"] = r.terms.draft_top1;
-  family["dpard_loss_num"] = r.terms.dpard_num;
-  family["ce_position_num"] = r.terms.ce_per_position;
-  family["dpard_credit_position_num"] = r.terms.dpard_credit_per_position;
-  family["base_num"] = r.terms.base_ce_num;
-  family["base_correct_num"] = r.terms.base_correct;
-  family["accept_num"] = accepted.greedy_num;
-  family["base_accept_num"] = accepted.base_greedy_num;
-  family["accept_den"] = accepted.greedy_den;
   d["family_terms"] = family;
-  py::dict diagnostics;
-  diagnostics["target_probability_per_position"] =
-      r.terms.target_probability_per_position;
-  diagnostics["loss_weight_per_position"] = r.terms.loss_weight_per_position;
-  diagnostics["top_k_recall_per_position"] = r.terms.top_k_recall_per_position;
-  diagnostics["top_k_mass_per_position"] = r.terms.top_k_mass_per_position;
-  diagnostics["teacher_acceptance_per_position"] =
-      r.terms.teacher_acceptance_per_position;
-  diagnostics["teacher_agreement_per_position"] =
-      r.terms.teacher_agreement_per_position;
-  diagnostics["teacher_top_k_mass_per_position"] =
-      r.terms.teacher_top_k_mass_per_position;
-  diagnostics["teacher_expected_accepted_length_num"] =
-      r.terms.accepted_length.teacher_expected_num;
-  diagnostics["block_den"] = r.terms.accepted_length.block_den;
-  diagnostics["expected_accepted_length_num"] =
-      r.terms.accepted_length.expected_num;
-  diagnostics["oracle_accepted_length_num"] =
-      r.terms.accepted_length.oracle_num;
   d["diagnostics"] = diagnostics;
-  d["correct_per_position"] = r.terms.correct_per_position;
-  d["mask_per_position"] = r.terms.mask_per_position;
   d["stats"] = stats;
   return d;
 }
