@@ -260,28 +260,16 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   DFLASH_RETURN_IF_ERROR(
       s.stream->CopyToHost(totals.data(), s.totals.data(), s.totals.bytes()));
   const int64_t k = s.params.options.block_size;
-  ChunkTerms terms = ChunkTerms::Zero(k);
-  terms.loss_num = totals[0];
-  terms.loss_den = totals[1];
-  terms.correct = totals[2];
-  terms.accuracy_den = totals[3];
-  terms.target_probability = totals[4];
-  terms.ce_num = totals[5];
-  terms.tv_num = totals[6];
-  terms.l1_num = totals[cuda::kL1Num];
-  terms.confidence_num = totals[cuda::kConfidenceNum];
-  terms.confidence_error_num = totals[cuda::kConfidenceErrorNum];
-  terms.teacher_top1 = totals[cuda::kTeacherTop1];
-  terms.draft_top1 = totals[cuda::kDraftTop1];
-  terms.dpard_num = totals[cuda::kDPardNum];
-  terms.base_ce_num = totals[cuda::kBaseCeNum];
-  terms.base_correct = totals[cuda::kBaseCorrect];
-  static_assert(cuda::kPositionTerms == ChunkTerms::kPerPositionTerms);
-  const auto per_position = terms.PerPosition();
-  for (int t = 0; t < cuda::kPositionTerms; ++t) {
-    const auto begin = totals.begin() + cuda::kTermSlots + t * k;
-    per_position[t]->assign(begin, begin + k);
-  }
+  ChunkTerms terms;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) \
+  terms.field = totals[cuda::slot];
+#include "losses/chunk_terms.inc"
+  // The per-position totals follow the slots, [K] each, in the table's order.
+  auto position_totals = totals.begin() + cuda::kTermSlots;
+#define DFLASH_POSITION_TERM(field, slot, dict, key)        \
+  terms.field.assign(position_totals, position_totals + k); \
+  position_totals += k;
+#include "losses/chunk_terms.inc"
   return terms;
 }
 
