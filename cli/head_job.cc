@@ -4,22 +4,19 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <map>
-#include <tuple>
-#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "base/checked_math.h"
 #include "base/file.h"
 #include "base/status_macros.h"
 #include "base/system_memory.h"
 #include "base/threads.h"
 #include "base/tracking_allocator.h"
+#include "cli/job_inputs.h"
+#include "cli/job_memory.h"
 #include "configs/default_config.h"
 #include "google/protobuf/util/json_util.h"
 #include "heads/cpu_head.h"
@@ -33,25 +30,12 @@
 namespace dflash {
 namespace {
 
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
-}
-
-const std::vector<NpyType> kFloats = {NpyType::kFloat32, NpyType::kFloat64};
-const std::vector<NpyType> kInts = {NpyType::kInt32, NpyType::kInt64};
-const std::vector<NpyType> kFlags = {NpyType::kBool, NpyType::kUint8,
-                                     NpyType::kInt32, NpyType::kInt64};
-
 // Outputs of ours in --out; a run removes those it does not write.
 constexpr char kMetricsFile[] = "metrics.json";
 constexpr char kGradHiddenFile[] = "grad_hidden.npy";
 constexpr char kGradWeightFile[] = "grad_lm_head.npy";
 constexpr char kGradCorrectionInputsFile[] = "grad_correction_inputs.npy";
 constexpr char kGradCorrectionWeightFile[] = "grad_correction_weight.npy";
-
-int64_t ElementBytes(const v1::ObjectiveConfig& config) {
-  return config.head().dtype() == v1::HeadConfig::FLOAT64 ? 8 : 4;
-}
 
 bool NeedsConfidence(const v1::ObjectiveConfig& config) {
   return LossTraitsOf(config.loss()).needs_confidence;
@@ -78,286 +62,6 @@ absl::Status CheckSyntheticFlags(const HeadJobOptions& options) {
         *options.seed));
   }
   return absl::OkStatus();
-}
-
-// One .npy file of --inputs: its expected shape (-1: any extent) and types.
-struct InputSpec {
-  const char* name;
-  std::vector<int64_t> shape;
-  const std::vector<NpyType>* types;
-  // How its indices read in messages.
-  const char* axes;
-};
-
-// The files a config reads, their headers checked against each other.
-struct InputHeaders {
-  int64_t batch = 0, seq = 0, anchors = 0, block = 0, hidden = 0, vocab = 0;
-  std::map<std::string, NpyHeader> headers;
-  std::vector<InputSpec> specs;  // In reading order.
-  int64_t largest_file_bytes = 0;
-};
-
-// An empty axis would reach the config as a zero layout.block_size or
-// vocab_size: name it against the file instead.
-absl::Status CheckNoEmptyAxis(const NpyHeader& header, const std::string& path,
-                              const InputSpec& spec) {
-  const std::vector<std::string> axes = absl::StrSplit(
-      absl::StripSuffix(absl::StripPrefix(spec.axes, "("), ")"), ", ");
-  for (size_t i = 0; i < header.shape.size() && i < axes.size(); ++i) {
-    if (header.shape[i] != 0) continue;
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": axis ", axes[i], " of ", spec.axes, " has extent 0 (shape [",
-        absl::StrJoin(header.shape, ", "), "]); every axis needs at least 1"));
-  }
-  return absl::OkStatus();
-}
-
-// Reads the headers of every file `config`'s objective needs; shapes are
-// checked as each file's extents become known (hidden.npy gives B, N, K, H).
-absl::StatusOr<InputHeaders> ReadInputHeaders(
-    const std::string& dir, const v1::ObjectiveConfig& config) {
-  InputHeaders in;
-  auto read = [&](InputSpec spec) -> absl::StatusOr<const NpyHeader*> {
-    const std::string path = Join(dir, spec.name);
-    DFLASH_ASSIGN_OR_RETURN(NpyHeader header, ReadNpyHeader(path));
-    DFLASH_RETURN_IF_ERROR(CheckNpy(header, path, spec.shape, *spec.types));
-    DFLASH_RETURN_IF_ERROR(CheckNoEmptyAxis(header, path, spec));
-    in.largest_file_bytes = std::max(in.largest_file_bytes, header.data_bytes);
-    in.specs.push_back(spec);
-    return &(in.headers[spec.name] = std::move(header));
-  };
-  DFLASH_ASSIGN_OR_RETURN(
-      const NpyHeader* hidden,
-      read({"hidden.npy", {-1, -1, -1, -1}, &kFloats, "(b, n, k, h)"}));
-  in.batch = hidden->shape[0];
-  in.anchors = hidden->shape[1];
-  in.block = hidden->shape[2];
-  in.hidden = hidden->shape[3];
-  const int64_t b = in.batch, n = in.anchors, k = in.block, h = in.hidden;
-  DFLASH_ASSIGN_OR_RETURN(const NpyHeader* weight,
-                          read({"lm_head.npy", {-1, h}, &kFloats, "(v, h)"}));
-  in.vocab = weight->shape[0];
-  DFLASH_ASSIGN_OR_RETURN(const NpyHeader* ids,
-                          read({"input_ids.npy", {b, -1}, &kInts, "(b, s)"}));
-  in.seq = ids->shape[1];
-  std::vector<InputSpec> rest = {
-      {"loss_mask.npy", {b, in.seq}, &kFlags, "(b, s)"},
-      {"anchors.npy", {b, n}, &kInts, "(b, n)"},
-      {"keep.npy", {b, n}, &kFlags, "(b, n)"}};
-  if (config.head().bias()) {
-    rest.push_back({"lm_head_bias.npy", {in.vocab}, &kFloats, "(v)"});
-  }
-  if (ProjectsTeacher(config)) {
-    rest.push_back(
-        {"teacher_hidden.npy", {b, n, k, h}, &kFloats, "(b, n, k, h)"});
-  }
-  if (NeedsConfidence(config)) {
-    rest.push_back({"confidence_logits.npy", {b, n, k}, &kFloats, "(b, n, k)"});
-  }
-  if (const int64_t r = config.head().correction_rank(); r > 0) {
-    rest.push_back(
-        {"correction_inputs.npy", {b, n, k, r}, &kFloats, "(b, n, k, r)"});
-    rest.push_back({"correction_weight.npy", {in.vocab, r}, &kFloats, "(v, r)"});
-  }
-  for (const InputSpec& spec : rest) {
-    if (absl::StatusOr<const NpyHeader*> ok = read(spec); !ok.ok()) {
-      return ok.status();
-    }
-  }
-  return in;
-}
-
-// A float tensor of --inputs in the head's type; non-finite values and,
-// for float, float64 values beyond float32 are errors naming the element.
-absl::StatusOr<NpyArray> ReadChecked(const std::string& dir,
-                                     const InputSpec& spec) {
-  const std::string path = Join(dir, spec.name);
-  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadNpy(path));
-  DFLASH_RETURN_IF_ERROR(CheckNpy(array, path, spec.shape, *spec.types));
-  return array;
-}
-
-template <typename T>
-absl::StatusOr<std::vector<T>> ReadFloats(const std::string& dir,
-                                          const InputSpec& spec,
-                                          const v1::ObjectiveConfig& config) {
-  const std::string path = Join(dir, spec.name);
-  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadChecked(dir, spec));
-  auto where = [&](const NpyElement& e) {
-    return absl::StrCat(spec.axes, " = (", absl::StrJoin(e.index, ", "), ")");
-  };
-  if (std::optional<NpyElement> bad = FirstNonFinite(array)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": value ", bad->value, " at ", where(*bad),
-                     " is not finite; inputs must be finite"));
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    if (std::optional<NpyElement> big = FirstFloat32Overflow(array)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": value ", big->value, " at ", where(*big),
-                       " overflows float32, the head's dtype (",
-                       v1::HeadConfig::DType_Name(config.head().dtype()),
-                       "); rescale it or use head.dtype FLOAT64"));
-    }
-    return NpyToFloat(array);
-  } else {
-    return NpyToFloat64(array);
-  }
-}
-
-absl::StatusOr<std::vector<int64_t>> ReadInts(const std::string& dir,
-                                              const InputSpec& spec) {
-  DFLASH_ASSIGN_OR_RETURN(NpyArray array, ReadChecked(dir, spec));
-  return NpyToInt64(array);
-}
-
-// A [rows, columns] mask of 0 and 1: any other value (a -1 padding
-// sentinel, a 255) is an error naming its index, not read as 1.
-absl::StatusOr<std::vector<uint8_t>> ReadMask(const std::string& dir,
-                                              const InputSpec& spec) {
-  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> values, ReadInts(dir, spec));
-  const int64_t columns = spec.shape[1];
-  std::vector<uint8_t> mask(values.size());
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (values[i] != 0 && values[i] != 1) {
-      const int64_t at = static_cast<int64_t>(i);
-      return absl::InvalidArgumentError(absl::StrCat(
-          Join(dir, spec.name), ": value ", values[i], " at ", spec.axes,
-          " = (", at / columns, ", ", at % columns,
-          ") is not 0 or 1; a mask holds 0 (off) or 1 (on)"));
-    }
-    mask[i] = static_cast<uint8_t>(values[i]);
-  }
-  return mask;
-}
-
-const InputSpec* FindSpec(const InputHeaders& in, absl::string_view name) {
-  for (const InputSpec& spec : in.specs) {
-    if (spec.name == name) return &spec;
-  }
-  return nullptr;
-}
-
-// How much the job holds, and how much it may hold.
-struct MemoryBudget {
-  int64_t bytes = 0;
-  std::string source;
-};
-
-std::optional<MemoryBudget> Budget(const HeadJobOptions& options) {
-  if (options.memory_limit.has_value()) {
-    return MemoryBudget{*options.memory_limit, "--memory_limit"};
-  }
-  if (std::optional<AvailableMemory> system = SystemAvailableMemory()) {
-    return MemoryBudget{system->bytes, system->source};
-  }
-  return std::nullopt;
-}
-
-std::string Bytes(int64_t bytes) {
-  if (bytes < 1024) return absl::StrCat(bytes, " B");
-  if (bytes < (int64_t{1} << 20))
-    return absl::StrFormat("%.1f KiB", bytes / 1024.0);
-  if (bytes < (int64_t{1} << 30)) {
-    return absl::StrFormat("%.1f MiB", bytes / 1048576.0);
-  }
-  return absl::StrFormat("%.1f GiB", bytes / 1073741824.0);
-}
-
-absl::Status TooBig(const std::string& what) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      what, "; use a smaller batch, sequence, hidden size or vocabulary"));
-}
-
-// The batch's host tensors and the gradients of `sets` runs held at once,
-// overflow-checked: B sequences of S tokens, N anchors.
-absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
-    const v1::ObjectiveConfig& config, int64_t b, int64_t s, int64_t n,
-    int64_t transient, int64_t sets) {
-  const int64_t k = config.layout().block_size(),
-                h = config.head().hidden_size(), v = config.head().vocab_size(),
-                e = ElementBytes(config);
-  const bool teacher = ProjectsTeacher(config);
-  const bool trainable = config.head().trainable();
-  const std::optional<int64_t> rows = CheckedProduct({b, n, k});
-  const std::optional<int64_t> tokens = CheckedMul(b, s);
-  const std::optional<int64_t> blocks = CheckedMul(b, n);
-  const std::optional<int64_t> row_values =
-      rows ? CheckedMul(*rows, h) : std::nullopt;
-  const std::optional<int64_t> weight = CheckedProduct({v, h, e});
-  // A correction's z and M, and as much again for their gradients.
-  const int64_t rank = config.head().correction_rank();
-  const std::optional<int64_t> correction =
-      rows ? CheckedProduct({*rows + v, rank, e}) : std::nullopt;
-  if (!rows || !tokens || !blocks || !row_values || !weight || !correction) {
-    return TooBig(absl::StrCat("the batch's sizes (", b, " x ", n, " x ", k,
-                               " rows of ", h, ", ", b, " x ", s, " tokens, V ",
-                               v, ") overflow 64 bits"));
-  }
-  const std::optional<int64_t> hidden = CheckedMul(*row_values, e);
-  const std::optional<int64_t> tokens_bytes = CheckedMul(*tokens, 17);
-  const std::optional<int64_t> rows_bytes =
-      CheckedMul(*rows, static_cast<int64_t>(sizeof(RowMeta)) + 4);
-  const std::optional<int64_t> batch =
-      hidden && tokens_bytes && rows_bytes
-          ? CheckedSum({*tokens_bytes, *blocks * 9, *rows_bytes, *hidden,
-                        teacher ? *hidden : 0, *weight, v * e, *correction,
-                        transient})
-          : std::nullopt;
-  const std::optional<int64_t> grads =
-      hidden ? CheckedSum({*hidden, trainable ? *weight : 0,
-                           trainable ? v * e : 0, *rows * 4, *correction})
-             : std::nullopt;
-  const std::optional<int64_t> all_grads =
-      grads ? CheckedMul(*grads, sets) : std::nullopt;
-  if (!batch || !all_grads) {
-    return TooBig(absl::StrCat("the batch's bytes (", b, " x ", n, " x ", k,
-                               " rows of ", h, ", V ", v,
-                               ") overflow 64 bits"));
-  }
-  return std::make_pair(*batch, *all_grads);
-}
-
-// What a job holds at its peak, by part.
-struct JobBytes {
-  int64_t batch = 0, gradients = 0;
-  // The head's workspaces (PredictPeakBytes), once the rows are known.
-  std::optional<int64_t> head;
-  int64_t layout = 0;  // The weight laid out for oneDNN, when it is.
-  // What the libraries touch as they run: code pages, BLAS packing buffers,
-  // thread stacks and per-thread heaps.
-  int64_t runtime = 0;
-
-  std::optional<int64_t> Total() const {
-    return CheckedSum({batch, gradients, head.value_or(0), layout, runtime});
-  }
-};
-
-// Measured at 3-24 MiB on two threads (OpenBLAS's packing buffers are most
-// of it); //cli:memory_prediction_test checks the whole prediction against
-// the peak resident memory.
-int64_t RuntimeBytes(int threads) {
-  return (int64_t{32} << 20) + threads * (int64_t{8} << 20);
-}
-
-absl::Status CheckFits(const std::optional<MemoryBudget>& budget,
-                       const JobBytes& bytes) {
-  const std::optional<int64_t> total = bytes.Total();
-  if (budget && total && *total <= budget->bytes) return absl::OkStatus();
-  if (!budget && total) return absl::OkStatus();
-  const std::string needs =
-      total ? absl::StrCat(*total, " bytes (", Bytes(*total), ")")
-            : std::string("more than 2^63 bytes");
-  return TooBig(absl::StrCat(
-      "this run needs ", bytes.head ? "" : "at least ", needs, ": batch ",
-      Bytes(bytes.batch),
-      ", gradients ", Bytes(bytes.gradients), ", head buffers ",
-      bytes.head ? Bytes(*bytes.head) : "not yet planned", ", weight layout ",
-      Bytes(bytes.layout),
-      ", libraries and threads ", Bytes(bytes.runtime), "; ",
-      budget ? absl::StrCat(budget->bytes, " bytes (", Bytes(budget->bytes),
-                            ") are available (", budget->source, ")")
-             : std::string("")));
 }
 
 template <typename T>
@@ -512,12 +216,12 @@ absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
       !ok.ok()) {
     return absl::InternalError(std::string(ok.message()));
   }
-  DFLASH_RETURN_IF_ERROR(files.Stage(Join(dir, kMetricsFile), text));
+  DFLASH_RETURN_IF_ERROR(files.Stage(JoinPath(dir, kMetricsFile), text));
   const v1::ObjectiveConfig& c = job.config;
   const int64_t n = c.layout().num_anchors(), k = c.layout().block_size();
   const int64_t h = c.head().hidden_size(), v = c.head().vocab_size();
   if (absl::Status ok =
-          StageNpy(files, Join(dir, kGradHiddenFile), TypeOf(job.grad_hidden),
+          StageNpy(files, JoinPath(dir, kGradHiddenFile), TypeOf(job.grad_hidden),
                    {batch_size, n, k, h}, Data(job.grad_hidden));
       !ok.ok()) {
     return ok;
@@ -535,11 +239,11 @@ absl::Status StageOutputs(const HeadJobResult& job, int64_t batch_size,
   };
   for (const auto& [file, values, shape] : optional) {
     if (Empty(values)) {
-      files.StageRemoval(Join(dir, file));
+      files.StageRemoval(JoinPath(dir, file));
       continue;
     }
     DFLASH_RETURN_IF_ERROR(
-        StageNpy(files, Join(dir, file), TypeOf(values), shape, Data(values)));
+        StageNpy(files, JoinPath(dir, file), TypeOf(values), shape, Data(values)));
   }
   return absl::OkStatus();
 }
@@ -584,11 +288,6 @@ absl::Status CheckStream(std::ostream& report) {
       errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : std::string()));
 }
 
-// The --inputs tensors, their headers already read and checked.
-template <typename T>
-absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
-                                            const InputHeaders& in,
-                                            const v1::ObjectiveConfig& config);
 
 template <typename T>
 absl::StatusOr<HeadJobResult> RunJob(
@@ -600,7 +299,7 @@ absl::StatusOr<HeadJobResult> RunJob(
   const std::optional<ResidentMemory> at_start = ProcessResidentMemory();
   // Sizes first: the batch and the gradients the run holds, checked against
   // the memory available before anything is allocated.
-  const std::optional<MemoryBudget> budget = Budget(options);
+  const std::optional<MemoryBudget> budget = JobMemoryBudget(options.memory_limit);
   int64_t b, s, n = config.layout().num_anchors(), transient = 0;
   InputHeaders headers;
   if (options.inputs_dir.empty()) {
@@ -643,7 +342,7 @@ absl::StatusOr<HeadJobResult> RunJob(
   mode_configs.push_back(config);
   for (const v1::ObjectiveConfig& c : mode_configs) {
     DFLASH_ASSIGN_OR_RETURN(
-        int64_t peak, PredictPeakBytes(c, batch.rows, ElementBytes(config)));
+        int64_t peak, PredictPeakBytes(c, batch.rows, HeadElementBytes(config)));
     bytes.head = std::max(bytes.head.value_or(0), peak);
   }
   DFLASH_RETURN_IF_ERROR(CheckFits(budget, bytes));
@@ -714,7 +413,7 @@ absl::StatusOr<HeadJobResult> RunJob(
                           absl::StrCat(reported.message(), " (the outputs in ",
                                        options.out_dir, " were written)"));
     }
-    report << "  wrote        " << Join(options.out_dir, kMetricsFile) << ", "
+    report << "  wrote        " << JoinPath(options.out_dir, kMetricsFile) << ", "
            << kGradHiddenFile
            << (Empty(job.grad_weight) ? ""
                                       : absl::StrCat(", ", kGradWeightFile))
@@ -856,7 +555,7 @@ absl::Status SetFileShapes(const HeadJobOptions& options,
     if (options.config_path.empty() || !f.set || f.value == f.files) continue;
     return absl::InvalidArgumentError(absl::StrCat(
         f.field, ": ", options.config_path, " sets ", f.value, ", but ",
-        Join(options.inputs_dir, "hidden.npy"), " [B, N, K, H] = [",
+        JoinPath(options.inputs_dir, "hidden.npy"), " [B, N, K, H] = [",
         absl::StrJoin(in.headers.at("hidden.npy").shape, ", "), "] has ",
         f.axis, " = ", f.files,
         "; remove the field from the config or make them agree"));
@@ -890,127 +589,6 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   }
   return config;
 }
-
-namespace {
-
-template <typename T>
-absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
-                                            const InputHeaders& in,
-                                            const v1::ObjectiveConfig& config) {
-  const int64_t b = in.batch, s = in.seq, n = in.anchors, k = in.block,
-                v = in.vocab;
-  if (k != config.layout().block_size() || n != config.layout().num_anchors() ||
-      in.hidden != config.head().hidden_size() ||
-      v != config.head().vocab_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir,
-        ": the files' shapes changed after the config was made from "
-        "them"));
-  }
-  HeadBatch<T> batch;
-  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> ids,
-                          ReadInts(dir, *FindSpec(in, "input_ids.npy")));
-  batch.input_ids = std::move(ids);
-  DFLASH_ASSIGN_OR_RETURN(batch.loss_mask,
-                          ReadMask(dir, *FindSpec(in, "loss_mask.npy")));
-  DFLASH_ASSIGN_OR_RETURN(std::vector<int64_t> anchors,
-                          ReadInts(dir, *FindSpec(in, "anchors.npy")));
-  DFLASH_ASSIGN_OR_RETURN(batch.anchors.keep,
-                          ReadMask(dir, *FindSpec(in, "keep.npy")));
-  batch.anchors.num_anchors = n;
-  batch.anchors.positions = std::move(anchors);
-  absl::StatusOr<std::vector<RowMeta>> rows = LabelRows(
-      {b, s, batch.input_ids, batch.loss_mask}, batch.anchors.positions,
-      batch.anchors.keep, n, k, v,
-      LossTraitsOf(config.loss()).labeling);
-  if (!rows.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dir, ": ", rows.status().message()));
-  }
-  batch.rows = *std::move(rows);
-  const std::pair<const char*, std::vector<T>*> floats[] = {
-      {"hidden.npy", &batch.hidden},
-      {"lm_head.npy", &batch.weight},
-      {"lm_head_bias.npy", &batch.bias},
-      {"teacher_hidden.npy", &batch.teacher_hidden},
-      {"correction_inputs.npy", &batch.correction_inputs},
-      {"correction_weight.npy", &batch.correction_weight}};
-  for (const auto& [name, out] : floats) {
-    const InputSpec* spec = FindSpec(in, name);
-    if (spec == nullptr) continue;
-    DFLASH_ASSIGN_OR_RETURN(std::vector<T> values,
-                            ReadFloats<T>(dir, *spec, config));
-    *out = std::move(values);
-  }
-  if (const InputSpec* spec = FindSpec(in, "confidence_logits.npy")) {
-    v1::ObjectiveConfig as_float = config;
-    as_float.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
-    DFLASH_ASSIGN_OR_RETURN(std::vector<float> values,
-                            ReadFloats<float>(dir, *spec, as_float));
-    batch.confidence_logits = std::move(values);
-  }
-  return batch;
-}
-
-}  // namespace
-
-template <typename T>
-absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
-                                        const v1::ObjectiveConfig& config) {
-  DFLASH_ASSIGN_OR_RETURN(InputHeaders in, ReadInputHeaders(dir, config));
-  return LoadInputsFrom<T>(dir, in, config);
-}
-
-template <typename T>
-absl::Status SaveInputs(const HeadBatch<T>& batch,
-                        const v1::ObjectiveConfig& config, int64_t batch_size,
-                        int64_t seq_len, const std::string& dir) {
-  const int64_t n = batch.anchors.num_anchors, k = config.layout().block_size();
-  const int64_t h = config.head().hidden_size(), v = config.head().vocab_size();
-  const std::vector<std::pair<std::string, NpyArray>> files = {
-      {"hidden.npy", MakeNpy<T>(batch.hidden, {batch_size, n, k, h})},
-      {"lm_head.npy", MakeNpy<T>(batch.weight, {v, h})},
-      {"lm_head_bias.npy", MakeNpy<T>(batch.bias, {v})},
-      {"input_ids.npy",
-       MakeNpy<int64_t>(batch.input_ids, {batch_size, seq_len})},
-      {"loss_mask.npy",
-       MakeNpy<uint8_t>(batch.loss_mask, {batch_size, seq_len})},
-      {"anchors.npy",
-       MakeNpy<int64_t>(batch.anchors.positions, {batch_size, n})},
-      {"keep.npy", MakeNpy<uint8_t>(batch.anchors.keep, {batch_size, n})},
-      {"teacher_hidden.npy",
-       MakeNpy<T>(batch.teacher_hidden, {batch_size, n, k, h})},
-      {"confidence_logits.npy",
-       MakeNpy<float>(batch.confidence_logits, {batch_size, n, k})},
-      {"correction_inputs.npy",
-       MakeNpy<T>(batch.correction_inputs,
-                  {batch_size, n, k, config.head().correction_rank()})},
-      {"correction_weight.npy",
-       MakeNpy<T>(batch.correction_weight,
-                  {v, config.head().correction_rank()})},
-  };
-  OutputFileSet out;
-  for (const auto& [name, array] : files) {
-    if (array.data.empty() && name != "hidden.npy") continue;
-    if (absl::Status ok =
-            StageNpy(out, Join(dir, name), array.type, array.shape, array.data);
-        !ok.ok()) {
-      return ok;
-    }
-  }
-  return out.Commit();
-}
-
-template absl::StatusOr<HeadBatch<float>> LoadInputs<float>(
-    const std::string&, const v1::ObjectiveConfig&);
-template absl::StatusOr<HeadBatch<double>> LoadInputs<double>(
-    const std::string&, const v1::ObjectiveConfig&);
-template absl::Status SaveInputs<float>(const HeadBatch<float>&,
-                                        const v1::ObjectiveConfig&, int64_t,
-                                        int64_t, const std::string&);
-template absl::Status SaveInputs<double>(const HeadBatch<double>&,
-                                         const v1::ObjectiveConfig&, int64_t,
-                                         int64_t, const std::string&);
 
 absl::StatusOr<HeadJobResult> RunHeadJob(
     const HeadJobOptions& options, std::ostream& report,

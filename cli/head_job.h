@@ -62,23 +62,6 @@ absl::StatusOr<v1::ObjectiveConfig> DefaultObjectiveConfig();
 // refused here, before any work.
 absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options);
 
-// The tensors of --inputs=DIR (docs/semantics.md section 2 derives the
-// rows) for `config` = JobConfig(...): T is float for FLOAT32, double for
-// FLOAT64. Non-finite values, float64 values that overflow float32 when T
-// is float, and mask values other than 0 and 1 (loss_mask.npy, keep.npy)
-// are errors naming the file and the element's index; so is an axis of
-// extent 0.
-template <typename T>
-absl::StatusOr<HeadBatch<T>> LoadInputs(const std::string& dir,
-                                        const v1::ObjectiveConfig& config);
-
-// Writes `batch` as the .npy files LoadInputs reads.
-template <typename T>
-absl::Status SaveInputs(const HeadBatch<T>& batch,
-                        const v1::ObjectiveConfig& config, int64_t batch_size,
-                        int64_t seq_len, const std::string& dir);
-
-
 // A gradient in the head's storage type: float (FLOAT32) or double.
 using JobTensor = std::variant<std::vector<float>, std::vector<double>>;
 

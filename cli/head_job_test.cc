@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/immutable_file.h"
+#include "cli/job_inputs.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
