@@ -39,7 +39,7 @@ for flag in config loss gamma lk kl_scale kl_decay mode chunk_blocks threads \
   expect 1 "--$flag: needs a value, got ''" -- "$bin" "${small[@]}" "--$flag" ''
 done
 expect 1 "--memory_limit: must be a positive number" -- "$bin" --memory_limit=-5
-expect 1 "--chunk_blocks: must be > 0 (anchor blocks a chunk), got 0" -- \
+expect 1 "--chunk_blocks: must be > 0 (chunking.blocks_per_chunk), got 0" -- \
   "$bin" "${small[@]}" --chunk_blocks=0
 expect 1 "head.hidden_size: must lie in [1, 2147483647] (the GEMMs take int32 sizes), got 1099511627776" -- \
   "$bin" "${small[@]}" --hidden=1099511627776

@@ -26,6 +26,7 @@
 #include "io/npy.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
+#include "proto/config_overrides.h"
 
 namespace dflash {
 namespace {
@@ -453,45 +454,20 @@ absl::StatusOr<v1::ObjectiveConfig> ParseJobConfig(
   return ParseObjectiveConfig(*text, options.config_path);
 }
 
-// --loss, --gamma, --lk, --mode, --chunk_blocks and --threads.
+// --loss, --gamma, --lk, --kl_scale, --kl_decay, --mode, --chunk_blocks and
+// --threads, as the binding's keywords are applied.
 absl::Status ApplyObjectiveFlags(const HeadJobOptions& options,
                                  v1::ObjectiveConfig& config) {
-  if (!options.loss.empty()) {
-    DFLASH_RETURN_IF_ERROR(
-        SetLossByName("--loss", options.loss, *config.mutable_loss()));
-  }
-  if (options.gamma.has_value()) {
-    DFLASH_RETURN_IF_ERROR(
-        SetLossGamma("--gamma", *options.gamma, *config.mutable_loss()));
-  }
-  if (!options.lk.empty()) {
-    DFLASH_RETURN_IF_ERROR(SetLkByName("--lk", options.lk, options.kl_scale,
-                                       options.kl_decay,
-                                       *config.mutable_loss()));
-  } else if (options.kl_scale.has_value() || options.kl_decay.has_value()) {
-    return absl::InvalidArgumentError(
-        "--kl_scale, --kl_decay: set with --lk=lambda, got no --lk");
-  }
-  if (!options.mode.empty()) {
-    DFLASH_RETURN_IF_ERROR(SetModeByName("--mode", options.mode, config));
-  }
-  if (options.chunk_blocks.has_value()) {
-    if (*options.chunk_blocks <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--chunk_blocks: must be > 0 (anchor blocks a chunk), got ",
-          *options.chunk_blocks));
-    }
-    config.mutable_chunking()->set_blocks_per_chunk(*options.chunk_blocks);
-  }
-  if (options.threads.has_value()) {
-    if (*options.threads < 0 || *options.threads > kMaxThreads) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--threads: must lie in [0, ", kMaxThreads,
-          "] (0: every usable CPU), got ", *options.threads));
-    }
-    config.mutable_head()->set_threads(*options.threads);
-  }
-  return absl::OkStatus();
+  ConfigOverrides overrides;
+  if (!options.loss.empty()) overrides.loss = options.loss;
+  if (!options.lk.empty()) overrides.lk = options.lk;
+  if (!options.mode.empty()) overrides.mode = options.mode;
+  overrides.gamma = options.gamma;
+  overrides.kl_scale = options.kl_scale;
+  overrides.kl_decay = options.kl_decay;
+  overrides.chunk_blocks = options.chunk_blocks;
+  overrides.threads = options.threads;
+  return ApplyOverrides(overrides, OverrideNames::kFlags, config);
 }
 
 // The synthetic batch's shapes in `config`. Anchor blocks: --anchors, else

@@ -27,7 +27,8 @@
 #include "base/gpu_test.h"
 #include "gtest/gtest.h"
 #include "heads/head_types.h"
-#include "python/native/config_overrides.h"
+#include "proto/config_overrides.h"
+#include "python/native/config_sources.h"
 #include "python/native/objective.h"
 #include "python/native/tensor_arg.h"
 
@@ -263,10 +264,14 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
                               const Outcome* ranked_by = nullptr) {
   v1::ObjectiveConfig config = *DefaultConfig();
   ConfigOverrides overrides;
-  overrides.loss_type = family.loss;
+  overrides.loss = family.loss;
   overrides.mode = mode;
   overrides.chunk_blocks = 2;
-  if (absl::Status s = ApplyOverrides(overrides, config); !s.ok()) return s;
+  if (absl::Status s =
+          ApplyOverrides(overrides, OverrideNames::kKeywords, config);
+      !s.ok()) {
+    return s;
+  }
   const std::vector<int64_t> rows = {kB, kN, kK};
   const std::vector<int64_t> states = {kB, kN, kK, kH};
   const std::vector<int64_t> ranked = {kB, kN, kK, kTopK};

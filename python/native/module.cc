@@ -16,7 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "losses/loss_math.h"
 #include "proto/config.h"
-#include "python/native/config_overrides.h"
+#include "proto/config_overrides.h"
+#include "python/native/config_sources.h"
 #include "base/threads.h"
 #include "python/native/cuda_run.h"
 #include "python/native/interrupt.h"
@@ -148,9 +149,9 @@ ConfigOverrides OverridesOf(const py::kwargs& kwargs) {
   for (const auto& [key_handle, value] : kwargs) {
     const std::string key = py::str(key_handle);
     if (key == "loss_type") {
-      o.loss_type = Cast<std::string>(key, value, "a str");
+      o.loss = Cast<std::string>(key, value, "a str");
     } else if (key == "lk_loss_type") {
-      o.lk_loss_type = Cast<std::string>(key, value, "a str");
+      o.lk = Cast<std::string>(key, value, "a str");
     } else if (key == "kl_scale") {
       o.kl_scale = Cast<double>(key, value, "a float");
     } else if (key == "kl_decay") {
@@ -378,7 +379,9 @@ PYBIND11_MODULE(_core, m) {
           [](const v1::ObjectiveConfig& config, const py::kwargs& kwargs) {
             v1::ObjectiveConfig changed = config;
             const absl::Status applied =
-                dp::ApplyOverrides(dp::OverridesOf(kwargs), changed);
+                dflash::ApplyOverrides(dp::OverridesOf(kwargs),
+                                       dflash::OverrideNames::kKeywords,
+                                       changed);
             if (!applied.ok()) dp::Raise(applied);
             return changed;
           },

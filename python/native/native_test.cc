@@ -11,7 +11,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/config.h"
-#include "python/native/config_overrides.h"
+#include "proto/config_overrides.h"
+#include "python/native/config_sources.h"
 #include "python/native/interrupt.h"
 #include "python/native/objective.h"
 #include "python/native/tensor_arg.h"
@@ -107,80 +108,7 @@ TEST(RowsOfTest, BadTargetsAndMasksNameTheElement) {
             "weight_mask[0, 0, 1]: must be finite and >= 0, got nan");
 }
 
-TEST(OverridesTest, ChangeTheFamilyKeepingCrossEntropyOptions) {
-  absl::StatusOr<v1::ObjectiveConfig> config = DefaultConfig();
-  ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_EQ(config->loss().dflash().gamma(), 7);
-  ConfigOverrides overrides;
-  overrides.label_smoothing = 0.1;
-  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
-  overrides = {};
-  overrides.loss_type = "lk-lambda";
-  overrides.gamma = 3;
-  overrides.mode = "selective";
-  overrides.chunk_blocks = 2;
-  overrides.segment_chunks = 4;
-  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
-  EXPECT_EQ(config->loss().lk_lambda().gamma(), 3);
-  EXPECT_EQ(config->loss().cross_entropy().label_smoothing(), 0.1);
-  EXPECT_EQ(config->head().mode(), v1::HeadConfig::SELECTIVE);
-  EXPECT_EQ(config->checkpoint().preset(),
-            v1::CheckpointPolicy::SELECTIVE_FROZEN_PROJECTION);
-  EXPECT_EQ(config->chunking().blocks_per_chunk(), 2);
-  EXPECT_EQ(config->checkpoint().segment_chunks(), 4);
-}
-
-// SpecForge's lk_loss_type, kl_scale and kl_decay, on dflash and dpace only.
-TEST(OverridesTest, LkCompositionAsSpecForgeNamesIt) {
-  absl::StatusOr<v1::ObjectiveConfig> config = DefaultConfig();
-  ASSERT_TRUE(config.ok()) << config.status();
-  ConfigOverrides overrides;
-  overrides.loss_type = "dpace";
-  overrides.lk_loss_type = "lambda";
-  overrides.kl_scale = 0.5;
-  overrides.kl_decay = 3;
-  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
-  const v1::LkComposition& lk = config->loss().dpace().lk();
-  EXPECT_EQ(lk.type(), v1::LkComposition::LAMBDA);
-  EXPECT_EQ(lk.kl_scale(), 0.5);
-  EXPECT_EQ(lk.kl_decay(), 3);
-  overrides = {};
-  overrides.lk_loss_type = "tv";
-  ASSERT_TRUE(ApplyOverrides(overrides, *config).ok());
-  EXPECT_EQ(config->loss().dpace().lk().type(), v1::LkComposition::TV);
-
-  overrides = {};
-  overrides.lk_loss_type = "beta";
-  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
-            "lk_loss_type: must be one of alpha, tv, lambda, got 'beta'");
-  overrides = {};
-  overrides.kl_scale = 2;
-  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
-            "kl_scale, kl_decay: set with lk_loss_type='lambda', got no "
-            "lk_loss_type");
-  overrides = {};
-  overrides.loss_type = "kl";
-  overrides.lk_loss_type = "tv";
-  EXPECT_EQ(ApplyOverrides(overrides, *config).message(),
-            "lk_loss_type: applies to the dflash and dpace loss families, got "
-            "distillation");
-}
-
-TEST(OverridesTest, UnknownNamesAndDPaceGammaAreErrors) {
-  v1::ObjectiveConfig config;
-  ConfigOverrides overrides;
-  overrides.loss_type = "ce";
-  EXPECT_THAT(ApplyOverrides(overrides, config).message(),
-              HasSubstr("loss_type: must be one of dflash, dpace"));
-  overrides.loss_type = "dpace";
-  overrides.gamma = 7;
-  EXPECT_EQ(ApplyOverrides(overrides, config).message(),
-            "gamma: D-PACE has no decay, got 7");
-  overrides = {};
-  overrides.mode = "eager";
-  EXPECT_THAT(ApplyOverrides(overrides, config).message(),
-              HasSubstr("mode: must be one of materialize, save, checkpoint, "
-                        "selective, fused, got 'eager'"));
+TEST(ConfigFromFileTest, NamesTheFileAndTheReason) {
   EXPECT_EQ(ConfigFromFile("/nonexistent.textproto").status().message(),
             "config: /nonexistent.textproto: cannot open: No such file or "
             "directory");
@@ -238,9 +166,9 @@ TEST(BindConfigTest, TeacherMustMatchTheLoss) {
                    ->head()
                    .teacher_diagnostics());
   ConfigOverrides kl;
-  kl.loss_type = "kl";
+  kl.loss = "kl";
   v1::ObjectiveConfig config = *DefaultConfig();
-  ASSERT_TRUE(ApplyOverrides(kl, config).ok());
+  ASSERT_TRUE(ApplyOverrides(kl, OverrideNames::kKeywords, config).ok());
   EXPECT_FALSE(
       BindConfig(config, tensors, false)->head().teacher_diagnostics());
   EXPECT_EQ(BindConfig(config, tiny.Tensors(), false).status().message(),
