@@ -514,6 +514,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   result.stats.backward_seconds = Since(backward);
   result.loss = finished.loss;
   result.loss_denominator = finished.denominator;
+  result.loss_den_offset = LossDenOffset(params_.family);
   result.accuracy = finished.accuracy;
   for (int64_t k = 0; k < block_size_; ++k) {
     const double mass = result.terms.mask_per_position[k];

@@ -106,6 +106,9 @@ struct HeadResult {
   // loss = terms.loss_num / loss_denominator (the floored loss_den for
   // most families, loss_den + 1e-6 for domino).
   double loss_denominator = 1;
+  // What the family adds to the summed loss_den before dividing (Domino's
+  // 1e-6; 0 for the rest): LossDenOffset.
+  double loss_den_offset = 0;
   ChunkTerms terms;
   // The batch-level LK lambda's CE weight kl_w (FinishTerms); unset for
   // other compositions.

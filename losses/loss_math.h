@@ -115,6 +115,12 @@ class LogitTransform {
 // (SpecForge's eps) rather than floor them.
 constexpr double kDominoDenominatorOffset = 1e-6;
 
+// What `family` adds to the summed loss_den before dividing: Domino's
+// offset; 0 for the rest, whose sum is floored instead (FlooredLossDen).
+DFLASH_HOST_DEVICE inline double LossDenOffset(LossFamily family) {
+  return family == LossFamily::kDomino ? kDominoDenominatorOffset : 0.0;
+}
+
 // The loss's denominator after the reduction over every chunk, floored at
 // float32's smallest normal number as SpecForge floors it
 // (`clamp_min(finfo.tiny)`): a batch without weight has loss 0 and zero

@@ -14,7 +14,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "losses/loss_math.h"
 #include "proto/config.h"
 #include "proto/config_overrides.h"
 #include "python/native/config_sources.h"
@@ -249,6 +248,7 @@ py::dict ResultOf(const HeadResult& r) {
   d["lk_kl_weight"] = r.lk_kl_weight ? py::object(py::float_(*r.lk_kl_weight))
                                      : py::object(py::none());
   d["loss_denominator"] = r.loss_denominator;
+  d["loss_den_offset"] = r.loss_den_offset;
   d["family_terms"] = family;
   d["diagnostics"] = diagnostics;
   d["stats"] = stats;
@@ -311,10 +311,7 @@ py::dict RunObjectiveFromPython(
     PyErr_SetNone(PyExc_KeyboardInterrupt);
     throw py::error_already_set();
   }
-  py::dict d = ResultOf(ValueOrRaise(std::move(result)));
-  d["loss_den_offset"] =
-      config.loss().has_domino() ? kDominoDenominatorOffset : 0.0;
-  return d;
+  return ResultOf(ValueOrRaise(std::move(result)));
 }
 
 void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
