@@ -526,6 +526,412 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
   return terms;
 }
 
+// Every per-row output as a row without a mask leaves it, so that the rows
+// a pass skips read as such.
+void ResetRowOutputs(int64_t num_rows, const ChunkLossOutputs& outputs) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = 0;
+    if (!outputs.argmax.empty()) outputs.argmax[r] = -1;
+    if (!outputs.top_k.empty()) {
+      std::fill_n(outputs.top_k.begin() + r * outputs.k, outputs.k, -1);
+    }
+    if (!outputs.confidence_grad.empty()) outputs.confidence_grad[r] = 0;
+    if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
+    if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
+    if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
+    if (!outputs.teacher_acceptance.empty()) outputs.teacher_acceptance[r] = 0;
+    if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = -1;
+    if (!outputs.top_k_values.empty()) {
+      std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
+                  0.0f);
+    }
+  }
+}
+
+// One chunk of every family but Domino, as passes over its rows: the
+// block-coupled families need every row's q before any row's weight, so
+// the passes keep what they hand each other (stats, top-k metrics, teacher
+// distances, q, weights) per row here.
+template <typename T>
+class ChunkPasses {
+ public:
+  using W = Work<T>;
+
+  ChunkPasses(const LossParams& p, const ChunkLossOptions& options,
+              const ChunkLossInputs<T>& inputs,
+              const ChunkLossOutputs& outputs)
+      : p_(p),
+        options_(options),
+        inputs_(inputs),
+        outputs_(outputs),
+        traits_(LossTraitsOf(p)),
+        num_rows_(static_cast<int64_t>(inputs.rows.size())),
+        teacher_metrics_(!traits_.needs_teacher &&
+                         !inputs.teacher_logits.empty()),
+        keep_exp_(std::is_same_v<W, float> && p.label_smoothing == 0 &&
+                  options.logit_softcap == 0 &&
+                  inputs.teacher_logits.empty() &&
+                  (!traits_.couples_blocks || std::is_same_v<T, W>)),
+        caller_k_(outputs.top_k.empty() ? 0 : outputs.k),
+        metric_k_(static_cast<int32_t>(
+            std::min<int64_t>(options.metric_top_k, inputs.vocab))),
+        top_k_(std::max(caller_k_, metric_k_)),
+        source_(inputs, options),
+        mask_(num_rows_),
+        stats_(num_rows_),
+        have_stats_(num_rows_, false),
+        ids_(top_k_),
+        rank_(num_rows_, -1),
+        top_mass_(num_rows_, 0.0),
+        metric_ids_(teacher_metrics_ ? num_rows_ * metric_k_ : 0),
+        teacher_stats_(traits_.needs_teacher ? num_rows_ : 0),
+        distances_(traits_.needs_teacher ? num_rows_ : 0),
+        accept_(num_rows_, 0.0),
+        q_(num_rows_, 0.0),
+        weight_(num_rows_),
+        ce_share_(num_rows_, 1.0),
+        credit_(p.dpard ? num_rows_ : 0) {
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      mask_[r] = EffectiveMask(p, inputs.rows[r].target, inputs.rows[r].mask);
+    }
+  }
+
+  absl::StatusOr<ChunkTerms> Run() {
+    if (traits_.couples_blocks) DFLASH_RETURN_IF_ERROR(CoupledPass());
+    WeightPass();
+    ChunkTerms terms = ChunkTerms::Zero(options_.block_size);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      DFLASH_RETURN_IF_ERROR(RowTerms(r, terms));
+    }
+    return terms;
+  }
+
+ private:
+  // The top-k and stats pass of row r. Top-k reads z' before the stats pass
+  // may overwrite it (keep_exp_ leaves exp(z' - max) in z).
+  absl::Status Analyse(int64_t r, absl::Span<W> z) {
+    const int32_t target = inputs_.rows[r].target;
+    if (top_k_ > 0) {
+      DFLASH_RETURN_IF_ERROR(TopK<W>(z, top_k_, absl::MakeSpan(ids_)));
+      std::copy_n(ids_.begin(), caller_k_,
+                  outputs_.top_k.begin() + r * caller_k_);
+      if (!outputs_.top_k_values.empty()) {
+        for (int32_t j = 0; j < caller_k_; ++j) {
+          outputs_.top_k_values[r * caller_k_ + j] =
+              static_cast<float>(z[ids_[j]]);
+        }
+      }
+    }
+    absl::StatusOr<RowStats> row_stats;
+    if constexpr (std::is_same_v<W, float>) {
+      row_stats = keep_exp_ ? ComputeRowStatsKeepExp(z, target, r)
+                            : ComputeRowStats<W>(z, target, r);
+    } else {
+      row_stats = ComputeRowStats<W>(z, target, r);
+    }
+    if (!row_stats.ok()) return row_stats.status();
+    const RowStats& s = *row_stats;
+    stats_[r] = s;
+    have_stats_[r] = true;
+    if (metric_k_ > 0) {
+      // p = exp(z' - lse); ComputeRowStatsKeepExp left exp(z' - max) in z.
+      const double from_exp = std::exp(s.max_logit - s.logsumexp);
+      for (int32_t j = 0; j < metric_k_; ++j) {
+        if (ids_[j] == target) rank_[r] = j;
+        top_mass_[r] += keep_exp_ ? z[ids_[j]] * from_exp
+                                  : std::exp(z[ids_[j]] - s.logsumexp);
+      }
+    }
+    if (teacher_metrics_) {
+      std::copy_n(ids_.begin(), metric_k_,
+                  metric_ids_.begin() + r * metric_k_);
+    }
+    return absl::OkStatus();
+  }
+
+  // DSpark's rows with a teacher: its stats, the softmax distance and the
+  // row's acceptance clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
+  absl::Status Distance(int64_t r, absl::Span<const W> z,
+                        absl::Span<const W> t) {
+    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+    if (!teacher.ok()) return TeacherError(teacher.status());
+    teacher_stats_[r] = *teacher;
+    distances_[r] = DistanceToTeacher<W>(z, stats_[r], t, *teacher);
+    accept_[r] = DSparkAcceptance(distances_[r].l1);
+    return absl::OkStatus();
+  }
+
+  // Pass 1, block-coupled families only: a row's weight reads the q (D-PARD:
+  // the acceptance) of the rows before it in its block, so every row with a
+  // mask is analysed first.
+  absl::Status CoupledPass() {
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      if (mask_[r] == 0) continue;
+      absl::Span<W> z = source_.Draft(r);
+      DFLASH_RETURN_IF_ERROR(Analyse(r, z));
+      q_[r] = std::exp(stats_[r].target_logit - stats_[r].logsumexp);
+      if (p_.dpard) {
+        DFLASH_RETURN_IF_ERROR(Distance(r, z, source_.Teacher(r)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Pass 2: each row's loss weight, lk-lambda's per-block CE share and
+  // D-PARD's credit, block-level over each run of rows sharing a block id.
+  // Rows without weight may be left out of a chunk: they change neither the
+  // cumulative products nor the sums.
+  void WeightPass() {
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      weight_[r] = RowLossWeight(p_, inputs_.rows[r].position, mask_[r]);
+    }
+    for (int64_t b = 0, end = 0; b < num_rows_; b = end) {
+      end = b + 1;
+      while (end < num_rows_ &&
+             inputs_.rows[end].block == inputs_.rows[b].block) {
+        ++end;
+      }
+      const int64_t n = end - b;
+      auto q_of = [&](int64_t i) { return q_[b + i]; };
+      auto mask_of = [&](int64_t i) { return mask_[b + i]; };
+      if (p_.family == LossFamily::kDPace) {
+        DPaceBlockWeights(p_, n, q_of, mask_of, weight_.data() + b);
+      } else if (p_.dpard) {
+        DPaceBlockWeights(
+            DPardCreditParams(p_), n,
+            [&](int64_t i) { return accept_[b + i]; }, mask_of,
+            credit_.data() + b);
+      } else if (p_.lk == LkMode::kLambdaBlock) {
+        std::fill(ce_share_.begin() + b, ce_share_.begin() + end,
+                  LkLambdaBlockShare(p_, n, q_of, mask_of));
+      }
+    }
+  }
+
+  // Pass 3, one row: metrics, terms and d(loss_num)/d(logits), the family's
+  // terms by the functions below.
+  absl::Status RowTerms(int64_t r, ChunkTerms& terms) {
+    if (mask_[r] == 0) {
+      source_.StoreZero(r);
+      return absl::OkStatus();
+    }
+    absl::Span<W> z = source_.Draft(r);
+    if (!have_stats_[r]) DFLASH_RETURN_IF_ERROR(Analyse(r, z));
+    const RowStats& s = stats_[r];
+    RowMetrics(r, s, terms);
+    if (teacher_metrics_) {
+      DFLASH_RETURN_IF_ERROR(TeacherDiagnostics(r, z, s, terms));
+    }
+    const double w = weight_[r];
+    if (w == 0) {
+      source_.StoreZero(r);
+      return absl::OkStatus();
+    }
+    terms.loss_den += w;
+    terms.loss_weight_per_position[inputs_.rows[r].position] += w;
+    if (!outputs_.loss_weight.empty()) {
+      outputs_.loss_weight[r] = static_cast<float>(w);
+    }
+    source_.KeepTransformed(z);
+    if (p_.family == LossFamily::kDistillation) {
+      return DistillationTerms(r, z, s, w, terms);
+    }
+    absl::Span<const W> t;  // The teacher's z', for DSpark's gradient.
+    if (p_.family == LossFamily::kDSpark && traits_.needs_teacher) {
+      t = source_.Teacher(r);
+      DFLASH_RETURN_IF_ERROR(DSparkTeacherTerms(r, z, s, t, w, terms));
+      if (p_.dpard) return DPardTerms(r, z, s, t, w, terms);
+    }
+    return SoftmaxTerms(r, z, s, t, w, terms);
+  }
+
+  // What every family reports of a row with a mask, weighted or not.
+  void RowMetrics(int64_t r, const RowStats& s, ChunkTerms& terms) {
+    const RowMeta& meta = inputs_.rows[r];
+    const double neg_log_q = s.logsumexp - s.target_logit;
+    if (!outputs_.neg_log_q.empty()) outputs_.neg_log_q[r] = neg_log_q;
+    if (!outputs_.argmax.empty()) outputs_.argmax[r] = s.argmax;
+    const double hit = mask_[r] > 0.5 && s.argmax == meta.target;
+    const double q_r = std::exp(-neg_log_q);
+    const int32_t k = meta.position;
+    terms.correct += hit;
+    terms.accuracy_den += mask_[r];
+    terms.target_probability += mask_[r] * q_r;
+    terms.correct_per_position[k] += hit;
+    terms.mask_per_position[k] += mask_[r];
+    terms.target_probability_per_position[k] += mask_[r] * q_r;
+    terms.top_k_recall_per_position[k] += rank_[r] >= 0 ? mask_[r] : 0.0;
+    terms.top_k_mass_per_position[k] += mask_[r] * top_mass_[r];
+    if (!outputs_.target_probability.empty()) {
+      outputs_.target_probability[r] = q_r;
+    }
+    if (!outputs_.target_rank.empty()) outputs_.target_rank[r] = rank_[r];
+  }
+
+  // The teacher diagnostics, for a loss that reads no teacher: z is z' still
+  // (no gradient has been written, no exps kept).
+  absl::Status TeacherDiagnostics(int64_t r, absl::Span<const W> z,
+                                  const RowStats& s, ChunkTerms& terms) {
+    const int32_t k = inputs_.rows[r].position;
+    absl::Span<const W> t = source_.Teacher(r);
+    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+    if (!teacher.ok()) return TeacherError(teacher.status());
+    const double accept =
+        DSparkAcceptance(DistanceToTeacher<W>(z, s, t, *teacher).l1);
+    double mass = 0;
+    for (int32_t j = 0; j < metric_k_; ++j) {
+      mass += std::exp(t[metric_ids_[r * metric_k_ + j]] - teacher->logsumexp);
+    }
+    terms.teacher_acceptance_per_position[k] += mask_[r] * accept;
+    terms.teacher_agreement_per_position[k] +=
+        teacher->argmax == s.argmax ? mask_[r] : 0.0;
+    terms.teacher_top_k_mass_per_position[k] += mask_[r] * mass;
+    if (!outputs_.teacher_acceptance.empty()) {
+      outputs_.teacher_acceptance[r] = accept;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status DistillationTerms(int64_t r, absl::Span<W> z, const RowStats& s,
+                                 double w, ChunkTerms& terms) {
+    absl::Span<const W> t = source_.Teacher(r);
+    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+    if (!teacher.ok()) return TeacherError(teacher.status());
+    terms.loss_num += w * DistillationRow<W>(p_, z, s, t, *teacher, w);
+    // Log-probability differences make no cheap bound here.
+    return source_.StoreGradient(r, z, w,
+                                 std::numeric_limits<double>::infinity());
+  }
+
+  // DSpark's teacher terms, and its confidence term from the acceptance;
+  // D-PARD has the distance from pass 1 already.
+  absl::Status DSparkTeacherTerms(int64_t r, absl::Span<const W> z,
+                                  const RowStats& s, absl::Span<const W> t,
+                                  double w, ChunkTerms& terms) {
+    const int32_t k = inputs_.rows[r].position;
+    if (!p_.dpard) DFLASH_RETURN_IF_ERROR(Distance(r, z, t));
+    const RowStats& teacher = teacher_stats_[r];
+    terms.teacher_top1 +=
+        mask_[r] * std::exp(teacher.max_logit - teacher.logsumexp);
+    terms.draft_top1 += mask_[r] * std::exp(s.max_logit - s.logsumexp);
+    terms.teacher_agreement_per_position[k] +=
+        teacher.argmax == s.argmax ? mask_[r] : 0.0;
+    terms.teacher_acceptance_per_position[k] += mask_[r] * accept_[r];
+    if (!outputs_.teacher_acceptance.empty()) {
+      outputs_.teacher_acceptance[r] = accept_[r];
+    }
+    if (p_.confidence_weight > 0) {
+      const double c = inputs_.confidence_logits[r];
+      if (!std::isfinite(c)) {
+        return RowError(
+            r, absl::StrCat("confidence logit is not finite (", c, ")"));
+      }
+      const double bce = ConfidenceBce(c, accept_[r]);
+      terms.confidence_num += w * bce;
+      terms.confidence_error_num +=
+          w * std::abs(1 / (1 + std::exp(-c)) - accept_[r]);
+      terms.loss_num += w * p_.confidence_weight * bce;
+      if (!outputs_.confidence_grad.empty()) {
+        outputs_.confidence_grad[r] = static_cast<float>(
+            w * p_.confidence_weight * ConfidenceBceGradient(c, accept_[r]));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status DPardTerms(int64_t r, absl::Span<W> z, const RowStats& s,
+                          absl::Span<const W> t, double w, ChunkTerms& terms) {
+    const RowMeta& meta = inputs_.rows[r];
+    const double neg_log_q = s.logsumexp - s.target_logit;
+    const double renyi = DPardRow<W>(z, s, t, teacher_stats_[r], credit_[r]);
+    terms.dpard_num += credit_[r] * renyi;
+    terms.loss_num += credit_[r] * renyi;
+    terms.dpard_credit_per_position[meta.position] += credit_[r];
+    // SpecForge reports D-PARD's CE too, without gradient.
+    terms.ce_num += w * neg_log_q;
+    terms.ce_per_position[meta.position] += mask_[r] * neg_log_q;
+    // |q - normalised sqrt(q p)| <= 1.
+    return source_.StoreGradient(r, z, w, credit_[r]);
+  }
+
+  // Softmax-family terms: CE (label-smoothed), tv and z-loss, plus DSpark's
+  // L1 to the teacher `t` where it has one.
+  absl::Status SoftmaxTerms(int64_t r, absl::Span<W> z, const RowStats& s,
+                            absl::Span<const W> t, double w,
+                            ChunkTerms& terms) {
+    const RowMeta& meta = inputs_.rows[r];
+    const double neg_log_q = s.logsumexp - s.target_logit;
+    double mean = 0;
+    if (p_.label_smoothing > 0) {
+      for (W x : z) mean += x;
+      mean /= static_cast<double>(inputs_.vocab);
+    }
+    const SoftmaxRowTerms row =
+        SoftmaxFamilyRow(p_, w, CrossEntropyShare(p_, ce_share_[r]),
+                         neg_log_q, s.logsumexp, mean);
+    terms.loss_num += row.loss;
+    terms.ce_num += row.ce;
+    terms.tv_num += row.tv;
+    if (p_.family == LossFamily::kDSpark) {
+      terms.ce_per_position[meta.position] += mask_[r] * row.ce / w;
+    }
+    const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
+    // |softmax * p - target * onehot - uniform / V| with p <= 1.
+    double bound = std::abs(grad.softmax) + std::abs(grad.target) +
+                   std::abs(grad.uniform);
+    if (p_.family == LossFamily::kDSpark && traits_.needs_teacher) {
+      const double l1_coefficient = w * p_.l1_weight;
+      const double l1 = distances_[r].l1;
+      WriteDSparkGradient<W>(z, meta.target, s, t, teacher_stats_[r],
+                             distances_[r], grad, l1_coefficient);
+      bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
+      terms.loss_num += l1_coefficient * l1;
+      if (p_.l1_weight > 0) terms.l1_num += w * l1;
+    } else if constexpr (std::is_same_v<W, float>) {
+      if (keep_exp_) {
+        WriteSoftmaxGradientFromExp(z, meta.target, s, grad);
+      } else {
+        WriteSoftmaxGradient<W>(z, meta.target, s, grad);
+      }
+    } else {
+      WriteSoftmaxGradient<W>(z, meta.target, s, grad);
+    }
+    return source_.StoreGradient(r, z, w, bound);
+  }
+
+  const LossParams& p_;
+  const ChunkLossOptions& options_;
+  const ChunkLossInputs<T>& inputs_;
+  const ChunkLossOutputs& outputs_;
+  const LossTraits traits_;
+  const int64_t num_rows_;
+  // The teacher diagnostics: teacher logits for a loss that reads none.
+  const bool teacher_metrics_;
+  // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
+  // the stats pass and skip the second exponential. Not with label
+  // smoothing (it reads z'), a softcap (its chain rule reads z') or teacher
+  // families; block-coupled families only where the row is computed in
+  // place.
+  const bool keep_exp_;
+  // One top-k serves the caller's k and the diagnostics' (the shorter list
+  // is a prefix of the longer: ties go to the lower index in both).
+  const int32_t caller_k_, metric_k_, top_k_;
+  RowSource<T> source_;
+  std::vector<double> mask_;
+  std::vector<RowStats> stats_;
+  std::vector<bool> have_stats_;
+  std::vector<int32_t> ids_;
+  std::vector<int32_t> rank_;
+  std::vector<double> top_mass_;
+  // The teacher diagnostics read each row's metric top-k again in pass 3.
+  std::vector<int32_t> metric_ids_;
+  std::vector<RowStats> teacher_stats_;
+  std::vector<SoftmaxDistance> distances_;
+  std::vector<double> accept_;
+  // Pass 1's q (block-coupled families), pass 2's weights.
+  std::vector<double> q_, weight_, ce_share_, credit_;
+};
+
 }  // namespace
 
 ChunkTerms ChunkTerms::Zero(int64_t block_size) {
@@ -654,323 +1060,13 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 template <typename T>
 absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs) const {
-  using W = Work<T>;
-  const LossParams& p = params_;
-  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(p, options_, inputs, outputs));
-  const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
-  const int64_t block_size = options_.block_size;
-  RowSource<T> source(inputs, options_);
-
-  std::vector<double> mask(num_rows);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    mask[r] = EffectiveMask(p, inputs.rows[r].target, inputs.rows[r].mask);
+  DFLASH_RETURN_IF_ERROR(
+      ValidateChunkLossInputs(params_, options_, inputs, outputs));
+  ResetRowOutputs(static_cast<int64_t>(inputs.rows.size()), outputs);
+  if (params_.family == LossFamily::kDomino) {
+    return DominoChunk<T>(params_, options_, inputs, outputs);
   }
-
-  for (int64_t r = 0; r < num_rows; ++r) {
-    if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = 0;
-    if (!outputs.argmax.empty()) outputs.argmax[r] = -1;
-    if (!outputs.top_k.empty()) {
-      std::fill_n(outputs.top_k.begin() + r * outputs.k, outputs.k, -1);
-    }
-    if (!outputs.confidence_grad.empty()) outputs.confidence_grad[r] = 0;
-    if (!outputs.target_probability.empty()) outputs.target_probability[r] = 0;
-    if (!outputs.target_rank.empty()) outputs.target_rank[r] = -1;
-    if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
-    if (!outputs.teacher_acceptance.empty()) outputs.teacher_acceptance[r] = 0;
-    if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = -1;
-    if (!outputs.top_k_values.empty()) {
-      std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
-                  0.0f);
-    }
-  }
-
-  if (p.family == LossFamily::kDomino) {
-    return DominoChunk<T>(p, options_, inputs, outputs);
-  }
-
-  // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
-  // the stats pass and skip the second exponential. Not with label smoothing
-  // (it reads z'), a softcap (its chain rule reads z') or teacher families;
-  // block-coupled families only where the row is computed in place.
-  const LossTraits traits = LossTraitsOf(p);
-  const double smoothing = p.label_smoothing;
-  // The teacher diagnostics: teacher logits for a loss that reads none.
-  const bool teacher_metrics =
-      !traits.needs_teacher && !inputs.teacher_logits.empty();
-  const bool keep_exp = std::is_same_v<W, float> && smoothing == 0 &&
-                        options_.logit_softcap == 0 &&
-                        inputs.teacher_logits.empty() &&
-                        (!traits.couples_blocks || std::is_same_v<T, W>);
-
-  std::vector<RowStats> stats(num_rows);
-  std::vector<bool> have_stats(num_rows, false);
-  // One top-k serves the caller's k and the diagnostics' (the shorter list
-  // is a prefix of the longer: ties go to the lower index in both).
-  const int32_t caller_k = outputs.top_k.empty() ? 0 : outputs.k;
-  const int32_t metric_k = static_cast<int32_t>(
-      std::min<int64_t>(options_.metric_top_k, inputs.vocab));
-  const int32_t top_k = std::max(caller_k, metric_k);
-  std::vector<int32_t> ids(top_k);
-  std::vector<int32_t> rank(num_rows, -1);
-  std::vector<double> top_mass(num_rows, 0.0);
-  // The teacher diagnostics read each row's metric top-k again later.
-  std::vector<int32_t> metric_ids(teacher_metrics ? num_rows * metric_k : 0);
-  // Top-k reads z' before the stats pass may overwrite it.
-  auto analyse = [&](int64_t r, absl::Span<W> z) -> absl::Status {
-    const int32_t target = inputs.rows[r].target;
-    if (top_k > 0) {
-      DFLASH_RETURN_IF_ERROR(TopK<W>(z, top_k, absl::MakeSpan(ids)));
-      std::copy_n(ids.begin(), caller_k, outputs.top_k.begin() + r * caller_k);
-      if (!outputs.top_k_values.empty()) {
-        for (int32_t j = 0; j < caller_k; ++j) {
-          outputs.top_k_values[r * caller_k + j] =
-              static_cast<float>(z[ids[j]]);
-        }
-      }
-    }
-    absl::StatusOr<RowStats> row_stats;
-    if constexpr (std::is_same_v<W, float>) {
-      row_stats = keep_exp ? ComputeRowStatsKeepExp(z, target, r)
-                           : ComputeRowStats<W>(z, target, r);
-    } else {
-      row_stats = ComputeRowStats<W>(z, target, r);
-    }
-    if (!row_stats.ok()) return row_stats.status();
-    const RowStats& s = *row_stats;
-    stats[r] = s;
-    have_stats[r] = true;
-    if (metric_k > 0) {
-      // p = exp(z' - lse); ComputeRowStatsKeepExp left exp(z' - max) in z.
-      const double from_exp = std::exp(s.max_logit - s.logsumexp);
-      for (int32_t j = 0; j < metric_k; ++j) {
-        if (ids[j] == target) rank[r] = j;
-        top_mass[r] +=
-            keep_exp ? z[ids[j]] * from_exp : std::exp(z[ids[j]] - s.logsumexp);
-      }
-    }
-    if (teacher_metrics) {
-      std::copy_n(ids.begin(), metric_k, metric_ids.begin() + r * metric_k);
-    }
-    return absl::OkStatus();
-  };
-
-  // DSpark's rows with a teacher: its stats, the softmax distance and each
-  // row's acceptance clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
-  std::vector<RowStats> teacher_stats(traits.needs_teacher ? num_rows : 0);
-  std::vector<SoftmaxDistance> distances(traits.needs_teacher ? num_rows : 0);
-  std::vector<double> accept(num_rows, 0.0);
-  auto distance = [&](int64_t r, absl::Span<const W> z,
-                      absl::Span<const W> t) -> absl::Status {
-    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-    if (!teacher.ok()) return TeacherError(teacher.status());
-    teacher_stats[r] = *teacher;
-    distances[r] = DistanceToTeacher<W>(z, stats[r], t, *teacher);
-    accept[r] = DSparkAcceptance(distances[r].l1);
-    return absl::OkStatus();
-  };
-
-  // Pass 1, block-coupled families only: q (D-PARD: the acceptance) of
-  // every row with a mask.
-  std::vector<double> q(num_rows, 0.0);
-  if (traits.couples_blocks) {
-    for (int64_t r = 0; r < num_rows; ++r) {
-      if (mask[r] == 0) continue;
-      absl::Span<W> z = source.Draft(r);
-      DFLASH_RETURN_IF_ERROR(analyse(r, z));
-      q[r] = std::exp(stats[r].target_logit - stats[r].logsumexp);
-      if (p.dpard) {
-        DFLASH_RETURN_IF_ERROR(distance(r, z, source.Teacher(r)));
-      }
-    }
-  }
-
-  // Pass 2: each row's loss weight, lk-lambda's per-block CE share and
-  // D-PARD's credit.
-  std::vector<double> weight(num_rows), ce_share(num_rows, 1.0);
-  std::vector<double> credit(p.dpard ? num_rows : 0);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    weight[r] = RowLossWeight(p, inputs.rows[r].position, mask[r]);
-  }
-  // Block-level weights over each run of rows sharing a block id. Rows
-  // without weight may be left out of a chunk: they change neither the
-  // cumulative products nor the sums.
-  for (int64_t b = 0, end = 0; b < num_rows; b = end) {
-    end = b + 1;
-    while (end < num_rows && inputs.rows[end].block == inputs.rows[b].block) {
-      ++end;
-    }
-    const int64_t n = end - b;
-    auto q_of = [&](int64_t i) { return q[b + i]; };
-    auto mask_of = [&](int64_t i) { return mask[b + i]; };
-    if (p.family == LossFamily::kDPace) {
-      DPaceBlockWeights(p, n, q_of, mask_of, weight.data() + b);
-    } else if (p.dpard) {
-      DPaceBlockWeights(
-          DPardCreditParams(p), n, [&](int64_t i) { return accept[b + i]; },
-          mask_of, credit.data() + b);
-    } else if (p.lk == LkMode::kLambdaBlock) {
-      std::fill(ce_share.begin() + b, ce_share.begin() + end,
-                LkLambdaBlockShare(p, n, q_of, mask_of));
-    }
-  }
-
-  // Pass 3: metrics, terms and d(loss_num)/d(logits), row by row.
-  ChunkTerms terms = ChunkTerms::Zero(block_size);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const RowMeta& meta = inputs.rows[r];
-    if (mask[r] == 0) {
-      source.StoreZero(r);
-      continue;
-    }
-    absl::Span<W> z = source.Draft(r);
-    if (!have_stats[r]) {
-      DFLASH_RETURN_IF_ERROR(analyse(r, z));
-    }
-    const RowStats& s = stats[r];
-    const double neg_log_q = s.logsumexp - s.target_logit;
-    if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = neg_log_q;
-    if (!outputs.argmax.empty()) outputs.argmax[r] = s.argmax;
-    const double hit = mask[r] > 0.5 && s.argmax == meta.target;
-    const double q_r = std::exp(-neg_log_q);
-    const int32_t k = meta.position;
-    terms.correct += hit;
-    terms.accuracy_den += mask[r];
-    terms.target_probability += mask[r] * q_r;
-    terms.correct_per_position[k] += hit;
-    terms.mask_per_position[k] += mask[r];
-    terms.target_probability_per_position[k] += mask[r] * q_r;
-    terms.top_k_recall_per_position[k] += rank[r] >= 0 ? mask[r] : 0.0;
-    terms.top_k_mass_per_position[k] += mask[r] * top_mass[r];
-    if (!outputs.target_probability.empty()) {
-      outputs.target_probability[r] = q_r;
-    }
-    if (!outputs.target_rank.empty()) outputs.target_rank[r] = rank[r];
-    if (teacher_metrics) {
-      // z is z' still: no gradient has been written, no exps kept.
-      absl::Span<const W> t = source.Teacher(r);
-      absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-      if (!teacher.ok()) return TeacherError(teacher.status());
-      const double accept =
-          DSparkAcceptance(DistanceToTeacher<W>(z, s, t, *teacher).l1);
-      double mass = 0;
-      for (int32_t j = 0; j < metric_k; ++j) {
-        mass += std::exp(t[metric_ids[r * metric_k + j]] - teacher->logsumexp);
-      }
-      terms.teacher_acceptance_per_position[k] += mask[r] * accept;
-      terms.teacher_agreement_per_position[k] +=
-          teacher->argmax == s.argmax ? mask[r] : 0.0;
-      terms.teacher_top_k_mass_per_position[k] += mask[r] * mass;
-      if (!outputs.teacher_acceptance.empty()) {
-        outputs.teacher_acceptance[r] = accept;
-      }
-    }
-    const double w = weight[r];
-    if (w == 0) {
-      source.StoreZero(r);
-      continue;
-    }
-    terms.loss_den += w;
-    terms.loss_weight_per_position[k] += w;
-    if (!outputs.loss_weight.empty()) {
-      outputs.loss_weight[r] = static_cast<float>(w);
-    }
-    source.KeepTransformed(z);
-
-    if (p.family == LossFamily::kDistillation) {
-      absl::Span<const W> t = source.Teacher(r);
-      absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-      if (!teacher.ok()) return TeacherError(teacher.status());
-      terms.loss_num += w * DistillationRow<W>(p, z, s, t, *teacher, w);
-      // Log-probability differences make no cheap bound here.
-      DFLASH_RETURN_IF_ERROR(source.StoreGradient(
-          r, z, w, std::numeric_limits<double>::infinity()));
-      continue;
-    }
-
-    // DSpark's teacher terms, and its confidence term from the acceptance.
-    absl::Span<const W> t;  // The teacher's z', for DSpark's gradient.
-    if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
-      t = source.Teacher(r);
-      if (!p.dpard) DFLASH_RETURN_IF_ERROR(distance(r, z, t));
-      const RowStats& teacher = teacher_stats[r];
-      terms.teacher_top1 +=
-          mask[r] * std::exp(teacher.max_logit - teacher.logsumexp);
-      terms.draft_top1 += mask[r] * std::exp(s.max_logit - s.logsumexp);
-      terms.teacher_agreement_per_position[k] +=
-          teacher.argmax == s.argmax ? mask[r] : 0.0;
-      terms.teacher_acceptance_per_position[k] += mask[r] * accept[r];
-      if (!outputs.teacher_acceptance.empty()) {
-        outputs.teacher_acceptance[r] = accept[r];
-      }
-      if (p.confidence_weight > 0) {
-        const double c = inputs.confidence_logits[r];
-        if (!std::isfinite(c)) {
-          return RowError(
-              r, absl::StrCat("confidence logit is not finite (", c, ")"));
-        }
-        const double bce = ConfidenceBce(c, accept[r]);
-        terms.confidence_num += w * bce;
-        terms.confidence_error_num +=
-            w * std::abs(1 / (1 + std::exp(-c)) - accept[r]);
-        terms.loss_num += w * p.confidence_weight * bce;
-        if (!outputs.confidence_grad.empty()) {
-          outputs.confidence_grad[r] = static_cast<float>(
-              w * p.confidence_weight * ConfidenceBceGradient(c, accept[r]));
-        }
-      }
-      if (p.dpard) {
-        const double renyi = DPardRow<W>(z, s, t, teacher, credit[r]);
-        terms.dpard_num += credit[r] * renyi;
-        terms.loss_num += credit[r] * renyi;
-        terms.dpard_credit_per_position[k] += credit[r];
-        // SpecForge reports D-PARD's CE too, without gradient.
-        terms.ce_num += w * neg_log_q;
-        terms.ce_per_position[k] += mask[r] * neg_log_q;
-        // |q - normalised sqrt(q p)| <= 1.
-        DFLASH_RETURN_IF_ERROR(source.StoreGradient(r, z, w, credit[r]));
-        continue;
-      }
-    }
-
-    // Softmax-family terms: CE (label-smoothed), tv and z-loss.
-    double mean = 0;
-    if (smoothing > 0) {
-      for (W x : z) mean += x;
-      mean /= static_cast<double>(inputs.vocab);
-    }
-    const SoftmaxRowTerms row = SoftmaxFamilyRow(
-        p, w, CrossEntropyShare(p, ce_share[r]), neg_log_q, s.logsumexp, mean);
-    terms.loss_num += row.loss;
-    terms.ce_num += row.ce;
-    terms.tv_num += row.tv;
-    if (p.family == LossFamily::kDSpark) {
-      terms.ce_per_position[k] += mask[r] * row.ce / w;
-    }
-    const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
-    // |softmax * p - target * onehot - uniform / V| with p <= 1.
-    double bound = std::abs(grad.softmax) + std::abs(grad.target) +
-                   std::abs(grad.uniform);
-
-    if (p.family == LossFamily::kDSpark && traits.needs_teacher) {
-      const double l1_coefficient = w * p.l1_weight;
-      const double l1 = distances[r].l1;
-      WriteDSparkGradient<W>(z, meta.target, s, t, teacher_stats[r],
-                             distances[r], grad, l1_coefficient);
-      bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
-      terms.loss_num += l1_coefficient * l1;
-      if (p.l1_weight > 0) terms.l1_num += w * l1;
-    } else if constexpr (std::is_same_v<W, float>) {
-      if (keep_exp) {
-        WriteSoftmaxGradientFromExp(z, meta.target, s, grad);
-      } else {
-        WriteSoftmaxGradient<W>(z, meta.target, s, grad);
-      }
-    } else {
-      WriteSoftmaxGradient<W>(z, meta.target, s, grad);
-    }
-    DFLASH_RETURN_IF_ERROR(source.StoreGradient(r, z, w, bound));
-  }
-  return terms;
+  return ChunkPasses<T>(params_, options_, inputs, outputs).Run();
 }
 
 #define DFLASH_INSTANTIATE_CHUNK_LOSS(T)                                     \
