@@ -560,243 +560,328 @@ __device__ void DSparkTeacherTerms(const KernelParams& p,
   }
 }
 
-// Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
+// What LossKernel's parts read of row r (out: its output row; z, t: its
+// logits and teacher logits; terms: its term slots), with its stats, loss
+// weight w and CE. The parts are forceinline so that the kernel compiles as
+// one function, as it did before the split.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    LossKernel(KernelParams p, ChunkArgs<T> a) {
-  const int64_t r = blockIdx.x;
-  const int64_t v = p.vocab;
-  const int64_t out = OutRow(a.out_rows, r);
-  T* z_row = a.logits + r * a.stride;
-  const T* t_row = a.teacher != nullptr ? a.teacher + r * a.stride : nullptr;
-  double* terms = a.row_terms + kTermSlots * r;
-  const Row meta = a.meta[r];
-  if (meta.mask == 0) {
-    ZeroRow(z_row, v);
-    if (threadIdx.x == 0) {
-      for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
-      if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
-      if (a.target_probability != nullptr) a.target_probability[out] = 0;
-      if (a.target_rank != nullptr) a.target_rank[out] = -1;
-      if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
-      if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = 0;
-      if (a.argmax != nullptr) a.argmax[out] = -1;
-      if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
-    }
-    return;
-  }
-  const RowStats s = a.stats[r];
-  // max - target is exact in double; log_sum carries its own rounding only.
-  const double neg_log_q = (static_cast<double>(s.max) - s.target) + s.log_sum;
-  const double lse = static_cast<double>(s.max) + s.log_sum;
-  const double hit = meta.mask > 0.5f && s.argmax == meta.target;
-  const double w = CouplesBlocks(p.loss) ? a.weight[r] : meta.weight;
-  if (threadIdx.x == 0) {
-    terms[kLossDen] = w;
-    terms[kCorrect] = hit;
-    terms[kAccuracyDen] = meta.mask;
-    terms[kTargetProbability] = meta.mask * exp(-neg_log_q);
-    terms[kCeNum] = 0;
-    terms[kTvNum] = 0;
-    if (a.metric_k == 0) {  // Else TopKKernel wrote them.
-      terms[kTopKRecall] = 0;
-      terms[kTopKMass] = 0;
-      terms[kTeacherTopKMass] = 0;
-    }
-    terms[kTeacherAcceptance] = 0;
-    terms[kTeacherAgreement] = 0;
-    for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
-    if (a.target_probability != nullptr) {
-      a.target_probability[out] = exp(-neg_log_q);
-    }
-    if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(w);
-    if (a.neg_log_q != nullptr)
-      a.neg_log_q[out] = static_cast<float>(neg_log_q);
-    if (a.argmax != nullptr) a.argmax[out] = s.argmax;
-    if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
-  }
-  if (TeacherMetrics(p, a)) {
-    const float l1 = TeacherL1(p, s, z_row, t_row, a.stride);
-    if (threadIdx.x == 0) {
-      const double accept = DSparkAcceptance(l1);
-      terms[kTeacherAcceptance] = meta.mask * accept;
-      terms[kTeacherAgreement] =
-          s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
-      if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = accept;
-    }
-  }
-  if (w == 0) {
-    ZeroRow(z_row, v);
-    if (threadIdx.x == 0) terms[kLossNum] = 0;
-    return;
-  }
-  const Transform transform(p.options);
+struct LossRow {
+  int64_t r, out;
+  T* z;
+  const T* t;
+  double* terms;
+  Row meta;
+  RowStats s;
+  double w, neg_log_q;
+};
 
-  if (p.loss.family == LossFamily::kDistillation) {
-    const float inv_t = static_cast<float>(p.loss.inv_temperature);
-    const float lse_s = s.lse_t, lse_t = s.t_lse;
-    const Divergence divergence = p.loss.divergence;
-    const float beta = static_cast<float>(p.loss.beta);
-    const float log_beta = logf(beta), log_rest = log1pf(-beta);
-    // ls and lt of the student's z' and the teacher's logit y.
-    auto logs = [&](float zp, float y, float& ls, float& lt) {
-      ls = zp * inv_t - lse_s;
-      lt = transform(y) * inv_t - lse_t;
-    };
-    const float g = static_cast<float>(w * p.loss.inv_temperature);
-    bool bad = false;
-    auto store = [&](float zp, float grad) {
-      const float chained = transform.Chain(grad, zp);
-      bad |= !isfinite(chained);
-      return chained;
-    };
-    auto point_at = [&](float zp, float y) {
+// A row without a mask: zero gradient, terms and outputs.
+template <typename T>
+__device__ __forceinline__ void MaskedRow(const KernelParams& p,
+                                          const ChunkArgs<T>& a, int64_t out,
+                                          T* z_row, double* terms) {
+  ZeroRow(z_row, p.vocab);
+  if (threadIdx.x != 0) return;
+  for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
+  if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
+  if (a.target_probability != nullptr) a.target_probability[out] = 0;
+  if (a.target_rank != nullptr) a.target_rank[out] = -1;
+  if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
+  if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = 0;
+  if (a.argmax != nullptr) a.argmax[out] = -1;
+  if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
+}
+
+// Every term slot of a row with a mask, set before the family adds its own
+// (the metrics; 0 for the rest), and the per-row outputs. Thread 0 writes.
+template <typename T>
+__device__ __forceinline__ void RowMetrics(const ChunkArgs<T>& a,
+                                           const LossRow<T>& row) {
+  if (threadIdx.x != 0) return;
+  const RowStats& s = row.s;
+  const int64_t out = row.out;
+  double* terms = row.terms;
+  const double hit = row.meta.mask > 0.5f && s.argmax == row.meta.target;
+  terms[kLossDen] = row.w;
+  terms[kCorrect] = hit;
+  terms[kAccuracyDen] = row.meta.mask;
+  terms[kTargetProbability] = row.meta.mask * exp(-row.neg_log_q);
+  terms[kCeNum] = 0;
+  terms[kTvNum] = 0;
+  if (a.metric_k == 0) {  // Else TopKKernel wrote them.
+    terms[kTopKRecall] = 0;
+    terms[kTopKMass] = 0;
+    terms[kTeacherTopKMass] = 0;
+  }
+  terms[kTeacherAcceptance] = 0;
+  terms[kTeacherAgreement] = 0;
+  for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
+  if (a.target_probability != nullptr) {
+    a.target_probability[out] = exp(-row.neg_log_q);
+  }
+  if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(row.w);
+  if (a.neg_log_q != nullptr) {
+    a.neg_log_q[out] = static_cast<float>(row.neg_log_q);
+  }
+  if (a.argmax != nullptr) a.argmax[out] = s.argmax;
+  if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
+}
+
+// The teacher diagnostics (teacher logits for a loss that reads none),
+// before any gradient overwrites z'.
+template <typename T>
+__device__ __forceinline__ void TeacherDiagnostics(const KernelParams& p,
+                                                   const ChunkArgs<T>& a,
+                                                   const LossRow<T>& row) {
+  const float l1 = TeacherL1(p, row.s, row.z, row.t, a.stride);
+  if (threadIdx.x != 0) return;
+  const double accept = DSparkAcceptance(l1);
+  row.terms[kTeacherAcceptance] = row.meta.mask * accept;
+  row.terms[kTeacherAgreement] =
+      row.s.t_argmax == row.s.argmax ? double{row.meta.mask} : 0.0;
+  if (a.teacher_acceptance != nullptr) a.teacher_acceptance[row.out] = accept;
+}
+
+// Distillation: the divergence of the tempered softmaxes and its gradient.
+template <typename T>
+__device__ __forceinline__ void DistillationLoss(const KernelParams& p,
+                                                 const ChunkArgs<T>& a,
+                                                 const LossRow<T>& row) {
+  const Transform transform(p.options);
+  const int64_t v = p.vocab;
+  const float inv_t = static_cast<float>(p.loss.inv_temperature);
+  const float lse_s = row.s.lse_t, lse_t = row.s.t_lse;
+  const Divergence divergence = p.loss.divergence;
+  const float beta = static_cast<float>(p.loss.beta);
+  const float log_beta = logf(beta), log_rest = log1pf(-beta);
+  // ls and lt of the student's z' and the teacher's logit y.
+  auto logs = [&](float zp, float y, float& ls, float& lt) {
+    ls = zp * inv_t - lse_s;
+    lt = transform(y) * inv_t - lse_t;
+  };
+  const float g = static_cast<float>(row.w * p.loss.inv_temperature);
+  bool bad = false;
+  auto store = [&](float zp, float grad) {
+    const float chained = transform.Chain(grad, zp);
+    bad |= !isfinite(chained);
+    return chained;
+  };
+  auto point_at = [&](float zp, float y) {
+    float ls, lt;
+    logs(zp, y, ls, lt);
+    return DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
+  };
+  Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
+  if (divergence == Divergence::kForwardKl) {
+    // Its gradient reads no row sum: one pass.
+    MapRow(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
+      const float zp = transform(x);
+      const DistillationPoint<float> point = point_at(zp, y);
+      acc.a += point.divergence;
+      return store(zp, g * point.forward_gradient);
+    });
+    acc = BlockReduce(acc, AddPairs);
+  } else {
+    ForRows(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
+      const DistillationPoint<float> point = point_at(transform(x), y);
+      acc.a += point.divergence;
+      acc.b += point.student_part;
+    });
+    acc = BlockReduce(acc, AddPairs);
+    MapRow(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
+      const float zp = transform(x);
       float ls, lt;
       logs(zp, y, ls, lt);
-      return DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
-    };
-    Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
-    if (divergence == Divergence::kForwardKl) {
-      // Its gradient reads no row sum: one pass.
-      MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        const float zp = transform(x);
-        const DistillationPoint<float> point = point_at(zp, y);
-        acc.a += point.divergence;
-        return store(zp, g * point.forward_gradient);
-      });
-      acc = BlockReduce(acc, AddPairs);
-    } else {
-      ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        const DistillationPoint<float> point = point_at(transform(x), y);
-        acc.a += point.divergence;
-        acc.b += point.student_part;
-      });
-      acc = BlockReduce(acc, AddPairs);
-      MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-        const float zp = transform(x);
-        float ls, lt;
-        logs(zp, y, ls, lt);
-        return store(
-            zp, DistillationGradientAt(divergence, beta, log_beta, log_rest,
-                                       ls, lt, acc.a, acc.b, g));
-      });
-    }
-    if (threadIdx.x == 0) terms[kLossNum] = w * acc.a;
-    if (bad) ReportError(a.error, out, kGradientNotFinite);
-    return;
+      return store(zp, DistillationGradientAt(divergence, beta, log_beta,
+                                              log_rest, ls, lt, acc.a, acc.b,
+                                              g));
+    });
   }
+  if (threadIdx.x == 0) row.terms[kLossNum] = row.w * acc.a;
+  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+}
 
-  if (p.loss.dpard) {
-    // D-PARD: credit * R, R = -2 log sum sqrt(q t), with the gradient
-    // credit * (q - sqrt(q t) / sum sqrt(q t)); CE reported, not trained.
-    const double credit = a.ce_share[r], accept = a.accept[r];
-    const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
-    auto log_root = [&](float x, float y) {
-      return 0.5f * (((transform(x) - max_f) - log_sum_f) +
-                     (transform(y) - t_lse));
-    };
-    Online roots;
-    ForRows(z_row, t_row, v, a.stride, [&](int64_t i, float x, float y) {
-      Add(roots, i, log_root(x, y), 1.0f, false);
-    });
-    roots = BlockReduce(roots, [](Online x, Online y) {
-      return Merge(x, y, 1.0f, false);
-    });
-    const float log_total = roots.max + logf(roots.sum);
-    const double renyi = -2.0 * log_total;
-    double num = credit * renyi;
-    DSparkTeacherTerms(p, a, s, meta, r, out, w, accept, terms, num);
-    if (threadIdx.x == 0) {
-      terms[kLossNum] = num;
-      terms[kDPardNum] = credit * renyi;
-      terms[kDPardCredit] = credit;
-      terms[kCeNum] = w * neg_log_q;
-      terms[kCePosition] = meta.mask * neg_log_q;
-    }
-    const float c = static_cast<float>(credit);
-    bool bad = false;
-    MapRow(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-      const float zp = transform(x);
-      const float g = c * RenyiGradient(expf((zp - max_f) - log_sum_f),
-                                        log_root(x, y) - log_total);
-      const float chained = transform.Chain(g, zp);
-      bad |= !isfinite(chained);
-      return chained;
-    });
-    if (bad) ReportError(a.error, out, kGradientNotFinite);
-    return;
-  }
-
-  // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and
-  // the confidence BCE.
-  const double ce_share = CrossEntropyShare(
-      p.loss, p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[r] : 1.0);
-  const SoftmaxRowTerms row =
-      SoftmaxFamilyRow(p.loss, w, ce_share, neg_log_q, lse,
-                       p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
-  double num = row.loss;
+// D-PARD: credit * R, R = -2 log sum sqrt(q t), with the gradient
+// credit * (q - sqrt(q t) / sum sqrt(q t)); CE reported, not trained.
+template <typename T>
+__device__ __forceinline__ void DPardLoss(const KernelParams& p,
+                                          const ChunkArgs<T>& a,
+                                          const LossRow<T>& row) {
+  const Transform transform(p.options);
+  const int64_t r = row.r;
+  const RowStats& s = row.s;
+  const double credit = a.ce_share[r], accept = a.accept[r];
+  const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
+  auto log_root = [&](float x, float y) {
+    return 0.5f *
+           (((transform(x) - max_f) - log_sum_f) + (transform(y) - t_lse));
+  };
+  Online roots;
+  ForRows(row.z, row.t, p.vocab, a.stride, [&](int64_t i, float x, float y) {
+    Add(roots, i, log_root(x, y), 1.0f, false);
+  });
+  roots = BlockReduce(roots, [](Online x, Online y) {
+    return Merge(x, y, 1.0f, false);
+  });
+  const float log_total = roots.max + logf(roots.sum);
+  const double renyi = -2.0 * log_total;
+  double num = credit * renyi;
+  DSparkTeacherTerms(p, a, s, row.meta, r, row.out, row.w, accept, row.terms,
+                     num);
   if (threadIdx.x == 0) {
-    terms[kCeNum] = row.ce;
-    terms[kTvNum] = row.tv;
-    if (p.loss.family == LossFamily::kDSpark) {
-      terms[kCePosition] = meta.mask * row.ce / w;
-    }
+    row.terms[kLossNum] = num;
+    row.terms[kDPardNum] = credit * renyi;
+    row.terms[kDPardCredit] = credit;
+    row.terms[kCeNum] = row.w * row.neg_log_q;
+    row.terms[kCePosition] = row.meta.mask * row.neg_log_q;
   }
-  const float softmax = static_cast<float>(row.softmax);
-  const float on_target = static_cast<float>(row.target);
-  const float uniform = static_cast<float>(row.uniform / v);
+  const float c = static_cast<float>(credit);
+  bool bad = false;
+  MapRow(row.z, row.t, p.vocab, a.stride, [&](int64_t, float x, float y) {
+    const float zp = transform(x);
+    const float g = c * RenyiGradient(expf((zp - max_f) - log_sum_f),
+                                      log_root(x, y) - log_total);
+    const float chained = transform.Chain(g, zp);
+    bad |= !isfinite(chained);
+    return chained;
+  });
+  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+}
+
+// DSpark with a teacher: the softmax-family gradient (softmax, on_target,
+// uniform; loss_num so far `num`) plus the L1 between draft and teacher
+// softmax, and the teacher terms.
+template <typename T>
+__device__ __forceinline__ void DSparkLoss(const KernelParams& p,
+                                           const ChunkArgs<T>& a,
+                                           const LossRow<T>& row,
+                                           float softmax, float on_target,
+                                           float uniform, double num) {
+  const Transform transform(p.options);
+  const int64_t v = p.vocab;
+  const RowStats& s = row.s;
+  const double w = row.w;
   // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
   const float max_f = s.max, log_sum_f = s.log_sum;
   auto prob = [max_f, log_sum_f](float zp) {
     return FastExp((zp - max_f) - log_sum_f);
   };
+  const float t_lse = s.t_lse;
+  Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
+  ForRows(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
+    const float pz = prob(transform(x));
+    const float d = pz - FastExp(transform(y) - t_lse);
+    acc.a += fabsf(d);
+    acc.b += pz * SignOf(d);
+  });
+  acc = BlockReduce(acc, AddPairs);
+  const double l1 = acc.a;
+  num += w * p.loss.l1_weight * l1;
+  if (threadIdx.x == 0 && p.loss.l1_weight > 0) row.terms[kL1Num] = w * l1;
+  DSparkTeacherTerms(p, a, s, row.meta, row.r, row.out, w,
+                     DSparkAcceptance(l1), row.terms, num);
+  if (threadIdx.x == 0) row.terms[kLossNum] = num;
+  const float l1c = static_cast<float>(w * p.loss.l1_weight);
+  const float signed_mass = acc.b;
+  bool bad = false;
+  MapRow(row.z, row.t, v, a.stride, [&](int64_t i, float x, float y) {
+    const float zp = transform(x);
+    const float pz = prob(zp);
+    const float d = pz - FastExp(transform(y) - t_lse);
+    float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
+    if (i == row.meta.target) g -= on_target;
+    const float chained = transform.Chain(g, zp);
+    bad |= !isfinite(chained);
+    return chained;
+  });
+  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+}
 
-  // DSpark reads its teacher only for a term that needs it.
+// Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and the
+// confidence BCE (DSparkLoss), reading its teacher only for a term that
+// needs it.
+template <typename T>
+__device__ __forceinline__ void SoftmaxFamilyLoss(const KernelParams& p,
+                                                  const ChunkArgs<T>& a,
+                                                  const LossRow<T>& row) {
+  const int64_t v = p.vocab;
+  const RowStats& s = row.s;
+  const double lse = static_cast<double>(s.max) + s.log_sum;
+  const double ce_share = CrossEntropyShare(
+      p.loss, p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[row.r] : 1.0);
+  const SoftmaxRowTerms terms =
+      SoftmaxFamilyRow(p.loss, row.w, ce_share, row.neg_log_q, lse,
+                       p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
+  if (threadIdx.x == 0) {
+    row.terms[kCeNum] = terms.ce;
+    row.terms[kTvNum] = terms.tv;
+    if (p.loss.family == LossFamily::kDSpark) {
+      row.terms[kCePosition] = row.meta.mask * terms.ce / row.w;
+    }
+  }
+  const float softmax = static_cast<float>(terms.softmax);
+  const float on_target = static_cast<float>(terms.target);
+  const float uniform = static_cast<float>(terms.uniform / v);
   if (p.loss.family == LossFamily::kDSpark && a.teacher != nullptr) {
-    const float t_lse = s.t_lse;
-    Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
-    ForRows(z_row, t_row, v, a.stride, [&](int64_t, float x, float y) {
-      const float pz = prob(transform(x));
-      const float d = pz - FastExp(transform(y) - t_lse);
-      acc.a += fabsf(d);
-      acc.b += pz * SignOf(d);
-    });
-    acc = BlockReduce(acc, AddPairs);
-    const double l1 = acc.a;
-    num += w * p.loss.l1_weight * l1;
-    if (threadIdx.x == 0 && p.loss.l1_weight > 0) terms[kL1Num] = w * l1;
-    DSparkTeacherTerms(p, a, s, meta, r, out, w, DSparkAcceptance(l1), terms,
-                       num);
-    if (threadIdx.x == 0) terms[kLossNum] = num;
-    const float l1c = static_cast<float>(w * p.loss.l1_weight);
-    const float signed_mass = acc.b;
-    bool bad = false;
-    MapRow(z_row, t_row, v, a.stride, [&](int64_t i, float x, float y) {
-      const float zp = transform(x);
-      const float pz = prob(zp);
-      const float d = pz - FastExp(transform(y) - t_lse);
-      float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
-      if (i == meta.target) g -= on_target;
-      const float chained = transform.Chain(g, zp);
-      bad |= !isfinite(chained);
-      return chained;
-    });
-    if (bad) ReportError(a.error, out, kGradientNotFinite);
+    DSparkLoss(p, a, row, softmax, on_target, uniform, terms.loss);
     return;
   }
-
-  if (threadIdx.x == 0) terms[kLossNum] = num;
+  if (threadIdx.x == 0) row.terms[kLossNum] = terms.loss;
+  const Transform transform(p.options);
+  // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
+  const float max_f = s.max, log_sum_f = s.log_sum;
   bool bad = false;
-  MapRow(z_row, static_cast<const T*>(nullptr), v, a.stride,
+  MapRow(row.z, static_cast<const T*>(nullptr), v, a.stride,
          [&](int64_t i, float x, float) {
            const float zp = transform(x);
-           float g = softmax * prob(zp) - uniform;
-           if (i == meta.target) g -= on_target;
+           float g = softmax * FastExp((zp - max_f) - log_sum_f) - uniform;
+           if (i == row.meta.target) g -= on_target;
            const float chained = transform.Chain(g, zp);
            bad |= !isfinite(chained);
            return chained;
          });
-  if (bad) ReportError(a.error, out, kGradientNotFinite);
+  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+}
+
+// Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    LossKernel(KernelParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  const int64_t out = OutRow(a.out_rows, r);
+  T* z_row = a.logits + r * a.stride;
+  double* terms = a.row_terms + kTermSlots * r;
+  const Row meta = a.meta[r];
+  if (meta.mask == 0) {
+    MaskedRow(p, a, out, z_row, terms);
+    return;
+  }
+  const RowStats s = a.stats[r];
+  LossRow<T> row{r,
+                 out,
+                 z_row,
+                 a.teacher != nullptr ? a.teacher + r * a.stride : nullptr,
+                 terms,
+                 meta,
+                 s,
+                 CouplesBlocks(p.loss) ? a.weight[r] : meta.weight,
+                 // max - target is exact in double; log_sum carries its own
+                 // rounding only.
+                 (static_cast<double>(s.max) - s.target) + s.log_sum};
+  RowMetrics(a, row);
+  if (TeacherMetrics(p, a)) TeacherDiagnostics(p, a, row);
+  if (row.w == 0) {
+    ZeroRow(z_row, p.vocab);
+    if (threadIdx.x == 0) terms[kLossNum] = 0;
+    return;
+  }
+  if (p.loss.family == LossFamily::kDistillation) {
+    DistillationLoss(p, a, row);
+  } else if (p.loss.dpard) {
+    DPardLoss(p, a, row);
+  } else {
+    SoftmaxFamilyLoss(p, a, row);
+  }
 }
 
 // Domino: each row's base logits and, from suffix_start, final = base +
