@@ -105,10 +105,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
                  TrackingAllocator& allocator)
       : config_(config),
         allocator_(allocator),
-        params_(LossParamsOf(config.loss())),
-        options_(ChunkLossOptionsOf(config)),
-        traits_(LossTraitsOf(params_)),
-        confidence_(traits_.needs_confidence) {
+        options_(ChunkLossOptionsOf(config)) {
     terms_ = ChunkTerms::Zero(options_.block_size);
   }
 
@@ -119,6 +116,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
+    params_ = *spec.params;
+    traits_ = LossTraitsOf(params_);
+    confidence_ = traits_.needs_confidence;
     const v1::HeadConfig& head = config_.head();
     DFLASH_ASSIGN_OR_RETURN(threads_,
                             ResolveThreads(head.threads(), "head.threads"));
@@ -352,11 +352,11 @@ class CpuHeadBackend final : public HeadBackend<T> {
 
   const v1::ObjectiveConfig& config_;
   TrackingAllocator& allocator_;
-  const LossParams params_;
+  LossParams params_;  // The run's (Start).
   const ChunkLossOptions options_;
   std::optional<CpuChunkLoss<T>> loss_;  // From Start.
-  const LossTraits traits_;
-  const bool confidence_;
+  LossTraits traits_;
+  bool confidence_ = false;
   int threads_ = 1;
   HeadRunSpec<T> spec_;
   std::unique_ptr<VocabProjection<T>> projection_;

@@ -30,9 +30,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   CudaHeadBackend(const v1::ObjectiveConfig& config, CublasHandle& blas)
       : config_(config),
         blas_(blas),
-        stream_(blas.stream()),
-        traits_(LossTraitsOf(config.loss())),
-        confidence_(traits_.needs_confidence) {}
+        stream_(blas.stream()) {}
 
   Device device() const override { return Device::kCuda; }
   TrackingAllocator& allocator() override { return stream_.allocator(); }
@@ -41,6 +39,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status Start(const HeadRunSpec<T>& spec) override {
     spec_ = spec;
+    traits_ = LossTraitsOf(*spec.params);
+    confidence_ = traits_.needs_confidence;
     // Until the run tells the scale (InputGradientScale), alpha is 1.
     input_scale_.reset();
     input_alpha_ = 1;
@@ -90,7 +90,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
-        CudaChunkLoss<T>::Create(LossParamsOf(config_.loss()),
+        CudaChunkLoss<T>::Create(*spec.params,
                                  ChunkLossOptionsOf(config_), stream_));
     loss_ = std::move(loss);
     // The active rows on the device: chunks index into them, and the loss
@@ -319,8 +319,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const v1::ObjectiveConfig& config_;
   CublasHandle& blas_;
   CudaStream& stream_;
-  const LossTraits traits_;
-  const bool confidence_;
+  LossTraits traits_;  // The run's (Start).
+  bool confidence_ = false;
   HeadRunSpec<T> spec_;
   // Folded into the input gradients: the scale and the GEMMs' alpha.
   std::optional<double> input_scale_;

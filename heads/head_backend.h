@@ -22,6 +22,8 @@ namespace dflash {
 template <typename T>
 struct HeadRunSpec {
   const v1::ObjectiveConfig* config = nullptr;
+  // The config's loss, resolved once by the run for every part of it.
+  const LossParams* params = nullptr;
   const HeadInputs<T>* inputs = nullptr;
   const HeadGradients<T>* gradients = nullptr;
   const HeadRowOutputs* row_outputs = nullptr;

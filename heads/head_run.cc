@@ -449,8 +449,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
           ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
           : 1;
   DFLASH_RETURN_IF_ERROR(
-      backend_.Start({&config_, &inputs_, &gradients_, &row_outputs_, active_,
-                      options.prepared_projection}));
+      backend_.Start({&config_, &params_, &inputs_, &gradients_, &row_outputs_,
+                      active_, options.prepared_projection}));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
   // input-gradient products: now, where the rows alone decide it.
