@@ -19,225 +19,12 @@
 #include "losses/loss_family.h"
 #include "proto/config.h"
 #include "python/native/cuda_run.h"
+#include "python/native/objective_checks.h"
 
 namespace dflash::python {
 namespace {
 
 using absl::string_view;
-
-absl::Status Invalid(const TensorArg& t, const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat(t.name, ": ", what));
-}
-
-// hidden decides the dtype, the device and B, N, K, H for the rest.
-absl::Status CheckHidden(const TensorArg& hidden) {
-  const bool cuda = hidden.on_cuda();
-  if (!cuda && hidden.device != "cpu") {
-    return Invalid(hidden, absl::StrCat("must be on the CPU or a CUDA device, "
-                                        "got ",
-                                        hidden.device));
-  }
-  static constexpr string_view kCpu[] = {"float32", "float64"};
-  static constexpr string_view kCuda[] = {"float32", "bfloat16"};
-  DFLASH_RETURN_IF_ERROR(cuda ? ExpectDType(hidden, kCuda, "on CUDA")
-                              : ExpectDType(hidden, kCpu, "on the CPU"));
-  if (hidden.shape.size() != 4) {
-    return Invalid(hidden, absl::StrCat("must have 4 dimensions [B, N, K, H], "
-                                        "got shape ",
-                                        ShapeString(hidden.shape)));
-  }
-  for (int64_t d : hidden.shape) {
-    if (d <= 0) {
-      return Invalid(hidden,
-                     absl::StrCat("every dimension of [B, N, K, H] must be > "
-                                  "0, got shape ",
-                                  ShapeString(hidden.shape)));
-    }
-  }
-  return ExpectContiguous(hidden);
-}
-
-// A tensor read in place next to hidden: its dtype (or `dtype`), device,
-// `shape` and contiguity.
-absl::Status CheckBeside(const TensorArg& t, const TensorArg& hidden,
-                         const std::vector<int64_t>& shape, string_view dims,
-                         string_view dtype = "") {
-  const string_view want = dtype.empty() ? string_view(hidden.dtype) : dtype;
-  const string_view allowed[] = {want};
-  DFLASH_RETURN_IF_ERROR(
-      ExpectDType(t, allowed, dtype.empty() ? "hidden's dtype" : ""));
-  DFLASH_RETURN_IF_ERROR(ExpectDevice(t, hidden.device, "hidden's device"));
-  DFLASH_RETURN_IF_ERROR(ExpectShape(t, shape, dims));
-  return ExpectContiguous(t);
-}
-
-// Row metadata, read on the host at any strides.
-absl::Status CheckMetadata(const TensorArg& t, const std::vector<int64_t>& bnk,
-                           absl::Span<const string_view> dtypes) {
-  DFLASH_RETURN_IF_ERROR(ExpectDType(t, dtypes));
-  DFLASH_RETURN_IF_ERROR(
-      ExpectDevice(t, "cpu", "row metadata is read on the host"));
-  DFLASH_RETURN_IF_ERROR(ExpectShape(t, bnk, "[B, N, K] (hidden's)"));
-  if (t.strides.size() != 3) {
-    return Invalid(t, absl::StrCat("needs one stride per dimension, got ",
-                                   ShapeString(t.strides)));
-  }
-  return absl::OkStatus();
-}
-
-// The projection's weight: [V, H] with hidden's H, beside hidden.
-absl::Status CheckWeight(const TensorArg& w, const TensorArg& hidden) {
-  const int64_t h = hidden.shape[3];
-  if (w.shape.size() != 2 || w.shape[0] <= 0 || w.shape[1] != h) {
-    return Invalid(w, absl::StrCat("must have shape [V, H] with V > 0 and H = ",
-                                   h, " (hidden's last dimension), got ",
-                                   ShapeString(w.shape)));
-  }
-  return CheckBeside(w, hidden, w.shape, "[V, H]");
-}
-
-absl::Status CheckTensors(const ObjectiveTensors& t) {
-  DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
-  const std::vector<int64_t>& s = t.hidden.shape;
-  const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
-  const TensorArg& w = t.weight;
-  DFLASH_RETURN_IF_ERROR(CheckWeight(w, t.hidden));
-  static constexpr string_view kIds[] = {"int64", "int32"};
-  static constexpr string_view kMasks[] = {"float32", "float64", "bool"};
-  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.target_ids, bnk, kIds));
-  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.weight_mask, bnk, kMasks));
-  if (t.bias.has_value()) {
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.bias, t.hidden, {w.shape[0]}, "[V]"));
-  }
-  if (t.teacher_hidden.has_value()) {
-    DFLASH_RETURN_IF_ERROR(
-        CheckBeside(*t.teacher_hidden, t.hidden, s, "[B, N, K, H]"));
-  }
-  if (t.confidence_logits.has_value()) {
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
-                                       "[B, N, K]", "float32"));
-  }
-  const std::optional<TensorArg>& z = t.correction_inputs;
-  const std::optional<TensorArg>& m = t.correction_weight;
-  if (z.has_value() != m.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        z.has_value() ? "correction_weight" : "correction_inputs",
-        ": required beside ",
-        z.has_value() ? "correction_inputs" : "correction_weight",
-        " (the correction is z @ M^T), got None"));
-  }
-  if (z.has_value()) {
-    if (z->shape.size() != 4 || z->shape[3] <= 0) {
-      return Invalid(*z, absl::StrCat("must have shape [B, N, K, r] with r > "
-                                      "0, got ",
-                                      ShapeString(z->shape)));
-    }
-    std::vector<int64_t> shape = bnk;
-    shape.push_back(z->shape[3]);
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*z, t.hidden, shape, "[B, N, K, r]"));
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*m, t.hidden, {w.shape[0], shape[3]},
-                                       "[V, r] (V of lm_head_weight, r of "
-                                       "correction_inputs)"));
-  }
-  return absl::OkStatus();
-}
-
-// An output buffer is required exactly when `needed`.
-absl::Status CheckOutput(const std::optional<TensorArg>& t, bool needed,
-                         const char* name, const char* why,
-                         const TensorArg& hidden,
-                         const std::vector<int64_t>& shape, string_view dims,
-                         string_view dtype = "") {
-  if (t.has_value() != needed) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": ", needed ? "required" : "not expected", " (",
-                     why, "), got ", t.has_value() ? "a tensor" : "None"));
-  }
-  return needed ? CheckBeside(*t, hidden, shape, dims, dtype)
-                : absl::OkStatus();
-}
-
-absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
-                          const v1::ObjectiveConfig& config) {
-  const std::vector<int64_t>& s = t.hidden.shape;
-  const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
-  const v1::HeadConfig& head = config.head();
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(o.grad_hidden, t.hidden, s, "[B, N, K, H]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(o.grad_weight, head.trainable(),
-                                     "grad_weight", "with a trainable head",
-                                     t.hidden, t.weight.shape, "[V, H]"));
-  DFLASH_RETURN_IF_ERROR(
-      CheckOutput(o.grad_bias, head.trainable() && head.bias(), "grad_bias",
-                  "with a trainable head and a bias", t.hidden,
-                  {t.weight.shape[0]}, "[V]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_confidence, t.confidence_logits.has_value(), "grad_confidence",
-      "with confidence logits", t.hidden, bnk, "[B, N, K]", "float32"));
-  for (const auto& [buffer, dtype] :
-       {std::pair{&o.neg_log_q, "float32"}, std::pair{&o.argmax, "int32"}}) {
-    if (buffer->has_value()) {
-      DFLASH_RETURN_IF_ERROR(
-          CheckBeside(**buffer, t.hidden, bnk, "[B, N, K]", dtype));
-    }
-  }
-  if (o.top_k.has_value()) {
-    const std::vector<int64_t>& k = o.top_k->shape;
-    std::vector<int64_t> shape = bnk;
-    shape.push_back(k.size() == 4 ? k[3] : 0);
-    DFLASH_RETURN_IF_ERROR(
-        CheckBeside(*o.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
-    if (o.top_k_values.has_value()) {
-      DFLASH_RETURN_IF_ERROR(CheckBeside(*o.top_k_values, t.hidden, shape,
-                                         "[B, N, K, k]", "float32"));
-    }
-  } else if (o.top_k_values.has_value()) {
-    return Invalid(*o.top_k_values, "needs top_k beside it, got none");
-  }
-  if (o.loss_weight.has_value()) {
-    DFLASH_RETURN_IF_ERROR(
-        CheckBeside(*o.loss_weight, t.hidden, bnk, "[B, N, K]", "float32"));
-  }
-  const bool correction = t.correction_inputs.has_value();
-  DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_correction_inputs, correction, "grad_correction_inputs",
-      "with a correction", t.hidden,
-      correction ? t.correction_inputs->shape : std::vector<int64_t>{},
-      "[B, N, K, r]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_correction_weight, correction, "grad_correction_weight",
-      "with a correction", t.hidden,
-      correction ? t.correction_weight->shape : std::vector<int64_t>{},
-      "[V, r]"));
-  return absl::OkStatus();
-}
-
-absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,
-                             const ObjectiveTensors& t) {
-  const v1::LossConfig& loss = config.loss();
-  const LossTraits traits = LossTraitsOf(loss);
-  const std::string family = absl::StrCat("loss.", traits.name);
-  // With a loss that reads no teacher, teacher_hidden asks for the teacher
-  // diagnostics (BindConfig sets head.teacher_diagnostics).
-  if (traits.needs_teacher && !t.teacher_hidden.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "teacher_hidden: ", family,
-        " reads the teacher's hidden states [B, N, K, H], got None"));
-  }
-  const bool confidence = traits.needs_confidence;
-  if (confidence != t.confidence_logits.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "confidence_logits: ",
-        confidence
-            ? absl::StrCat(family,
-                           ".confidence_weight > 0 reads confidence logits "
-                           "[B, N, K], got None")
-            : absl::StrCat(family,
-                           " has no confidence term, got a tensor (pass "
-                           "None)")));
-  }
-  return absl::OkStatus();
-}
 
 int64_t ReadId(const TensorArg& t, int64_t offset) {
   return t.dtype == "int64" ? t.as<const int64_t>()[offset]
@@ -352,13 +139,10 @@ absl::Span<T> MutableSpanOf(const std::optional<TensorArg>& t) {
   return t.has_value() ? t->span<T>() : absl::Span<T>();
 }
 
+// The head's view of the tensors and buffers, read and written in place.
 template <typename T>
-absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
-                               const ObjectiveTensors& t,
-                               const ObjectiveOutputs& o,
-                               absl::Span<const RowMeta> rows,
-                               const ObjectiveOptions& objective_options) {
-  const uintptr_t cuda_stream = objective_options.cuda_stream;
+HeadInputs<T> InputsOf(const ObjectiveTensors& t,
+                       absl::Span<const RowMeta> rows) {
   HeadInputs<T> inputs;
   inputs.hidden = t.hidden.span<const T>();
   inputs.teacher_hidden = SpanOf<T>(t.teacher_hidden);
@@ -368,6 +152,11 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   inputs.bias = SpanOf<T>(t.bias);
   inputs.correction_inputs = SpanOf<T>(t.correction_inputs);
   inputs.correction_weight = SpanOf<T>(t.correction_weight);
+  return inputs;
+}
+
+template <typename T>
+HeadGradients<T> GradientsOf(const ObjectiveOutputs& o) {
   HeadGradients<T> gradients;
   gradients.correction_inputs = MutableSpanOf<T>(o.grad_correction_inputs);
   gradients.correction_weight = MutableSpanOf<T>(o.grad_correction_weight);
@@ -375,6 +164,10 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   gradients.weight = MutableSpanOf<T>(o.grad_weight);
   gradients.bias = MutableSpanOf<T>(o.grad_bias);
   gradients.confidence = MutableSpanOf<float>(o.grad_confidence);
+  return gradients;
+}
+
+HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o) {
   HeadRowOutputs row_outputs;
   row_outputs.neg_log_q = MutableSpanOf<float>(o.neg_log_q);
   row_outputs.argmax = MutableSpanOf<int32_t>(o.argmax);
@@ -383,6 +176,19 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
       o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;
   row_outputs.top_k_values = MutableSpanOf<float>(o.top_k_values);
   row_outputs.loss_weight = MutableSpanOf<float>(o.loss_weight);
+  return row_outputs;
+}
+
+template <typename T>
+absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
+                               const ObjectiveTensors& t,
+                               const ObjectiveOutputs& o,
+                               absl::Span<const RowMeta> rows,
+                               const ObjectiveOptions& objective_options) {
+  const uintptr_t cuda_stream = objective_options.cuda_stream;
+  const HeadInputs<T> inputs = InputsOf<T>(t, rows);
+  const HeadGradients<T> gradients = GradientsOf<T>(o);
+  const HeadRowOutputs row_outputs = RowOutputsOf(o);
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
@@ -400,31 +206,6 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs,
                       options);
   }
-}
-
-// A prepared projection serves the frozen float32 CPU weight and bias it
-// was made from.
-absl::Status CheckPrepared(const PreparedProjection* prepared,
-                           const ObjectiveTensors& t,
-                           const v1::ObjectiveConfig& bound) {
-  if (prepared == nullptr) return absl::OkStatus();
-  if (bound.head().trainable() || t.hidden.dtype != "float32" ||
-      t.hidden.on_cuda()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prepared_projection: serves a frozen float32 CPU lm_head_weight, got ",
-        bound.head().trainable() ? "one that requires grad"
-                                 : absl::StrCat(t.hidden.dtype, " on ",
-                                                t.hidden.device)));
-  }
-  if (!prepared->PreparedFrom(
-          t.weight.span<const float>(),
-          t.bias.has_value() ? t.bias->span<const float>()
-                             : absl::Span<const float>())) {
-    return absl::InvalidArgumentError(
-        "prepared_projection: was made from other tensors than "
-        "lm_head_weight and lm_head_bias (make it from the ones passed)");
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -583,26 +364,10 @@ absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
                                   const TopKBackwardTensors& t,
                                   const ObjectiveOptions& options) {
   ScopedLibraryCall call;
-  DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
+  DFLASH_RETURN_IF_ERROR(CheckTopKBackward(t, options.trainable));
   const std::vector<int64_t>& s = t.hidden.shape;
   const TensorArg& w = t.weight;
-  DFLASH_RETURN_IF_ERROR(CheckWeight(w, t.hidden));
-  const int64_t k = t.top_k.shape.size() == 4 ? t.top_k.shape[3] : 0;
-  const std::vector<int64_t> shape = {s[0], s[1], s[2], k};
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.values, t.hidden, shape, "[B, N, K, k]", "float32"));
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.grad_values, t.hidden, shape, "[B, N, K, k]", "float32"));
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.grad_hidden, t.hidden, s, "[B, N, K, H]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(t.grad_weight, options.trainable,
-                                     "grad_weight", "with a trainable head",
-                                     t.hidden, w.shape, "[V, H]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(
-      t.grad_bias, options.trainable && t.bias.has_value(), "grad_bias",
-      "with a trainable head and a bias", t.hidden, {w.shape[0]}, "[V]"));
+  const int64_t k = t.top_k.shape[3];  // CheckTopKBackward: [B, N, K, k].
   v1::ObjectiveConfig bound = config;
   v1::HeadConfig& head = *bound.mutable_head();
   head.set_vocab_size(w.shape[0]);
