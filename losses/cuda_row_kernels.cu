@@ -575,6 +575,27 @@ struct LossRow {
   double w, neg_log_q;
 };
 
+// The row's d/dz in place: gradient(i, z', y) is d/dz' at the transformed
+// logit z' (y: the teacher's logit from `teacher`, or z's own where it is
+// null), chained through the transform; a result that is not finite is
+// the row's error.
+template <typename T, typename G>
+__device__ __forceinline__ void WriteRowGradient(const KernelParams& p,
+                                                 const ChunkArgs<T>& a,
+                                                 const LossRow<T>& row,
+                                                 const T* teacher,
+                                                 G&& gradient) {
+  const Transform transform(p.options);
+  bool bad = false;
+  MapRow(row.z, teacher, p.vocab, a.stride, [&](int64_t i, float x, float y) {
+    const float zp = transform(x);
+    const float chained = transform.Chain(gradient(i, zp, y), zp);
+    bad |= !isfinite(chained);
+    return chained;
+  });
+  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+}
+
 // A row without a mask: zero gradient, terms and outputs.
 template <typename T>
 __device__ __forceinline__ void MaskedRow(const KernelParams& p,
@@ -712,13 +733,13 @@ __device__ __forceinline__ void DPardLoss(const KernelParams& p,
   const RowStats& s = row.s;
   const double credit = a.ce_share[r], accept = a.accept[r];
   const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
-  auto log_root = [&](float x, float y) {
-    return 0.5f *
-           (((transform(x) - max_f) - log_sum_f) + (transform(y) - t_lse));
+  // log sqrt(q t) at z' and the teacher's logit y.
+  auto log_root = [&](float zp, float y) {
+    return 0.5f * (((zp - max_f) - log_sum_f) + (transform(y) - t_lse));
   };
   Online roots;
   ForRows(row.z, row.t, p.vocab, a.stride, [&](int64_t i, float x, float y) {
-    Add(roots, i, log_root(x, y), 1.0f, false);
+    Add(roots, i, log_root(transform(x), y), 1.0f, false);
   });
   roots = BlockReduce(roots, [](Online x, Online y) {
     return Merge(x, y, 1.0f, false);
@@ -736,16 +757,10 @@ __device__ __forceinline__ void DPardLoss(const KernelParams& p,
     row.terms[kCePosition] = row.meta.mask * row.neg_log_q;
   }
   const float c = static_cast<float>(credit);
-  bool bad = false;
-  MapRow(row.z, row.t, p.vocab, a.stride, [&](int64_t, float x, float y) {
-    const float zp = transform(x);
-    const float g = c * RenyiGradient(expf((zp - max_f) - log_sum_f),
-                                      log_root(x, y) - log_total);
-    const float chained = transform.Chain(g, zp);
-    bad |= !isfinite(chained);
-    return chained;
+  WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
+    return c * RenyiGradient(expf((zp - max_f) - log_sum_f),
+                             log_root(zp, y) - log_total);
   });
-  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
 }
 
 // DSpark with a teacher: the softmax-family gradient (softmax, on_target,
@@ -783,18 +798,13 @@ __device__ __forceinline__ void DSparkLoss(const KernelParams& p,
   if (threadIdx.x == 0) row.terms[kLossNum] = num;
   const float l1c = static_cast<float>(w * p.loss.l1_weight);
   const float signed_mass = acc.b;
-  bool bad = false;
-  MapRow(row.z, row.t, v, a.stride, [&](int64_t i, float x, float y) {
-    const float zp = transform(x);
+  WriteRowGradient(p, a, row, row.t, [&](int64_t i, float zp, float y) {
     const float pz = prob(zp);
     const float d = pz - FastExp(transform(y) - t_lse);
     float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
     if (i == row.meta.target) g -= on_target;
-    const float chained = transform.Chain(g, zp);
-    bad |= !isfinite(chained);
-    return chained;
+    return g;
   });
-  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
 }
 
 // Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and the
@@ -830,17 +840,13 @@ __device__ __forceinline__ void SoftmaxFamilyLoss(const KernelParams& p,
   const Transform transform(p.options);
   // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
   const float max_f = s.max, log_sum_f = s.log_sum;
-  bool bad = false;
-  MapRow(row.z, static_cast<const T*>(nullptr), v, a.stride,
-         [&](int64_t i, float x, float) {
-           const float zp = transform(x);
-           float g = softmax * FastExp((zp - max_f) - log_sum_f) - uniform;
-           if (i == row.meta.target) g -= on_target;
-           const float chained = transform.Chain(g, zp);
-           bad |= !isfinite(chained);
-           return chained;
-         });
-  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
+  WriteRowGradient(p, a, row, static_cast<const T*>(nullptr),
+                   [&](int64_t i, float zp, float) {
+                     float g =
+                         softmax * FastExp((zp - max_f) - log_sum_f) - uniform;
+                     if (i == row.meta.target) g -= on_target;
+                     return g;
+                   });
 }
 
 // Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
