@@ -144,14 +144,18 @@ absl::StatusOr<std::optional<int64_t>> MemoryLimit(const std::string& text) {
 absl::StatusOr<dflash::HeadJobOptions> OptionsFromFlags() {
   dflash::HeadJobOptions options;
   options.config_path = UserPath(absl::GetFlag(FLAGS_config));
-  options.loss = absl::GetFlag(FLAGS_loss);
-  options.gamma = absl::GetFlag(FLAGS_gamma);
-  options.lk = absl::GetFlag(FLAGS_lk);
-  options.kl_scale = absl::GetFlag(FLAGS_kl_scale);
-  options.kl_decay = absl::GetFlag(FLAGS_kl_decay);
-  options.mode = absl::GetFlag(FLAGS_mode);
-  options.chunk_blocks = absl::GetFlag(FLAGS_chunk_blocks);
-  options.threads = absl::GetFlag(FLAGS_threads);
+  dflash::ConfigOverrides& o = options.overrides;
+  // An empty string flag is one not given.
+  for (auto [flag, value] :
+       {std::pair{&FLAGS_loss, &o.loss}, {&FLAGS_lk, &o.lk},
+        {&FLAGS_mode, &o.mode}}) {
+    if (std::string text = absl::GetFlag(*flag); !text.empty()) *value = text;
+  }
+  o.gamma = absl::GetFlag(FLAGS_gamma);
+  o.kl_scale = absl::GetFlag(FLAGS_kl_scale);
+  o.kl_decay = absl::GetFlag(FLAGS_kl_decay);
+  o.chunk_blocks = absl::GetFlag(FLAGS_chunk_blocks);
+  o.threads = absl::GetFlag(FLAGS_threads);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.batch = absl::GetFlag(FLAGS_batch);
   options.seq = absl::GetFlag(FLAGS_seq);

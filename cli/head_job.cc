@@ -343,7 +343,8 @@ absl::StatusOr<HeadJobResult> RunJob(
   mode_configs.push_back(config);
   for (const v1::ObjectiveConfig& c : mode_configs) {
     DFLASH_ASSIGN_OR_RETURN(
-        int64_t peak, PredictPeakBytes(c, batch.rows, HeadElementBytes(config)));
+        int64_t peak,
+        PredictPeakBytes(c, batch.rows, BytesPerLogit(config.head().dtype())));
     bytes.head = std::max(bytes.head.value_or(0), peak);
   }
   DFLASH_RETURN_IF_ERROR(CheckFits(budget, bytes));
@@ -444,30 +445,7 @@ absl::StatusOr<v1::ObjectiveConfig> ParseJobConfig(
     return ParseObjectiveConfig(DefaultObjectiveConfigText(),
                                 kDefaultConfigSource);
   }
-  constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
-  absl::StatusOr<std::string> text =
-      ReadFileToString(options.config_path, kMaxConfigBytes);
-  if (!text.ok()) {
-    return absl::Status(text.status().code(),
-                        absl::StrCat("--config: ", text.status().message()));
-  }
-  return ParseObjectiveConfig(*text, options.config_path);
-}
-
-// --loss, --gamma, --lk, --kl_scale, --kl_decay, --mode, --chunk_blocks and
-// --threads, as the binding's keywords are applied.
-absl::Status ApplyObjectiveFlags(const HeadJobOptions& options,
-                                 v1::ObjectiveConfig& config) {
-  ConfigOverrides overrides;
-  if (!options.loss.empty()) overrides.loss = options.loss;
-  if (!options.lk.empty()) overrides.lk = options.lk;
-  if (!options.mode.empty()) overrides.mode = options.mode;
-  overrides.gamma = options.gamma;
-  overrides.kl_scale = options.kl_scale;
-  overrides.kl_decay = options.kl_decay;
-  overrides.chunk_blocks = options.chunk_blocks;
-  overrides.threads = options.threads;
-  return ApplyOverrides(overrides, OverrideNames::kFlags, config);
+  return ParseObjectiveConfigFile(options.config_path, "--config: ");
 }
 
 // The synthetic batch's shapes in `config`. Anchor blocks: --anchors, else
@@ -550,7 +528,8 @@ absl::StatusOr<v1::ObjectiveConfig> JobConfig(const HeadJobOptions& options) {
   DFLASH_ASSIGN_OR_RETURN(v1::ObjectiveConfig config, ParseJobConfig(options));
   // What check_config refuses, refused before flags or files replace it.
   DFLASH_RETURN_IF_ERROR(ValidateConfigAsWritten(config));
-  DFLASH_RETURN_IF_ERROR(ApplyObjectiveFlags(options, config));
+  DFLASH_RETURN_IF_ERROR(
+      ApplyOverrides(options.overrides, OverrideNames::kFlags, config));
   // The shapes the run will use, before the one validation.
   DFLASH_RETURN_IF_ERROR(options.inputs_dir.empty()
                              ? SetSyntheticShapes(options, config)

@@ -19,6 +19,7 @@
 #include "heads/cpu_head.h"
 #include "heads/head_metrics.h"
 #include "heads/synthetic_batch.h"
+#include "proto/config_overrides.h"
 #include "proto/metrics.pb.h"
 #include "proto/objective.pb.h"
 
@@ -28,13 +29,9 @@ namespace dflash {
 // config's (or the synthetic batch's default) value.
 struct HeadJobOptions {
   std::string config_path;  // Empty: the built-in configs/dflash_default.
-  std::string loss;         // dflash, dpace, ..., kl, reverse-kl, jsd.
-  std::optional<double> gamma;
-  std::string lk;  // alpha, tv or lambda: SpecForge's lk_loss_type.
-  std::optional<double> kl_scale, kl_decay;
-  std::string mode;  // materialize, save, checkpoint, selective, fused.
-  std::optional<int64_t> chunk_blocks;
-  std::optional<int32_t> threads;
+  // --loss, --gamma, --lk, --kl_scale, --kl_decay, --mode, --chunk_blocks
+  // and --threads on top of the config.
+  ConfigOverrides overrides;
   // The synthetic batch; each of these with inputs_dir is an error, since
   // the files give the shapes.
   std::optional<uint64_t> seed;

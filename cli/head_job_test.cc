@@ -59,15 +59,15 @@ int HiddenEntries(const std::string& dir) {
 
 HeadJobOptions Small(const std::string& loss) {
   HeadJobOptions options;
-  options.loss = loss;
+  options.overrides.loss = loss;
   options.batch = 2;
   options.seq = 64;
   options.anchors = 5;
   options.block = 4;
   options.hidden = 16;
   options.vocab = 97;
-  options.chunk_blocks = 3;
-  options.threads = 1;
+  options.overrides.chunk_blocks = 3;
+  options.overrides.threads = 1;
   options.seed = 5;
   return options;
 }
@@ -84,9 +84,9 @@ HeadJobOptions FromFiles(const HeadJobOptions& synthetic,
   EXPECT_TRUE(
       SaveInputs(*batch, *config, *synthetic.batch, *synthetic.seq, dir).ok());
   HeadJobOptions options;
-  options.loss = synthetic.loss;
-  options.chunk_blocks = synthetic.chunk_blocks;
-  options.threads = synthetic.threads;
+  options.overrides.loss = synthetic.overrides.loss;
+  options.overrides.chunk_blocks = synthetic.overrides.chunk_blocks;
+  options.overrides.threads = synthetic.overrides.threads;
   options.inputs_dir = dir;
   return options;
 }
@@ -157,8 +157,8 @@ TEST(HeadJobTest, DefaultsComeFromTheBuiltInConfig) {
   EXPECT_EQ(config->head().vocab_size(), 32768);
   EXPECT_EQ(config->loss().dflash().gamma(), 7);
   HeadJobOptions options;
-  options.loss = "dpace-continuation-value-only";
-  options.mode = "selective";
+  options.overrides.loss = "dpace-continuation-value-only";
+  options.overrides.mode = "selective";
   auto changed = JobConfig(options);
   ASSERT_TRUE(changed.ok()) << changed.status();
   EXPECT_EQ(changed->loss().dpace().variant(),
@@ -270,11 +270,11 @@ TEST(HeadJobTest, BadFlagsAreClearErrors) {
             "tv, lk-lambda, dspark, dpard, domino, kl, reverse-kl, jsd, got "
             "'focal'");
   options = Small("dpace");
-  options.gamma = 7;
+  options.overrides.gamma = 7;
   EXPECT_EQ(JobConfig(options).status().message(),
             "--gamma: D-PACE has no decay, got 7");
   options = Small("dflash");
-  options.mode = "lazy";
+  options.overrides.mode = "lazy";
   EXPECT_THAT(std::string(JobConfig(options).status().message()),
               StartsWith("--mode: must be one"));
   options = Small("dflash");
@@ -287,11 +287,11 @@ TEST(HeadJobTest, BadFlagsAreClearErrors) {
   EXPECT_THAT(JobConfig(options).status().message(),
               HasSubstr("layout.block_size: must be > 0, got 0"));
   options = Small("tv");
-  options.lk = "lambda";
+  options.overrides.lk = "lambda";
   EXPECT_EQ(JobConfig(options).status().message(),
             "--lk: applies to the dflash and dpace loss families, got tv");
   options = Small("dflash");
-  options.kl_decay = 2;
+  options.overrides.kl_decay = 2;
   EXPECT_EQ(JobConfig(options).status().message(),
             "--kl_scale, --kl_decay: set with --lk=lambda, got no --lk");
 }
@@ -299,8 +299,8 @@ TEST(HeadJobTest, BadFlagsAreClearErrors) {
 // --lk, --kl_scale and --kl_decay: SpecForge's lk_loss_type and its weights.
 TEST(HeadJobTest, LkFlagsSetTheComposition) {
   HeadJobOptions options = Small("dflash");
-  options.lk = "lambda";
-  options.kl_scale = 0.7;
+  options.overrides.lk = "lambda";
+  options.overrides.kl_scale = 0.7;
   absl::StatusOr<v1::ObjectiveConfig> config = JobConfig(options);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->loss().dflash().lk().type(), v1::LkComposition::LAMBDA);
@@ -345,7 +345,7 @@ TEST(HeadJobTest, InputsReplaceTheSyntheticShapes) {
       "layout { block_size: 4 } chunking { logits_budget_bytes: 4000 } "
       "head { vocab_size: 1000000 hidden_size: 3 threads: 1 } "
       "loss { dflash { gamma: 7 } }");
-  options.chunk_blocks.reset();
+  options.overrides.chunk_blocks.reset();
   auto config = JobConfig(options);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->head().vocab_size(), 97);
@@ -451,7 +451,7 @@ TEST(HeadJobTest, RunsThatCannotFitAreRefusedBeforeAllocating) {
   // The batch fits a tight limit, the head's buffers do not.
   options = Small("dflash");
   options.memory_limit = 40000;
-  options.mode = "materialize";
+  options.overrides.mode = "materialize";
   status = RunHeadJob(options, report).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(status.message(), HasSubstr("head buffers"));

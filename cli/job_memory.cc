@@ -29,10 +29,6 @@ absl::Status TooBig(const std::string& what) {
 
 }  // namespace
 
-int64_t HeadElementBytes(const v1::ObjectiveConfig& config) {
-  return config.head().dtype() == v1::HeadConfig::FLOAT64 ? 8 : 4;
-}
-
 std::optional<int64_t> JobBytes::Total() const {
   return CheckedSum({batch, gradients, head.value_or(0), layout, runtime});
 }
@@ -53,7 +49,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> HostBytes(
     int64_t transient, int64_t sets) {
   const int64_t k = config.layout().block_size(),
                 h = config.head().hidden_size(), v = config.head().vocab_size(),
-                e = HeadElementBytes(config);
+                e = BytesPerLogit(config.head().dtype());
   const bool teacher = ProjectsTeacher(config);
   const bool trainable = config.head().trainable();
   const std::optional<int64_t> rows = CheckedProduct({b, n, k});

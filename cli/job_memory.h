@@ -27,9 +27,6 @@ struct MemoryBudget {
 std::optional<MemoryBudget> JobMemoryBudget(
     std::optional<int64_t> memory_limit);
 
-// Bytes per value in the head's dtype (FLOAT64: 8, else 4).
-int64_t HeadElementBytes(const v1::ObjectiveConfig& config);
-
 // The batch's host tensors, and the gradients of `sets` runs held at once,
 // overflow-checked: B sequences of S tokens, N anchors, plus `transient`
 // bytes the batch holds while it is read.

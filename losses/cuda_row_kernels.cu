@@ -681,12 +681,6 @@ __device__ __forceinline__ void DistillationLoss(const KernelParams& p,
     lt = transform(y) * inv_t - lse_t;
   };
   const float g = static_cast<float>(row.w * p.loss.inv_temperature);
-  bool bad = false;
-  auto store = [&](float zp, float grad) {
-    const float chained = transform.Chain(grad, zp);
-    bad |= !isfinite(chained);
-    return chained;
-  };
   auto point_at = [&](float zp, float y) {
     float ls, lt;
     logs(zp, y, ls, lt);
@@ -695,11 +689,10 @@ __device__ __forceinline__ void DistillationLoss(const KernelParams& p,
   Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
   if (divergence == Divergence::kForwardKl) {
     // Its gradient reads no row sum: one pass.
-    MapRow(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
-      const float zp = transform(x);
+    WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
       const DistillationPoint<float> point = point_at(zp, y);
       acc.a += point.divergence;
-      return store(zp, g * point.forward_gradient);
+      return g * point.forward_gradient;
     });
     acc = BlockReduce(acc, AddPairs);
   } else {
@@ -709,17 +702,14 @@ __device__ __forceinline__ void DistillationLoss(const KernelParams& p,
       acc.b += point.student_part;
     });
     acc = BlockReduce(acc, AddPairs);
-    MapRow(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
-      const float zp = transform(x);
+    WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
       float ls, lt;
       logs(zp, y, ls, lt);
-      return store(zp, DistillationGradientAt(divergence, beta, log_beta,
-                                              log_rest, ls, lt, acc.a, acc.b,
-                                              g));
+      return DistillationGradientAt(divergence, beta, log_beta, log_rest, ls,
+                                    lt, acc.a, acc.b, g);
     });
   }
   if (threadIdx.x == 0) row.terms[kLossNum] = row.w * acc.a;
-  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
 }
 
 // D-PARD: credit * R, R = -2 log sum sqrt(q t), with the gradient

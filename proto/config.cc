@@ -261,16 +261,34 @@ absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
   return config;
 }
 
-absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
-    const std::string& path) {
+namespace {
+
+// A config file's text; a read error's message starts with `error_prefix`.
+absl::StatusOr<std::string> ReadConfigText(const std::string& path,
+                                           absl::string_view error_prefix) {
   // Configs are a few hundred bytes; a huge file is a mistake, not a policy.
   constexpr int64_t kMaxConfigBytes = int64_t{16} << 20;
   absl::StatusOr<std::string> text = ReadFileToString(path, kMaxConfigBytes);
   if (!text.ok()) {
     return absl::Status(text.status().code(),
-                        absl::StrCat("config file ", text.status().message()));
+                        absl::StrCat(error_prefix, text.status().message()));
   }
-  return LoadObjectiveConfigFromString(*text, path);
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
+    const std::string& path) {
+  DFLASH_ASSIGN_OR_RETURN(std::string text,
+                          ReadConfigText(path, "config file "));
+  return LoadObjectiveConfigFromString(text, path);
+}
+
+absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfigFile(
+    const std::string& path, absl::string_view error_prefix) {
+  DFLASH_ASSIGN_OR_RETURN(std::string text, ReadConfigText(path, error_prefix));
+  return ParseObjectiveConfig(text, path);
 }
 
 std::vector<v1::CheckpointRule> PresetRules(

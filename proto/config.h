@@ -54,6 +54,13 @@ absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromString(
 absl::StatusOr<v1::ObjectiveConfig> LoadObjectiveConfigFromFile(
     const std::string& path);
 
+// The text-format config at `path` as written (ParseObjectiveConfig: no
+// defaults, no validation). Only a regular file of at most 16 MiB is read;
+// a read error's message starts with `error_prefix`, the caller's name for
+// the file ("--config: ").
+absl::StatusOr<v1::ObjectiveConfig> ParseObjectiveConfigFile(
+    const std::string& path, absl::string_view error_prefix);
+
 // The ordered rules a checkpoint preset stands for.
 std::vector<v1::CheckpointRule> PresetRules(
     v1::CheckpointPolicy::Preset preset);

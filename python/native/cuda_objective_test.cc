@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
+#include "base/error_norms.h"
 #include "base/gpu_test.h"
 #include "gtest/gtest.h"
 #include "heads/head_types.h"
@@ -333,16 +334,6 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
   return out;
 }
 
-double RelativeNormError(const std::vector<double>& got,
-                         const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
 // Inputs as `dtype` would store them, in float64.
 Batch RoundedTo(const std::string& dtype, Batch batch) {
   for (std::vector<double>* v : {&batch.hidden, &batch.weight, &batch.teacher}) {
@@ -387,12 +378,14 @@ TEST_P(CudaObjectiveTest, MatchesTheCpuInFloat64) {
   EXPECT_DOUBLE_EQ(got->head.terms.loss_den, want->head.terms.loss_den);
   EXPECT_NEAR(got->head.loss, want->head.loss,
               terms * std::max(1.0, std::abs(want->head.loss)));
-  EXPECT_LT(RelativeNormError(got->grad_hidden, want->grad_hidden), grads);
-  EXPECT_LT(RelativeNormError(got->grad_weight, want->grad_weight), grads);
-  EXPECT_LT(RelativeNormError(got->neg_log_q, want->neg_log_q), terms);
-  EXPECT_LT(RelativeNormError(got->top_k_values, want->top_k_values), terms);
+  const Outcome& g = *got;
+  const Outcome& w = *want;
+  EXPECT_LT(RelativeL2Error<double>(g.grad_hidden, w.grad_hidden), grads);
+  EXPECT_LT(RelativeL2Error<double>(g.grad_weight, w.grad_weight), grads);
+  EXPECT_LT(RelativeL2Error<double>(g.neg_log_q, w.neg_log_q), terms);
+  EXPECT_LT(RelativeL2Error<double>(g.top_k_values, w.top_k_values), terms);
   if (c.family.confidence) {
-    EXPECT_LT(RelativeNormError(got->grad_confidence, want->grad_confidence),
+    EXPECT_LT(RelativeL2Error<double>(g.grad_confidence, w.grad_confidence),
               grads);
   }
   if (!bf16) {

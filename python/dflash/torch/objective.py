@@ -422,8 +422,8 @@ class _Objective(torch.autograd.Function):
             grad.requires_grad = True
             return grad
 
-        # DelayedError passes None (no gradient) through; torch's stub says
-        # Tensor.
+        # DelayedError passes None (no gradient) through, though torch's type
+        # annotations declare Tensor.
         return error(*[tied(g) for g in grads])  # type: ignore[arg-type]
 
     @staticmethod
