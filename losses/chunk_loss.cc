@@ -5,14 +5,17 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/cpu_dispatch.h"
 #include "base/status_macros.h"
+#include "losses/family_passes.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
+#include "losses/term_slots.h"
 
 namespace dflash {
 namespace {
@@ -152,109 +155,26 @@ class RowSource {
   std::vector<W> draft_, teacher_, transformed_copy_;
 };
 
-// Distillation divergence of one row; writes its gradient times `weight`
-// into z (d/dz' = weight / T * d/du with u = z' / T).
-template <typename W>
-double DistillationRow(const LossParams& p, absl::Span<W> z,
-                       const RowStats& stats, absl::Span<const W> t,
-                       const RowStats& teacher_stats, double weight) {
-  const double inv_t = p.inv_temperature;
-  const double lse = ScaledLogSumExp<W>(z, stats.max_logit, inv_t);
-  const double teacher_lse =
-      ScaledLogSumExp<W>(t, teacher_stats.max_logit, inv_t);
-  const int64_t vocab = static_cast<int64_t>(z.size());
-  const double beta = p.beta;
-  const double log_beta = std::log(beta), log_rest = std::log1p(-beta);
-  auto at = [&](int64_t v) {
-    return DistillationAt<double>(p.divergence, beta, log_beta, log_rest,
-                                  z[v] * inv_t - lse,
-                                  t[v] * inv_t - teacher_lse);
-  };
-  const double g = weight * inv_t;
-  double divergence = 0, student_part = 0;
-  if (p.divergence == Divergence::kForwardKl) {
-    for (int64_t v = 0; v < vocab; ++v) {
-      const DistillationPoint<double> point = at(v);
-      divergence += point.divergence;
-      z[v] = static_cast<W>(g * point.forward_gradient);
-    }
-    return divergence;
+// A row's term into ChunkTerms as the CUDA reduction adds it: to its summed
+// term and to every per-position term that names its slot.
+void AddTerm(ChunkTerms& terms, TermSlot slot, int32_t position,
+             double value) {
+  switch (slot) {
+#define DFLASH_SUMMED_TERM(field, name, dict, key) \
+  case name:                                       \
+    terms.field += value;                          \
+    break;
+#include "losses/chunk_terms.inc"
+    default:
+      break;
   }
-  for (int64_t v = 0; v < vocab; ++v) {
-    const DistillationPoint<double> point = at(v);
-    divergence += point.divergence;
-    student_part += point.student_part;
-  }
-  for (int64_t v = 0; v < vocab; ++v) {
-    z[v] = static_cast<W>(DistillationGradientAt<double>(
-        p.divergence, beta, log_beta, log_rest, z[v] * inv_t - lse,
-        t[v] * inv_t - teacher_lse, divergence, student_part, g));
-  }
-  return divergence;
+#define DFLASH_POSITION_TERM(field, name, dict, key) \
+  if (slot == name) terms.field[position] += value;
+#include "losses/chunk_terms.inc"
 }
 
-// |p - t|_1 between draft and teacher softmax, and the draft's signed mass
-// sum_v p_v sign(p_v - t_v).
-struct SoftmaxDistance {
-  double l1 = 0;
-  double signed_mass = 0;
-};
-template <typename W>
-SoftmaxDistance DistanceToTeacher(absl::Span<const W> z, const RowStats& stats,
-                                  absl::Span<const W> t,
-                                  const RowStats& teacher_stats) {
-  SoftmaxDistance distance;
-  for (size_t v = 0; v < z.size(); ++v) {
-    const double p = std::exp(z[v] - stats.logsumexp);
-    const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
-    distance.l1 += std::abs(d);
-    distance.signed_mass += p * SignOf(d);
-  }
-  return distance;
-}
-
-// The gradient of DSpark's L1 between draft and teacher softmax (its
-// `distance`, DistanceToTeacher's) times l1_coefficient, added to the
-// softmax-family gradient `grad`, written into z.
-template <typename W>
-void WriteDSparkGradient(absl::Span<W> z, int32_t target,
-                         const RowStats& stats, absl::Span<const W> t,
-                         const RowStats& teacher_stats,
-                         const SoftmaxDistance& distance,
-                         const SoftmaxGradient& grad, double l1_coefficient) {
-  const int64_t vocab = static_cast<int64_t>(z.size());
-  const double signed_mass = distance.signed_mass;
-  // d|p - t|_1 / dz_v = p_v (sign_v - sum_w p_w sign_w).
-  const double uniform = grad.uniform / static_cast<double>(vocab);
-  for (int64_t v = 0; v < vocab; ++v) {
-    const double p = std::exp(z[v] - stats.logsumexp);
-    const double d = p - std::exp(t[v] - teacher_stats.logsumexp);
-    z[v] = static_cast<W>(DSparkGradient<double>(grad.softmax, l1_coefficient,
-                                                 signed_mass, uniform, p, d));
-  }
-  z[target] = static_cast<W>(z[target] - grad.target);
-}
-
-// D-PARD's Renyi divergence of order 1/2, R = -2 log sum_v sqrt(p_v t_v),
-// with its gradient times `credit` written into z.
-template <typename W>
-double DPardRow(absl::Span<W> z, const RowStats& stats, absl::Span<const W> t,
-                const RowStats& teacher_stats, double credit) {
-  // log sqrt(p t) = ((z - lse) + (t - lse_t)) / 2, summed stably.
-  auto log_root = [&](size_t v) {
-    return 0.5 * ((z[v] - stats.logsumexp) + (t[v] - teacher_stats.logsumexp));
-  };
-  double max = -std::numeric_limits<double>::infinity();
-  for (size_t v = 0; v < z.size(); ++v) max = std::max(max, log_root(v));
-  double sum = 0;
-  for (size_t v = 0; v < z.size(); ++v) sum += std::exp(log_root(v) - max);
-  const double log_sum = max + std::log(sum);
-  for (size_t v = 0; v < z.size(); ++v) {
-    const double q = std::exp(z[v] - stats.logsumexp);
-    z[v] = static_cast<W>(credit *
-                          RenyiGradient<double>(q, log_root(v) - log_sum));
-  }
-  return -2 * log_sum;
+absl::Status ConfidenceError(int64_t r, double c) {
+  return RowError(r, absl::StrCat("confidence logit is not finite (", c, ")"));
 }
 
 absl::Status CheckSize(const char* name, size_t size, int64_t expected,
@@ -434,11 +354,126 @@ absl::Status TeacherError(const absl::Status& status) {
       absl::StrCat("teacher logits: ", status.message()));
 }
 
-// Domino's chunk: each row's base logits and, at positions >= suffix_start,
-// final = base + correction, both transformed; terms from both, and the
-// gradients d/d(base) = g_final + g_base and d/d(correction) = g_final
-// (0 before the suffix), with g_final = (1 - lambda) w (softmax - onehot)
-// of the final logits and g_base = lambda w (...) of the base logits.
+// Domino's row on the CPU (family_passes.h's DominoPass): each row's base
+// logits and, at positions >= suffix_start, final = base + correction, both
+// transformed into scratch in the working type.
+template <typename T>
+class DominoRow {
+ public:
+  using W = Work<T>;
+
+  DominoRow(const LossParams& p, const LogitTransform& transform,
+            const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
+            int64_t r, double mask, std::vector<W>& base,
+            std::vector<W>& final, ChunkTerms& terms)
+      : p_(p),
+        transform_(transform),
+        outputs_(outputs),
+        r_(r),
+        meta_(inputs.rows[r]),
+        mask_(mask),
+        weight_(RowLossWeight(p, meta_.position, mask)),
+        vocab_(inputs.vocab),
+        base_row_(inputs.logits.data() + r * inputs.stride()),
+        correction_row_(inputs.correction_logits.data() + r * inputs.stride()),
+        base_(base),
+        final_(final),
+        terms_(terms) {}
+
+  const LossParams& loss() const { return p_; }
+  int32_t target() const { return meta_.target; }
+  double mask() const { return mask_; }
+  double weight() const { return weight_; }
+
+  bool DominoStats(DominoRowStats& out) {
+    const bool corrected = meta_.position >= p_.suffix_start;
+    for (int64_t v = 0; v < vocab_; ++v) {
+      const W b = static_cast<W>(AsDouble(base_row_[v]));
+      // The sum rounded to the logits' own type, as SpecForge adds them.
+      const W sum = corrected ? static_cast<W>(AsDouble(FromDouble<T>(
+                                    b + static_cast<W>(
+                                            AsDouble(correction_row_[v])))))
+                              : b;
+      base_[v] = static_cast<W>(transform_(b));
+      final_[v] = static_cast<W>(transform_(sum));
+    }
+    absl::StatusOr<RowStats> s =
+        ComputeRowStats<W>(absl::MakeConstSpan(final_), meta_.target, r_);
+    if (s.ok()) {
+      sb_ = ComputeRowStats<W>(absl::MakeConstSpan(base_), meta_.target, r_);
+    }
+    if (!s.ok() || !sb_.ok()) {
+      status_ = s.ok() ? sb_.status() : s.status();
+      return false;
+    }
+    s_ = *s;
+    out.neg_log_q = s_.logsumexp - s_.target_logit;
+    out.base_neg_log_q = sb_->logsumexp - sb_->target_logit;
+    out.argmax = s_.argmax;
+    out.base_argmax = sb_->argmax;
+    return true;
+  }
+
+  void SetDominoOutputs(const DominoRowStats& s, double q) {
+    if (!outputs_.neg_log_q.empty()) outputs_.neg_log_q[r_] = s.neg_log_q;
+    if (!outputs_.argmax.empty()) outputs_.argmax[r_] = s.argmax;
+    if (!outputs_.base_argmax.empty()) outputs_.base_argmax[r_] = s.base_argmax;
+    if (!outputs_.target_probability.empty()) {
+      outputs_.target_probability[r_] = q;
+    }
+    if (!outputs_.loss_weight.empty()) {
+      outputs_.loss_weight[r_] = static_cast<float>(weight_);
+    }
+  }
+
+  void WriteDominoGradient(double g_final, double g_base) {
+    const bool corrected = meta_.position >= p_.suffix_start;
+    bool finite = true;
+    for (int64_t v = 0; v < vocab_; ++v) {
+      const double onehot = v == meta_.target;
+      const double d_final = transform_.Chain(
+          g_final * (std::exp(final_[v] - s_.logsumexp) - onehot), final_[v]);
+      const double d_base = transform_.Chain(
+          g_base * (std::exp(base_[v] - sb_->logsumexp) - onehot), base_[v]);
+      const W stored = static_cast<W>(d_final + d_base);
+      finite = finite && std::isfinite(stored);
+      base_row_[v] = FromDouble<T>(stored);
+      correction_row_[v] = FromDouble<T>(corrected ? d_final : 0.0);
+    }
+    if (!finite) {
+      status_ = RowError(r_, absl::StrCat("d(loss)/d(logits) overflows (row "
+                                          "weight ",
+                                          weight_,
+                                          "); masks and loss weights this "
+                                          "large need rescaling"));
+    }
+  }
+
+  void Add(TermSlot slot, double value) {
+    AddTerm(terms_, slot, meta_.position, value);
+  }
+
+  const absl::Status& status() const { return status_; }
+
+ private:
+  const LossParams& p_;
+  const LogitTransform& transform_;
+  const ChunkLossOutputs& outputs_;
+  const int64_t r_;
+  const RowMeta& meta_;
+  const double mask_, weight_;
+  const int64_t vocab_;
+  T* const base_row_;
+  T* const correction_row_;
+  std::vector<W>& base_;
+  std::vector<W>& final_;
+  ChunkTerms& terms_;
+  RowStats s_;
+  absl::StatusOr<RowStats> sb_;
+  absl::Status status_;
+};
+
+// Domino's chunk: DominoPass over each row with a mask.
 template <typename T>
 absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
                                        const ChunkLossOptions& options,
@@ -451,77 +486,16 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
   ChunkTerms terms = ChunkTerms::Zero(options.block_size);
   for (int64_t r = 0; r < static_cast<int64_t>(inputs.rows.size()); ++r) {
     const RowMeta& meta = inputs.rows[r];
-    T* base_row = inputs.logits.data() + r * inputs.stride();
-    T* correction_row = inputs.correction_logits.data() + r * inputs.stride();
     const double m = EffectiveMask(p, meta.target, meta.mask);
     if (m == 0) {
-      std::fill_n(base_row, vocab, T{});
-      std::fill_n(correction_row, vocab, T{});
+      std::fill_n(inputs.logits.data() + r * inputs.stride(), vocab, T{});
+      std::fill_n(inputs.correction_logits.data() + r * inputs.stride(), vocab,
+                  T{});
       continue;
     }
-    const bool corrected = meta.position >= p.suffix_start;
-    for (int64_t v = 0; v < vocab; ++v) {
-      const W b = static_cast<W>(AsDouble(base_row[v]));
-      // The sum rounded to the logits' own type, as SpecForge adds them.
-      const W sum = corrected ? static_cast<W>(AsDouble(FromDouble<T>(
-                                    b + static_cast<W>(
-                                            AsDouble(correction_row[v])))))
-                              : b;
-      base[v] = static_cast<W>(transform(b));
-      final[v] = static_cast<W>(transform(sum));
-    }
-    DFLASH_ASSIGN_OR_RETURN(
-        const RowStats s,
-        ComputeRowStats<W>(absl::MakeConstSpan(final), meta.target, r));
-    DFLASH_ASSIGN_OR_RETURN(
-        const RowStats sb,
-        ComputeRowStats<W>(absl::MakeConstSpan(base), meta.target, r));
-    const double w = RowLossWeight(p, meta.position, m);
-    const double ce = s.logsumexp - s.target_logit;
-    const double base_ce = sb.logsumexp - sb.target_logit;
-    const double q = std::exp(-ce);
-    const bool hit = m > 0.5 && s.argmax == meta.target;
-    const bool base_hit = m > 0.5 && sb.argmax == meta.target;
-    const int32_t k = meta.position;
-    terms.correct += hit;
-    terms.base_correct += base_hit;
-    terms.accuracy_den += m;
-    terms.target_probability += m * q;
-    terms.correct_per_position[k] += hit;
-    terms.mask_per_position[k] += m;
-    terms.target_probability_per_position[k] += m * q;
-    terms.loss_weight_per_position[k] += w;
-    terms.loss_den += w;
-    terms.ce_num += w * ce;
-    terms.base_ce_num += w * base_ce;
-    terms.loss_num += (1 - p.lambda_base) * w * ce + p.lambda_base * w * base_ce;
-    if (!outputs.neg_log_q.empty()) outputs.neg_log_q[r] = ce;
-    if (!outputs.argmax.empty()) outputs.argmax[r] = s.argmax;
-    if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = sb.argmax;
-    if (!outputs.target_probability.empty()) outputs.target_probability[r] = q;
-    if (!outputs.loss_weight.empty()) {
-      outputs.loss_weight[r] = static_cast<float>(w);
-    }
-    const double g_final = (1 - p.lambda_base) * w, g_base = p.lambda_base * w;
-    bool finite = true;
-    for (int64_t v = 0; v < vocab; ++v) {
-      const double onehot = v == meta.target;
-      const double d_final = transform.Chain(
-          g_final * (std::exp(final[v] - s.logsumexp) - onehot), final[v]);
-      const double d_base = transform.Chain(
-          g_base * (std::exp(base[v] - sb.logsumexp) - onehot), base[v]);
-      const W stored = static_cast<W>(d_final + d_base);
-      finite = finite && std::isfinite(stored);
-      base_row[v] = FromDouble<T>(stored);
-      correction_row[v] = FromDouble<T>(corrected ? d_final : 0.0);
-    }
-    if (!finite) {
-      return RowError(r, absl::StrCat("d(loss)/d(logits) overflows (row "
-                                      "weight ",
-                                      w,
-                                      "); masks and loss weights this large "
-                                      "need rescaling"));
-    }
+    DominoRow<T> row(p, transform, inputs, outputs, r, m, base, final, terms);
+    DominoPass(row);
+    DFLASH_RETURN_IF_ERROR(row.status());
   }
   return terms;
 }
@@ -551,7 +525,8 @@ void ResetRowOutputs(int64_t num_rows, const ChunkLossOutputs& outputs) {
 // One chunk of every family but Domino, as passes over its rows: the
 // block-coupled families need every row's q before any row's weight, so
 // the passes keep what they hand each other (stats, top-k metrics, teacher
-// distances, q, weights) per row here.
+// stats, q, weights) per row here. The loss pass of a row is
+// family_passes.h's, over ChunkPasses::Row.
 template <typename T>
 class ChunkPasses {
  public:
@@ -585,12 +560,11 @@ class ChunkPasses {
         top_mass_(num_rows_, 0.0),
         metric_ids_(teacher_metrics_ ? num_rows_ * metric_k_ : 0),
         teacher_stats_(traits_.needs_teacher ? num_rows_ : 0),
-        distances_(traits_.needs_teacher ? num_rows_ : 0),
+        have_teacher_stats_(traits_.needs_teacher ? num_rows_ : 0, false),
         accept_(num_rows_, 0.0),
         q_(num_rows_, 0.0),
         weight_(num_rows_),
-        ce_share_(num_rows_, 1.0),
-        credit_(p.dpard ? num_rows_ : 0) {
+        share_(num_rows_, 1.0) {
     for (int64_t r = 0; r < num_rows_; ++r) {
       mask_[r] = EffectiveMask(p, inputs.rows[r].target, inputs.rows[r].mask);
     }
@@ -607,6 +581,159 @@ class ChunkPasses {
   }
 
  private:
+  // family_passes.h's Row over row r with draft z', teacher t' (empty
+  // without one) and its stats, computed in double.
+  class Row {
+   public:
+    using Real = double;
+
+    Row(ChunkPasses& passes, int64_t r, absl::Span<W> z,
+        absl::Span<const W> t, const RowStats* teacher, double weight,
+        ChunkTerms* terms)
+        : c_(passes),
+          r_(r),
+          meta_(passes.inputs_.rows[r]),
+          s_(passes.stats_[r]),
+          z_(z),
+          t_(t),
+          teacher_(teacher),
+          weight_(weight),
+          terms_(terms) {}
+
+    const LossParams& loss() const { return c_.p_; }
+    int64_t vocab() const { return c_.inputs_.vocab; }
+    int32_t target() const { return meta_.target; }
+    int32_t position() const { return meta_.position; }
+    double mask() const { return c_.mask_[r_]; }
+    double weight() const { return weight_; }
+    double neg_log_q() const { return s_.logsumexp - s_.target_logit; }
+    double lse() const { return s_.logsumexp; }
+    double MeanLogit() const {
+      double sum = 0;
+      for (W x : z_) sum += x;
+      return sum / static_cast<double>(z_.size());
+    }
+    int32_t argmax() const { return s_.argmax; }
+    double share() const { return c_.share_[r_]; }
+    double accept() const { return c_.accept_[r_]; }
+    bool has_teacher() const { return !t_.empty(); }
+    double confidence() const { return c_.inputs_.confidence_logits[r_]; }
+
+    double LogSoftmax(double zp) const { return zp - s_.logsumexp; }
+    double Softmax(double zp) const { return std::exp(zp - s_.logsumexp); }
+    double TemperedLogSoftmax(double zp) const {
+      return zp * c_.p_.inv_temperature - tempered_lse_;
+    }
+    double TeacherLogSoftmax(double tp) const {
+      return tp - teacher_->logsumexp;
+    }
+    double TeacherSoftmax(double tp) const {
+      return std::exp(tp - teacher_->logsumexp);
+    }
+    double TeacherTemperedLogSoftmax(double tp) const {
+      return tp * c_.p_.inv_temperature - teacher_tempered_lse_;
+    }
+    double DraftTop1() const { return std::exp(s_.max_logit - s_.logsumexp); }
+    double TeacherTop1() const {
+      return std::exp(teacher_->max_logit - teacher_->logsumexp);
+    }
+    bool TeacherAgrees() const { return teacher_->argmax == s_.argmax; }
+
+    // Distillation's logsumexps at its temperature.
+    void Temper() {
+      const double inv_t = c_.p_.inv_temperature;
+      tempered_lse_ = ScaledLogSumExp<W>(z_, s_.max_logit, inv_t);
+      teacher_tempered_lse_ =
+          ScaledLogSumExp<W>(t_, teacher_->max_logit, inv_t);
+    }
+
+    template <typename F>
+    void ForEach(F f) const {
+      const int64_t vocab = static_cast<int64_t>(z_.size());
+      if (t_.empty()) {
+        for (int64_t v = 0; v < vocab; ++v) f(v, double{z_[v]}, double{z_[v]});
+      } else {
+        for (int64_t v = 0; v < vocab; ++v) f(v, double{z_[v]}, double{t_[v]});
+      }
+    }
+    template <typename S>
+    S Reduce(S partial) const {
+      return partial;
+    }
+    template <typename F>
+    double LogSumExp(F f) const {
+      double max = -std::numeric_limits<double>::infinity();
+      ForEach([&](int64_t, double zp, double tp) {
+        max = std::max(max, f(zp, tp));
+      });
+      double sum = 0;
+      ForEach([&](int64_t, double zp, double tp) {
+        sum += std::exp(f(zp, tp) - max);
+      });
+      return max + std::log(sum);
+    }
+
+    template <typename G>
+    void WriteGradient(G g, double bound) {
+      const int64_t vocab = static_cast<int64_t>(z_.size());
+      for (int64_t v = 0; v < vocab; ++v) {
+        const double zp = z_[v];
+        z_[v] = static_cast<W>(g(v, zp, t_.empty() ? zp : double{t_[v]}));
+      }
+      Store(bound);
+    }
+    void WriteSoftmaxGradient(double softmax, double on_target, double uniform,
+                              double bound) {
+      const SoftmaxGradient grad{softmax, on_target, uniform};
+      if constexpr (std::is_same_v<W, float>) {
+        if (c_.keep_exp_) {
+          WriteSoftmaxGradientFromExp(z_, meta_.target, s_, grad);
+          Store(bound);
+          return;
+        }
+      }
+      dflash::WriteSoftmaxGradient<W>(z_, meta_.target, s_, grad);
+      Store(bound);
+    }
+
+    void Add(TermSlot slot, double value) {
+      AddTerm(*terms_, slot, meta_.position, value);
+    }
+    void SetTeacherAcceptance(double accept) {
+      if (!c_.outputs_.teacher_acceptance.empty()) {
+        c_.outputs_.teacher_acceptance[r_] = accept;
+      }
+    }
+    void SetConfidenceGradient(double gradient) {
+      if (!c_.outputs_.confidence_grad.empty()) {
+        c_.outputs_.confidence_grad[r_] = static_cast<float>(gradient);
+      }
+    }
+    void ConfidenceNotFinite(double c) { Fail(ConfidenceError(r_, c)); }
+
+    const absl::Status& status() const { return status_; }
+
+   private:
+    void Store(double bound) {
+      Fail(c_.source_.StoreGradient(r_, z_, weight_, bound));
+    }
+    void Fail(absl::Status status) {
+      if (status_.ok()) status_ = std::move(status);
+    }
+
+    ChunkPasses& c_;
+    const int64_t r_;
+    const RowMeta& meta_;
+    const RowStats& s_;
+    const absl::Span<W> z_;
+    const absl::Span<const W> t_;
+    const RowStats* const teacher_;
+    const double weight_;
+    ChunkTerms* const terms_;
+    double tempered_lse_ = 0, teacher_tempered_lse_ = 0;
+    absl::Status status_;
+  };
+
   // The top-k and stats pass of row r. Top-k reads z' before the stats pass
   // may overwrite it (keep_exp_ leaves exp(z' - max) in z).
   absl::Status Analyse(int64_t r, absl::Span<W> z) {
@@ -649,15 +776,13 @@ class ChunkPasses {
     return absl::OkStatus();
   }
 
-  // DSpark's rows with a teacher: its stats, the softmax distance and the
-  // row's acceptance clamp(1 - |q - p|_1 / 2, 0, 1), without gradient.
-  absl::Status Distance(int64_t r, absl::Span<const W> z,
-                        absl::Span<const W> t) {
+  // The stats of row r's teacher logits t, once.
+  absl::Status AnalyseTeacher(int64_t r, absl::Span<const W> t) {
+    if (have_teacher_stats_[r]) return absl::OkStatus();
     absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
     if (!teacher.ok()) return TeacherError(teacher.status());
     teacher_stats_[r] = *teacher;
-    distances_[r] = DistanceToTeacher<W>(z, stats_[r], t, *teacher);
-    accept_[r] = DSparkAcceptance(distances_[r].l1);
+    have_teacher_stats_[r] = true;
     return absl::OkStatus();
   }
 
@@ -671,19 +796,26 @@ class ChunkPasses {
       DFLASH_RETURN_IF_ERROR(Analyse(r, z));
       q_[r] = std::exp(stats_[r].target_logit - stats_[r].logsumexp);
       if (p_.dpard) {
-        DFLASH_RETURN_IF_ERROR(Distance(r, z, source_.Teacher(r)));
+        absl::Span<const W> t = source_.Teacher(r);
+        DFLASH_RETURN_IF_ERROR(AnalyseTeacher(r, t));
+        Row row(*this, r, z, t, &teacher_stats_[r], 0, nullptr);
+        accept_[r] = DSparkAcceptance(TeacherL1(row));
       }
     }
     return absl::OkStatus();
   }
 
-  // Pass 2: each row's loss weight, lk-lambda's per-block CE share and
-  // D-PARD's credit, block-level over each run of rows sharing a block id.
-  // Rows without weight may be left out of a chunk: they change neither the
-  // cumulative products nor the sums.
+  // Pass 2: each row's loss weight and share (family_passes.h's
+  // CoupledBlockWeights), block-level over each run of rows sharing a block
+  // id. Rows without weight may be left out of a chunk: they change neither
+  // the cumulative products nor the sums.
   void WeightPass() {
-    for (int64_t r = 0; r < num_rows_; ++r) {
-      weight_[r] = RowLossWeight(p_, inputs_.rows[r].position, mask_[r]);
+    auto row_weight = [&](int64_t r) {
+      return RowLossWeight(p_, inputs_.rows[r].position, mask_[r]);
+    };
+    if (!traits_.couples_blocks) {
+      for (int64_t r = 0; r < num_rows_; ++r) weight_[r] = row_weight(r);
+      return;
     }
     for (int64_t b = 0, end = 0; b < num_rows_; b = end) {
       end = b + 1;
@@ -691,25 +823,17 @@ class ChunkPasses {
              inputs_.rows[end].block == inputs_.rows[b].block) {
         ++end;
       }
-      const int64_t n = end - b;
-      auto q_of = [&](int64_t i) { return q_[b + i]; };
-      auto mask_of = [&](int64_t i) { return mask_[b + i]; };
-      if (p_.family == LossFamily::kDPace) {
-        DPaceBlockWeights(p_, n, q_of, mask_of, weight_.data() + b);
-      } else if (p_.dpard) {
-        DPaceBlockWeights(
-            DPardCreditParams(p_), n,
-            [&](int64_t i) { return accept_[b + i]; }, mask_of,
-            credit_.data() + b);
-      } else if (p_.lk == LkMode::kLambdaBlock) {
-        std::fill(ce_share_.begin() + b, ce_share_.begin() + end,
-                  LkLambdaBlockShare(p_, n, q_of, mask_of));
-      }
+      CoupledBlockWeights(
+          p_, end - b, [&](int64_t i) { return q_[b + i]; },
+          [&](int64_t i) { return accept_[b + i]; },
+          [&](int64_t i) { return mask_[b + i]; },
+          [&](int64_t i) { return row_weight(b + i); }, weight_.data() + b,
+          share_.data() + b);
     }
   }
 
-  // Pass 3, one row: metrics, terms and d(loss_num)/d(logits), the family's
-  // terms by the functions below.
+  // Pass 3, one row: metrics, then the family's terms and d(loss_num)/
+  // d(logits) (FamilyPass).
   absl::Status RowTerms(int64_t r, ChunkTerms& terms) {
     if (mask_[r] == 0) {
       source_.StoreZero(r);
@@ -717,32 +841,30 @@ class ChunkPasses {
     }
     absl::Span<W> z = source_.Draft(r);
     if (!have_stats_[r]) DFLASH_RETURN_IF_ERROR(Analyse(r, z));
-    const RowStats& s = stats_[r];
-    RowMetrics(r, s, terms);
+    RowMetrics(r, stats_[r], terms);
     if (teacher_metrics_) {
-      DFLASH_RETURN_IF_ERROR(TeacherDiagnostics(r, z, s, terms));
+      DFLASH_RETURN_IF_ERROR(TeacherDiagnostics(r, z, terms));
     }
     const double w = weight_[r];
     if (w == 0) {
       source_.StoreZero(r);
       return absl::OkStatus();
     }
-    terms.loss_den += w;
-    terms.loss_weight_per_position[inputs_.rows[r].position] += w;
+    AddTerm(terms, kLossDen, inputs_.rows[r].position, w);
     if (!outputs_.loss_weight.empty()) {
       outputs_.loss_weight[r] = static_cast<float>(w);
     }
     source_.KeepTransformed(z);
-    if (p_.family == LossFamily::kDistillation) {
-      return DistillationTerms(r, z, s, w, terms);
-    }
-    absl::Span<const W> t;  // The teacher's z', for DSpark's gradient.
-    if (p_.family == LossFamily::kDSpark && traits_.needs_teacher) {
+    absl::Span<const W> t;
+    if (traits_.needs_teacher) {
       t = source_.Teacher(r);
-      DFLASH_RETURN_IF_ERROR(DSparkTeacherTerms(r, z, s, t, w, terms));
-      if (p_.dpard) return DPardTerms(r, z, s, t, w, terms);
+      DFLASH_RETURN_IF_ERROR(AnalyseTeacher(r, t));
     }
-    return SoftmaxTerms(r, z, s, t, w, terms);
+    Row row(*this, r, z, t, t.empty() ? nullptr : &teacher_stats_[r], w,
+            &terms);
+    if (p_.family == LossFamily::kDistillation) row.Temper();
+    FamilyPass(row);
+    return row.status();
   }
 
   // What every family reports of a row with a mask, weighted or not.
@@ -754,14 +876,11 @@ class ChunkPasses {
     const double hit = mask_[r] > 0.5 && s.argmax == meta.target;
     const double q_r = std::exp(-neg_log_q);
     const int32_t k = meta.position;
-    terms.correct += hit;
-    terms.accuracy_den += mask_[r];
-    terms.target_probability += mask_[r] * q_r;
-    terms.correct_per_position[k] += hit;
-    terms.mask_per_position[k] += mask_[r];
-    terms.target_probability_per_position[k] += mask_[r] * q_r;
-    terms.top_k_recall_per_position[k] += rank_[r] >= 0 ? mask_[r] : 0.0;
-    terms.top_k_mass_per_position[k] += mask_[r] * top_mass_[r];
+    AddTerm(terms, kCorrect, k, hit);
+    AddTerm(terms, kAccuracyDen, k, mask_[r]);
+    AddTerm(terms, kTargetProbability, k, mask_[r] * q_r);
+    AddTerm(terms, kTopKRecall, k, rank_[r] >= 0 ? mask_[r] : 0.0);
+    AddTerm(terms, kTopKMass, k, mask_[r] * top_mass_[r]);
     if (!outputs_.target_probability.empty()) {
       outputs_.target_probability[r] = q_r;
     }
@@ -770,133 +889,20 @@ class ChunkPasses {
 
   // The teacher diagnostics, for a loss that reads no teacher: z is z' still
   // (no gradient has been written, no exps kept).
-  absl::Status TeacherDiagnostics(int64_t r, absl::Span<const W> z,
-                                  const RowStats& s, ChunkTerms& terms) {
-    const int32_t k = inputs_.rows[r].position;
+  absl::Status TeacherDiagnostics(int64_t r, absl::Span<W> z,
+                                  ChunkTerms& terms) {
     absl::Span<const W> t = source_.Teacher(r);
     absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
     if (!teacher.ok()) return TeacherError(teacher.status());
-    const double accept =
-        DSparkAcceptance(DistanceToTeacher<W>(z, s, t, *teacher).l1);
+    Row row(*this, r, z, t, &*teacher, 0, &terms);
+    TeacherDiagnosticsPass(row);
     double mass = 0;
     for (int32_t j = 0; j < metric_k_; ++j) {
       mass += std::exp(t[metric_ids_[r * metric_k_ + j]] - teacher->logsumexp);
     }
-    terms.teacher_acceptance_per_position[k] += mask_[r] * accept;
-    terms.teacher_agreement_per_position[k] +=
-        teacher->argmax == s.argmax ? mask_[r] : 0.0;
-    terms.teacher_top_k_mass_per_position[k] += mask_[r] * mass;
-    if (!outputs_.teacher_acceptance.empty()) {
-      outputs_.teacher_acceptance[r] = accept;
-    }
+    AddTerm(terms, kTeacherTopKMass, inputs_.rows[r].position,
+            mask_[r] * mass);
     return absl::OkStatus();
-  }
-
-  absl::Status DistillationTerms(int64_t r, absl::Span<W> z, const RowStats& s,
-                                 double w, ChunkTerms& terms) {
-    absl::Span<const W> t = source_.Teacher(r);
-    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-    if (!teacher.ok()) return TeacherError(teacher.status());
-    terms.loss_num += w * DistillationRow<W>(p_, z, s, t, *teacher, w);
-    // Log-probability differences make no cheap bound here.
-    return source_.StoreGradient(r, z, w,
-                                 std::numeric_limits<double>::infinity());
-  }
-
-  // DSpark's teacher terms, and its confidence term from the acceptance;
-  // D-PARD has the distance from pass 1 already.
-  absl::Status DSparkTeacherTerms(int64_t r, absl::Span<const W> z,
-                                  const RowStats& s, absl::Span<const W> t,
-                                  double w, ChunkTerms& terms) {
-    const int32_t k = inputs_.rows[r].position;
-    if (!p_.dpard) DFLASH_RETURN_IF_ERROR(Distance(r, z, t));
-    const RowStats& teacher = teacher_stats_[r];
-    terms.teacher_top1 +=
-        mask_[r] * std::exp(teacher.max_logit - teacher.logsumexp);
-    terms.draft_top1 += mask_[r] * std::exp(s.max_logit - s.logsumexp);
-    terms.teacher_agreement_per_position[k] +=
-        teacher.argmax == s.argmax ? mask_[r] : 0.0;
-    terms.teacher_acceptance_per_position[k] += mask_[r] * accept_[r];
-    if (!outputs_.teacher_acceptance.empty()) {
-      outputs_.teacher_acceptance[r] = accept_[r];
-    }
-    if (p_.confidence_weight > 0) {
-      const double c = inputs_.confidence_logits[r];
-      if (!std::isfinite(c)) {
-        return RowError(
-            r, absl::StrCat("confidence logit is not finite (", c, ")"));
-      }
-      const double bce = ConfidenceBce(c, accept_[r]);
-      terms.confidence_num += w * bce;
-      terms.confidence_error_num +=
-          w * std::abs(1 / (1 + std::exp(-c)) - accept_[r]);
-      terms.loss_num += w * p_.confidence_weight * bce;
-      if (!outputs_.confidence_grad.empty()) {
-        outputs_.confidence_grad[r] = static_cast<float>(
-            w * p_.confidence_weight * ConfidenceBceGradient(c, accept_[r]));
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status DPardTerms(int64_t r, absl::Span<W> z, const RowStats& s,
-                          absl::Span<const W> t, double w, ChunkTerms& terms) {
-    const RowMeta& meta = inputs_.rows[r];
-    const double neg_log_q = s.logsumexp - s.target_logit;
-    const double renyi = DPardRow<W>(z, s, t, teacher_stats_[r], credit_[r]);
-    terms.dpard_num += credit_[r] * renyi;
-    terms.loss_num += credit_[r] * renyi;
-    terms.dpard_credit_per_position[meta.position] += credit_[r];
-    // SpecForge reports D-PARD's CE too, without gradient.
-    terms.ce_num += w * neg_log_q;
-    terms.ce_per_position[meta.position] += mask_[r] * neg_log_q;
-    // |q - normalised sqrt(q p)| <= 1.
-    return source_.StoreGradient(r, z, w, credit_[r]);
-  }
-
-  // Softmax-family terms: CE (label-smoothed), tv and z-loss, plus DSpark's
-  // L1 to the teacher `t` where it has one.
-  absl::Status SoftmaxTerms(int64_t r, absl::Span<W> z, const RowStats& s,
-                            absl::Span<const W> t, double w,
-                            ChunkTerms& terms) {
-    const RowMeta& meta = inputs_.rows[r];
-    const double neg_log_q = s.logsumexp - s.target_logit;
-    double mean = 0;
-    if (p_.label_smoothing > 0) {
-      for (W x : z) mean += x;
-      mean /= static_cast<double>(inputs_.vocab);
-    }
-    const SoftmaxRowTerms row =
-        SoftmaxFamilyRow(p_, w, CrossEntropyShare(p_, ce_share_[r]),
-                         neg_log_q, s.logsumexp, mean);
-    terms.loss_num += row.loss;
-    terms.ce_num += row.ce;
-    terms.tv_num += row.tv;
-    if (p_.family == LossFamily::kDSpark) {
-      terms.ce_per_position[meta.position] += mask_[r] * row.ce / w;
-    }
-    const SoftmaxGradient grad{row.softmax, row.target, row.uniform};
-    // |softmax * p - target * onehot - uniform / V| with p <= 1.
-    double bound = std::abs(grad.softmax) + std::abs(grad.target) +
-                   std::abs(grad.uniform);
-    if (p_.family == LossFamily::kDSpark && traits_.needs_teacher) {
-      const double l1_coefficient = w * p_.l1_weight;
-      const double l1 = distances_[r].l1;
-      WriteDSparkGradient<W>(z, meta.target, s, t, teacher_stats_[r],
-                             distances_[r], grad, l1_coefficient);
-      bound += 2 * std::abs(l1_coefficient);  // |sign - mass| <= 2.
-      terms.loss_num += l1_coefficient * l1;
-      if (p_.l1_weight > 0) terms.l1_num += w * l1;
-    } else if constexpr (std::is_same_v<W, float>) {
-      if (keep_exp_) {
-        WriteSoftmaxGradientFromExp(z, meta.target, s, grad);
-      } else {
-        WriteSoftmaxGradient<W>(z, meta.target, s, grad);
-      }
-    } else {
-      WriteSoftmaxGradient<W>(z, meta.target, s, grad);
-    }
-    return source_.StoreGradient(r, z, w, bound);
   }
 
   const LossParams& p_;
@@ -926,10 +932,10 @@ class ChunkPasses {
   // The teacher diagnostics read each row's metric top-k again in pass 3.
   std::vector<int32_t> metric_ids_;
   std::vector<RowStats> teacher_stats_;
-  std::vector<SoftmaxDistance> distances_;
-  std::vector<double> accept_;
-  // Pass 1's q (block-coupled families), pass 2's weights.
-  std::vector<double> q_, weight_, ce_share_, credit_;
+  std::vector<bool> have_teacher_stats_;
+  // Pass 1's q and D-PARD acceptance (block-coupled families), pass 2's
+  // weights and shares.
+  std::vector<double> accept_, q_, weight_, share_;
 };
 
 }  // namespace

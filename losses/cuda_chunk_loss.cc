@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
       TrackedBuffer<double> totals,
       TrackedBuffer<double>::Create(
           allocator,
-          cuda::TotalsSize(static_cast<int32_t>(options.block_size))));
+          TotalsSize(static_cast<int32_t>(options.block_size))));
   state->totals = std::move(totals);
   DFLASH_ASSIGN_OR_RETURN(
       TrackedBuffer<unsigned long long> error,
@@ -151,7 +151,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   const int64_t blocks_bytes = Aligned<int32_t>(block_begin.size());
   const int64_t stats_bytes = Aligned<cuda::RowStats>(n);
   const int64_t row_bytes = Aligned<double>(n);
-  const int64_t terms_bytes = Aligned<double>(cuda::kTermSlots * n);
+  const int64_t terms_bytes = Aligned<double>(kTermSlots * n);
   DFLASH_ASSIGN_OR_RETURN(
       TrackedBuffer<char> scratch,
       TrackedBuffer<char>::Create(s.stream->allocator(),
@@ -262,10 +262,10 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   const int64_t k = s.params.options.block_size;
   ChunkTerms terms;
 #define DFLASH_SUMMED_TERM(field, slot, dict, key) \
-  terms.field = totals[cuda::slot];
+  terms.field = totals[slot];
 #include "losses/chunk_terms.inc"
   // The per-position totals follow the slots, [K] each, in the table's order.
-  auto position_totals = totals.begin() + cuda::kTermSlots;
+  auto position_totals = totals.begin() + kTermSlots;
 #define DFLASH_POSITION_TERM(field, slot, dict, key)        \
   terms.field.assign(position_totals, position_totals + k); \
   position_totals += k;

@@ -12,6 +12,7 @@
 #include "base/bfloat16.h"
 #include "base/cuda_launch.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/family_passes.h"
 #include "losses/loss_math.h"
 #include "losses/top_k_cursor.h"
 
@@ -184,13 +185,6 @@ __device__ S BlockReduce(S value, Op op) {
   return result;
 }
 
-struct Pair {
-  float a, b;
-};
-__device__ __forceinline__ Pair AddPairs(Pair x, Pair y) {
-  return {x.a + y.a, x.b + y.b};
-}
-
 __device__ __forceinline__ void ReportError(unsigned long long* error,
                                             int64_t row, ErrorKind kind,
                                             int64_t logit = 0,
@@ -244,7 +238,8 @@ struct Online {
   int32_t bad = 0;
 };
 
-__device__ __forceinline__ void Add(Online& s, int64_t i, float x, float inv_t,
+__device__ __forceinline__ void AddLogit(Online& s, int64_t i, float x,
+                                         float inv_t,
                                     bool tempered) {
   s.bad |= !isfinite(x);
   if (x > s.max) {
@@ -307,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   Online s;
   ForRow(z_row, v, a.stride, [&](int64_t i, float x) {
     const float z = transform(x);
-    Add(s, i, z, inv_t, tempered);
+    AddLogit(s, i, z, inv_t, tempered);
     if (i == meta.target) target = z;
   });
   s = BlockReduce(
@@ -327,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (teacher) {
     const T* t_row = a.teacher + r * a.stride;
     ForRow(t_row, v, a.stride, [&](int64_t i, float x) {
-      Add(t, i, transform(x), teacher_inv_t, teacher_tempered);
+      AddLogit(t, i, transform(x), teacher_inv_t, teacher_tempered);
     });
     t = BlockReduce(t, [&](Online x, Online y) {
       return Merge(x, y, teacher_inv_t, teacher_tempered);
@@ -452,26 +447,203 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// D-PACE block weights and lk-lambda's CE share, one thread per block run.
+// family_passes.h's Row over this thread block's row r: per-logit
+// arithmetic in float, row sums by BlockReduce, terms and per-row outputs
+// written by thread 0. Everything is forceinline, so that each kernel
+// compiles as one function.
+template <typename T>
+class CudaRow {
+ public:
+  using Real = float;
+
+  __device__ __forceinline__ CudaRow(const KernelParams& p,
+                                     const ChunkArgs<T>& a, int64_t r,
+                                     double weight)
+      : p_(p),
+        a_(a),
+        r_(r),
+        out_(OutRow(a.out_rows, r)),
+        z_(a.logits + r * a.stride),
+        t_(a.teacher != nullptr ? a.teacher + r * a.stride : nullptr),
+        terms_(a.row_terms + kTermSlots * r),
+        meta_(a.meta[r]),
+        s_(a.stats[r]),
+        transform_(p.options),
+        weight_(weight) {}
+
+  __device__ __forceinline__ const LossParams& loss() const { return p_.loss; }
+  __device__ __forceinline__ int64_t vocab() const { return p_.vocab; }
+  __device__ __forceinline__ int32_t target() const { return meta_.target; }
+  __device__ __forceinline__ int32_t position() const {
+    return meta_.position;
+  }
+  __device__ __forceinline__ double mask() const { return meta_.mask; }
+  __device__ __forceinline__ double weight() const { return weight_; }
+  // max - target is exact in double; log_sum carries its own rounding only.
+  __device__ __forceinline__ double neg_log_q() const {
+    return (static_cast<double>(s_.max) - s_.target) + s_.log_sum;
+  }
+  __device__ __forceinline__ double lse() const {
+    return static_cast<double>(s_.max) + s_.log_sum;
+  }
+  __device__ __forceinline__ double MeanLogit() const {
+    return double{s_.sum} / p_.vocab;
+  }
+  __device__ __forceinline__ int32_t argmax() const { return s_.argmax; }
+  __device__ __forceinline__ double share() const {
+    return CouplesBlocks(p_.loss) ? a_.ce_share[r_] : 1.0;
+  }
+  __device__ __forceinline__ double accept() const { return a_.accept[r_]; }
+  __device__ __forceinline__ bool has_teacher() const {
+    return t_ != nullptr;
+  }
+  __device__ __forceinline__ double confidence() const {
+    return a_.confidence[out_];
+  }
+
+  // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
+  __device__ __forceinline__ float LogSoftmax(float zp) const {
+    return (zp - s_.max) - s_.log_sum;
+  }
+  __device__ __forceinline__ float Softmax(float zp) const {
+    return FastExp(LogSoftmax(zp));
+  }
+  __device__ __forceinline__ float TemperedLogSoftmax(float zp) const {
+    return zp * static_cast<float>(p_.loss.inv_temperature) - s_.lse_t;
+  }
+  __device__ __forceinline__ float TeacherLogSoftmax(float tp) const {
+    return tp - s_.t_lse;
+  }
+  __device__ __forceinline__ float TeacherSoftmax(float tp) const {
+    return FastExp(tp - s_.t_lse);
+  }
+  // The stats pass takes the teacher's logsumexp at the temperature for
+  // distillation.
+  __device__ __forceinline__ float TeacherTemperedLogSoftmax(float tp) const {
+    return tp * static_cast<float>(p_.loss.inv_temperature) - s_.t_lse;
+  }
+  __device__ __forceinline__ double DraftTop1() const {
+    return exp(-static_cast<double>(s_.log_sum));
+  }
+  __device__ __forceinline__ double TeacherTop1() const {
+    // A teacher row without a finite value has no argmax (its error is
+    // reported already): read nothing past the row.
+    const float t_max = s_.t_argmax < p_.vocab
+                            ? transform_(ToF(t_[s_.t_argmax]))
+                            : NAN;
+    return exp(static_cast<double>(t_max) - s_.t_lse);
+  }
+  __device__ __forceinline__ bool TeacherAgrees() const {
+    return s_.t_argmax == s_.argmax;
+  }
+
+  template <typename F>
+  __device__ __forceinline__ void ForEach(F&& f) const {
+    ForRows(z_, t_, p_.vocab, a_.stride, [&](int64_t i, float x, float y) {
+      const float zp = transform_(x);
+      f(i, zp, t_ != nullptr ? transform_(y) : zp);
+    });
+  }
+  template <typename S>
+  __device__ __forceinline__ S Reduce(S partial) const {
+    return BlockReduce(partial, [](S x, S y) { return x + y; });
+  }
+  template <typename F>
+  __device__ __forceinline__ double LogSumExp(F&& f) const {
+    Online online;
+    ForEach([&](int64_t i, float zp, float tp) {
+      AddLogit(online, i, f(zp, tp), 1.0f, false);
+    });
+    online = BlockReduce(online, [](Online x, Online y) {
+      return Merge(x, y, 1.0f, false);
+    });
+    return online.max + logf(online.sum);
+  }
+
+  template <typename G>
+  __device__ __forceinline__ void WriteGradient(G&& g, double) {
+    Map(t_, g);
+  }
+  __device__ __forceinline__ void WriteSoftmaxGradient(double softmax,
+                                                       double on_target,
+                                                       double uniform,
+                                                       double) {
+    const float softmax_f = static_cast<float>(softmax);
+    const float on_target_f = static_cast<float>(on_target);
+    const float uniform_f = static_cast<float>(uniform / p_.vocab);
+    const int32_t target = meta_.target;
+    // The teacher, where there is one, is not read.
+    Map(static_cast<const T*>(nullptr), [&](int64_t i, float zp, float) {
+      const float g = softmax_f * Softmax(zp) - uniform_f;
+      return i == target ? g - on_target_f : g;
+    });
+  }
+
+  __device__ __forceinline__ void Add(TermSlot slot, double value) const {
+    if (threadIdx.x == 0) terms_[slot] += value;
+  }
+  __device__ __forceinline__ void SetTeacherAcceptance(double accept) const {
+    if (threadIdx.x == 0 && a_.teacher_acceptance != nullptr) {
+      a_.teacher_acceptance[out_] = accept;
+    }
+  }
+  __device__ __forceinline__ void SetConfidenceGradient(double g) const {
+    if (threadIdx.x == 0 && a_.confidence_grad != nullptr) {
+      a_.confidence_grad[out_] = static_cast<float>(g);
+    }
+  }
+  __device__ __forceinline__ void ConfidenceNotFinite(double c) const {
+    if (threadIdx.x == 0) {
+      ReportError(a_.error, out_, kConfidenceNotFinite, 0,
+                  static_cast<float>(c));
+    }
+  }
+
+  // For the kernel around the pass.
+  __device__ __forceinline__ int64_t out() const { return out_; }
+  __device__ __forceinline__ T* logits() const { return z_; }
+  __device__ __forceinline__ double* terms() const { return terms_; }
+  __device__ __forceinline__ const RowStats& stats() const { return s_; }
+
+ private:
+  // The row's d/dz in place: g(i, z', t') is d/dz' (t' from `teacher`, or
+  // z' where it is null), chained through the transform; a result that is
+  // not finite is the row's error.
+  template <typename G>
+  __device__ __forceinline__ void Map(const T* teacher, G&& g) {
+    bool bad = false;
+    MapRow(z_, teacher, p_.vocab, a_.stride, [&](int64_t i, float x, float y) {
+      const float zp = transform_(x);
+      const float chained =
+          transform_.Chain(g(i, zp, teacher != nullptr ? transform_(y) : zp),
+                           zp);
+      bad |= !isfinite(chained);
+      return chained;
+    });
+    if (bad) ReportError(a_.error, out_, kGradientNotFinite);
+  }
+
+  const KernelParams& p_;
+  const ChunkArgs<T>& a_;
+  const int64_t r_, out_;
+  T* const z_;
+  const T* const t_;
+  double* const terms_;
+  const Row meta_;
+  const RowStats s_;
+  const Transform transform_;
+  const double weight_;
+};
+
+// Block weights and shares (CoupledBlockWeights), one thread per block run.
 __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
                                    const RowStats* stats,
                                    const int32_t* block_begin, int32_t blocks,
                                    const double* accept, double* weight,
-                                   double* ce_share) {
+                                   double* share) {
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= blocks) return;
   const int32_t begin = block_begin[b], end = block_begin[b + 1];
-  if (p.dpard) {
-    // D-PARD: the credit, over each row's acceptance, into ce_share; the
-    // confidence term keeps the row's decayed weight.
-    DPaceBlockWeights(
-        DPardCreditParams(p), end - begin,
-        [&](int64_t i) { return accept[begin + i]; },
-        [&](int64_t i) { return double{meta[begin + i].mask}; },
-        ce_share + begin);
-    for (int32_t r = begin; r < end; ++r) weight[r] = meta[r].weight;
-    return;
-  }
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
     return meta[r].mask > 0
@@ -479,32 +651,11 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
                      stats[r].log_sum)
                : 0.0;
   };
-  auto mask = [&](int64_t i) { return double{meta[begin + i].mask}; };
-  if (p.lk == LkMode::kLambdaBlock) {
-    const double share = LkLambdaBlockShare(p, end - begin, q, mask);
-    for (int32_t r = begin; r < end; ++r) {
-      weight[r] = meta[r].weight;
-      ce_share[r] = share;
-    }
-    return;
-  }
-  DPaceBlockWeights(p, end - begin, q, mask, weight + begin);
-  for (int32_t r = begin; r < end; ++r) ce_share[r] = 1;
-}
-
-// |p - t|_1 of a row's draft and teacher softmax, before any gradient
-// overwrites z'.
-template <typename T>
-__device__ float TeacherL1(const KernelParams& p, const RowStats& s,
-                           const T* z_row, const T* t_row, int64_t stride) {
-  const Transform transform(p.options);
-  const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
-  float l1 = 0;
-  ForRows(z_row, t_row, p.vocab, stride, [&](int64_t, float x, float y) {
-    l1 += fabsf(expf((transform(x) - max_f) - log_sum_f) -
-                expf(transform(y) - t_lse));
-  });
-  return BlockReduce(l1, [](float x, float y) { return x + y; });
+  CoupledBlockWeights(
+      p, end - begin, q, [&](int64_t i) { return accept[begin + i]; },
+      [&](int64_t i) { return double{meta[begin + i].mask}; },
+      [&](int64_t i) { return meta[begin + i].weight; }, weight + begin,
+      share + begin);
 }
 
 // D-PARD's pass before the block credit: each row's acceptance.
@@ -512,97 +663,23 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     AcceptanceKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
-  const Row meta = a.meta[r];
-  if (meta.mask == 0) {
+  if (a.meta[r].mask == 0) {
     if (threadIdx.x == 0) a.accept[r] = 0;
     return;
   }
-  const float l1 = TeacherL1(p, a.stats[r], a.logits + r * a.stride,
-                             a.teacher + r * a.stride, a.stride);
+  CudaRow<T> row(p, a, r, 0.0);
+  const double l1 = TeacherL1(row);
   if (threadIdx.x == 0) a.accept[r] = DSparkAcceptance(l1);
-}
-
-// DSpark's teacher terms of a row with weight w and acceptance `accept`:
-// top-1 probabilities, agreement, the confidence term (into num and the
-// confidence gradient). Thread 0 writes them.
-template <typename T>
-__device__ void DSparkTeacherTerms(const KernelParams& p,
-                                   const ChunkArgs<T>& a, const RowStats& s,
-                                   const Row& meta, int64_t r, int64_t out,
-                                   double w, double accept, double* terms,
-                                   double& num) {
-  if (threadIdx.x != 0) return;
-  const Transform transform(p.options);
-  // A teacher row without a finite value has no argmax (its error is
-  // reported already): read nothing past the row.
-  const float t_max = s.t_argmax < p.vocab
-                          ? transform(ToF(a.teacher[r * a.stride + s.t_argmax]))
-                          : NAN;
-  terms[kTeacherTop1] = meta.mask * exp(static_cast<double>(t_max) - s.t_lse);
-  terms[kDraftTop1] = meta.mask * exp(-static_cast<double>(s.log_sum));
-  terms[kTeacherAcceptance] = meta.mask * accept;
-  terms[kTeacherAgreement] = s.t_argmax == s.argmax ? double{meta.mask} : 0.0;
-  if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = accept;
-  if (p.loss.confidence_weight > 0) {
-    const double c = a.confidence[out];
-    if (!isfinite(c)) {
-      ReportError(a.error, out, kConfidenceNotFinite, 0, static_cast<float>(c));
-      return;
-    }
-    const double bce = ConfidenceBce(c, accept);
-    terms[kConfidenceNum] = w * bce;
-    terms[kConfidenceErrorNum] = w * fabs(1 / (1 + exp(-c)) - accept);
-    num += w * p.loss.confidence_weight * bce;
-    if (a.confidence_grad != nullptr) {
-      a.confidence_grad[out] = static_cast<float>(
-          w * p.loss.confidence_weight * ConfidenceBceGradient(c, accept));
-    }
-  }
-}
-
-// What LossKernel's parts read of row r (out: its output row; z, t: its
-// logits and teacher logits; terms: its term slots), with its stats, loss
-// weight w and CE. The parts are forceinline so that the kernel compiles as
-// one function, as it did before the split.
-template <typename T>
-struct LossRow {
-  int64_t r, out;
-  T* z;
-  const T* t;
-  double* terms;
-  Row meta;
-  RowStats s;
-  double w, neg_log_q;
-};
-
-// The row's d/dz in place: gradient(i, z', y) is d/dz' at the transformed
-// logit z' (y: the teacher's logit from `teacher`, or z's own where it is
-// null), chained through the transform; a result that is not finite is
-// the row's error.
-template <typename T, typename G>
-__device__ __forceinline__ void WriteRowGradient(const KernelParams& p,
-                                                 const ChunkArgs<T>& a,
-                                                 const LossRow<T>& row,
-                                                 const T* teacher,
-                                                 G&& gradient) {
-  const Transform transform(p.options);
-  bool bad = false;
-  MapRow(row.z, teacher, p.vocab, a.stride, [&](int64_t i, float x, float y) {
-    const float zp = transform(x);
-    const float chained = transform.Chain(gradient(i, zp, y), zp);
-    bad |= !isfinite(chained);
-    return chained;
-  });
-  if (bad) ReportError(a.error, row.out, kGradientNotFinite);
 }
 
 // A row without a mask: zero gradient, terms and outputs.
 template <typename T>
 __device__ __forceinline__ void MaskedRow(const KernelParams& p,
-                                          const ChunkArgs<T>& a, int64_t out,
-                                          T* z_row, double* terms) {
-  ZeroRow(z_row, p.vocab);
+                                          const ChunkArgs<T>& a, int64_t r) {
+  const int64_t out = OutRow(a.out_rows, r);
+  ZeroRow(a.logits + r * a.stride, p.vocab);
   if (threadIdx.x != 0) return;
+  double* terms = a.row_terms + kTermSlots * r;
   for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
   if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
   if (a.target_probability != nullptr) a.target_probability[out] = 0;
@@ -617,16 +694,18 @@ __device__ __forceinline__ void MaskedRow(const KernelParams& p,
 // (the metrics; 0 for the rest), and the per-row outputs. Thread 0 writes.
 template <typename T>
 __device__ __forceinline__ void RowMetrics(const ChunkArgs<T>& a,
-                                           const LossRow<T>& row) {
+                                           const CudaRow<T>& row) {
   if (threadIdx.x != 0) return;
-  const RowStats& s = row.s;
-  const int64_t out = row.out;
-  double* terms = row.terms;
-  const double hit = row.meta.mask > 0.5f && s.argmax == row.meta.target;
-  terms[kLossDen] = row.w;
-  terms[kCorrect] = hit;
-  terms[kAccuracyDen] = row.meta.mask;
-  terms[kTargetProbability] = row.meta.mask * exp(-row.neg_log_q);
+  const RowStats& s = row.stats();
+  const int64_t out = row.out();
+  double* terms = row.terms();
+  const double m = row.mask();
+  const double q = exp(-row.neg_log_q());
+  terms[kLossNum] = 0;
+  terms[kLossDen] = row.weight();
+  terms[kCorrect] = m > 0.5 && s.argmax == row.target();
+  terms[kAccuracyDen] = m;
+  terms[kTargetProbability] = m * q;
   terms[kCeNum] = 0;
   terms[kTvNum] = 0;
   if (a.metric_k == 0) {  // Else TopKKernel wrote them.
@@ -637,269 +716,170 @@ __device__ __forceinline__ void RowMetrics(const ChunkArgs<T>& a,
   terms[kTeacherAcceptance] = 0;
   terms[kTeacherAgreement] = 0;
   for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
-  if (a.target_probability != nullptr) {
-    a.target_probability[out] = exp(-row.neg_log_q);
+  if (a.target_probability != nullptr) a.target_probability[out] = q;
+  if (a.loss_weight != nullptr) {
+    a.loss_weight[out] = static_cast<float>(row.weight());
   }
-  if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(row.w);
   if (a.neg_log_q != nullptr) {
-    a.neg_log_q[out] = static_cast<float>(row.neg_log_q);
+    a.neg_log_q[out] = static_cast<float>(row.neg_log_q());
   }
   if (a.argmax != nullptr) a.argmax[out] = s.argmax;
   if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
 }
 
-// The teacher diagnostics (teacher logits for a loss that reads none),
-// before any gradient overwrites z'.
-template <typename T>
-__device__ __forceinline__ void TeacherDiagnostics(const KernelParams& p,
-                                                   const ChunkArgs<T>& a,
-                                                   const LossRow<T>& row) {
-  const float l1 = TeacherL1(p, row.s, row.z, row.t, a.stride);
-  if (threadIdx.x != 0) return;
-  const double accept = DSparkAcceptance(l1);
-  row.terms[kTeacherAcceptance] = row.meta.mask * accept;
-  row.terms[kTeacherAgreement] =
-      row.s.t_argmax == row.s.argmax ? double{row.meta.mask} : 0.0;
-  if (a.teacher_acceptance != nullptr) a.teacher_acceptance[row.out] = accept;
-}
-
-// Distillation: the divergence of the tempered softmaxes and its gradient.
-template <typename T>
-__device__ __forceinline__ void DistillationLoss(const KernelParams& p,
-                                                 const ChunkArgs<T>& a,
-                                                 const LossRow<T>& row) {
-  const Transform transform(p.options);
-  const int64_t v = p.vocab;
-  const float inv_t = static_cast<float>(p.loss.inv_temperature);
-  const float lse_s = row.s.lse_t, lse_t = row.s.t_lse;
-  const Divergence divergence = p.loss.divergence;
-  const float beta = static_cast<float>(p.loss.beta);
-  const float log_beta = logf(beta), log_rest = log1pf(-beta);
-  // ls and lt of the student's z' and the teacher's logit y.
-  auto logs = [&](float zp, float y, float& ls, float& lt) {
-    ls = zp * inv_t - lse_s;
-    lt = transform(y) * inv_t - lse_t;
-  };
-  const float g = static_cast<float>(row.w * p.loss.inv_temperature);
-  auto point_at = [&](float zp, float y) {
-    float ls, lt;
-    logs(zp, y, ls, lt);
-    return DistillationAt(divergence, beta, log_beta, log_rest, ls, lt);
-  };
-  Pair acc{0, 0};  // The divergence, and JSD's sum of s (ls - lm).
-  if (divergence == Divergence::kForwardKl) {
-    // Its gradient reads no row sum: one pass.
-    WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
-      const DistillationPoint<float> point = point_at(zp, y);
-      acc.a += point.divergence;
-      return g * point.forward_gradient;
-    });
-    acc = BlockReduce(acc, AddPairs);
-  } else {
-    ForRows(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
-      const DistillationPoint<float> point = point_at(transform(x), y);
-      acc.a += point.divergence;
-      acc.b += point.student_part;
-    });
-    acc = BlockReduce(acc, AddPairs);
-    WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
-      float ls, lt;
-      logs(zp, y, ls, lt);
-      return DistillationGradientAt(divergence, beta, log_beta, log_rest, ls,
-                                    lt, acc.a, acc.b, g);
-    });
-  }
-  if (threadIdx.x == 0) row.terms[kLossNum] = row.w * acc.a;
-}
-
-// D-PARD: credit * R, R = -2 log sum sqrt(q t), with the gradient
-// credit * (q - sqrt(q t) / sum sqrt(q t)); CE reported, not trained.
-template <typename T>
-__device__ __forceinline__ void DPardLoss(const KernelParams& p,
-                                          const ChunkArgs<T>& a,
-                                          const LossRow<T>& row) {
-  const Transform transform(p.options);
-  const int64_t r = row.r;
-  const RowStats& s = row.s;
-  const double credit = a.ce_share[r], accept = a.accept[r];
-  const float max_f = s.max, log_sum_f = s.log_sum, t_lse = s.t_lse;
-  // log sqrt(q t) at z' and the teacher's logit y.
-  auto log_root = [&](float zp, float y) {
-    return 0.5f * (((zp - max_f) - log_sum_f) + (transform(y) - t_lse));
-  };
-  Online roots;
-  ForRows(row.z, row.t, p.vocab, a.stride, [&](int64_t i, float x, float y) {
-    Add(roots, i, log_root(transform(x), y), 1.0f, false);
-  });
-  roots = BlockReduce(roots, [](Online x, Online y) {
-    return Merge(x, y, 1.0f, false);
-  });
-  const float log_total = roots.max + logf(roots.sum);
-  const double renyi = -2.0 * log_total;
-  double num = credit * renyi;
-  DSparkTeacherTerms(p, a, s, row.meta, r, row.out, row.w, accept, row.terms,
-                     num);
-  if (threadIdx.x == 0) {
-    row.terms[kLossNum] = num;
-    row.terms[kDPardNum] = credit * renyi;
-    row.terms[kDPardCredit] = credit;
-    row.terms[kCeNum] = row.w * row.neg_log_q;
-    row.terms[kCePosition] = row.meta.mask * row.neg_log_q;
-  }
-  const float c = static_cast<float>(credit);
-  WriteRowGradient(p, a, row, row.t, [&](int64_t, float zp, float y) {
-    return c * RenyiGradient(expf((zp - max_f) - log_sum_f),
-                             log_root(zp, y) - log_total);
-  });
-}
-
-// DSpark with a teacher: the softmax-family gradient (softmax, on_target,
-// uniform; loss_num so far `num`) plus the L1 between draft and teacher
-// softmax, and the teacher terms.
-template <typename T>
-__device__ __forceinline__ void DSparkLoss(const KernelParams& p,
-                                           const ChunkArgs<T>& a,
-                                           const LossRow<T>& row,
-                                           float softmax, float on_target,
-                                           float uniform, double num) {
-  const Transform transform(p.options);
-  const int64_t v = p.vocab;
-  const RowStats& s = row.s;
-  const double w = row.w;
-  // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
-  const float max_f = s.max, log_sum_f = s.log_sum;
-  auto prob = [max_f, log_sum_f](float zp) {
-    return FastExp((zp - max_f) - log_sum_f);
-  };
-  const float t_lse = s.t_lse;
-  Pair acc{0, 0};  // L1 and the signed softmax mass sum p * sign(p - t).
-  ForRows(row.z, row.t, v, a.stride, [&](int64_t, float x, float y) {
-    const float pz = prob(transform(x));
-    const float d = pz - FastExp(transform(y) - t_lse);
-    acc.a += fabsf(d);
-    acc.b += pz * SignOf(d);
-  });
-  acc = BlockReduce(acc, AddPairs);
-  const double l1 = acc.a;
-  num += w * p.loss.l1_weight * l1;
-  if (threadIdx.x == 0 && p.loss.l1_weight > 0) row.terms[kL1Num] = w * l1;
-  DSparkTeacherTerms(p, a, s, row.meta, row.r, row.out, w,
-                     DSparkAcceptance(l1), row.terms, num);
-  if (threadIdx.x == 0) row.terms[kLossNum] = num;
-  const float l1c = static_cast<float>(w * p.loss.l1_weight);
-  const float signed_mass = acc.b;
-  WriteRowGradient(p, a, row, row.t, [&](int64_t i, float zp, float y) {
-    const float pz = prob(zp);
-    const float d = pz - FastExp(transform(y) - t_lse);
-    float g = DSparkGradient(softmax, l1c, signed_mass, uniform, pz, d);
-    if (i == row.meta.target) g -= on_target;
-    return g;
-  });
-}
-
-// Softmax family: CE (label-smoothed), tv, z-loss; DSpark adds L1 and the
-// confidence BCE (DSparkLoss), reading its teacher only for a term that
-// needs it.
-template <typename T>
-__device__ __forceinline__ void SoftmaxFamilyLoss(const KernelParams& p,
-                                                  const ChunkArgs<T>& a,
-                                                  const LossRow<T>& row) {
-  const int64_t v = p.vocab;
-  const RowStats& s = row.s;
-  const double lse = static_cast<double>(s.max) + s.log_sum;
-  const double ce_share = CrossEntropyShare(
-      p.loss, p.loss.lk == LkMode::kLambdaBlock ? a.ce_share[row.r] : 1.0);
-  const SoftmaxRowTerms terms =
-      SoftmaxFamilyRow(p.loss, row.w, ce_share, row.neg_log_q, lse,
-                       p.loss.label_smoothing > 0 ? double{s.sum} / v : 0.0);
-  if (threadIdx.x == 0) {
-    row.terms[kCeNum] = terms.ce;
-    row.terms[kTvNum] = terms.tv;
-    if (p.loss.family == LossFamily::kDSpark) {
-      row.terms[kCePosition] = row.meta.mask * terms.ce / row.w;
-    }
-  }
-  const float softmax = static_cast<float>(terms.softmax);
-  const float on_target = static_cast<float>(terms.target);
-  const float uniform = static_cast<float>(terms.uniform / v);
-  if (p.loss.family == LossFamily::kDSpark && a.teacher != nullptr) {
-    DSparkLoss(p, a, row, softmax, on_target, uniform, terms.loss);
-    return;
-  }
-  if (threadIdx.x == 0) row.terms[kLossNum] = terms.loss;
-  const Transform transform(p.options);
-  // softmax(z') = exp((z' - max) - log_sum): z' - max is exact in float.
-  const float max_f = s.max, log_sum_f = s.log_sum;
-  WriteRowGradient(p, a, row, static_cast<const T*>(nullptr),
-                   [&](int64_t i, float zp, float) {
-                     float g =
-                         softmax * FastExp((zp - max_f) - log_sum_f) - uniform;
-                     if (i == row.meta.target) g -= on_target;
-                     return g;
-                   });
-}
-
-// Pass 2: terms and d(loss_num)/d(logits) of each row, in place.
+// Pass 2: terms and d(loss_num)/d(logits) of each row, in place: the
+// metrics, the teacher diagnostics, then the family's pass (FamilyPass).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     LossKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
-  const int64_t out = OutRow(a.out_rows, r);
-  T* z_row = a.logits + r * a.stride;
-  double* terms = a.row_terms + kTermSlots * r;
   const Row meta = a.meta[r];
   if (meta.mask == 0) {
-    MaskedRow(p, a, out, z_row, terms);
+    MaskedRow(p, a, r);
     return;
   }
-  const RowStats s = a.stats[r];
-  LossRow<T> row{r,
-                 out,
-                 z_row,
-                 a.teacher != nullptr ? a.teacher + r * a.stride : nullptr,
-                 terms,
-                 meta,
-                 s,
-                 CouplesBlocks(p.loss) ? a.weight[r] : meta.weight,
-                 // max - target is exact in double; log_sum carries its own
-                 // rounding only.
-                 (static_cast<double>(s.max) - s.target) + s.log_sum};
+  CudaRow<T> row(p, a, r, CouplesBlocks(p.loss) ? a.weight[r] : meta.weight);
   RowMetrics(a, row);
-  if (TeacherMetrics(p, a)) TeacherDiagnostics(p, a, row);
-  if (row.w == 0) {
-    ZeroRow(z_row, p.vocab);
-    if (threadIdx.x == 0) terms[kLossNum] = 0;
+  if (TeacherMetrics(p, a)) TeacherDiagnosticsPass(row);
+  if (row.weight() == 0) {
+    ZeroRow(row.logits(), p.vocab);
     return;
   }
-  if (p.loss.family == LossFamily::kDistillation) {
-    DistillationLoss(p, a, row);
-  } else if (p.loss.dpard) {
-    DPardLoss(p, a, row);
-  } else {
-    SoftmaxFamilyLoss(p, a, row);
-  }
+  FamilyPass(row);
 }
 
-// Domino: each row's base logits and, from suffix_start, final = base +
-// correction (the sum rounded to T, as SpecForge adds them), both
-// transformed; CE of both mixed by lambda_base; d/d(base) = g_final +
-// g_base and d/d(correction) = g_final (0 before the suffix), in place.
+// Domino's Row (family_passes.h's DominoPass) over this thread block's row
+// r: base logits and, from suffix_start, final = base + correction (the sum
+// rounded to T, as SpecForge adds them), both transformed.
+template <typename T>
+class CudaDominoRow {
+ public:
+  __device__ __forceinline__ CudaDominoRow(const KernelParams& p,
+                                           const ChunkArgs<T>& a, int64_t r)
+      : p_(p),
+        a_(a),
+        out_(OutRow(a.out_rows, r)),
+        base_(a.logits + r * a.stride),
+        correction_(a.correction + r * a.stride),
+        terms_(a.row_terms + kTermSlots * r),
+        meta_(a.meta[r]),
+        transform_(p.options),
+        corrected_(meta_.position >= p.loss.suffix_start) {}
+
+  __device__ __forceinline__ const LossParams& loss() const { return p_.loss; }
+  __device__ __forceinline__ int32_t target() const { return meta_.target; }
+  __device__ __forceinline__ double mask() const { return meta_.mask; }
+  __device__ __forceinline__ double weight() const { return meta_.weight; }
+
+  __device__ __forceinline__ bool DominoStats(DominoRowStats& out) {
+    const int64_t v = p_.vocab;
+    DFLASH_SHARED(float, final_target);
+    DFLASH_SHARED(float, base_target);
+    Online fs, bs;
+    for (int64_t i = threadIdx.x; i < v; i += kThreads) {
+      const float b = ToF(base_[i]), c = ToF(correction_[i]);
+      const float zf = Final(b, c), zb = transform_(b);
+      AddLogit(fs, i, zf, 1.0f, false);
+      AddLogit(bs, i, zb, 1.0f, false);
+      if (i == meta_.target) {
+        final_target = zf;
+        base_target = zb;
+      }
+    }
+    auto merge = [](Online x, Online y) { return Merge(x, y, 1.0f, false); };
+    fs = BlockReduce(fs, merge);
+    bs = BlockReduce(bs, merge);
+    if (fs.bad || bs.bad) {
+      // As the CPU: the final logits' first bad one, else the base logits'.
+      ReportFirstNonFinite(a_.error, out_, kLogitNotFinite, v, [&](int64_t i) {
+        const float b = ToF(base_[i]);
+        return fs.bad ? Final(b, ToF(correction_[i])) : transform_(b);
+      });
+      return false;
+    }
+    final_max_ = fs.max;
+    base_max_ = bs.max;
+    final_log_sum_ = logf(fs.sum);
+    base_log_sum_ = logf(bs.sum);
+    out.neg_log_q =
+        (static_cast<double>(fs.max) - final_target) + final_log_sum_;
+    out.base_neg_log_q =
+        (static_cast<double>(bs.max) - base_target) + base_log_sum_;
+    out.argmax = fs.argmax;
+    out.base_argmax = bs.argmax;
+    return true;
+  }
+
+  __device__ __forceinline__ void SetDominoOutputs(const DominoRowStats& s,
+                                                   double q) const {
+    if (threadIdx.x != 0) return;
+    if (a_.neg_log_q != nullptr) {
+      a_.neg_log_q[out_] = static_cast<float>(s.neg_log_q);
+    }
+    if (a_.target_probability != nullptr) a_.target_probability[out_] = q;
+    if (a_.loss_weight != nullptr) {
+      a_.loss_weight[out_] = static_cast<float>(meta_.weight);
+    }
+    if (a_.argmax != nullptr) a_.argmax[out_] = s.argmax;
+    if (a_.base_argmax != nullptr) a_.base_argmax[out_] = s.base_argmax;
+  }
+
+  __device__ __forceinline__ void WriteDominoGradient(double g_final,
+                                                      double g_base) {
+    const float gf = static_cast<float>(g_final);
+    const float gb = static_cast<float>(g_base);
+    bool bad = false;
+    for (int64_t i = threadIdx.x; i < p_.vocab; i += kThreads) {
+      const float b = ToF(base_[i]), c = ToF(correction_[i]);
+      const float zf = Final(b, c), zb = transform_(b);
+      const float onehot = i == meta_.target ? 1.0f : 0.0f;
+      const float d_final = transform_.Chain(
+          gf * (expf((zf - final_max_) - final_log_sum_) - onehot), zf);
+      const float d_base = transform_.Chain(
+          gb * (expf((zb - base_max_) - base_log_sum_) - onehot), zb);
+      bad |= !isfinite(d_final + d_base);
+      base_[i] = FromF<T>(d_final + d_base);
+      correction_[i] = FromF<T>(corrected_ ? d_final : 0.0f);
+    }
+    if (bad) ReportError(a_.error, out_, kGradientNotFinite);
+  }
+
+  __device__ __forceinline__ void Add(TermSlot slot, double value) const {
+    if (threadIdx.x == 0) terms_[slot] += value;
+  }
+
+ private:
+  __device__ __forceinline__ float Final(float b, float c) const {
+    return transform_(corrected_ ? ToF(FromF<T>(b + c)) : b);
+  }
+
+  const KernelParams& p_;
+  const ChunkArgs<T>& a_;
+  const int64_t out_;
+  T* const base_;
+  T* const correction_;
+  double* const terms_;
+  const Row meta_;
+  const Transform transform_;
+  const bool corrected_;
+  float final_max_ = 0, base_max_ = 0, final_log_sum_ = 0, base_log_sum_ = 0;
+};
+
+// Domino: DominoPass over each row with a mask; d/d(base) and
+// d/d(correction) in place.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     DominoKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   const int64_t v = p.vocab;
   const int64_t out = OutRow(a.out_rows, r);
-  T* base_row = a.logits + r * a.stride;
-  T* correction_row = a.correction + r * a.stride;
   double* terms = a.row_terms + kTermSlots * r;
-  const Row meta = a.meta[r];
   if (threadIdx.x == 0) {
     for (int j = 0; j < kTermSlots; ++j) terms[j] = 0;
   }
-  if (meta.mask == 0) {
-    ZeroRow(base_row, v);
-    ZeroRow(correction_row, v);
+  if (a.meta[r].mask == 0) {
+    ZeroRow(a.logits + r * a.stride, v);
+    ZeroRow(a.correction + r * a.stride, v);
     if (threadIdx.x == 0) {
       if (a.neg_log_q != nullptr) a.neg_log_q[out] = 0;
       if (a.target_probability != nullptr) a.target_probability[out] = 0;
@@ -909,74 +889,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const Transform transform(p.options);
-  const bool corrected = meta.position >= p.loss.suffix_start;
-  auto final_of = [&](float b, float c) {
-    return transform(corrected ? ToF(FromF<T>(b + c)) : b);
-  };
-  DFLASH_SHARED(float, final_target);
-  DFLASH_SHARED(float, base_target);
-  Online fs, bs;
-  for (int64_t i = threadIdx.x; i < v; i += kThreads) {
-    const float b = ToF(base_row[i]), c = ToF(correction_row[i]);
-    const float zf = final_of(b, c), zb = transform(b);
-    Add(fs, i, zf, 1.0f, false);
-    Add(bs, i, zb, 1.0f, false);
-    if (i == meta.target) {
-      final_target = zf;
-      base_target = zb;
-    }
-  }
-  auto merge = [](Online x, Online y) { return Merge(x, y, 1.0f, false); };
-  fs = BlockReduce(fs, merge);
-  bs = BlockReduce(bs, merge);
-  if (fs.bad || bs.bad) {
-    // As the CPU: the final logits' first bad one, else the base logits'.
-    ReportFirstNonFinite(a.error, out, kLogitNotFinite, v, [&](int64_t i) {
-      const float b = ToF(base_row[i]);
-      return fs.bad ? final_of(b, ToF(correction_row[i])) : transform(b);
-    });
-    return;
-  }
-  const float f_log_sum = logf(fs.sum), b_log_sum = logf(bs.sum);
-  const double ce =
-      (static_cast<double>(fs.max) - final_target) + f_log_sum;
-  const double base_ce =
-      (static_cast<double>(bs.max) - base_target) + b_log_sum;
-  const double w = meta.weight, lambda = p.loss.lambda_base;
-  if (threadIdx.x == 0) {
-    const bool hit = meta.mask > 0.5f && fs.argmax == meta.target;
-    const bool base_hit = meta.mask > 0.5f && bs.argmax == meta.target;
-    terms[kLossNum] = (1 - lambda) * w * ce + lambda * w * base_ce;
-    terms[kLossDen] = w;
-    terms[kCorrect] = hit;
-    terms[kAccuracyDen] = meta.mask;
-    terms[kTargetProbability] = meta.mask * exp(-ce);
-    terms[kCeNum] = w * ce;
-    terms[kBaseCeNum] = w * base_ce;
-    terms[kBaseCorrect] = base_hit;
-    if (a.neg_log_q != nullptr) a.neg_log_q[out] = static_cast<float>(ce);
-    if (a.target_probability != nullptr) a.target_probability[out] = exp(-ce);
-    if (a.loss_weight != nullptr) a.loss_weight[out] = static_cast<float>(w);
-    if (a.argmax != nullptr) a.argmax[out] = fs.argmax;
-    if (a.base_argmax != nullptr) a.base_argmax[out] = bs.argmax;
-  }
-  const float g_final = static_cast<float>((1 - lambda) * w);
-  const float g_base = static_cast<float>(lambda * w);
-  bool bad = false;
-  for (int64_t i = threadIdx.x; i < v; i += kThreads) {
-    const float b = ToF(base_row[i]), c = ToF(correction_row[i]);
-    const float zf = final_of(b, c), zb = transform(b);
-    const float onehot = i == meta.target ? 1.0f : 0.0f;
-    const float d_final = transform.Chain(
-        g_final * (expf((zf - fs.max) - f_log_sum) - onehot), zf);
-    const float d_base = transform.Chain(
-        g_base * (expf((zb - bs.max) - b_log_sum) - onehot), zb);
-    bad |= !isfinite(d_final + d_base);
-    base_row[i] = FromF<T>(d_final + d_base);
-    correction_row[i] = FromF<T>(corrected ? d_final : 0.0f);
-  }
-  if (bad) ReportError(a.error, out, kGradientNotFinite);
+  CudaDominoRow<T> row(p, a, r);
+  DominoPass(row);
 }
 
 // The rows' terms into the totals: one block per total (a row slot, or a

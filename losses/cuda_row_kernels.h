@@ -11,6 +11,7 @@
 
 #include "base/host_device.h"
 #include "losses/loss_params.h"
+#include "losses/term_slots.h"
 
 struct CUstream_st;
 
@@ -47,34 +48,9 @@ struct RowStats {
   int32_t t_argmax = 0;  // Teacher: first index of the maximum.
 };
 
-// Accumulators of ChunkTerms on the device (one kTermSlots row per chunk
-// row in row_terms), named by TermSlot; then, per block position, the sums
-// of the slots PositionSlot names, [K] each, in the order of the per-position
-// terms (losses/chunk_terms.inc, which numbers the slots).
-enum TermSlot : int {
-#define DFLASH_SUMMED_TERM(field, slot, dict, key) slot,
-#define DFLASH_POSITION_SLOT(slot) slot,
-#include "losses/chunk_terms.inc"
-  kTermSlots,
-};
-// LossKernel zeroes the slots from kL1Num on for each row, after TopKKernel
-// wrote these.
-static_assert(kTopKRecall < kL1Num && kTopKMass < kL1Num &&
-              kTeacherTopKMass < kL1Num);
-constexpr int kPositionTerms = 0
-#define DFLASH_POSITION_TERM(field, slot, dict, key) +1
-#include "losses/chunk_terms.inc"
-    ;
-DFLASH_HOST_DEVICE constexpr int PositionSlot(int t) {
-  constexpr int kSlots[kPositionTerms] = {
-#define DFLASH_POSITION_TERM(field, slot, dict, key) slot,
-#include "losses/chunk_terms.inc"
-  };
-  return kSlots[t];
-}
-inline int64_t TotalsSize(int32_t block_size) {
-  return kTermSlots + kPositionTerms * int64_t{block_size};
-}
+// The term slots (TermSlot, kTermSlots, PositionSlot, TotalsSize) are
+// losses/term_slots.h's: one kTermSlots row per chunk row in row_terms,
+// then the totals.
 
 // Errors the kernels report through an atomic minimum of ErrorCode, so the
 // first by kind, then row, then logit wins: a bad input before the
