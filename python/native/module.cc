@@ -14,6 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "proto/config.h"
 #include "proto/config_overrides.h"
 #include "python/native/config_sources.h"
@@ -392,6 +394,15 @@ PYBIND11_MODULE(_core, m) {
             return ToTextFormat(config);
           },
           "The config in text format, as given (defaults not filled).")
+      .def_property_readonly(
+          "loss_den_offset",
+          [](const v1::ObjectiveConfig& config) {
+            return dflash::LossDenOffset(
+                dflash::LossParamsOf(config.loss()).family);
+          },
+          "What the loss family adds to the summed loss_den before dividing "
+          "(domino's 1e-6, else 0): a run's loss_den_offset, known without "
+          "running it.")
       .def("checkpoint_policy", &dp::CheckpointPolicyOf,
            "The checkpoint policy as a dict: rules (preset expanded; each "
            "kind, name, weight_frozen, input_requires_grad, action, None "

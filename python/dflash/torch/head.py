@@ -8,7 +8,8 @@ import torch
 
 from dflash import _core
 from dflash.config import ConfigSource, Override, objective_config
-from dflash.torch.objective import ObjectiveTerms, dflash_objective
+from dflash.torch.objective import (ObjectiveTerms, _checked_objective,
+                                    _is_compiling)
 
 # What a prepared layout was made from: the weight's and the bias's storage
 # and shape.
@@ -70,10 +71,17 @@ class FusedHead(torch.nn.Module):
                 teacher_hidden: Optional[torch.Tensor] = None,
                 confidence_logits: Optional[torch.Tensor] = None,
                 return_rows: bool = False, top_k: int = 0) -> ObjectiveTerms:
-        """dflash_objective over this head's weight, bias and config."""
-        return dflash_objective(
+        """dflash_objective over this head's weight, bias and config.
+
+        Under torch.compile the frozen weight's layout is made and kept by
+        the dflash::objective operator itself (its data pointer is not
+        read in the graph)."""
+        compiling = _is_compiling()
+        return _checked_objective(
             hidden, self.lm_head.weight, target_ids, weight_mask,
-            config=self.config, lm_head_bias=self.lm_head.bias,
+            config=self.config, overrides={}, lm_head_bias=self.lm_head.bias,
             teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
-            prepared_projection=self._prepared_projection(),
-            return_rows=return_rows, top_k=top_k)
+            correction_inputs=None, correction_weight=None,
+            prepared_projection=(None if compiling
+                                 else self._prepared_projection()),
+            prepare=compiling, return_rows=return_rows, top_k=top_k)

@@ -21,6 +21,7 @@ import torch
 
 from dflash import _core
 from dflash.config import ConfigSource, Override, objective_config
+from dflash.torch import _library
 
 
 class HeadStats(TypedDict):
@@ -183,6 +184,10 @@ def _tensor(name: str, value: object) -> torch.Tensor:
     if value.layout != torch.strided:
         raise TypeError(f"{name}: must be a dense (strided) tensor, got "
                         f"{value.layout} (call .to_dense())")
+    if _is_compiling():
+        # Traced, the tensor is a fake one; the binding checks the real
+        # one's memory (meta, negated view) when the operator runs.
+        return value
     if value.is_meta:
         raise TypeError(f"{name}: must hold data, got a meta tensor (shape "
                         "and dtype only)")
@@ -272,6 +277,154 @@ class _RunInfo:
     metrics: Dict[str, torch.Tensor]
 
 
+class _HeadCall(NamedTuple):
+    """One run of the head: its report, gradient buffers (None where not
+    computed), terms (the nine scalar and [K] tensors) and per-row outputs
+    (neg_log_q, argmax, top_k, top_k_values, loss_weight; None where not
+    asked for)."""
+
+    result: Dict[str, Any]
+    grads: Dict[str, Optional[torch.Tensor]]
+    terms: List[torch.Tensor]
+    extras: List[Optional[torch.Tensor]]
+    stream: int
+    top_k_ids: Optional[torch.Tensor]  # extras' top_k as the head wrote it.
+
+
+def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
+              trainable: bool, gradients: bool, hidden: torch.Tensor,
+              weight: torch.Tensor, bias: Optional[torch.Tensor],
+              teacher: Optional[torch.Tensor],
+              confidence: Optional[torch.Tensor], target_ids: torch.Tensor,
+              weight_mask: torch.Tensor,
+              correction_inputs: Optional[torch.Tensor],
+              correction_weight: Optional[torch.Tensor],
+              prepared: Optional[_core.PreparedProjection]) -> _HeadCall:
+    """Runs the head once into fresh buffers (target_ids and weight_mask on
+    the host). `gradients` false: no gradient is kept (forward only)."""
+    rows = tuple(hidden.shape[:3])
+    device = hidden.device
+    wanted = {
+        "grad_hidden": (hidden.shape, hidden.dtype),
+        "grad_weight": (weight.shape, weight.dtype) if trainable else None,
+        "grad_bias": ((bias.shape, bias.dtype)
+                      if trainable and bias is not None else None),
+        "grad_confidence": ((rows, torch.float32)
+                            if confidence is not None else None),
+        "grad_correction_inputs": (
+            (correction_inputs.shape, correction_inputs.dtype)
+            if correction_inputs is not None else None),
+        "grad_correction_weight": (
+            (correction_weight.shape, correction_weight.dtype)
+            if correction_weight is not None else None),
+        "neg_log_q": (rows, torch.float32) if return_rows else None,
+        "argmax": (rows, torch.int32) if return_rows else None,
+        "top_k": (rows + (top_k,), torch.int32) if top_k else None,
+        "top_k_values": ((rows + (top_k,), torch.float32)
+                         if top_k else None),
+        "loss_weight": ((rows, torch.float32)
+                        if return_rows or top_k else None),
+    }
+    made = {name: None if spec is None else _empty(
+                _BUFFER_NAMES.get(name, name), *spec, device)
+            for name, spec in wanted.items()}
+    grads = {name: made[name] for name in _GRADIENTS}
+    outputs = {name: made[name] for name in made if name not in grads}
+    if hidden.is_cuda:
+        _use_torchs_cuda_libraries()
+    stream = (torch.cuda.current_stream(device).cuda_stream
+              if hidden.is_cuda else 0)
+    result = _core.run_objective(
+        config, hidden, weight, target_ids, weight_mask, bias, teacher,
+        confidence, correction_inputs=correction_inputs,
+        correction_weight=correction_weight, prepared=prepared,
+        trainable=trainable, cuda_stream=stream,
+        interruptible=_interruptible(), **grads, **outputs)
+
+    # One host-to-device copy for every scalar term, then a tensor of its
+    # own for each (not views of one: a caller may all_reduce one in
+    # place).
+    scalar_dtype = (torch.float32 if hidden.dtype == torch.bfloat16
+                    else hidden.dtype)
+    if scalar_dtype == torch.float32:
+        for term in ("loss_num", "ce_num", "tv_num"):
+            if abs(result[term]) > torch.finfo(torch.float32).max:
+                raise ValueError(
+                    f"weight_mask: the {term} it weighs, "
+                    f"{result[term]:.6g}, overflows float32 (the terms' "
+                    "dtype); scale weight_mask down")
+    values = torch.tensor(
+        [result["loss_num"], result["loss_den"], result["correct"],
+         result["accuracy_den"], result["target_probability"],
+         result["ce_num"], result["tv_num"]]
+        + result["correct_per_position"] + result["mask_per_position"],
+        dtype=torch.float64)
+    values = values.to(device=device, dtype=scalar_dtype)
+    k = len(result["correct_per_position"])
+    terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
+                                 values[7:7 + k], values[7 + k:],
+                                 values[4], values[5], values[6])]
+    extras = [
+        outputs["neg_log_q"],
+        None if outputs["argmax"] is None else outputs["argmax"].long(),
+        None if outputs["top_k"] is None else outputs["top_k"].long(),
+        outputs["top_k_values"],
+        outputs["loss_weight"],
+    ]
+    return _HeadCall(result, grads if gradients else dict.fromkeys(grads),
+                     terms, extras, stream, outputs["top_k"])
+
+
+def _tie_to_error(inputs: Sequence[Optional[torch.Tensor]],
+                  grad_outputs: Sequence[Any],
+                  grads: Tuple[Optional[torch.Tensor], ...]
+                  ) -> Tuple[Optional[torch.Tensor], ...]:
+    """`grads` as backward returns them with create_graph=True: they come
+    back, but differentiating them again raises (as torch's
+    once_differentiable, naming dflash_objective). Each is tied to the
+    inputs by a term that is exactly 0, so that a second pass from any of
+    them reaches the error (instead of finding no path and giving zeros, as
+    for torch.autograd.functional.hvp)."""
+    tied_to = [t for t in inputs if t is not None and t.requires_grad]
+    tied_to += [g for g in grad_outputs
+                if isinstance(g, torch.Tensor) and g.requires_grad]
+    zero = sum(t.reshape(-1)[:0].sum() for t in tied_to)
+    error = torch._C._functions.DelayedError(
+        "dflash_objective: double backward is not supported (its "
+        "gradients are computed by the fused head, not by autograd ops)",
+        len(grads))
+
+    def tied(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None:
+            return None
+        grad = grad.detach()
+        if isinstance(zero, torch.Tensor):
+            return grad + zero.to(grad.dtype)
+        grad.requires_grad = True
+        return grad
+
+    # DelayedError passes None (no gradient) through, though torch's type
+    # annotations declare Tensor.
+    return error(*[tied(g) for g in grads])  # type: ignore[arg-type]
+
+
+def _top_k_value_backward(config: _core.ObjectiveConfig,
+                          hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], ids: torch.Tensor,
+                          values: torch.Tensor, grad_values: torch.Tensor,
+                          grad_hidden: torch.Tensor,
+                          grad_weight: Optional[torch.Tensor],
+                          grad_bias: Optional[torch.Tensor],
+                          trainable: bool) -> None:
+    """Adds d(objective)/d(top-k values) to the gradients, in place, on
+    torch's current stream."""
+    stream = (torch.cuda.current_stream(hidden.device).cuda_stream
+              if hidden.is_cuda else 0)
+    _core.top_k_value_backward(
+        config, hidden, weight, bias, ids, values, grad_values, grad_hidden,
+        grad_weight, grad_bias, trainable=trainable, cuda_stream=stream)
+
+
 class _Objective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, config: _core.ObjectiveConfig, top_k: int,
@@ -286,76 +439,11 @@ class _Objective(torch.autograd.Function):
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
-        rows = tuple(hidden.shape[:3])
-        device = hidden.device
-
-        wanted = {
-            "grad_hidden": (hidden.shape, hidden.dtype),
-            "grad_weight": (weight.shape, weight.dtype) if trainable else None,
-            "grad_bias": ((bias.shape, bias.dtype)
-                          if trainable and bias is not None else None),
-            "grad_confidence": ((rows, torch.float32)
-                                if confidence is not None else None),
-            "grad_correction_inputs": (
-                (correction_inputs.shape, correction_inputs.dtype)
-                if correction_inputs is not None else None),
-            "grad_correction_weight": (
-                (correction_weight.shape, correction_weight.dtype)
-                if correction_weight is not None else None),
-            "neg_log_q": (rows, torch.float32) if return_rows else None,
-            "argmax": (rows, torch.int32) if return_rows else None,
-            "top_k": (rows + (top_k,), torch.int32) if top_k else None,
-            "top_k_values": ((rows + (top_k,), torch.float32)
-                             if top_k else None),
-            "loss_weight": ((rows, torch.float32)
-                            if return_rows or top_k else None),
-        }
-        made = {name: None if spec is None else _empty(
-                    _BUFFER_NAMES.get(name, name), *spec, device)
-                for name, spec in wanted.items()}
-        grads = {name: made[name] for name in _GRADIENTS}
-        outputs = {name: made[name] for name in made if name not in grads}
-        if hidden.is_cuda:
-            _use_torchs_cuda_libraries()
-        stream = (torch.cuda.current_stream(device).cuda_stream
-                  if hidden.is_cuda else 0)
-        result = _core.run_objective(
-            config, hidden, weight, target_ids, weight_mask, bias, teacher,
-            confidence, correction_inputs=correction_inputs,
-            correction_weight=correction_weight, prepared=prepared,
-            trainable=trainable, cuda_stream=stream,
-            interruptible=_interruptible(), **grads, **outputs)
-
-        # One host-to-device copy for every scalar term, then a tensor of its
-        # own for each (not views of one: a caller may all_reduce one in
-        # place).
-        scalar_dtype = (torch.float32 if hidden.dtype == torch.bfloat16
-                        else hidden.dtype)
-        if scalar_dtype == torch.float32:
-            for term in ("loss_num", "ce_num", "tv_num"):
-                if abs(result[term]) > torch.finfo(torch.float32).max:
-                    raise ValueError(
-                        f"weight_mask: the {term} it weighs, "
-                        f"{result[term]:.6g}, overflows float32 (the terms' "
-                        "dtype); scale weight_mask down")
-        values = torch.tensor(
-            [result["loss_num"], result["loss_den"], result["correct"],
-             result["accuracy_den"], result["target_probability"],
-             result["ce_num"], result["tv_num"]]
-            + result["correct_per_position"] + result["mask_per_position"],
-            dtype=torch.float64)
-        values = values.to(device=device, dtype=scalar_dtype)
-        k = len(result["correct_per_position"])
-        terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
-                                     values[7:7 + k], values[7 + k:],
-                                     values[4], values[5], values[6])]
-        extras = [
-            outputs["neg_log_q"],
-            None if outputs["argmax"] is None else outputs["argmax"].long(),
-            None if outputs["top_k"] is None else outputs["top_k"].long(),
-            outputs["top_k_values"],
-            outputs["loss_weight"],
-        ]
+        call = _run_head(config, top_k, return_rows, trainable, True, hidden,
+                         weight, bias, teacher, confidence, target_ids,
+                         weight_mask, correction_inputs, correction_weight,
+                         prepared)
+        result, grads, terms, extras = call[:4]
         run_info.stats = result["stats"]
         run_info.lk_kl_weight = result["lk_kl_weight"]
         run_info.family_terms = result["family_terms"]
@@ -363,13 +451,14 @@ class _Objective(torch.autograd.Function):
         run_info.metrics = {
             name: torch.tensor(value, dtype=torch.float64)
             for name, value in result["diagnostics"].items()}
+        stream = call.stream
         # The head's gradients are of loss_num / loss_denominator.
         ctx.den = result["loss_denominator"]
         ctx.config = config
         ctx.trainable = trainable
         ctx.stream = stream
         returned = terms + [e for e in extras if e is not None]
-        top_k_values = outputs["top_k_values"]
+        top_k_values = extras[3]
         # The top-k values carry a gradient back through the projection's
         # rows they came from (their backward is a sparse update).
         ctx.values_at = None
@@ -380,7 +469,7 @@ class _Objective(torch.autograd.Function):
         # second backward without retain_graph raises as torch's own ops do.
         ctx.save_for_backward(
             *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
-            top_k_values, outputs["top_k"], confidence, correction_inputs,
+            top_k_values, call.top_k_ids, confidence, correction_inputs,
             correction_weight)
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
@@ -396,35 +485,8 @@ class _Objective(torch.autograd.Function):
             grads = _Objective._gradients(ctx, *grad_outputs)
         if not torch.is_grad_enabled():
             return grads
-        # create_graph=True: the gradients come back, but differentiating
-        # them again raises (as torch's once_differentiable, naming us).
-        # Each is tied to the inputs by a term that is exactly 0, so that a
-        # second pass from any of them reaches the error (instead of
-        # finding no path and giving zeros, as for torch.autograd.
-        # functional.hvp).
         saved = ctx.saved_tensors[len(_GRADIENTS):]
-        inputs = [t for t in saved[:3] + saved[5:]
-                  if t is not None and t.requires_grad]
-        inputs += [g for g in grad_outputs
-                   if isinstance(g, torch.Tensor) and g.requires_grad]
-        zero = sum(t.reshape(-1)[:0].sum() for t in inputs)
-        error = torch._C._functions.DelayedError(
-            "dflash_objective: double backward is not supported (its "
-            "gradients are computed by the fused head, not by autograd ops)",
-            len(grads))
-
-        def tied(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if grad is None:
-                return None
-            grad = grad.detach()
-            if isinstance(zero, torch.Tensor):
-                return grad + zero.to(grad.dtype)
-            grad.requires_grad = True
-            return grad
-
-        # DelayedError passes None (no gradient) through, though torch's type
-        # annotations declare Tensor.
-        return error(*[tied(g) for g in grads])  # type: ignore[arg-type]
+        return _tie_to_error(saved[:3] + saved[5:], grad_outputs, grads)
 
     @staticmethod
     def _gradients(ctx: Any, grad_num: torch.Tensor,
@@ -465,12 +527,12 @@ class _Objective(torch.autograd.Function):
                 grad_weight = torch.zeros_like(weight)
             if trainable and bias is not None and grad_bias is None:
                 grad_bias = torch.zeros_like(bias)
-            _core.top_k_value_backward(
+            _top_k_value_backward(
                 ctx.config, hidden, weight, bias, ids, values,
                 grad_values.float().contiguous(), grad_hidden,
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
-                trainable=trainable, cuda_stream=ctx.stream)
+                trainable)
             grad_hidden = grad_hidden if needs[4] else None
             grad_weight = grad_weight if needs[5] else None
             grad_bias = grad_bias if needs[6] else None
@@ -530,6 +592,29 @@ def dflash_objective(
     stops the call before its next GEMM and raises KeyboardInterrupt. In a
     forked child (a data-loader worker) the call runs on one thread.
     """
+    return _checked_objective(
+        hidden, lm_head_weight, target_ids, weight_mask, config=config,
+        overrides=overrides, lm_head_bias=lm_head_bias,
+        teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
+        correction_inputs=correction_inputs,
+        correction_weight=correction_weight,
+        prepared_projection=prepared_projection, prepare=False,
+        return_rows=return_rows, top_k=top_k)
+
+
+def _checked_objective(
+        hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+        target_ids: torch.Tensor, weight_mask: torch.Tensor, *,
+        config: ConfigSource, overrides: Dict[str, Override],
+        lm_head_bias: Optional[torch.Tensor],
+        teacher_hidden: Optional[torch.Tensor],
+        confidence_logits: Optional[torch.Tensor],
+        correction_inputs: Optional[torch.Tensor],
+        correction_weight: Optional[torch.Tensor],
+        prepared_projection: Optional[_core.PreparedProjection],
+        prepare: bool, return_rows: Any, top_k: Any) -> ObjectiveTerms:
+    """dflash_objective (and FusedHead, with `prepare`): the arguments
+    checked, then _objective_terms."""
     hidden = _tensor("hidden", hidden)
     lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
     target_ids = _tensor("target_ids", target_ids)
@@ -551,13 +636,71 @@ def dflash_objective(
     if not 0 <= top_k <= min(64, vocab):
         raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
                          f"got {top_k!r}")
-    resolved = objective_config(config, **overrides)
-    run_info = _RunInfo()
-    results = _Objective.apply(
-        resolved, top_k, bool(return_rows), run_info, hidden, lm_head_weight,
-        lm_head_bias, teacher_hidden, confidence_logits, _on_host(target_ids),
-        _on_host(weight_mask), correction_inputs, correction_weight,
-        prepared_projection)
+    return _objective_terms(
+        hidden, lm_head_weight, target_ids, weight_mask, config=config,
+        overrides=overrides, lm_head_bias=lm_head_bias,
+        teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
+        correction_inputs=correction_inputs,
+        correction_weight=correction_weight,
+        prepared_projection=prepared_projection, prepare=prepare,
+        return_rows=bool(return_rows), top_k=top_k)
+
+
+def _config_facts(config: ConfigSource, overrides: Tuple[Tuple[str, Any], ...]
+                  ) -> Tuple[str, float]:
+    """The resolved config's text and loss_den_offset. Under torch.compile a
+    constant of the trace (torch.compiler.assume_constant_result): the
+    config is read once per compiled graph."""
+    resolved = objective_config(config, **dict(overrides))
+    return resolved.text, resolved.loss_den_offset
+
+
+if _library.SUPPORTED:
+    _config_facts = (
+        torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+            _config_facts))
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return bool(compiler.is_compiling())
+    return False
+
+
+def _objective_terms(
+        hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+        target_ids: torch.Tensor, weight_mask: torch.Tensor, *,
+        config: ConfigSource, overrides: Dict[str, Override],
+        lm_head_bias: Optional[torch.Tensor],
+        teacher_hidden: Optional[torch.Tensor],
+        confidence_logits: Optional[torch.Tensor],
+        correction_inputs: Optional[torch.Tensor],
+        correction_weight: Optional[torch.Tensor],
+        prepared_projection: Optional[_core.PreparedProjection],
+        prepare: bool, return_rows: bool, top_k: int) -> ObjectiveTerms:
+    """dflash_objective's run, its arguments checked: through the
+    dflash::objective operator where torch has torch.library.custom_op,
+    else through _Objective. With `prepare` (FusedHead under torch.compile)
+    the operator lays a frozen float32 CPU weight out itself and keeps it."""
+    if _library.SUPPORTED:
+        results, report = _through_operator(
+            hidden, lm_head_weight, target_ids, weight_mask, config,
+            overrides, lm_head_bias, teacher_hidden, confidence_logits,
+            correction_inputs, correction_weight, prepared_projection,
+            prepare, return_rows, top_k)
+        lk_kl_weight, metrics, family_terms, stats, loss_den_offset = report
+    else:
+        resolved = objective_config(config, **overrides)
+        run_info = _RunInfo()
+        results = _Objective.apply(
+            resolved, top_k, return_rows, run_info, hidden, lm_head_weight,
+            lm_head_bias, teacher_hidden, confidence_logits,
+            _on_host(target_ids), _on_host(weight_mask), correction_inputs,
+            correction_weight, prepared_projection)
+        lk_kl_weight, metrics = run_info.lk_kl_weight, run_info.metrics
+        family_terms, stats = run_info.family_terms, run_info.stats
+        loss_den_offset = run_info.loss_den_offset
     loss_num, loss_den, correct_num, accuracy_den = results[:4]
     position_correct, position_den, probability, ce_num, tv_num = results[4:9]
     extras = iter(results[9:])
@@ -575,11 +718,59 @@ def dflash_objective(
     diagnostics = ObjectiveDiagnostics(
         position_correct=position_correct, position_den=position_den,
         target_probability_num=probability, ce_loss_num=ce_num,
-        tv_loss_num=tv_num, lk_kl_weight=run_info.lk_kl_weight,
-        metrics=run_info.metrics, family_terms=run_info.family_terms,
-        stats=run_info.stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
+        tv_loss_num=tv_num, lk_kl_weight=lk_kl_weight,
+        metrics=metrics, family_terms=family_terms,
+        stats=stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
         top_k_values=values, target_is_candidate=is_candidate,
         target_candidate_index=index, loss_weight=loss_weight)
     return ObjectiveTerms(loss_num, loss_den, correct_num, accuracy_den,
-                          loss_den_offset=run_info.loss_den_offset,
+                          loss_den_offset=loss_den_offset,
                           diagnostics=diagnostics)
+
+
+def _through_operator(
+        hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
+        weight_mask: torch.Tensor, config: ConfigSource,
+        overrides: Dict[str, Override], bias: Optional[torch.Tensor],
+        teacher: Optional[torch.Tensor], confidence: Optional[torch.Tensor],
+        correction_inputs: Optional[torch.Tensor],
+        correction_weight: Optional[torch.Tensor],
+        prepared: Optional[_core.PreparedProjection], prepare: bool,
+        return_rows: bool, top_k: int
+        ) -> Tuple[List[torch.Tensor], Tuple[Any, ...]]:
+    """The run as torch.ops.dflash.objective: the results _Objective
+    returns (the terms, then the per-row outputs asked for) and the report
+    (lk_kl_weight, metrics, family_terms, stats, loss_den_offset)."""
+    text, loss_den_offset = _config_facts(
+        config, tuple(sorted(overrides.items())))
+    differentiable = (hidden, weight, bias, confidence, correction_inputs,
+                      correction_weight)
+    # Forward only under torch.no_grad(), torch.inference_mode() or when no
+    # input needs a gradient: the head computes no gradient at all.
+    gradients = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in differentiable)
+    trainable = gradients and (weight.requires_grad or (
+        bias is not None and bias.requires_grad))
+    handle = _library.AUTO if prepare else _library.prepared_handle(prepared)
+    outputs = _library.OBJECTIVE(
+        hidden, weight, target_ids, weight_mask, bias, teacher, confidence,
+        correction_inputs, correction_weight, text, top_k, return_rows,
+        trainable, gradients, handle)
+    at = _library.OUTPUTS.index
+    results = list(outputs[:at("neg_log_q")])
+    for name, wanted in (("neg_log_q", return_rows), ("argmax", return_rows),
+                         ("top_k", top_k > 0), ("top_k_values", top_k > 0),
+                         ("loss_weight", return_rows or top_k > 0)):
+        if wanted:
+            results.append(outputs[at(name)])
+    info = outputs[at("info")]
+    k = hidden.shape[2]
+    report: Tuple[Any, Any, Any, Dict[str, torch.Tensor]]
+    if _is_compiling():
+        # .tolist() would end the graph: the report is read when used.
+        report = _library.lazy_report(info, k)
+    else:
+        report = _library.decode_info(info, k, _library.latest_times())
+    stats, lk_kl_weight, family_terms, metrics = report
+    return results, (lk_kl_weight, metrics, family_terms, stats,
+                     loss_den_offset)

@@ -1,0 +1,524 @@
+"""dflash_objective as a PyTorch operator (torch >= 2.4): `dflash::objective`
+and `dflash::top_k_value_backward`, registered through torch.library
+(custom_op, register_fake, register_autograd), so that torch.compile traces
+a step that calls dflash_objective or FusedHead without a graph break.
+
+The operators take only what torch's schemas carry: tensors, the resolved
+config as text, ints and bools. They return fixed lists of fresh tensors
+(an output a call does not ask for is empty): the terms, the per-row
+outputs, the run's report packed into one float64 CPU tensor (`info`,
+decoded by `decode_info`), the gradient scale, and the head's gradients
+(of loss_num / loss_den, computed in forward as the FUSED head computes
+them; autograd's backward scales them). With `gradients` false the head
+runs forward only and the gradient outputs are empty.
+
+torch 1.13 (no torch.library.custom_op) keeps objective.py's
+autograd.Function: `SUPPORTED` says which is in use.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple)
+
+import torch
+
+from dflash import _core
+
+# torch >= 2.4: custom_op, register_fake and register_autograd.
+SUPPORTED = all(hasattr(getattr(torch, "library", None), name)
+                for name in ("custom_op", "register_fake",
+                             "register_autograd"))
+
+# The outputs of dflash::objective, in order.
+OUTPUTS = ("loss_num", "loss_den", "correct_num", "accuracy_den",
+           "position_correct", "position_den", "target_probability_num",
+           "ce_loss_num", "tv_loss_num", "neg_log_q", "argmax", "top_k",
+           "top_k_values", "loss_weight", "info", "scale_den", "grad_hidden",
+           "grad_weight", "grad_bias", "grad_confidence",
+           "grad_correction_inputs", "grad_correction_weight")
+_AT = {name: i for i, name in enumerate(OUTPUTS)}
+_GRAD_OUTPUTS = OUTPUTS[_AT["grad_hidden"]:]
+
+# The op's tensor inputs, in order (their gradients come back in it).
+_INPUTS = ("hidden", "weight", "target_ids", "weight_mask", "bias",
+           "teacher_hidden", "confidence_logits", "correction_inputs",
+           "correction_weight")
+
+# HeadStats' numeric fields, in `info`'s order (mode is an index into
+# _MODES, proto/head.proto's ExecutionMode). The run's times are not in it:
+# an operator's outputs are a function of its inputs (torch.library.opcheck
+# runs it twice and compares), so they go beside it (_TIMES).
+_STATS = ("mode", "chunks", "projected_rows", "gemm_calls", "gemm_passes",
+          "segment_recomputes", "peak_bytes", "threads")
+_TIMED = ("forward_seconds", "backward_seconds")
+_INT_STATS = ("chunks", "projected_rows", "gemm_calls", "segment_recomputes",
+              "peak_bytes", "threads")
+_MODES = ("MODE_UNSPECIFIED", "MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
+          "SELECTIVE", "FUSED")
+# FamilyTerms: scalars, then [K] lists.
+_FAMILY_SCALARS = ("l1_loss_num", "confidence_loss_num",
+                   "confidence_abs_error_num", "teacher_top1_num",
+                   "draft_top1_num", "dpard_loss_num", "base_num",
+                   "base_correct_num", "accept_num", "base_accept_num",
+                   "accept_den")
+_FAMILY_POSITIONS = ("ce_position_num", "dpard_credit_position_num")
+# ObjectiveDiagnostics.metrics: [K] tensors, then 0-dim ones.
+_METRIC_POSITIONS = ("target_probability_per_position",
+                     "loss_weight_per_position", "top_k_recall_per_position",
+                     "top_k_mass_per_position",
+                     "teacher_acceptance_per_position",
+                     "teacher_agreement_per_position",
+                     "teacher_top_k_mass_per_position")
+_METRIC_SCALARS = ("block_den", "expected_accepted_length_num",
+                   "oracle_accepted_length_num",
+                   "teacher_expected_accepted_length_num")
+# info = stats, whether the loss has an lk_kl_weight (1 or 0), the weight
+# (0 if none), loss_den_offset, family scalars, family positions, metric
+# positions, metric scalars. (Not NaN for none: opcheck compares outputs,
+# and NaN differs from itself.)
+_HEAD = len(_STATS) + 3 + len(_FAMILY_SCALARS)
+
+
+def info_size(k: Any) -> Any:
+    """The length of `info` for block size k (an int or a SymInt)."""
+    return (_HEAD + len(_METRIC_SCALARS)
+            + (len(_FAMILY_POSITIONS) + len(_METRIC_POSITIONS)) * k)
+
+
+# The times of this thread's latest run (HeadStats' forward_seconds and
+# backward_seconds).
+_TIMES = threading.local()
+
+
+def latest_times() -> Dict[str, float]:
+    """forward_seconds and backward_seconds of this thread's latest run."""
+    return dict(getattr(_TIMES, "value", dict.fromkeys(_TIMED, 0.0)))
+
+
+def encode_info(result: Dict[str, Any], k: int) -> torch.Tensor:
+    """The head's report (run_objective's dict) as `info`; its times kept
+    apart (latest_times)."""
+    stats = result["stats"]
+    _TIMES.value = {name: float(stats[name]) for name in _TIMED}
+    family = result["family_terms"]
+    metrics = result["diagnostics"]
+    lk = result["lk_kl_weight"]
+    values: List[float] = [float(_MODES.index(stats["mode"]))]
+    values += [float(stats[name]) for name in _STATS[1:]]
+    values += [0.0 if lk is None else 1.0, 0.0 if lk is None else float(lk),
+               float(result["loss_den_offset"])]
+    values += [float(family[name]) for name in _FAMILY_SCALARS]
+    for name in _FAMILY_POSITIONS:
+        values += [float(v) for v in family[name]]
+    for name in _METRIC_POSITIONS:
+        values += [float(v) for v in metrics[name]]
+    values += [float(metrics[name]) for name in _METRIC_SCALARS]
+    assert len(values) == info_size(k)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def decode_info(info: torch.Tensor, k: int,
+                times: Dict[str, float]) -> Tuple[
+        Dict[str, Any], Optional[float], Dict[str, Any],
+        Dict[str, torch.Tensor]]:
+    """`info` and the run's `times` as (stats, lk_kl_weight, family_terms,
+    metrics), as the autograd.Function path returns them (Python numbers;
+    metrics float64 CPU tensors of their own)."""
+    values = info.tolist()
+    at = 0
+
+    def take(n: int) -> List[float]:
+        nonlocal at
+        at += n
+        return values[at - n:at]
+
+    stats: Dict[str, Any] = dict(zip(_STATS, take(len(_STATS))))
+    stats["mode"] = _MODES[int(stats["mode"])]
+    for name in _INT_STATS:
+        stats[name] = int(stats[name])
+    stats.update(times)
+    # HeadStats' order.
+    order = ("mode", "chunks", "projected_rows", "gemm_calls", "gemm_passes",
+             "segment_recomputes", "peak_bytes") + _TIMED + ("threads",)
+    stats = {name: stats[name] for name in order}
+    has_lk, lk, _offset = take(3)
+    family: Dict[str, Any] = dict(zip(_FAMILY_SCALARS,
+                                      take(len(_FAMILY_SCALARS))))
+    for name in _FAMILY_POSITIONS:
+        family[name] = take(k)
+    metrics = {name: torch.tensor(take(k), dtype=torch.float64)
+               for name in _METRIC_POSITIONS}
+    metrics.update({name: torch.tensor(value, dtype=torch.float64)
+                    for name, value in zip(_METRIC_SCALARS,
+                                           take(len(_METRIC_SCALARS)))})
+    return stats, lk if has_lk else None, family, metrics
+
+
+class LazyReport(Mapping[str, Any]):
+    """HeadStats or FamilyTerms read from `info` when first used: what a
+    call under torch.compile returns (decoding in the graph would end it)."""
+
+    def __init__(self, info: torch.Tensor, k: Any, part: int) -> None:
+        self._info = info
+        self._k = k
+        self._part = part  # 0: stats, 2: family_terms (decode_info's).
+        self._values: Optional[Dict[str, Any]] = None
+
+    def _decoded(self) -> Dict[str, Any]:
+        if self._values is None:
+            # The times are the latest run's on this thread when first read.
+            decoded = decode_info(self._info, int(self._k), latest_times())
+            self._values = decoded[0] if self._part == 0 else decoded[2]
+        return self._values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._decoded()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+    def __len__(self) -> int:
+        return len(self._decoded())
+
+    def __repr__(self) -> str:
+        return repr(self._decoded())
+
+
+def lazy_report(info: torch.Tensor, k: Any) -> Tuple[
+        Any, torch.Tensor, Any, Dict[str, torch.Tensor]]:
+    """decode_info's (stats, lk_kl_weight, family_terms, metrics) without
+    leaving the graph: stats (forward_seconds and backward_seconds those of
+    this thread's latest run when first read) and family_terms are
+    LazyReports, lk_kl_weight
+    a 0-dim float64 tensor (NaN where the loss has none), metrics slices of
+    `info`."""
+    at = _HEAD + len(_FAMILY_POSITIONS) * k
+    metrics: Dict[str, torch.Tensor] = {}
+    for name in _METRIC_POSITIONS:
+        metrics[name] = info[at:at + k].clone()
+        at = at + k
+    for name in _METRIC_SCALARS:
+        metrics[name] = info[at].clone()
+        at = at + 1
+    lk = torch.where(info[len(_STATS)] > 0, info[len(_STATS) + 1],
+                     torch.full_like(info[0], float("nan")))
+    return LazyReport(info, k, 0), lk, LazyReport(info, k, 2), metrics
+
+
+@functools.lru_cache(maxsize=64)
+def config_of_text(text: str) -> _core.ObjectiveConfig:
+    """The resolved config an op call names by its text (parsed once)."""
+    return _core.ObjectiveConfig.from_text(text, "config")
+
+
+# Prepared projections an op call names by a handle: 0 none, AUTO the
+# op's own layout of a frozen float32 CPU weight (kept per weight, for
+# FusedHead under torch.compile), else id() of one registered by
+# `prepared_handle`, for as long as the caller keeps it.
+AUTO = 1
+_REGISTERED: "weakref.WeakValueDictionary[int, _core.PreparedProjection]" = (
+    weakref.WeakValueDictionary())
+_AUTO_LAYOUTS: Dict[Tuple[Any, ...], _core.PreparedProjection] = {}
+_AUTO_KEEP = 4  # Layouts kept (the oldest dropped first).
+
+
+def _prepared_handle(prepared: Optional[_core.PreparedProjection]) -> int:
+    """The op's handle of `prepared` (0 for None). Under torch.compile a
+    constant of the trace."""
+    if prepared is None:
+        return 0
+    _REGISTERED[id(prepared)] = prepared
+    return id(prepared)
+
+
+prepared_handle = (
+    torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+        _prepared_handle) if SUPPORTED else _prepared_handle)
+
+
+def _prepared_of(handle: int, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]
+                 ) -> Optional[_core.PreparedProjection]:
+    if handle == 0:
+        return None
+    if handle != AUTO:
+        prepared = _REGISTERED.get(handle)
+        if prepared is None:
+            raise ValueError(
+                "prepared_projection: the PreparedProjection this call was "
+                "traced with no longer exists (keep it alive as long as the "
+                "compiled function is used)")
+        return prepared
+    if (weight.requires_grad or weight.is_cuda
+            or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or (bias is not None and bias.requires_grad)):
+        return None
+    key = (weight.data_ptr(), tuple(weight.shape),
+           None if bias is None else (bias.data_ptr(), tuple(bias.shape)))
+    prepared = _AUTO_LAYOUTS.pop(key, None)
+    if prepared is None:
+        # A weight changed in place is laid out again by the call (its
+        # checksum); a new weight at an old address alike.
+        prepared = _core.PreparedProjection(weight, bias)
+    _AUTO_LAYOUTS[key] = prepared
+    while len(_AUTO_LAYOUTS) > _AUTO_KEEP:
+        del _AUTO_LAYOUTS[next(iter(_AUTO_LAYOUTS))]
+    return prepared
+
+
+def _empty_like_none(dtype: torch.dtype, device: torch.device
+                     ) -> torch.Tensor:
+    return torch.empty((0,), dtype=dtype, device=device)
+
+
+def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor],
+                 confidence: Optional[torch.Tensor],
+                 correction_inputs: Optional[torch.Tensor],
+                 correction_weight: Optional[torch.Tensor], top_k: int,
+                 return_rows: bool, trainable: bool, gradients: bool
+                 ) -> List[Tuple[Sequence[Any], torch.dtype, torch.device]]:
+    """Each output's (shape, dtype, device); shape (0,) where not asked for.
+    Shapes may be symbolic (fake tensors)."""
+    device = hidden.device
+    cpu = torch.device("cpu")
+    rows = tuple(hidden.shape[:3])
+    k = hidden.shape[2]
+    scalar = torch.float32 if hidden.dtype == torch.bfloat16 else hidden.dtype
+    none: Tuple[int, ...] = (0,)
+    specs: List[Tuple[Sequence[Any], torch.dtype, torch.device]] = [
+        ((), scalar, device)] * 4
+    specs += [((k,), scalar, device)] * 2 + [((), scalar, device)] * 3
+    specs += [
+        (rows if return_rows else none, torch.float32, device),
+        (rows if return_rows else none, torch.int64, device),
+        (rows + (top_k,) if top_k else none, torch.int64, device),
+        (rows + (top_k,) if top_k else none, torch.float32, device),
+        (rows if return_rows or top_k else none, torch.float32, device),
+        ((info_size(k),), torch.float64, cpu),
+        ((), scalar, device),
+    ]
+    train = gradients and trainable
+    specs += [
+        (hidden.shape if gradients else none, hidden.dtype, device),
+        (weight.shape if train else none, weight.dtype, device),
+        (bias.shape if train and bias is not None else none,
+         weight.dtype if bias is None else bias.dtype, device),
+        (rows if gradients and confidence is not None else none,
+         torch.float32, device),
+        (correction_inputs.shape
+         if gradients and correction_inputs is not None else none,
+         hidden.dtype if correction_inputs is None
+         else correction_inputs.dtype, device),
+        (correction_weight.shape
+         if gradients and correction_weight is not None else none,
+         hidden.dtype if correction_weight is None
+         else correction_weight.dtype, device),
+    ]
+    return specs
+
+
+_SCHEMA = (
+    "(Tensor hidden, Tensor weight, Tensor target_ids, Tensor weight_mask, "
+    "Tensor? bias, Tensor? teacher_hidden, Tensor? confidence_logits, "
+    "Tensor? correction_inputs, Tensor? correction_weight, str config, "
+    "int top_k, bool return_rows, bool trainable, bool gradients, "
+    "int prepared) -> (" + ", ".join(["Tensor"] * len(OUTPUTS)) + ")")
+
+_BACKWARD_SCHEMA = (
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor top_k, "
+    "Tensor top_k_values, Tensor grad_values, str config, bool trainable) "
+    "-> (Tensor, Tensor, Tensor)")
+
+
+def _objective() -> Any:
+    # Imported at call time: objective.py imports this module.
+    from dflash.torch import objective
+    return objective
+
+
+def _register() -> Tuple[Any, Any]:
+    @torch.library.custom_op("dflash::objective", mutates_args=(),
+                             schema=_SCHEMA)
+    def objective_op(hidden: torch.Tensor, weight: torch.Tensor,
+                     target_ids: torch.Tensor, weight_mask: torch.Tensor,
+                     bias: Optional[torch.Tensor],
+                     teacher_hidden: Optional[torch.Tensor],
+                     confidence_logits: Optional[torch.Tensor],
+                     correction_inputs: Optional[torch.Tensor],
+                     correction_weight: Optional[torch.Tensor], config: str,
+                     top_k: int, return_rows: bool, trainable: bool,
+                     gradients: bool, prepared: int
+                     ) -> Tuple[torch.Tensor, ...]:
+        objective = _objective()
+        run = objective._run_head(
+            config_of_text(config), top_k, return_rows, trainable, gradients,
+            hidden, weight, bias, teacher_hidden, confidence_logits,
+            objective._on_host(target_ids), objective._on_host(weight_mask),
+            correction_inputs, correction_weight,
+            _prepared_of(prepared, weight, bias))
+        device = hidden.device
+        k = hidden.shape[2]
+        extras = dict(zip(("neg_log_q", "argmax", "top_k", "top_k_values",
+                           "loss_weight"), run.extras))
+        outputs: List[torch.Tensor] = list(run.terms)
+        for name, (_, dtype, where) in zip(
+                OUTPUTS[len(outputs):_AT["info"]],
+                output_specs(hidden, weight, bias, confidence_logits,
+                             correction_inputs, correction_weight, top_k,
+                             return_rows, trainable,
+                             gradients)[len(outputs):_AT["info"]]):
+            value = extras[name]
+            outputs.append(_empty_like_none(dtype, where) if value is None
+                           else value)
+        outputs.append(encode_info(run.result, k))
+        scalar = outputs[0].dtype
+        outputs.append(torch.tensor(run.result["loss_denominator"],
+                                    dtype=torch.float64).to(device, scalar))
+        specs = output_specs(hidden, weight, bias, confidence_logits,
+                             correction_inputs, correction_weight, top_k,
+                             return_rows, trainable, gradients)
+        for name, (_, dtype, where) in zip(_GRAD_OUTPUTS,
+                                           specs[_AT["grad_hidden"]:]):
+            value = run.grads[name] if gradients else None
+            outputs.append(_empty_like_none(dtype, where) if value is None
+                           else value)
+        return tuple(outputs)
+
+    @objective_op.register_fake
+    def _(hidden: torch.Tensor, weight: torch.Tensor,
+          target_ids: torch.Tensor, weight_mask: torch.Tensor,
+          bias: Optional[torch.Tensor],
+          teacher_hidden: Optional[torch.Tensor],
+          confidence_logits: Optional[torch.Tensor],
+          correction_inputs: Optional[torch.Tensor],
+          correction_weight: Optional[torch.Tensor], config: str,
+          top_k: int, return_rows: bool, trainable: bool, gradients: bool,
+          prepared: int) -> Tuple[torch.Tensor, ...]:
+        return tuple(
+            hidden.new_empty(shape, dtype=dtype, device=device)
+            for shape, dtype, device in output_specs(
+                hidden, weight, bias, confidence_logits, correction_inputs,
+                correction_weight, top_k, return_rows, trainable, gradients))
+
+    @torch.library.custom_op("dflash::top_k_value_backward", mutates_args=(),
+                             schema=_BACKWARD_SCHEMA)
+    def top_k_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], top_k: torch.Tensor,
+                          top_k_values: torch.Tensor,
+                          grad_values: torch.Tensor, config: str,
+                          trainable: bool) -> Tuple[torch.Tensor, ...]:
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = (torch.zeros_like(weight) if trainable
+                       else weight.new_empty((0,)))
+        grad_bias = (torch.zeros_like(bias)
+                     if trainable and bias is not None
+                     else weight.new_empty((0,)))
+        _objective()._top_k_value_backward(
+            config_of_text(config), hidden, weight, bias, top_k.int(),
+            top_k_values, grad_values.float().contiguous(), grad_hidden,
+            grad_weight if trainable else None,
+            grad_bias if trainable and bias is not None else None, trainable)
+        return grad_hidden, grad_weight, grad_bias
+
+    @top_k_backward_op.register_fake
+    def _(hidden: torch.Tensor, weight: torch.Tensor,
+          bias: Optional[torch.Tensor], top_k: torch.Tensor,
+          top_k_values: torch.Tensor, grad_values: torch.Tensor, config: str,
+          trainable: bool) -> Tuple[torch.Tensor, ...]:
+        return (torch.empty_like(hidden),
+                torch.empty_like(weight) if trainable
+                else weight.new_empty((0,)),
+                torch.empty_like(bias) if trainable and bias is not None
+                else weight.new_empty((0,)))
+
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...],
+                      output: Tuple[torch.Tensor, ...]) -> None:
+        (hidden, weight, _ids, _mask, bias, _teacher, _confidence,
+         _z, _m, config, top_k, _rows, trainable, gradients, _) = inputs
+        ctx.config = config
+        ctx.trainable = trainable
+        ctx.gradients = gradients
+        ctx.top_k = top_k
+        values = output[_AT["top_k_values"]] if top_k else None
+        ids = output[_AT["top_k"]] if top_k else None
+        ctx.save_for_backward(
+            *output[_AT["grad_hidden"]:], output[_AT["scale_den"]], hidden,
+            weight, bias, values, ids, _confidence, _z, _m)
+        ctx.mark_non_differentiable(
+            *[t for i, t in enumerate(output)
+              if i != 0 and not (top_k and i == _AT["top_k_values"])])
+
+    def backward(ctx: Any, *grad_outputs: torch.Tensor
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        with torch.no_grad():
+            grads = _gradients(ctx, grad_outputs)
+        if not torch.is_grad_enabled():
+            return grads
+        # create_graph=True: differentiating these again raises, naming
+        # dflash_objective (objective.py's _tie_to_error).
+        hidden, weight, bias, _, _, confidence, z, m = ctx.saved_tensors[
+            len(_GRAD_OUTPUTS) + 1:]
+        tied: Tuple[Optional[torch.Tensor], ...] = _objective()._tie_to_error(
+            [hidden, weight, bias, confidence, z, m], grad_outputs, grads)
+        return tied
+
+    def _gradients(ctx: Any, grad_outputs: Sequence[torch.Tensor]
+                   ) -> Tuple[Optional[torch.Tensor], ...]:
+        saved = ctx.saved_tensors
+        g = dict(zip(_GRAD_OUTPUTS, saved))
+        den = saved[len(_GRAD_OUTPUTS)]
+        hidden, weight, bias, values, ids = saved[len(_GRAD_OUTPUTS) + 1:][:5]
+        needs = ctx.needs_input_grad
+        if not ctx.gradients and any(needs[i] for i in (0, 1, 4, 6, 7, 8)):
+            raise RuntimeError(
+                "dflash_objective: this call ran forward only (under "
+                "torch.no_grad() or with no input requiring grad), so it has "
+                "no gradients to give")
+        # The head's gradients are of loss_num / loss_den; loss_num's are
+        # loss_den times those, scaled by what autograd brings.
+        scale: torch.Tensor = grad_outputs[0] * den
+
+        def scaled(grad: torch.Tensor) -> torch.Tensor:
+            if grad.dtype == torch.bfloat16:
+                return (grad.float() * scale.float()).to(grad.dtype)
+            return grad * scale.to(grad.dtype)
+
+        grad_hidden = scaled(g["grad_hidden"]) if needs[0] else None
+        grad_weight = scaled(g["grad_weight"]) if needs[1] else None
+        grad_bias = scaled(g["grad_bias"]) if needs[4] else None
+        grad_confidence = (scaled(g["grad_confidence"]) if needs[6]
+                           else None)
+        grad_z = (scaled(g["grad_correction_inputs"]) if needs[7] else None)
+        grad_m = (scaled(g["grad_correction_weight"]) if needs[8] else None)
+        grad_values = grad_outputs[_AT["top_k_values"]] if ctx.top_k else None
+        if grad_values is not None and (needs[0] or needs[1] or needs[4]):
+            add_hidden, add_weight, add_bias = top_k_backward_op(
+                hidden, weight, bias, ids, values, grad_values, ctx.config,
+                ctx.trainable)
+            if needs[0]:
+                grad_hidden = (add_hidden if grad_hidden is None
+                               else grad_hidden + add_hidden)
+            if needs[1]:
+                grad_weight = (add_weight if grad_weight is None
+                               else grad_weight + add_weight)
+            if needs[4]:
+                grad_bias = (add_bias if grad_bias is None
+                             else grad_bias + add_bias)
+        return (grad_hidden, grad_weight, None, None, grad_bias, None,
+                grad_confidence, grad_z, grad_m) + (None,) * 6
+
+    torch.library.register_autograd("dflash::objective", backward,
+                                    setup_context=setup_context)
+    return objective_op, top_k_backward_op
+
+
+# torch.ops.dflash.objective and torch.ops.dflash.top_k_value_backward.
+OBJECTIVE: Any = None
+TOP_K_VALUE_BACKWARD: Any = None
+if SUPPORTED:
+    OBJECTIVE, TOP_K_VALUE_BACKWARD = _register()
