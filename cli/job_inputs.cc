@@ -12,9 +12,9 @@
 #include "absl/strings/strip.h"
 #include "base/file.h"
 #include "base/status_macros.h"
+#include "heads/config/head_facts.h"
 #include "io/npy.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {

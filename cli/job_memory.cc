@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "base/checked_math.h"
 #include "base/system_memory.h"
+#include "heads/config/head_facts.h"
 #include "losses/row_meta.h"
 #include "proto/config.h"
 

@@ -12,6 +12,7 @@
 #include "chunking/chunk_plan.h"
 #include "chunking/chunking_policy.h"
 #include "fuzz/fuzz_input.h"
+#include "heads/config/head_facts.h"
 #include "losses/loss_family.h"
 #include "proto/config.h"
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "base/threads.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_projection.h"
 #include "heads/prepared_projection.h"
 #include "heads/head_backend.h"
@@ -22,7 +23,6 @@
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
 #include "base/status_macros.h"
+#include "heads/config/head_facts.h"
 #include "heads/cuda_head_kernels.h"
 #include "heads/head_backend.h"
 #include "heads/top_k_gradient.h"
@@ -18,7 +19,6 @@
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 
 namespace dflash {
 namespace {

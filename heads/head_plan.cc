@@ -10,9 +10,9 @@
 #include "checkpoint/checkpoint_context.h"
 #include "checkpoint/checkpoint_policy.h"
 #include "chunking/chunking_policy.h"
+#include "heads/config/head_facts.h"
 #include "heads/row_compaction.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 
 namespace dflash {
 

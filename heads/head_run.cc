@@ -13,6 +13,7 @@
 #include "base/status_macros.h"
 #include "base/tensor.h"
 #include "checkpoint/checkpoint_policy.h"
+#include "heads/config/head_facts.h"
 #include "heads/gradient_filter.h"
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
@@ -347,7 +348,8 @@ template <typename T>
 void HeadRun<T>::FilteredInputGradient(const T* grad_logits, int64_t m,
                                        T* grad) {
   if constexpr (std::is_same_v<T, BFloat16>) {
-    // The filter is CPU only (head_config.cc); BF16 heads run on CUDA.
+    // The filter is CPU only (heads/config/head_config.cc); BF16 heads run
+    // on CUDA.
     backend_.projection().InputGradient(grad_logits, m, grad);
   } else {
     int64_t skipped = 0;

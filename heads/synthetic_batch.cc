@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "heads/config/head_facts.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 
 namespace dflash {
 

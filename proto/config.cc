@@ -20,7 +20,8 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
-#include "heads/head_config.h"
+#include "heads/config/head_config.h"
+#include "heads/config/head_facts.h"
 #include "losses/loss_family.h"
 
 namespace dflash {
@@ -452,24 +453,6 @@ int64_t BytesPerLogit(v1::HeadConfig::DType dtype) {
 
 bool LossNeedsTeacher(const v1::LossConfig& loss) {
   return LossTraitsOf(loss).needs_teacher;
-}
-
-bool ProjectsTeacher(const v1::ObjectiveConfig& config) {
-  return LossNeedsTeacher(config.loss()) || config.head().teacher_diagnostics();
-}
-
-bool RecordsTeacherAcceptance(const v1::ObjectiveConfig& config) {
-  return config.head().teacher_diagnostics() ||
-         LossTraitsOf(config.loss()).accepts_teacher;
-}
-
-bool SplitsCorrection(const v1::ObjectiveConfig& config) {
-  return config.head().correction_rank() > 0 &&
-         LossTraitsOf(config.loss()).splits_correction;
-}
-
-int64_t LogitsBuffers(const v1::ObjectiveConfig& config) {
-  return 1 + ProjectsTeacher(config) + SplitsCorrection(config);
 }
 
 std::string ToTextFormat(const google::protobuf::Message& message) {

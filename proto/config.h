@@ -98,23 +98,6 @@ int64_t BytesPerLogit(v1::HeadConfig::DType dtype);
 // kept for callers of this library.
 bool LossNeedsTeacher(const v1::LossConfig& loss);
 
-// Whether the head projects the teacher's hidden states: for a loss that
-// reads them, or for head.teacher_diagnostics.
-bool ProjectsTeacher(const v1::ObjectiveConfig& config);
-
-// Whether the head records each row's teacher acceptance: for
-// head.teacher_diagnostics, or a loss that computes it (DSpark's tau).
-bool RecordsTeacherAcceptance(const v1::ObjectiveConfig& config);
-
-// Whether the head keeps its correction's logits apart from the base logits
-// (a loss that reads both, Domino's): a second V-wide buffer per chunk, and
-// two logits gradients.
-bool SplitsCorrection(const v1::ObjectiveConfig& config);
-
-// The V-wide buffers of a chunk: the logits, the teacher's, the
-// correction's.
-int64_t LogitsBuffers(const v1::ObjectiveConfig& config);
-
 // Text format of any policy message, fields in declaration order.
 std::string ToTextFormat(const google::protobuf::Message& message);
 

@@ -19,10 +19,10 @@
 #include "base/status_macros.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_head.h"
 #include "heads/cuda_head.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 #include "tests/cuda_test_util.h"
 #include "tests/head_test_util.h"
 

@@ -16,6 +16,7 @@
 #include "base/gpu_test.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_head.h"
 #include "heads/cuda_head.h"
 #include "heads/top_k_gradient.h"

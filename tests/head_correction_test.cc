@@ -15,12 +15,12 @@
 #include "base/error_norms.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_head.h"
 #include "heads/head_plan.h"
 #include "losses/batch_layout.h"
 #include "losses/chunk_loss.h"
 #include "losses/loss_family.h"
-#include "proto/config.h"
 #include "tests/head_test_util.h"
 
 namespace dflash {

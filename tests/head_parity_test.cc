@@ -8,10 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_head.h"
 #include "losses/batch_layout.h"
 #include "losses/chunk_loss.h"
-#include "proto/config.h"
 #include "tests/head_test_util.h"
 
 namespace dflash {

@@ -1,5 +1,5 @@
-#ifndef DFLASH_HEADS_HEAD_CONFIG_H_
-#define DFLASH_HEADS_HEAD_CONFIG_H_
+#ifndef DFLASH_HEADS_CONFIG_HEAD_CONFIG_H_
+#define DFLASH_HEADS_CONFIG_HEAD_CONFIG_H_
 
 // The head config's own checks (paths under "head."): sizes, dtype and
 // backend that a head can run, execution mode, logit transform, threads.
@@ -14,4 +14,4 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems);
 
 }  // namespace dflash
 
-#endif  // DFLASH_HEADS_HEAD_CONFIG_H_
+#endif  // DFLASH_HEADS_CONFIG_HEAD_CONFIG_H_

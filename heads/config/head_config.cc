@@ -1,4 +1,4 @@
-#include "heads/head_config.h"
+#include "heads/config/head_config.h"
 
 #include <cstdint>
 #include <limits>
