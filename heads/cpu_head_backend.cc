@@ -66,7 +66,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                             in.rows.subspan(b, n),
                             in.vocab,
                             Part(in.correction_logits, b * v, n * v),
-                            in.row_stride};
+                            in.row_stride,
+                            in.rows_checked};
     ChunkLossOutputs part_out{Part(out.confidence_grad, b, n),
                               Part(out.neg_log_q, b, n),
                               Part(out.argmax, b, n),
@@ -217,7 +218,10 @@ class CpuHeadBackend final : public HeadBackend<T> {
                             : absl::MakeConstSpan(teacher, m * vocab),
          confidence, meta, vocab,
          correction == nullptr ? absl::Span<T>()
-                               : absl::MakeSpan(correction, m * vocab)},
+                               : absl::MakeSpan(correction, m * vocab),
+         /*row_stride=*/0,
+         // HeadRun::Validate checked every row once for the whole run.
+         /*rows_checked=*/true},
         outputs, threads_);
     loss_seconds_ +=
         std::chrono::duration<double>(Clock::now() - start).count();

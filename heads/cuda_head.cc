@@ -191,7 +191,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
         vocab,
         correction == nullptr ? absl::Span<T>()
                               : absl::MakeSpan(correction, m * stride),
-        stride};
+        stride,
+        // HeadRun::Validate checked every row once for the whole run.
+        /*rows_checked=*/true};
     // The confidence gradient only where the loss has one to write.
     const ChunkLossOutputs outputs{
         confidence_ ? if_recorded(spec_.gradients->confidence)

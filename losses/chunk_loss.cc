@@ -319,7 +319,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
   const bool coupled = traits.couples_blocks;
   for (int64_t r = 0; r < num_rows; ++r) {
     const RowMeta& meta = inputs.rows[r];
-    if (meta.position < 0 || meta.position >= block_size) {
+    if (!inputs.rows_checked &&
+        (meta.position < 0 || meta.position >= block_size)) {
       return RowError(r, absl::StrCat("block position ", meta.position,
                                       " is outside [0, ", block_size, ")"));
     }
@@ -336,7 +337,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
             "position order)"));
       }
     }
-    if (!(meta.mask >= 0) || !std::isfinite(meta.mask)) {
+    if (!inputs.rows_checked &&
+        (!(meta.mask >= 0) || !std::isfinite(meta.mask))) {
       return RowError(
           r, absl::StrCat("mask must be finite and >= 0, got ", meta.mask));
     }
@@ -598,7 +600,9 @@ class ChunkPasses {
           t_(t),
           teacher_(teacher),
           weight_(weight),
-          terms_(terms) {}
+          terms_(terms),
+          lse_(s_.logsumexp),
+          teacher_lse_(teacher != nullptr ? teacher->logsumexp : 0) {}
 
     const LossParams& loss() const { return c_.p_; }
     int64_t vocab() const { return c_.inputs_.vocab; }
@@ -619,16 +623,16 @@ class ChunkPasses {
     bool has_teacher() const { return !t_.empty(); }
     double confidence() const { return c_.inputs_.confidence_logits[r_]; }
 
-    double LogSoftmax(double zp) const { return zp - s_.logsumexp; }
-    double Softmax(double zp) const { return std::exp(zp - s_.logsumexp); }
+    double LogSoftmax(double zp) const { return zp - lse_; }
+    double Softmax(double zp) const { return std::exp(zp - lse_); }
     double TemperedLogSoftmax(double zp) const {
       return zp * c_.p_.inv_temperature - tempered_lse_;
     }
     double TeacherLogSoftmax(double tp) const {
-      return tp - teacher_->logsumexp;
+      return tp - teacher_lse_;
     }
     double TeacherSoftmax(double tp) const {
-      return std::exp(tp - teacher_->logsumexp);
+      return std::exp(tp - teacher_lse_);
     }
     double TeacherTemperedLogSoftmax(double tp) const {
       return tp * c_.p_.inv_temperature - teacher_tempered_lse_;
@@ -647,14 +651,13 @@ class ChunkPasses {
           ScaledLogSumExp<W>(t_, teacher_->max_logit, inv_t);
     }
 
+    // Raw pointers: the span's checked operator[] costs a compare per logit.
     template <typename F>
     void ForEach(F f) const {
       const int64_t vocab = static_cast<int64_t>(z_.size());
-      if (t_.empty()) {
-        for (int64_t v = 0; v < vocab; ++v) f(v, double{z_[v]}, double{z_[v]});
-      } else {
-        for (int64_t v = 0; v < vocab; ++v) f(v, double{z_[v]}, double{t_[v]});
-      }
+      const W* z = z_.data();
+      const W* t = t_.empty() ? z : t_.data();
+      for (int64_t v = 0; v < vocab; ++v) f(v, double{z[v]}, double{t[v]});
     }
     template <typename S>
     S Reduce(S partial) const {
@@ -676,9 +679,10 @@ class ChunkPasses {
     template <typename G>
     void WriteGradient(G g, double bound) {
       const int64_t vocab = static_cast<int64_t>(z_.size());
+      W* z = z_.data();
+      const W* t = t_.empty() ? z : t_.data();
       for (int64_t v = 0; v < vocab; ++v) {
-        const double zp = z_[v];
-        z_[v] = static_cast<W>(g(v, zp, t_.empty() ? zp : double{t_[v]}));
+        z[v] = static_cast<W>(g(v, double{z[v]}, double{t[v]}));
       }
       Store(bound);
     }
@@ -730,6 +734,8 @@ class ChunkPasses {
     const RowStats* const teacher_;
     const double weight_;
     ChunkTerms* const terms_;
+    // By value, so that the per-logit loops keep them in registers.
+    const double lse_, teacher_lse_;
     double tempered_lse_ = 0, teacher_tempered_lse_ = 0;
     absl::Status status_;
   };

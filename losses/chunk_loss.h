@@ -62,6 +62,11 @@ struct ChunkLossInputs {
   // for vocab, or more for padded rows (the CUDA head pads them to 16 bytes
   // for vector loads); the padding is neither read as logits nor changed.
   int64_t row_stride = 0;
+  // True where the caller has already checked every row's block position,
+  // mask and target id as ValidateChunkLossInputs would (a head does, once
+  // per run, for all its rows): the per-chunk checks then skip them and
+  // check only what the chunk itself decides (sizes, the rows' order).
+  bool rows_checked = false;
 
   int64_t stride() const { return row_stride > 0 ? row_stride : vocab; }
 };
@@ -205,7 +210,8 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
 absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options);
 
 // The checks CpuChunkLoss::Run makes before any work: span sizes, block
-// positions, masks and, for block-coupled families, row order. The options
+// positions and masks (unless inputs.rows_checked), and, for block-coupled
+// families, row order. The options
 // are checked once, by Create (ValidateChunkLossOptions). Only sizes
 // and `rows` are read, so a backend whose spans are device memory (the CUDA
 // loss) runs the same checks.

@@ -1119,6 +1119,36 @@ TEST(ChunkLossTest, BlockCoupledLossesNeedEachBlockTogetherInOrder) {
   EXPECT_TRUE(RunLoss("dflash {}", p).ok());  // No block-level weights.
 }
 
+// A head checks its rows once per run and marks its chunks rows_checked:
+// a chunk then skips the per-row checks, still checks what the chunk
+// decides (the rows' order, for block-level weights), and computes the
+// same terms and gradients.
+TEST(ChunkLossTest, RowsCheckedSkipsOnlyThePerRowChecks) {
+  const Problem good = MakeProblem(1, {kK});
+  auto run = [](const Problem& p, bool rows_checked,
+                std::vector<double>& logits) {
+    logits.assign(p.logits.begin(), p.logits.end());
+    ChunkLossInputs<double> inputs{absl::MakeSpan(logits), p.teacher, {},
+                                   p.rows, kV};
+    inputs.rows_checked = rows_checked;
+    return ChunkLoss<double>(Parse("dpace { alpha: 0.3 }"), p.options, inputs);
+  };
+  std::vector<double> plain, checked;
+  const absl::StatusOr<ChunkTerms> a = run(good, false, plain);
+  const absl::StatusOr<ChunkTerms> b = run(good, true, checked);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->loss_num, b->loss_num);
+  EXPECT_EQ(a->loss_den, b->loss_den);
+  EXPECT_EQ(plain, checked);
+  Problem swapped = good;
+  std::swap(swapped.rows[1].position, swapped.rows[2].position);
+  EXPECT_EQ(run(swapped, true, checked).status().message(),
+            "row 2: block 0 position 1 does not follow block 0 position 2 "
+            "(block-level weights need each block's rows together, in "
+            "position order)");
+}
+
 // What a head does with masked rows: it never projects them. Dropping the
 // rows without weight from a chunk leaves every term and gradient unchanged.
 TEST_P(LossCaseTest, RowsWithoutWeightCanBeLeftOut) {

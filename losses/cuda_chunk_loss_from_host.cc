@@ -70,7 +70,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                           CudaChunkLoss<T>::Create(params, options, stream));
   const ChunkLossInputs<T> device_inputs{
       View(*logits), View(*teacher),    View(*confidence), inputs.rows,
-      inputs.vocab,  View(*correction), inputs.row_stride};
+      inputs.vocab,  View(*correction), inputs.row_stride,
+      inputs.rows_checked};
   const ChunkLossOutputs device_outputs{View(*confidence_grad),
                                         View(*neg_log_q),
                                         View(*argmax),

@@ -50,13 +50,14 @@
 #include "losses/loss_params.h"
 #include "losses/term_slots.h"
 
-// The row passes are host/device templates over a Row whose members are
-// device-only in the CUDA build: nvcc's check of that is switched off for
-// them, and each is inlined into its kernel.
+// The row passes are host/device templates, inlined into the CUDA kernel
+// and the CPU loss, so that a Row's members stay in registers across the
+// per-logit loops (an out-of-line pass would reload them after every call
+// to exp).
 #if defined(__CUDACC__)
 #define DFLASH_ROW_PASS __host__ __device__ __forceinline__
 #else
-#define DFLASH_ROW_PASS inline
+#define DFLASH_ROW_PASS inline __attribute__((always_inline))
 #endif
 
 namespace dflash {
