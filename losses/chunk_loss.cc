@@ -607,7 +607,6 @@ class ChunkPasses {
     const LossParams& loss() const { return c_.p_; }
     int64_t vocab() const { return c_.inputs_.vocab; }
     int32_t target() const { return meta_.target; }
-    int32_t position() const { return meta_.position; }
     double mask() const { return c_.mask_[r_]; }
     double weight() const { return weight_; }
     double neg_log_q() const { return s_.logsumexp - s_.target_logit; }
@@ -617,7 +616,6 @@ class ChunkPasses {
       for (W x : z_) sum += x;
       return sum / static_cast<double>(z_.size());
     }
-    int32_t argmax() const { return s_.argmax; }
     double share() const { return c_.share_[r_]; }
     double accept() const { return c_.accept_[r_]; }
     bool has_teacher() const { return !t_.empty(); }

@@ -474,9 +474,6 @@ class CudaRow {
   __device__ __forceinline__ const LossParams& loss() const { return p_.loss; }
   __device__ __forceinline__ int64_t vocab() const { return p_.vocab; }
   __device__ __forceinline__ int32_t target() const { return meta_.target; }
-  __device__ __forceinline__ int32_t position() const {
-    return meta_.position;
-  }
   __device__ __forceinline__ double mask() const { return meta_.mask; }
   __device__ __forceinline__ double weight() const { return weight_; }
   // max - target is exact in double; log_sum carries its own rounding only.
@@ -489,7 +486,6 @@ class CudaRow {
   __device__ __forceinline__ double MeanLogit() const {
     return double{s_.sum} / p_.vocab;
   }
-  __device__ __forceinline__ int32_t argmax() const { return s_.argmax; }
   __device__ __forceinline__ double share() const {
     return CouplesBlocks(p_.loss) ? a_.ce_share[r_] : 1.0;
   }

@@ -9,10 +9,10 @@
 // members:
 //
 //   Real                    the type of per-logit arithmetic.
-//   loss(), vocab(), target(), position(), mask(), weight()
+//   loss(), vocab(), target(), mask(), weight()
 //                           the row's LossParams, V, and RowMeta's fields;
 //                           weight() is the row's loss weight w.
-//   neg_log_q(), lse(), MeanLogit(), argmax()
+//   neg_log_q(), lse(), MeanLogit()
 //                           of the row's logits z' (the stats pass's).
 //   share(), accept()       the block pass's results: lk_lambda's CE share
 //                           or D-PARD's credit (else 1), D-PARD's acceptance.
@@ -78,7 +78,8 @@ DFLASH_ROW_PASS double TeacherL1(Row& row) {
   using R = typename Row::Real;
   R l1 = 0;
   row.ForEach([&](int64_t, R zp, R tp) {
-    l1 += fabs(row.Softmax(zp) - row.TeacherSoftmax(tp));
+    const R p = row.Softmax(zp);
+    l1 += fabs(p - row.TeacherSoftmax(tp));
   });
   return row.Reduce(l1);
 }
