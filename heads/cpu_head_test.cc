@@ -3,6 +3,7 @@
 #include "heads/cpu_head.h"
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -107,6 +108,89 @@ TEST(CpuHeadTest, ThreadsAreBoundedByTheCpus) {
                 .message(),
             "test: invalid config:\nhead.threads: must lie in [0, 1024], got "
             "100000");
+}
+
+// HeadOptions::forward_only: the terms, accuracy and row outputs of a
+// training run, in every mode and for a loss with a confidence term, with
+// one projection's GEMMs instead of two or more and no gradient buffer.
+TEST(CpuHeadTest, AForwardOnlyRunGivesTheTrainingRunsValues) {
+  for (const char* loss :
+       {"dflash { gamma: 7 }",
+        "dspark { confidence_weight: 1 }"}) {
+    for (const char* mode : {"FUSED", "CHECKPOINT", "SAVE_CHUNKS",
+                             "MATERIALIZE", "SELECTIVE"}) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", mode));
+      absl::StatusOr<v1::ObjectiveConfig> config =
+          LoadObjectiveConfigFromString(
+              absl::StrCat("layout { block_size: 4 num_anchors: 8 } head { "
+                           "vocab_size: 97 hidden_size: 16 mode: ",
+                           mode,
+                           " } chunking { blocks_per_chunk: 2 } loss { ",
+                           loss, " }",
+                           std::string(mode) == "SELECTIVE"
+                               ? " checkpoint { preset: "
+                                 "SELECTIVE_FROZEN_PROJECTION }"
+                               : ""),
+              "test");
+      ASSERT_TRUE(config.ok()) << config.status();
+      absl::StatusOr<HeadBatch<float>> batch =
+          MakeSyntheticBatch<float>(*config, {2, 64, 8}, 7);
+      ASSERT_TRUE(batch.ok()) << batch.status();
+      const HeadInputs<float> inputs = batch->Inputs(*config);
+      const size_t rows = inputs.rows.size();
+      const bool confidence = !inputs.confidence_logits.empty();
+      struct Run {
+        absl::StatusOr<HeadResult> result;
+        std::vector<float> neg_log_q, loss_weight;
+        std::vector<int32_t> argmax;
+      };
+      auto run = [&](bool forward_only) {
+        Run out;
+        out.neg_log_q.assign(rows, -1);
+        out.loss_weight.assign(rows, -1);
+        out.argmax.assign(rows, -2);
+        std::vector<float> grad(forward_only ? 0 : inputs.hidden.size());
+        std::vector<float> grad_confidence(
+            forward_only || !confidence ? 0 : rows);
+        HeadRowOutputs row_outputs;
+        row_outputs.neg_log_q = absl::MakeSpan(out.neg_log_q);
+        row_outputs.argmax = absl::MakeSpan(out.argmax);
+        row_outputs.loss_weight = absl::MakeSpan(out.loss_weight);
+        HeadOptions options;
+        options.forward_only = forward_only;
+        TrackingAllocator allocator;
+        HeadGradients<float> gradients;
+        gradients.hidden = absl::MakeSpan(grad);
+        gradients.confidence = absl::MakeSpan(grad_confidence);
+        out.result = RunHead<float>(*config, inputs, gradients, allocator,
+                                    row_outputs, options);
+        return out;
+      };
+      const Run train = run(false), eval = run(true);
+      ASSERT_TRUE(train.result.ok()) << train.result.status();
+      ASSERT_TRUE(eval.result.ok()) << eval.result.status();
+      EXPECT_EQ(eval.result->loss, train.result->loss);
+      EXPECT_EQ(eval.result->terms.loss_num, train.result->terms.loss_num);
+      EXPECT_EQ(eval.result->terms.loss_den, train.result->terms.loss_den);
+      EXPECT_EQ(eval.result->terms.correct, train.result->terms.correct);
+      EXPECT_EQ(eval.result->accuracy_per_position,
+                train.result->accuracy_per_position);
+      EXPECT_EQ(eval.neg_log_q, train.neg_log_q);
+      EXPECT_EQ(eval.argmax, train.argmax);
+      EXPECT_EQ(eval.loss_weight, train.loss_weight);
+      // One projection of the projected rows (and the teacher's, for
+      // dspark); training adds at least the input gradient's.
+      EXPECT_NEAR(eval.result->stats.gemm_passes + 1,
+                  train.result->stats.gemm_passes,
+                  train.result->stats.gemm_passes - 2 + 1e-9)
+          << "train " << train.result->stats.gemm_passes << ", eval "
+          << eval.result->stats.gemm_passes;
+      EXPECT_LT(eval.result->stats.gemm_passes,
+                train.result->stats.gemm_passes);
+      EXPECT_EQ(eval.result->stats.segment_recomputes, 0);
+      EXPECT_LE(eval.result->stats.peak_bytes, train.result->stats.peak_bytes);
+    }
+  }
 }
 
 }  // namespace

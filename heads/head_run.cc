@@ -44,7 +44,7 @@ class HeadRun {
  public:
   HeadRun(const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
           const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
-          HeadBackend<T>& backend)
+          HeadBackend<T>& backend, bool forward_only)
       : config_(config),
         head_(config.head()),
         inputs_(inputs),
@@ -59,7 +59,8 @@ class HeadRun {
         rank_(head_.correction_rank()),
         teacher_(ProjectsTeacher(config)),
         confidence_(LossTraitsOf(params_).needs_confidence),
-        split_(SplitsCorrection(config)) {}
+        split_(SplitsCorrection(config)),
+        forward_only_(forward_only) {}
 
   absl::Status Validate() const;
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
@@ -129,6 +130,12 @@ class HeadRun {
   const LossParams params_;
   const int64_t rank_;
   const bool teacher_, confidence_, split_;
+  // HeadOptions::forward_only: the forward pass alone, no gradient.
+  const bool forward_only_;
+  // What the backend writes to in a forward-only run: no gradient but the
+  // confidence's, which the loss writes per row, into confidence_ws_.
+  HeadGradients<T> no_gradients_;
+  TrackedBuffer<float> confidence_ws_;
 
   const std::atomic<bool>* interrupt_ = nullptr;  // From Run's options.
   std::unique_ptr<CheckpointContext> context_;
@@ -201,22 +208,26 @@ absl::Status HeadRun<T>::Validate() const {
        "head.vocab_size x head.hidden_size"},
       {"inputs.bias", inputs_.bias.size(), vocab_, head_.bias(),
        "head.vocab_size, as head.bias is set"},
-      {"gradients.hidden", gradients_.hidden.size(), rows * hidden_, true,
-       "rows x head.hidden_size"},
+      {"gradients.hidden", gradients_.hidden.size(), rows * hidden_,
+       !forward_only_, "rows x head.hidden_size"},
       {"gradients.weight", gradients_.weight.size(), vocab_ * hidden_,
-       trainable, "head.vocab_size x head.hidden_size, as head.trainable"},
+       trainable && !forward_only_,
+       "head.vocab_size x head.hidden_size, as head.trainable"},
       {"gradients.bias", gradients_.bias.size(), vocab_,
-       trainable && head_.bias(), "head.vocab_size, as the bias is trained"},
-      {"gradients.confidence", gradients_.confidence.size(), rows, confidence_,
+       trainable && head_.bias() && !forward_only_,
+       "head.vocab_size, as the bias is trained"},
+      {"gradients.confidence", gradients_.confidence.size(), rows,
+       confidence_ && !forward_only_,
        "one per row, for loss.dspark.confidence_weight"},
       {"inputs.correction_inputs", inputs_.correction_inputs.size(),
        rows * rank_, true, "rows x head.correction_rank"},
       {"inputs.correction_weight", inputs_.correction_weight.size(),
        vocab_ * rank_, true, "head.vocab_size x head.correction_rank"},
       {"gradients.correction_inputs", gradients_.correction_inputs.size(),
-       rows * rank_, true, "rows x head.correction_rank"},
+       rows * rank_, !forward_only_, "rows x head.correction_rank"},
       {"gradients.correction_weight", gradients_.correction_weight.size(),
-       vocab_ * rank_, true, "head.vocab_size x head.correction_rank"},
+       vocab_ * rank_, !forward_only_,
+       "head.vocab_size x head.correction_rank"},
   };
   for (const Size& s : sizes) {
     if (s.required && static_cast<int64_t>(s.size) != s.expected) {
@@ -269,7 +280,8 @@ absl::Status HeadRun<T>::Plan() {
   active_ = std::move(plan.active);
   chunk_begin_ = std::move(plan.chunk_begin);
   max_chunk_rows_ = plan.max_chunk_rows;
-  if (Fused()) return absl::OkStatus();
+  // A forward-only run keeps nothing for a backward pass.
+  if (Fused() || forward_only_) return absl::OkStatus();
   DFLASH_ASSIGN_OR_RETURN(
       std::unique_ptr<CheckpointContext> context,
       CheckpointContext::Create(CheckpointOptionsFromPolicy(plan.policy),
@@ -419,6 +431,7 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
     }
   }
   DFLASH_RETURN_IF_ERROR(Loss(c, logits, teacher, /*record=*/true));
+  if (forward_only_) return absl::OkStatus();
   if (Fused()) return ProjectionGradients(c, logits);
   return context_
       ->Offer(c, LogitsGradientInfo(head_, LogitRows(m)),
@@ -450,9 +463,20 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
       anchors > 0
           ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
           : 1;
-  DFLASH_RETURN_IF_ERROR(
-      backend_.Start({&config_, &params_, &inputs_, &gradients_, &row_outputs_,
-                      active_, options.prepared_projection}));
+  if (forward_only_ && confidence_) {
+    // The loss writes the confidence gradient of each row it records.
+    DFLASH_ASSIGN_OR_RETURN(
+        TrackedBuffer<float> created,
+        TrackedBuffer<float>::Create(
+            allocator_, static_cast<int64_t>(inputs_.rows.size())));
+    confidence_ws_ = std::move(created);
+    no_gradients_.confidence =
+        absl::MakeSpan(confidence_ws_.data(), inputs_.rows.size());
+  }
+  DFLASH_RETURN_IF_ERROR(backend_.Start(
+      {&config_, &params_, &inputs_,
+       forward_only_ ? &no_gradients_ : &gradients_, &row_outputs_, active_,
+       options.prepared_projection}));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
   // input-gradient products: now, where the rows alone decide it.
@@ -467,7 +491,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   HeadResult result;
   result.mode = head_.mode();
   const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
-  const int64_t steps = Fused() ? chunks : 2 * chunks;
+  const bool backward_pass = !Fused() && !forward_only_;
+  const int64_t steps = backward_pass ? 2 * chunks : chunks;
   int64_t step = 0;
   auto report = [&] {
     if (options.progress) options.progress(++step, steps);
@@ -484,7 +509,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   teacher_ws_.Reset();
 
   const Clock::time_point backward = Clock::now();
-  if (folds && !known_scale && !Fused() &&
+  if (folds && !known_scale && backward_pass &&
       params_.lk != LkMode::kLambdaBatch) {
     // Every chunk's terms are in before the backward pass: the scale the
     // logits decided (D-PACE) is known now; not the batch-level LK lambda's
@@ -495,7 +520,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
         options.upstream_gradient *
         FinishTerms(params_, *terms, sequences).gradient_scale);
   }
-  if (!Fused()) {
+  if (backward_pass) {
     for (int64_t c = chunks - 1; c >= 0; --c) {
       DFLASH_RETURN_IF_ERROR(BackwardChunk(c));
       report();
@@ -510,8 +535,10 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   const FinishedLoss finished =
       FinishTerms(params_, result.terms, sequences);
   result.lk_kl_weight = finished.lk_kl_weight;
-  DFLASH_RETURN_IF_ERROR(
-      backend_.ScaleGradients(options.upstream_gradient, finished));
+  if (!forward_only_) {
+    DFLASH_RETURN_IF_ERROR(
+        backend_.ScaleGradients(options.upstream_gradient, finished));
+  }
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result.stats.backward_seconds = Since(backward);
   result.loss = finished.loss;
@@ -614,7 +641,8 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
         absl::StrCat("options.upstream_gradient: must be finite, got ",
                      options.upstream_gradient));
   }
-  HeadRun<T> run(config, inputs, gradients, row_outputs, backend);
+  HeadRun<T> run(config, inputs, gradients, row_outputs, backend,
+                 options.forward_only);
   DFLASH_RETURN_IF_ERROR(run.Validate());
   return run.Run(options);
 }

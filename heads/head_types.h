@@ -147,6 +147,12 @@ struct HeadOptions {
   // before each of its GEMMs, it then returns Cancelled with the gradients
   // and row outputs partly written. Borrowed; null: the run completes.
   const std::atomic<bool>* interrupt = nullptr;
+  // The forward pass alone (an evaluation, a call under torch.no_grad()):
+  // the terms, stats and row outputs as a training run gives them, but no
+  // gradient GEMM, no checkpoint context (every mode runs its chunks once,
+  // as FUSED does) and no gradient written. The HeadGradients may then be
+  // empty (any given are left alone, confidence's included).
+  bool forward_only = false;
 };
 
 }  // namespace dflash

@@ -15,6 +15,10 @@ one's loss and hidden-state gradient are from a float64 reference.
   would need one call per block position: 64-row calls, 6x slower here),
   recomputed in backward.
 
+With --eval, also an evaluation call of dflash_objective (under
+torch.no_grad(): the head's forward pass alone, no gradient GEMM or buffer)
+and its time over the training step's.
+
 Peak memory is the step's resident-set high-water mark above where it
 started (CPU) or torch's peak allocated bytes (CUDA), plus the dflash head's
 own peak (its workspaces, kept between steps). The objective is DFlash's:
@@ -197,6 +201,23 @@ def measure(run, batch, args, peak):
     return min(seconds), max(peaks), loss_value(run, batch, args), grad
 
 
+def measure_eval(batch, args, peak):
+    """dflash_fused under torch.no_grad(): best seconds, peak bytes, loss."""
+    seconds, peaks = [], []
+    for step in range(args.repeats + 1):  # The first is an untimed warm-up.
+        peak.start()
+        start = time.perf_counter()
+        with torch.no_grad():
+            loss, own = dflash_fused(*batch, args.chunk_blocks)
+        if loss.is_cuda:
+            torch.cuda.synchronize(loss.device)
+        elapsed = time.perf_counter() - start
+        if step > 0:
+            seconds.append(elapsed)
+            peaks.append(peak.stop(own))
+    return min(seconds), max(peaks), loss.item()
+
+
 def loss_value(run, batch, args):
     with torch.no_grad():
         loss, _ = run(*batch, args.chunk_blocks)
@@ -217,6 +238,10 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--eval", action="store_true",
+                        help="also time dflash_objective's evaluation call "
+                        "(torch.no_grad(), forward only) and its ratio to "
+                        "the training step")
     args = parser.parse_args(argv)
 
     # Debian's torch starts with one thread: give every variant every core,
@@ -250,6 +275,19 @@ def main(argv=None):
         lines.append(f"| {name} | {seconds:.3f} | {peak_bytes / 2**20:.0f} | "
                      f"{loss - want_loss:+.1e} | {error:.1e} |")
         print(lines[-1], flush=True)
+        if run is dflash_fused:
+            train_seconds = seconds
+            if args.eval:
+                seconds, peak_bytes, loss = measure_eval(batch, args, peak)
+                lines.append(
+                    f"| dflash fused, evaluation (torch.no_grad()) | "
+                    f"{seconds:.3f} | {peak_bytes / 2**20:.0f} | "
+                    f"{loss - want_loss:+.1e} | (no gradient) |")
+                print(lines[-1], flush=True)
+                ratio = seconds / train_seconds
+    if args.eval:
+        lines.append("")
+        lines.append(f"dflash evaluation / training step: {ratio:.2f}")
     lines.append("")
     lines.append(
         "Hidden gradient error: |g - g_ref| / |g_ref| against float64.")

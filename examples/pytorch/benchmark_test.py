@@ -24,6 +24,21 @@ class BenchmarkTest(unittest.TestCase):
         if not hasattr(F, "linear_cross_entropy"):
             self.assertRegex(rows[3], r"has no F\.linear_cross_entropy")
 
+    def test_evaluation_row(self):
+        # --eval: the forward-only call's row, its loss the training call's,
+        # and the ratio line.
+        table = benchmark.main(["--anchors", "4", "--block", "4", "--hidden",
+                                "16", "--vocab", "64", "--chunk_blocks", "2",
+                                "--repeats", "1", "--dtype", "float64",
+                                "--eval"])
+        rows = [line for line in table.splitlines()
+                if line.startswith("| dflash fused, evaluation")]
+        self.assertEqual(len(rows), 1)
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        self.assertLess(abs(float(cells[3])), 1e-10, rows[0])
+        self.assertRegex(table, r"dflash evaluation / training step: "
+                                r"\d+\.\d\d")
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

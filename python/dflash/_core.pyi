@@ -38,7 +38,7 @@ def run_objective(
     config: ObjectiveConfig, hidden: object, weight: object,
     target_ids: object, weight_mask: object, bias: Optional[object],
     teacher_hidden: Optional[object], confidence_logits: Optional[object],
-    grad_hidden: object, grad_weight: Optional[object],
+    grad_hidden: Optional[object], grad_weight: Optional[object],
     grad_bias: Optional[object], grad_confidence: Optional[object],
     neg_log_q: Optional[object], argmax: Optional[object],
     top_k: Optional[object], top_k_values: Optional[object],
@@ -47,7 +47,8 @@ def run_objective(
     grad_correction_inputs: Optional[object],
     grad_correction_weight: Optional[object],
     prepared: Optional[PreparedProjection], trainable: bool,
-    cuda_stream: int, interruptible: bool = ...) -> Dict[str, Any]: ...
+    cuda_stream: int, interruptible: bool = ...,
+    forward_only: bool = ...) -> Dict[str, Any]: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,
     bias: Optional[object], top_k: object, top_k_values: object,

@@ -258,11 +258,13 @@ struct Outcome {
 // ids and values where given (near-ties rank differently in bfloat16, and
 // the backward is a function of the ids it is given). Targets and masks
 // stay on the host (the binding reads the rows there; dflash.torch copies
-// them).
+// them). With `forward_only`, the forward-only run alone: no gradient
+// buffer, no backward, the Outcome's gradients empty.
 absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
                               const Family& family, const std::string& mode,
                               const Batch& batch,
-                              const Outcome* ranked_by = nullptr) {
+                              const Outcome* ranked_by = nullptr,
+                              bool forward_only = false) {
   v1::ObjectiveConfig config = *DefaultConfig();
   ConfigOverrides overrides;
   overrides.loss = family.loss;
@@ -292,9 +294,11 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
         place.Tensor("confidence_logits", batch.confidence, "float32", rows);
   }
   ObjectiveOutputs o;
-  o.grad_hidden = place.Zeros("grad_hidden", dtype, states);
-  o.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
-  if (family.confidence) {
+  if (!forward_only) {
+    o.grad_hidden = place.Zeros("grad_hidden", dtype, states);
+    o.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
+  }
+  if (family.confidence && !forward_only) {
     o.grad_confidence = place.Zeros("grad_confidence", "float32", rows);
   }
   o.neg_log_q = place.Zeros("neg_log_q", "float32", rows);
@@ -302,10 +306,19 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
   o.top_k = place.Zeros("top_k", "int32", ranked);
   o.top_k_values = place.Zeros("top_k_values", "float32", ranked);
   ObjectiveOptions options;
-  options.trainable = true;
+  options.trainable = !forward_only;
+  options.forward_only = forward_only;
   options.cuda_stream = place.stream();
   absl::StatusOr<HeadResult> head = RunObjective(config, t, o, options);
   if (!head.ok()) return head.status();
+  if (forward_only) {
+    Outcome out{*std::move(head)};
+    out.neg_log_q = place.Values(*o.neg_log_q);
+    out.argmax = place.Values(*o.argmax);
+    out.top_k = place.Values(*o.top_k);
+    out.top_k_values = place.Values(*o.top_k_values);
+    return out;
+  }
 
   TopKBackwardTensors back{t.hidden, t.weight, std::nullopt, *o.top_k,
                            *o.top_k_values};
@@ -318,13 +331,13 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
       "grad_values",
       std::vector<double>(static_cast<size_t>(kB * kN * kK * kTopK), 1.0),
       "float32", ranked);
-  back.grad_hidden = o.grad_hidden;
+  back.grad_hidden = *o.grad_hidden;
   back.grad_weight = o.grad_weight;
   if (absl::Status s = RunTopKValueBackward(config, back, options); !s.ok()) {
     return s;
   }
   Outcome out{*std::move(head)};
-  out.grad_hidden = place.Values(o.grad_hidden);
+  out.grad_hidden = place.Values(*o.grad_hidden);
   out.grad_weight = place.Values(*o.grad_weight);
   if (family.confidence) out.grad_confidence = place.Values(*o.grad_confidence);
   out.neg_log_q = place.Values(*o.neg_log_q);
@@ -394,6 +407,29 @@ TEST_P(CudaObjectiveTest, MatchesTheCpuInFloat64) {
     EXPECT_EQ(got->argmax, want->argmax);
     EXPECT_EQ(got->top_k, want->top_k);
   }
+}
+
+// A forward-only run on the device: the training run's terms and row
+// outputs, bit for bit (the same forward kernels), one projection's GEMMs.
+TEST_P(CudaObjectiveTest, ForwardOnlyGivesTheTrainingRunsValues) {
+  const Case& c = GetParam();
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch = RoundedTo(c.dtype, Batch(7));
+  absl::StatusOr<Outcome> train = RunOn(gpu, c.dtype, c.family, c.mode, batch);
+  ASSERT_TRUE(train.ok()) << train.status();
+  absl::StatusOr<Outcome> eval =
+      RunOn(gpu, c.dtype, c.family, c.mode, batch, nullptr, true);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  EXPECT_EQ(eval->head.terms.loss_num, train->head.terms.loss_num);
+  EXPECT_EQ(eval->head.terms.loss_den, train->head.terms.loss_den);
+  EXPECT_EQ(eval->head.terms.correct, train->head.terms.correct);
+  EXPECT_EQ(eval->neg_log_q, train->neg_log_q);
+  EXPECT_EQ(eval->argmax, train->argmax);
+  EXPECT_EQ(eval->top_k, train->top_k);
+  EXPECT_EQ(eval->top_k_values, train->top_k_values);
+  EXPECT_LT(eval->head.stats.gemm_passes, train->head.stats.gemm_passes);
+  EXPECT_EQ(eval->head.stats.segment_recomputes, 0);
 }
 
 std::vector<Case> Cases() {

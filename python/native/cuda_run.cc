@@ -120,9 +120,13 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadInputs<T>& inputs,
                                             const HeadGradients<T>& gradients,
                                             const HeadRowOutputs& row_outputs,
-                                            int device, uintptr_t stream) {
+                                            int device, uintptr_t stream,
+                                            bool forward_only) {
+  HeadOptions options;
+  options.forward_only = forward_only;
   return OnHeadStream(device, stream, [&](DeviceState& state) {
-    return RunCudaHead<T>(config, inputs, gradients, *state.blas, row_outputs);
+    return RunCudaHead<T>(config, inputs, gradients, *state.blas, row_outputs,
+                          options);
   });
 }
 
@@ -149,10 +153,11 @@ absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
 
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
-    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t);
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
-    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
+    bool);
 #define DFLASH_INSTANTIATE_TOP_K_BACKWARD(T)                          \
   template absl::Status AddTopKValueGradientsOnTorchStream<T>(        \
       const v1::ObjectiveConfig&, const HeadInputs<T>&,               \

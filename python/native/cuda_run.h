@@ -32,7 +32,8 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadInputs<T>& inputs,
                                             const HeadGradients<T>& gradients,
                                             const HeadRowOutputs& row_outputs,
-                                            int device, uintptr_t stream);
+                                            int device, uintptr_t stream,
+                                            bool forward_only = false);
 
 // AddCudaTopKValueGradients (heads/cuda_head.h) ordered on torch's
 // `stream` as RunOnTorchStream is.

@@ -273,7 +273,7 @@ py::dict RunObjectiveFromPython(
     py::handle correction_inputs, py::handle correction_weight,
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
-    bool interruptible) {
+    bool interruptible, bool forward_only) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -283,7 +283,7 @@ py::dict RunObjectiveFromPython(
                            ArgOf("confidence_logits", confidence_logits),
                            ArgOf("correction_inputs", correction_inputs),
                            ArgOf("correction_weight", correction_weight)};
-  ObjectiveOutputs outputs{RequiredArgOf("grad_hidden", grad_hidden),
+  ObjectiveOutputs outputs{ArgOf("grad_hidden", grad_hidden),
                            ArgOf("grad_weight", grad_weight),
                            ArgOf("grad_bias", grad_bias),
                            ArgOf("grad_confidence", grad_confidence),
@@ -305,7 +305,7 @@ py::dict RunObjectiveFromPython(
         config, tensors, outputs,
         {trainable, cuda_stream,
          prepared != nullptr ? prepared->projection.get() : nullptr,
-         interrupt ? interrupt->flag() : nullptr});
+         interrupt ? interrupt->flag() : nullptr, forward_only});
   }
   if (result.status().code() == absl::StatusCode::kCancelled) {
     // Python's own SIGINT handler raises (KeyboardInterrupt by default).
@@ -424,9 +424,11 @@ PYBIND11_MODULE(_core, m) {
         py::arg("grad_correction_inputs"), py::arg("grad_correction_weight"),
         py::arg("prepared").none(true), py::arg("trainable"),
         py::arg("cuda_stream"), py::arg("interruptible") = false,
+        py::arg("forward_only") = false,
         "Runs the head once, forward and backward, into the given buffers; "
-        "gradients are of loss_num / loss_denominator. Returns the terms and "
-        "stats. "
+        "gradients are of loss_num / loss_denominator. With forward_only the "
+        "forward pass alone: no gradient buffer (every grad_* None), no "
+        "gradient GEMM. Returns the terms and stats. "
         "The GIL is released while it runs; with interruptible (a call from "
         "the main thread under Python's default SIGINT handler) Ctrl-C stops "
         "it before its next GEMM and raises KeyboardInterrupt.");

@@ -211,6 +211,36 @@ TEST(RunObjectiveTest, RunsOnTheCpu) {
   EXPECT_NEAR(result->terms.loss_num, 2 * std::log(5.0), 1e-5);
 }
 
+// forward_only: the training run's terms with no gradient buffer; a
+// gradient buffer or a trainable head is refused, naming why.
+TEST(RunObjectiveTest, RunsForwardOnly) {
+  Tiny tiny;
+  absl::StatusOr<HeadResult> train =
+      RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(), {});
+  ASSERT_TRUE(train.ok()) << train.status();
+  ObjectiveOptions forward_only;
+  forward_only.forward_only = true;
+  absl::StatusOr<HeadResult> eval =
+      RunObjective(*DefaultConfig(), tiny.Tensors(), {}, forward_only);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  EXPECT_EQ(eval->terms.loss_num, train->terms.loss_num);
+  EXPECT_EQ(eval->terms.loss_den, train->terms.loss_den);
+  EXPECT_LT(eval->stats.gemm_passes, train->stats.gemm_passes);
+  EXPECT_EQ(
+      RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(),
+                   forward_only)
+          .status()
+          .message(),
+      "grad_hidden: not expected (a forward-only run computes none), got a "
+      "tensor");
+  forward_only.trainable = true;
+  EXPECT_THAT(
+      RunObjective(*DefaultConfig(), tiny.Tensors(), {}, forward_only)
+          .status()
+          .message(),
+      HasSubstr("trainable: a forward-only run computes no gradient"));
+}
+
 int handled_before = 0;
 void CountSignal(int) { ++handled_before; }
 

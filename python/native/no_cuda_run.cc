@@ -14,7 +14,7 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
                                             const HeadInputs<T>&,
                                             const HeadGradients<T>&,
                                             const HeadRowOutputs&, int,
-                                            uintptr_t) {
+                                            uintptr_t, bool) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
@@ -35,10 +35,11 @@ absl::Status CopyFromDevice(int, uintptr_t, void*, int64_t) {
 
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
-    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t);
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
-    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t);
+    const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
+    bool);
 template absl::Status AddTopKValueGradientsOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,

@@ -160,7 +160,7 @@ HeadGradients<T> GradientsOf(const ObjectiveOutputs& o) {
   HeadGradients<T> gradients;
   gradients.correction_inputs = MutableSpanOf<T>(o.grad_correction_inputs);
   gradients.correction_weight = MutableSpanOf<T>(o.grad_correction_weight);
-  gradients.hidden = o.grad_hidden.span<T>();
+  gradients.hidden = MutableSpanOf<T>(o.grad_hidden);
   gradients.weight = MutableSpanOf<T>(o.grad_weight);
   gradients.bias = MutableSpanOf<T>(o.grad_bias);
   gradients.confidence = MutableSpanOf<float>(o.grad_confidence);
@@ -193,7 +193,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
       return RunOnTorchStream<T>(config, inputs, gradients, row_outputs,
-                                 t.hidden.cuda_index(), cuda_stream);
+                                 t.hidden.cuda_index(), cuda_stream,
+                                 objective_options.forward_only);
     }
   }
   if constexpr (std::is_same_v<T, BFloat16>) {
@@ -203,6 +204,7 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     HeadOptions options;
     options.prepared_projection = objective_options.prepared_projection;
     options.interrupt = objective_options.interrupt;
+    options.forward_only = objective_options.forward_only;
     return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs,
                       options);
   }
@@ -305,9 +307,15 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                 ", but this dflash was built without CUDA "
                                 "(no toolkit when it was built)"));
   }
+  if (options.forward_only && options.trainable) {
+    return absl::InvalidArgumentError(
+        "trainable: a forward-only run computes no gradient, so it cannot "
+        "train the head; pass trainable=False");
+  }
   DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
                           BindConfig(config, tensors, options.trainable));
-  DFLASH_RETURN_IF_ERROR(CheckOutputs(outputs, tensors, bound));
+  DFLASH_RETURN_IF_ERROR(
+      CheckOutputs(outputs, tensors, bound, options.forward_only));
   DFLASH_RETURN_IF_ERROR(
       CheckPrepared(options.prepared_projection, tensors, bound));
   DFLASH_ASSIGN_OR_RETURN(

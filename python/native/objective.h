@@ -38,11 +38,12 @@ struct ObjectiveTensors {
 };
 
 // Buffers the caller allocated for the results, contiguous, on hidden's
-// device. Gradients are of loss_num / loss_den; grad_weight and grad_bias are
-// required exactly when the head trains, grad_confidence with confidence
-// logits.
+// device. Gradients are of loss_num / loss_den; grad_hidden is required,
+// grad_weight and grad_bias exactly when the head trains, grad_confidence
+// with confidence logits, the correction's with a correction; a
+// forward-only run (ObjectiveOptions::forward_only) takes none of them.
 struct ObjectiveOutputs {
-  TensorArg grad_hidden;  // Like hidden.
+  std::optional<TensorArg> grad_hidden;  // Like hidden.
   std::optional<TensorArg> grad_weight, grad_bias;
   std::optional<TensorArg> grad_confidence;  // [B, N, K] float32.
   std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
@@ -64,6 +65,9 @@ struct ObjectiveOptions {
   // Stops a CPU run before its next GEMM once set (HeadOptions::interrupt);
   // the run then fails with Cancelled.
   const std::atomic<bool>* interrupt = nullptr;
+  // The forward pass alone (HeadOptions::forward_only): no gradient is
+  // computed and no gradient buffer given; `trainable` must be false.
+  bool forward_only = false;
 };
 
 // A PreparedProjection of a torch weight and bias: CPU, float32,
@@ -90,7 +94,8 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
 
 // Checks every tensor (dtype, device, shape, contiguity; errors name the
 // argument), binds `config` to them and runs the head once, forward and
-// backward: RunHead on the CPU, RunCudaHead on CUDA. Holds no reference to
+// backward (forward alone with options.forward_only): RunHead on the CPU,
+// RunCudaHead on CUDA. Holds no reference to
 // any tensor afterwards.
 absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                         const ObjectiveTensors& tensors,

@@ -151,22 +151,31 @@ absl::Status CheckOutput(const std::optional<TensorArg>& t, bool needed,
 }  // namespace
 
 absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
-                          const v1::ObjectiveConfig& config) {
+                          const v1::ObjectiveConfig& config,
+                          bool forward_only) {
   const std::vector<int64_t>& s = t.hidden.shape;
   const std::vector<int64_t> bnk = {s[0], s[1], s[2]};
   const v1::HeadConfig& head = config.head();
-  DFLASH_RETURN_IF_ERROR(
-      CheckBeside(o.grad_hidden, t.hidden, s, "[B, N, K, H]"));
-  DFLASH_RETURN_IF_ERROR(CheckOutput(o.grad_weight, head.trainable(),
-                                     "grad_weight", "with a trainable head",
-                                     t.hidden, t.weight.shape, "[V, H]"));
-  DFLASH_RETURN_IF_ERROR(
-      CheckOutput(o.grad_bias, head.trainable() && head.bias(), "grad_bias",
-                  "with a trainable head and a bias", t.hidden,
-                  {t.weight.shape[0]}, "[V]"));
+  // A forward-only run takes no gradient buffer at all.
+  const bool grads = !forward_only;
+  const auto why = [forward_only](const char* when) {
+    return forward_only ? "a forward-only run computes none" : when;
+  };
+  DFLASH_RETURN_IF_ERROR(CheckOutput(o.grad_hidden, grads, "grad_hidden",
+                                     why("for every run that trains"),
+                                     t.hidden, s, "[B, N, K, H]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(o.grad_weight, grads && head.trainable(),
+                                     "grad_weight",
+                                     why("with a trainable head"), t.hidden,
+                                     t.weight.shape, "[V, H]"));
   DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_confidence, t.confidence_logits.has_value(), "grad_confidence",
-      "with confidence logits", t.hidden, bnk, "[B, N, K]", "float32"));
+      o.grad_bias, grads && head.trainable() && head.bias(), "grad_bias",
+      why("with a trainable head and a bias"), t.hidden, {t.weight.shape[0]},
+      "[V]"));
+  DFLASH_RETURN_IF_ERROR(CheckOutput(
+      o.grad_confidence, grads && t.confidence_logits.has_value(),
+      "grad_confidence", why("with confidence logits"), t.hidden, bnk,
+      "[B, N, K]", "float32"));
   for (const auto& [buffer, dtype] :
        {std::pair{&o.neg_log_q, "float32"}, std::pair{&o.argmax, "int32"}}) {
     if (buffer->has_value()) {
@@ -193,13 +202,13 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
   }
   const bool correction = t.correction_inputs.has_value();
   DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_correction_inputs, correction, "grad_correction_inputs",
-      "with a correction", t.hidden,
+      o.grad_correction_inputs, grads && correction, "grad_correction_inputs",
+      why("with a correction"), t.hidden,
       correction ? t.correction_inputs->shape : std::vector<int64_t>{},
       "[B, N, K, r]"));
   DFLASH_RETURN_IF_ERROR(CheckOutput(
-      o.grad_correction_weight, correction, "grad_correction_weight",
-      "with a correction", t.hidden,
+      o.grad_correction_weight, grads && correction, "grad_correction_weight",
+      why("with a correction"), t.hidden,
       correction ? t.correction_weight->shape : std::vector<int64_t>{},
       "[V, r]"));
   return absl::OkStatus();

@@ -37,9 +37,10 @@ absl::Status CheckWeight(const TensorArg& w, const TensorArg& hidden);
 absl::Status CheckTensors(const ObjectiveTensors& t);
 
 // The output buffers, against the tensors and the bound config (which
-// gradients it needs).
+// gradients it needs; none when `forward_only`).
 absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
-                          const v1::ObjectiveConfig& config);
+                          const v1::ObjectiveConfig& config,
+                          bool forward_only);
 
 // The teacher and confidence tensors against what the bound loss reads.
 absl::Status CheckLossInputs(const v1::ObjectiveConfig& config,

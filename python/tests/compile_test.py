@@ -299,7 +299,7 @@ class OperatorTest(unittest.TestCase):
         terms.loss.backward()
         other = x.clone().requires_grad_()
         results = _Objective.apply(
-            dflash.objective_config(None), 2, False, _RunInfo(), other,
+            dflash.objective_config(None), 2, False, True, _RunInfo(), other,
             weight, None, None, None, ids, mask, None, None, None)
         (results[0] / results[1]).backward()
         torch.testing.assert_close(terms.loss_num, results[0], rtol=0, atol=0)

@@ -2,7 +2,11 @@
 
 The head runs forward and backward in one call (in FUSED mode the gradient
 is computed chunk by chunk in forward, so nothing is recomputed); autograd's
-backward then only scales the saved gradients by what flows in.
+backward then only scales the saved gradients by what flows in. Under
+torch.no_grad(), torch.inference_mode() or when no input needs a gradient
+the head runs its forward pass alone. With torch >= 2.4 the call is the
+operator torch.ops.dflash.objective (_library.py), which torch.compile
+traces; torch 1.13 runs _Objective, an autograd.Function.
 """
 
 from __future__ import annotations
@@ -301,9 +305,11 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               correction_weight: Optional[torch.Tensor],
               prepared: Optional[_core.PreparedProjection]) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
-    the host). `gradients` false: no gradient is kept (forward only)."""
+    the host). `gradients` false: the forward pass alone, no gradient
+    computed and no gradient buffer (every grads value None)."""
     rows = tuple(hidden.shape[:3])
     device = hidden.device
+    trainable = trainable and gradients
     wanted = {
         "grad_hidden": (hidden.shape, hidden.dtype),
         "grad_weight": (weight.shape, weight.dtype) if trainable else None,
@@ -325,6 +331,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "loss_weight": ((rows, torch.float32)
                         if return_rows or top_k else None),
     }
+    if not gradients:
+        wanted.update(dict.fromkeys(_GRADIENTS))
     made = {name: None if spec is None else _empty(
                 _BUFFER_NAMES.get(name, name), *spec, device)
             for name, spec in wanted.items()}
@@ -339,7 +347,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         confidence, correction_inputs=correction_inputs,
         correction_weight=correction_weight, prepared=prepared,
         trainable=trainable, cuda_stream=stream,
-        interruptible=_interruptible(), **grads, **outputs)
+        interruptible=_interruptible(), forward_only=not gradients, **grads,
+        **outputs)
 
     # One host-to-device copy for every scalar term, then a tensor of its
     # own for each (not views of one: a caller may all_reduce one in
@@ -371,8 +380,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         outputs["top_k_values"],
         outputs["loss_weight"],
     ]
-    return _HeadCall(result, grads if gradients else dict.fromkeys(grads),
-                     terms, extras, stream, outputs["top_k"])
+    return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"])
 
 
 def _tie_to_error(inputs: Sequence[Optional[torch.Tensor]],
@@ -428,7 +436,8 @@ def _top_k_value_backward(config: _core.ObjectiveConfig,
 class _Objective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, config: _core.ObjectiveConfig, top_k: int,
-                return_rows: bool, run_info: _RunInfo, hidden: torch.Tensor,
+                return_rows: bool, gradients: bool, run_info: _RunInfo,
+                hidden: torch.Tensor,
                 weight: torch.Tensor, bias: Optional[torch.Tensor],
                 teacher: Optional[torch.Tensor],
                 confidence: Optional[torch.Tensor], target_ids: torch.Tensor,
@@ -438,11 +447,11 @@ class _Objective(torch.autograd.Function):
                 prepared: Optional[_core.PreparedProjection]
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
-        trainable = ctx.needs_input_grad[5] or ctx.needs_input_grad[6]
-        call = _run_head(config, top_k, return_rows, trainable, True, hidden,
-                         weight, bias, teacher, confidence, target_ids,
-                         weight_mask, correction_inputs, correction_weight,
-                         prepared)
+        trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
+        call = _run_head(config, top_k, return_rows, trainable, gradients,
+                         hidden, weight, bias, teacher, confidence,
+                         target_ids, weight_mask, correction_inputs,
+                         correction_weight, prepared)
         result, grads, terms, extras = call[:4]
         run_info.stats = result["stats"]
         run_info.lk_kl_weight = result["lk_kl_weight"]
@@ -507,19 +516,19 @@ class _Objective(torch.autograd.Function):
             return grad * scale.to(grad.dtype)
 
         needs = ctx.needs_input_grad
-        grad_hidden = scaled(g["grad_hidden"]) if needs[4] else None
-        grad_weight = scaled(g["grad_weight"]) if needs[5] else None
-        grad_bias = scaled(g["grad_bias"]) if needs[6] else None
-        grad_confidence = scaled(g["grad_confidence"]) if needs[8] else None
+        grad_hidden = scaled(g["grad_hidden"]) if needs[5] else None
+        grad_weight = scaled(g["grad_weight"]) if needs[6] else None
+        grad_bias = scaled(g["grad_bias"]) if needs[7] else None
+        grad_confidence = scaled(g["grad_confidence"]) if needs[9] else None
         grad_z = (scaled(g["grad_correction_inputs"])
-                  if needs[11] and g["grad_correction_inputs"] is not None
+                  if needs[12] and g["grad_correction_inputs"] is not None
                   else None)
         grad_m = (scaled(g["grad_correction_weight"])
-                  if needs[12] and g["grad_correction_weight"] is not None
+                  if needs[13] and g["grad_correction_weight"] is not None
                   else None)
         grad_values = (None if ctx.values_at is None
                        else unused[ctx.values_at - 1])
-        if grad_values is not None and (needs[4] or needs[5] or needs[6]):
+        if grad_values is not None and (needs[5] or needs[6] or needs[7]):
             if grad_hidden is None:
                 grad_hidden = torch.zeros_like(hidden)
             trainable = ctx.trainable
@@ -533,11 +542,12 @@ class _Objective(torch.autograd.Function):
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
                 trainable)
-            grad_hidden = grad_hidden if needs[4] else None
-            grad_weight = grad_weight if needs[5] else None
-            grad_bias = grad_bias if needs[6] else None
-        return (None, None, None, None, grad_hidden, grad_weight, grad_bias,
-                None, grad_confidence, None, None, grad_z, grad_m, None)
+            grad_hidden = grad_hidden if needs[5] else None
+            grad_weight = grad_weight if needs[6] else None
+            grad_bias = grad_bias if needs[7] else None
+        return (None, None, None, None, None, grad_hidden, grad_weight,
+                grad_bias, None, grad_confidence, None, None, grad_z, grad_m,
+                None)
 
 
 def dflash_objective(
@@ -636,6 +646,19 @@ def _checked_objective(
     if not 0 <= top_k <= min(64, vocab):
         raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
                          f"got {top_k!r}")
+    cast = _autocast_dtype(hidden.device)
+    if cast is not None:
+        # Under autocast the head takes its own mixed-precision dtype: each
+        # projection input is cast once, here (differentiably: gradients
+        # come back in the caller's dtypes), and nowhere else.
+        hidden, lm_head_weight = [
+            t if t.dtype == cast else t.to(cast)
+            for t in (hidden, lm_head_weight)]
+        (lm_head_bias, teacher_hidden, correction_inputs,
+         correction_weight) = [
+            t if t is None or t.dtype == cast else t.to(cast)
+            for t in (lm_head_bias, teacher_hidden, correction_inputs,
+                      correction_weight)]
     return _objective_terms(
         hidden, lm_head_weight, target_ids, weight_mask, config=config,
         overrides=overrides, lm_head_bias=lm_head_bias,
@@ -644,6 +667,30 @@ def _checked_objective(
         correction_weight=correction_weight,
         prepared_projection=prepared_projection, prepare=prepare,
         return_rows=bool(return_rows), top_k=top_k)
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype the head takes its projection's inputs in under the
+    autocast active for `device` (torch.autocast), or None outside one:
+    bfloat16 under CUDA's bfloat16 autocast (the CUDA head's mixed
+    precision), float32 under any other (the CPU head computes in float32
+    or float64, and there is no float16 head)."""
+    kind = device.type
+    if kind not in ("cpu", "cuda"):
+        return None
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        enabled = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind)
+    elif kind == "cuda":
+        enabled = torch.is_autocast_enabled()
+        dtype = torch.get_autocast_gpu_dtype()
+    else:
+        enabled = torch.is_autocast_cpu_enabled()
+        dtype = torch.get_autocast_cpu_dtype()
+    if not enabled:
+        return None
+    return (torch.bfloat16 if kind == "cuda" and dtype == torch.bfloat16
+            else torch.float32)
 
 
 def _config_facts(config: ConfigSource, overrides: Tuple[Tuple[str, Any], ...]
@@ -682,20 +729,27 @@ def _objective_terms(
     """dflash_objective's run, its arguments checked: through the
     dflash::objective operator where torch has torch.library.custom_op,
     else through _Objective. With `prepare` (FusedHead under torch.compile)
-    the operator lays a frozen float32 CPU weight out itself and keeps it."""
+    the operator lays a frozen float32 CPU weight out itself and keeps it.
+
+    Under torch.no_grad(), torch.inference_mode() or when no input that
+    gets a gradient requires one, the head runs forward only."""
+    gradients = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (hidden, lm_head_weight, lm_head_bias, confidence_logits,
+                  correction_inputs, correction_weight))
     if _library.SUPPORTED:
         results, report = _through_operator(
             hidden, lm_head_weight, target_ids, weight_mask, config,
             overrides, lm_head_bias, teacher_hidden, confidence_logits,
             correction_inputs, correction_weight, prepared_projection,
-            prepare, return_rows, top_k)
+            prepare, return_rows, top_k, gradients)
         lk_kl_weight, metrics, family_terms, stats, loss_den_offset = report
     else:
         resolved = objective_config(config, **overrides)
         run_info = _RunInfo()
         results = _Objective.apply(
-            resolved, top_k, return_rows, run_info, hidden, lm_head_weight,
-            lm_head_bias, teacher_hidden, confidence_logits,
+            resolved, top_k, return_rows, gradients, run_info, hidden,
+            lm_head_weight, lm_head_bias, teacher_hidden, confidence_logits,
             _on_host(target_ids), _on_host(weight_mask), correction_inputs,
             correction_weight, prepared_projection)
         lk_kl_weight, metrics = run_info.lk_kl_weight, run_info.metrics
@@ -736,19 +790,13 @@ def _through_operator(
         correction_inputs: Optional[torch.Tensor],
         correction_weight: Optional[torch.Tensor],
         prepared: Optional[_core.PreparedProjection], prepare: bool,
-        return_rows: bool, top_k: int
+        return_rows: bool, top_k: int, gradients: bool
         ) -> Tuple[List[torch.Tensor], Tuple[Any, ...]]:
     """The run as torch.ops.dflash.objective: the results _Objective
     returns (the terms, then the per-row outputs asked for) and the report
     (lk_kl_weight, metrics, family_terms, stats, loss_den_offset)."""
     text, loss_den_offset = _config_facts(
         config, tuple(sorted(overrides.items())))
-    differentiable = (hidden, weight, bias, confidence, correction_inputs,
-                      correction_weight)
-    # Forward only under torch.no_grad(), torch.inference_mode() or when no
-    # input needs a gradient: the head computes no gradient at all.
-    gradients = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in differentiable)
     trainable = gradients and (weight.requires_grad or (
         bias is not None and bias.requires_grad))
     handle = _library.AUTO if prepare else _library.prepared_handle(prepared)
