@@ -9,9 +9,12 @@
 // BM_CudaChunkLoss times the loss kernels alone on one chunk of BF16 logits
 // (2048 rows x V) per family and top-k width: GBps counts the bytes a loss
 // cannot avoid (the logits read and their gradient written, the teacher
-// read), so it reads as a share of the device's bandwidth.
+// read), so it reads as a share of the device's bandwidth, and floor_ratio
+// is the loss's time over a plain kernel moving those bytes
+// (LaunchStreamFloor), timed in the same process.
 // Without a GPU every case reports the reason and skips.
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -22,6 +25,7 @@
 #include "base/cuda_stream.h"
 #include "bench/cuda_fill.h"
 #include "bench/cuda_gemm_floor.h"
+#include "bench/cuda_stream_floor.h"
 #include "benchmark/benchmark.h"
 #include "google/protobuf/text_format.h"
 #include "heads/cuda_head.h"
@@ -223,15 +227,35 @@ void BM_CudaChunkLoss(benchmark::State& state, const char* loss_text,
   ChunkLossOutputs outputs;
   outputs.top_k = absl::MakeSpan(top_k->data(), top_k->size());
   outputs.k = caller_k;
+  using Clock = std::chrono::steady_clock;
+  // The floor: the fastest of a few plain passes over the same bytes.
+  double floor_seconds = 0;
+  for (int i = 0; i < 5; ++i) {
+    const Clock::time_point start = Clock::now();
+    LaunchStreamFloor(logits->data(),
+                      teacher ? teacher_logits->data() : nullptr, count,
+                      s.stream->stream());
+    const absl::Status done = s.stream->Synchronize();
+    if (!done.ok()) {
+      state.SkipWithError(std::string(done.message()).c_str());
+      return;
+    }
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - start).count();
+    floor_seconds = i == 0 ? seconds : std::min(floor_seconds, seconds);
+  }
+  double loss_seconds = 0;
   for (auto _ : state) {
     state.PauseTiming();
     LaunchFillNormal(logits->data(), count, 2.0f, 3, s.stream->stream());
     const absl::Status filled = s.stream->Synchronize();
     state.ResumeTiming();
+    const Clock::time_point start = Clock::now();
     absl::Status ok = filled.ok() ? (*loss)->Run(inputs, outputs, nullptr,
                                                  /*record=*/true)
                                   : filled;
     if (ok.ok()) ok = (*loss)->Terms().status();
+    loss_seconds += std::chrono::duration<double>(Clock::now() - start).count();
     if (!ok.ok()) {
       state.SkipWithError(std::string(ok.message()).c_str());
       return;
@@ -240,6 +264,9 @@ void BM_CudaChunkLoss(benchmark::State& state, const char* loss_text,
   const double bytes = (teacher ? 3.0 : 2.0) * count * sizeof(BFloat16);
   state.counters["GBps"] = benchmark::Counter(
       bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["floor_GBps"] = bytes / 1e9 / floor_seconds;
+  state.counters["floor_ratio"] =
+      loss_seconds / static_cast<double>(state.iterations()) / floor_seconds;
 }
 
 int Register() {
