@@ -29,6 +29,7 @@ import venv
 import zipfile
 
 import dflash
+import dflash.specforge
 import dflash.torch
 from dflash import _core
 
@@ -137,6 +138,18 @@ class AllTest(unittest.TestCase):
                     exec(f"from {module.__name__} import {name}", scope)
                     self.assertIs(scope[name], getattr(module, name))
 
+    def test_specforge_lists_what_it_defines(self):
+        # dflash.specforge imports without SpecForge (apply() imports it).
+        module = dflash.specforge
+        defined = [name for name, value in vars(module).items()
+                   if not name.startswith("_")
+                   and not isinstance(value, types.ModuleType)
+                   and getattr(value, "__module__",
+                               module.__name__) == module.__name__]
+        self.assertEqual(sorted(module.__all__), sorted(defined))
+        self.assertIn("apply", module.__all__)
+        self.assertIn("revert", module.__all__)
+
     def test_prepared_projection_is_listed(self):
         # The name the issue found missing, used by dflash_objective's
         # prepared_projection.
@@ -173,6 +186,19 @@ class TypeHintsTest(unittest.TestCase):
                             self.assertAnnotated(f"{what}.{member}", function)
                     checked += 1
         self.assertGreaterEqual(checked, 10)
+
+    def test_specforge_names_are_annotated(self):
+        module = dflash.specforge
+        for name in module.__all__:
+            value = getattr(module, name)
+            with self.subTest(name=f"dflash.specforge.{name}"):
+                if inspect.isfunction(value):
+                    self.assertAnnotated(name, value)
+                elif isinstance(value, type):
+                    for member, function in public_members(value):
+                        self.assertAnnotated(f"{name}.{member}", function)
+                else:
+                    self.assertIn(name, typing.get_type_hints(module))
 
     def test_result_classes_have_typed_documented_fields(self):
         terms = typing.get_type_hints(dflash.torch.ObjectiveTerms)

@@ -1,0 +1,502 @@
+"""dflash.specforge.apply() against SpecForge's own OnlineDFlashModel.
+
+SpecForge's model runs forward and backward on small CPU batches with a
+stubbed draft network (as SpecForge's own loss tests stub it), once as
+shipped and once after apply(): the loss, accuracy, every metric and every
+gradient must agree (float64 1e-9 relative, float32 2e-5), with one head
+call per batch and no fallback. The fallbacks must warn once, naming why,
+and give SpecForge's own result; revert() must restore SpecForge's
+functions.
+
+Needs the installed specforge 0.2.0 (pip install --no-deps specforge==0.2.0,
+and transformers, which its model module imports): CI's torch 2.15 venv has
+it. Where SpecForge cannot be imported (Debian's torch 1.13) the model
+tests skip, saying why.
+"""
+
+import importlib
+import unittest
+import warnings
+
+import torch
+import torch.nn as nn
+
+import dflash.specforge as dsf
+
+MODULE = "specforge.algorithms.common.dflash_family_model"
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flash_attn is not installed, ...
+        sf = importlib.import_module(MODULE)
+    NO_SPECFORGE = None
+except Exception as error:  # noqa: BLE001 - any import failure skips.
+    sf = None
+    NO_SPECFORGE = (
+        f"SpecForge's {MODULE} does not import here ({type(error).__name__}: "
+        f"{error}); CI installs specforge==0.2.0 --no-deps and transformers "
+        "into its torch 2.15 venv (run with DFLASH_TEST_PYTHON naming it)")
+
+B, S, K, H, HT, V = 2, 22, 4, 16, 12, 23
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5}
+DPACE = ("dpace", "dpace-cumulative-confidence-only",
+         "dpace-continuation-value-only")
+
+
+class StubDraft(nn.Module):
+    """Stands in for DFlashDraftModel: the draft's output states from the
+    noise embedding, the context states and the draft positions."""
+
+    sliding_window = None
+
+    def __init__(self):
+        super().__init__()
+        self.noise = nn.Linear(H, H)
+        self.context = nn.Linear(HT, H, bias=False)
+        self.position = nn.Embedding(S + K + 1, H)
+
+    def forward(self, position_ids, noise_embedding, target_hidden,
+                attention_mask):
+        draft_positions = position_ids[:, target_hidden.shape[1]:]
+        context = self.context(target_hidden.mean(dim=1, keepdim=True))
+        return 2 * torch.tanh(self.noise(noise_embedding) + context
+                              + self.position(draft_positions))
+
+
+class CappedHead(nn.Module):
+    """A head that is not an nn.Linear weight: a softcapped projection."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden):
+        return 5 * torch.tanh(self.linear(hidden) / 5)
+
+
+def batch(dtype, mask_dtype=None):
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, V - 1, (B, S), generator=generator)
+    hidden_states = torch.randn(B, S, HT, generator=generator, dtype=dtype)
+    loss_mask = torch.ones(B, S, dtype=mask_dtype or dtype)
+    loss_mask[0, :3] = 0          # prompts
+    loss_mask[1, :10] = 0
+    loss_mask[1, -5:] = 0         # padding: 2 of its anchors are padding
+    loss_mask[0, 12] = 0.75       # a fractional weight
+    return input_ids, hidden_states, loss_mask
+
+
+def build(loss_type="dflash", gamma=None, chunk=2, dtype=torch.float64,
+          alpha=0.5, head_grad=False, bias=False, num_anchors=8):
+    torch.manual_seed(0)
+    head = nn.Linear(H, V, bias=bias)
+    with torch.no_grad():
+        head.weight.mul_(6)
+    head.requires_grad_(head_grad)
+    model = sf.OnlineDFlashModel(
+        StubDraft(), head, nn.Embedding(V, H), mask_token_id=V - 1,
+        block_size=K, attention_backend="sdpa", num_anchors=num_anchors,
+        loss_decay_gamma=gamma, objective_chunk_blocks=chunk,
+        loss_type=loss_type, dpace_alpha=alpha)
+    return model.to(dtype)
+
+
+def step(model, inputs, grad=True):
+    """SpecForge's forward and backward: every output and gradient."""
+    input_ids, hidden_states, loss_mask = inputs
+    hidden_states = hidden_states.clone().requires_grad_(grad)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # SpecForge's anchors are random.
+    with torch.set_grad_enabled(grad):
+        loss, accuracy, metrics = model(input_ids, hidden_states, loss_mask)
+    if grad:
+        loss.backward()
+    out = {"loss": loss, "accuracy": accuracy,
+           "accuracy_denom": metrics["accuracy_denom"],
+           "acc_num": metrics["ratio_metrics"]["acc"][0],
+           "acc_den": metrics["ratio_metrics"]["acc"][1],
+           "loss_terms_num": metrics["loss_terms"][0],
+           "loss_terms_den": metrics["loss_terms"][1]}
+    if grad:
+        out["grad hidden_states"] = hidden_states.grad
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                out[f"grad {name}"] = p.grad
+    return out
+
+
+class Counting:
+    """Counts the head's calls (dflash_objective as dflash.specforge calls
+    it)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.original = dsf.dflash_objective
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+        dsf.dflash_objective = counted
+        return self
+
+    def __exit__(self, *exc):
+        dsf.dflash_objective = self.original
+
+
+class Case(unittest.TestCase):
+    def setUp(self):
+        if NO_SPECFORGE:
+            self.skipTest(NO_SPECFORGE)
+        dsf.revert()
+        self.addCleanup(dsf.revert)
+
+    def assertSame(self, got, want, tolerance, what=""):
+        self.assertEqual(sorted(got), sorted(want), what)
+        for name, reference in want.items():
+            value = got[name]
+            where = f"{what} {name}"
+            self.assertIs(type(value), type(reference), where)
+            self.assertEqual(value.dtype, reference.dtype, where)
+            self.assertEqual(value.device, reference.device, where)
+            self.assertEqual(value.shape, reference.shape, where)
+            self.assertEqual(value.requires_grad, reference.requires_grad,
+                             where)
+            finite = reference.detach()[reference.detach().isfinite()]
+            scale = finite.abs().max().item() if finite.numel() else 0.0
+            torch.testing.assert_close(
+                value.detach(), reference.detach(), rtol=tolerance,
+                atol=tolerance * scale, equal_nan=True, msg=lambda m: (
+                    f"{where}: {m}"))
+
+    def compare(self, what, tolerance=None, heads=1, fallback=False,
+                inputs=None, grad=True, apply_kwargs=None, **kwargs):
+        """The shipped model against the patched one: `heads` head calls
+        per step, and no fallback unless `fallback`."""
+        dtype = kwargs.get("dtype", torch.float64)
+        inputs = inputs or batch(dtype)
+        shipped = step(build(**kwargs), inputs, grad)
+        dsf.apply(**(apply_kwargs or {}))
+        try:
+            with warnings.catch_warnings(record=True) as caught, \
+                    Counting() as counter:
+                warnings.simplefilter("always")
+                patched = step(build(**kwargs), inputs, grad)
+        finally:
+            dsf.revert()
+        fallbacks = [w for w in caught
+                     if issubclass(w.category, dsf.SpecForgeFallbackWarning)]
+        if not fallback:
+            self.assertEqual(fallbacks, [], what)
+        self.assertEqual(counter.calls, heads, what)
+        self.assertGreater(shipped["acc_num"].item(), 0, what)
+        self.assertSame(patched, shipped,
+                        tolerance or TOLERANCE[dtype], what)
+        return shipped, patched, fallbacks
+
+
+class ParityTest(Case):
+    def test_dflash_loss(self):
+        for dtype in (torch.float64, torch.float32):
+            for gamma in (None, 0.0, 7.0, 2.5):
+                for chunk in (0, 1, 2, 128):
+                    self.compare(f"dflash gamma {gamma} chunk {chunk} {dtype}",
+                                 dtype=dtype, gamma=gamma, chunk=chunk)
+
+    def test_dpace_variants(self):
+        for dtype in (torch.float64, torch.float32):
+            for loss_type in DPACE:
+                for alpha in (0.5, 0.2):
+                    for chunk in (0, 2):
+                        self.compare(f"{loss_type} alpha {alpha} chunk "
+                                     f"{chunk} {dtype}", dtype=dtype,
+                                     loss_type=loss_type, alpha=alpha,
+                                     chunk=chunk)
+
+    def test_trainable_head_with_bias(self):
+        for dtype in (torch.float64, torch.float32):
+            for loss_type in ("dflash", "dpace"):
+                shipped, _, _ = self.compare(
+                    f"{loss_type} trainable head {dtype}", dtype=dtype,
+                    loss_type=loss_type, gamma=7.0, head_grad=True,
+                    bias=True)
+                self.assertIn("grad lm_head.weight", shipped)
+                self.assertIn("grad lm_head.bias", shipped)
+
+    def test_float32_states_with_a_float64_loss_mask(self):
+        # SpecForge's loss terms are then float64 (the mask's dtype).
+        for loss_type in ("dflash", "dpace-continuation-value-only"):
+            shipped, _, _ = self.compare(
+                f"{loss_type} mixed", dtype=torch.float32, gamma=7.0,
+                loss_type=loss_type,
+                inputs=batch(torch.float32, torch.float64))
+            self.assertEqual(shipped["loss_terms_num"].dtype, torch.float64)
+
+    def test_without_gradients(self):
+        for loss_type in ("dflash", "dpace"):
+            self.compare(f"{loss_type} no_grad", loss_type=loss_type,
+                         gamma=7.0, grad=False)
+
+    def test_other_head_modes(self):
+        for mode in ("checkpoint", "materialize"):
+            self.compare(f"mode {mode}", gamma=7.0, chunk=1,
+                         apply_kwargs={"mode": mode, "threads": 1})
+
+    def test_the_chunk_function_itself(self):
+        # Called directly (as SpecForge's forward does per chunk without the
+        # reduction): the same tuple of four tensors.
+        torch.manual_seed(3)
+        hidden = torch.randn(1, 3, K, H, dtype=torch.float64,
+                             requires_grad=True)
+        targets = torch.randint(0, V, (1, 3, K))
+        mask = (torch.rand(1, 3, K, dtype=torch.float64) > 0.2).double()
+        mask[..., 0] = 0
+        for loss_type in ("dflash",) + DPACE:
+            model = build(loss_type=loss_type, gamma=3.0)
+            want = model._dflash_objective_chunk_terms(hidden, targets, mask)
+            (want_grad,) = torch.autograd.grad(want[0], hidden)
+            dsf.apply()
+            with Counting() as counter:
+                got = model._dflash_objective_chunk_terms(hidden, targets,
+                                                          mask)
+            dsf.revert()
+            self.assertEqual(counter.calls, 1)
+            self.assertIs(type(got), tuple)
+            self.assertEqual(len(got), 4)
+            (got_grad,) = torch.autograd.grad(got[0], hidden)
+            self.assertSame(dict(enumerate(got)), dict(enumerate(want)),
+                            1e-9, loss_type)
+            self.assertSame({0: got_grad}, {0: want_grad}, 1e-9, loss_type)
+
+
+class FallbackTest(Case):
+    def expect_fallback(self, what, words, heads=0, **kwargs):
+        _, _, fallbacks = self.compare(what, heads=heads, fallback=True,
+                                       **kwargs)
+        self.assertEqual(len(fallbacks), 1,
+                         [str(w.message) for w in fallbacks])
+        message = str(fallbacks[0].message)
+        for word in words:
+            self.assertIn(word, message)
+        return message
+
+    def test_a_head_that_is_not_a_linear(self):
+        original = build
+
+        def capped(**kwargs):
+            model = original(**kwargs)
+            model.lm_head = CappedHead(model.lm_head)
+            return model
+
+        globals()["build"] = capped
+        try:
+            self.expect_fallback("capped head", ["CappedHead",
+                                                 "not a torch.nn.Linear"])
+        finally:
+            globals()["build"] = original
+
+    def test_a_head_with_a_forward_hook(self):
+        original = build
+
+        def hooked(**kwargs):
+            model = original(**kwargs)
+            model.lm_head.register_forward_hook(
+                lambda module, args, out: out * 0.5)
+            return model
+
+        globals()["build"] = hooked
+        try:
+            self.expect_fallback("hooked head", ["forward hooks"])
+        finally:
+            globals()["build"] = original
+
+    def test_autocast(self):
+        original = step
+
+        def autocast_step(model, inputs, grad=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return original(model, inputs, grad)
+
+        globals()["step"] = autocast_step
+        try:
+            self.expect_fallback("autocast", ["autocast"],
+                                 dtype=torch.float32)
+        finally:
+            globals()["step"] = original
+
+    def test_non_finite_states(self):
+        inputs = list(batch(torch.float64))
+        inputs[1] = inputs[1].clone()
+        inputs[1][0, 4, 0] = float("nan")
+        # The head is called, refuses, and SpecForge's path gives its NaN.
+        self.expect_fallback("nan", ["dflash refused", "finite"], heads=1,
+                             inputs=tuple(inputs))
+
+    def chunk_inputs(self):
+        torch.manual_seed(4)
+        hidden = torch.randn(2, 3, K, H, dtype=torch.float64,
+                             requires_grad=True)
+        targets = torch.randint(0, V, (2, 3, K))
+        mask = torch.ones(2, 3, K, dtype=torch.float64)
+        mask[..., 0] = 0
+        return hidden, targets, mask
+
+    def direct_fallback(self, hidden, targets, mask, words, **kwargs):
+        """Two direct chunk calls that fall back: SpecForge's terms and
+        gradient, one warning naming why."""
+        model = build(**kwargs)
+        want = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        (want_grad,) = torch.autograd.grad(want[0], hidden)
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught, \
+                Counting() as counter:
+            warnings.simplefilter("always")
+            got = model._dflash_objective_chunk_terms(hidden, targets, mask)
+            again = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        dsf.revert()
+        self.assertEqual(counter.calls, 0)
+        self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
+        self.assertIs(caught[0].category, dsf.SpecForgeFallbackWarning)
+        for word in words:
+            self.assertIn(word, str(caught[0].message))
+        (got_grad,) = torch.autograd.grad(got[0], hidden)
+        for terms in (got, again):
+            self.assertSame(dict(enumerate(terms)), dict(enumerate(want)), 0)
+        self.assertSame({0: got_grad}, {0: want_grad}, 0)
+
+    def test_a_non_contiguous_chunk_view(self):
+        # checkpointed_chunk_reduce's narrow() of a batch of 2 sequences.
+        hidden, targets, mask = self.chunk_inputs()
+        view = hidden.narrow(1, 1, 2)
+        self.assertFalse(view.is_contiguous())
+        model = build()
+        want = model._dflash_objective_chunk_terms(
+            view, targets.narrow(1, 1, 2), mask.narrow(1, 1, 2))
+        self.direct_fallback(view, targets.narrow(1, 1, 2),
+                             mask.narrow(1, 1, 2),
+                             ["non-contiguous", "strided views"])
+        self.assertEqual(len(want), 4)
+
+    def test_ignored_targets_with_positive_weight(self):
+        hidden, targets, mask = self.chunk_inputs()
+        targets = targets.clone()
+        targets[0, 1, 2] = -100
+        for loss_type in ("dflash", "dpace"):
+            with self.subTest(loss_type=loss_type):
+                self.direct_fallback(hidden, targets, mask,
+                                     ["-100", "weight is positive"],
+                                     loss_type=loss_type)
+
+    def test_ignored_targets_without_weight_run_on_the_head(self):
+        hidden, targets, mask = self.chunk_inputs()
+        targets = targets.clone()
+        targets[0, 1, 0] = -100   # position 0: no weight
+        model = build(gamma=7.0)
+        want = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        dsf.apply()
+        with Counting() as counter:
+            got = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        self.assertEqual(counter.calls, 1)
+        self.assertSame(dict(enumerate(got)), dict(enumerate(want)), 1e-9)
+
+    def test_a_bool_weight_mask(self):
+        hidden, targets, mask = self.chunk_inputs()
+        self.direct_fallback(hidden, targets, mask > 0, ["torch.bool",
+                                                         "weight_mask"])
+
+    def test_each_reason_warns_once_per_apply(self):
+        hidden, targets, mask = self.chunk_inputs()
+        view = hidden.narrow(1, 0, 2)
+        model = build()
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                model._dflash_objective_chunk_terms(
+                    view, targets.narrow(1, 0, 2), mask.narrow(1, 0, 2))
+                model._dflash_objective_chunk_terms(hidden, targets,
+                                                    mask > 0)
+        self.assertEqual(len(caught), 2, [str(w.message) for w in caught])
+        dsf.revert()
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model._dflash_objective_chunk_terms(hidden, targets, mask > 0)
+        self.assertEqual(len(caught), 1)
+
+
+class PatchTest(Case):
+    def originals(self):
+        return (sf.OnlineDFlashModel.__dict__["_dflash_objective_chunk_terms"],
+                sf.checkpointed_chunk_reduce)
+
+    def test_revert_restores_and_apply_twice_is_harmless(self):
+        terms, reduce = self.originals()
+        self.assertFalse(dsf.is_applied())
+        dsf.apply()
+        patched = self.originals()
+        self.assertIsNot(patched[0], terms)
+        self.assertIsNot(patched[1], reduce)
+        dsf.apply()
+        self.assertEqual(self.originals(), patched)
+        self.assertTrue(dsf.is_applied())
+        dsf.revert()
+        self.assertEqual(self.originals(), (terms, reduce))
+        self.assertFalse(dsf.is_applied())
+        dsf.revert()
+        self.assertEqual(self.originals(), (terms, reduce))
+        # Other users of SpecForge's chunked reduction are passed through.
+        self.assertIs(importlib.import_module(
+            "specforge.core.chunking").checkpointed_chunk_reduce, reduce)
+
+    def test_reduction_of_other_functions_is_specforges(self):
+        dsf.apply()
+        x = torch.arange(6.0).view(1, 6)
+        got = sf.checkpointed_chunk_reduce(
+            lambda t: (t.sum(), t.max()), x, chunk_size=4, dim=1)
+        self.assertEqual([t.item() for t in got], [15.0, 8.0])
+        with self.assertRaisesRegex(ValueError, "chunk_size must be >= 0"):
+            sf.checkpointed_chunk_reduce(lambda t: (t,), x, chunk_size=-1)
+
+    def test_an_unknown_seam_is_refused(self):
+        terms, reduce = self.originals()
+
+        def changed(self, hidden, target_ids, weight_mask):
+            return terms(self, hidden, target_ids, weight_mask)
+
+        sf.OnlineDFlashModel._dflash_objective_chunk_terms = changed
+        try:
+            with self.assertRaisesRegex(
+                    dsf.SpecForgeVersionError,
+                    r"the installed SpecForge \(0\.2\.0\) is not a version "
+                    r"whose seam dflash knows \(known: 0\.2\.0\): "
+                    r"OnlineDFlashModel\._dflash_objective_chunk_terms"):
+                dsf.apply()
+            self.assertFalse(dsf.is_applied())
+            self.assertIs(sf.checkpointed_chunk_reduce, reduce)
+        finally:
+            sf.OnlineDFlashModel._dflash_objective_chunk_terms = terms
+
+    def test_options_are_checked_at_apply(self):
+        with self.assertRaises(ValueError):
+            dsf.apply(mode="sideways")
+        with self.assertRaises(TypeError):
+            dsf.apply(threads=1.5)
+        self.assertFalse(dsf.is_applied())
+
+    def test_supported_versions(self):
+        self.assertEqual(dsf.SUPPORTED_VERSIONS, ("0.2.0",))
+
+
+class WithoutSpecForgeTest(unittest.TestCase):
+    def test_apply_says_what_to_install(self):
+        if not NO_SPECFORGE:
+            self.skipTest("SpecForge imports here")
+        with self.assertRaisesRegex(ImportError,
+                                    r"pip install --no-deps specforge"):
+            dsf.apply()
+        self.assertFalse(dsf.is_applied())
+        dsf.revert()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
