@@ -23,7 +23,10 @@ D-PACE variants run through the head. A batch the head cannot run goes to
 SpecForge's own code, with one `SpecForgeFallbackWarning` per reason (see
 `FALLBACKS`). `apply()` refuses, with `SpecForgeVersionError`, a SpecForge
 whose patched functions are not the ones it knows (it compares their
-source with the released versions'). DSpark and Domino are not patched.
+source with the released versions'). `OnlineDSparkModel` and
+`OnlineDominoModel` keep SpecForge's objective: SpecForge 0.2.0 returns
+their term numerators separately, each differentiable, which dflash's core
+does not give from one call; their first step warns saying so.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ SUPPORTED_VERSIONS: Tuple[str, ...] = tuple(sorted(_SEAMS))
 
 FALLBACKS: Tuple[str, ...] = (
     "the lm_head is not a plain torch.nn.Linear (another module, a subclass "
-    "with its own forward, or forward hooks)",
+    "with its own forward, or module hooks)",
     "the weight or hidden is a tensor subclass (DTensor, ...)",
     "a dtype or device the head does not run (CPU float32/float64, CUDA "
     "float32/bfloat16 with a CUDA build; weight and hidden alike), or "
@@ -90,6 +93,8 @@ FALLBACKS: Tuple[str, ...] = (
     "a loss_type this version of the patch does not know, or a subclass "
     "that overrides _dpace_weight",
     "an input the head refuses (ValueError: non-finite hidden, ...)",
+    "OnlineDSparkModel and OnlineDominoModel: their separately "
+    "differentiable term numerators are not in dflash's core (not patched)",
 )
 """What makes a call fall back to SpecForge's own objective."""
 
@@ -107,6 +112,22 @@ _DPACE_VARIANTS = {
     "dpace-cumulative-confidence-only": "CUMULATIVE_CONFIDENCE_ONLY",
     "dpace-continuation-value-only": "CONTINUATION_VALUE_ONLY",
 }
+
+
+# The models whose objective needs what dflash's core lacks (issue 29,
+# item 3): separately differentiable term numerators from one head call.
+_UNPATCHED = (
+    ("OnlineDSparkModel", "_dspark_objective_chunk_terms",
+     "returns DSpark's CE, L1 and confidence numerators separately, each "
+     "differentiable, and weighs them after the chunked reduction; dflash's "
+     "core gives one differentiable loss_num (separate numerators are "
+     "missing)"),
+    ("OnlineDominoModel", "_domino_objective_chunk_terms",
+     "returns Domino's final and base numerators separately, each "
+     "differentiable, and mixes them with forward's lambda_base after the "
+     "chunked reduction; dflash's core gives one differentiable loss_num "
+     "(separate numerators are missing)"),
+)
 
 
 class _Fallback(NamedTuple):
@@ -133,6 +154,15 @@ class _Patch:
             module.checkpointed_chunk_reduce)
         self.overrides = overrides
         self.warned: Set[str] = set()
+        # The chunk functions left as they are, and why (each warns once
+        # when SpecForge's reduction runs it).
+        self.unpatched: Dict[Any, _Fallback] = {}
+        for cls_name, name, what in _UNPATCHED:
+            function = getattr(module, cls_name).__dict__.get(name)
+            if function is not None:
+                self.unpatched[function] = _Fallback(
+                    cls_name, f"{cls_name} is not patched: SpecForge "
+                    f"{version} {what}")
 
 
 _lock = threading.Lock()
@@ -295,11 +325,15 @@ def _head_reason(head: object) -> Optional[_Fallback]:
     hooks: Any = torch.nn.modules.module
     if (head._forward_hooks or head._forward_pre_hooks
             or hooks._global_forward_hooks
-            or hooks._global_forward_pre_hooks):
+            or hooks._global_forward_pre_hooks
+            or head._backward_hooks
+            or getattr(head, "_backward_pre_hooks", None)
+            or getattr(hooks, "_global_backward_hooks", None)
+            or getattr(hooks, "_global_backward_pre_hooks", None)):
         return _Fallback(
             "head:hooks",
-            "the lm_head has forward hooks (they would not see the fused "
-            "head's logits)")
+            "the lm_head has forward or backward hooks (they would not see "
+            "the fused head's logits)")
     return None
 
 
@@ -530,6 +564,9 @@ def _chunk_reduce(function: Callable[..., Tuple[torch.Tensor, ...]],
                 and target_ids.shape[1] == hidden.shape[1]
                 and weight_mask.shape[1] == hidden.shape[1])
     if not ours:
+        unpatched = patch.unpatched.get(getattr(function, "__func__", None))
+        if unpatched is not None:
+            _warn(patch, unpatched)
         return patch.original_reduce(function, *aligned_tensors,
                                      chunk_size=chunk_size, dim=dim)
     hidden, target_ids, weight_mask = tensors

@@ -62,6 +62,34 @@ class StubDraft(nn.Module):
                               + self.position(draft_positions))
 
 
+class StubDominoDraft(StubDraft):
+    """Domino's draft: a correction of the logits from the previous
+    tokens' embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.correction = nn.Linear(H, V, bias=False)
+
+    def apply_logits_head(self, base_logits, hidden_states,
+                          prev_token_embeddings):
+        return base_logits + self.correction(prev_token_embeddings)
+
+
+class StubDSparkDraft(StubDraft):
+    """DSpark's draft: a Markov bias from the previous token, no
+    confidence head."""
+
+    def __init__(self):
+        super().__init__()
+        self.markov = nn.Embedding(V, V)
+
+    def apply_logits_head(self, base_logits, prev_token_ids, hidden_states):
+        return base_logits + self.markov(prev_token_ids)
+
+    def predict_confidence(self, hidden, prev_token_ids):
+        return None
+
+
 class CappedHead(nn.Module):
     """A head that is not an nn.Linear weight: a softcapped projection."""
 
@@ -305,7 +333,7 @@ class FallbackTest(Case):
 
         globals()["build"] = hooked
         try:
-            self.expect_fallback("hooked head", ["forward hooks"])
+            self.expect_fallback("hooked head", ["forward or backward hooks"])
         finally:
             globals()["build"] = original
 
@@ -485,6 +513,71 @@ class PatchTest(Case):
 
     def test_supported_versions(self):
         self.assertEqual(dsf.SUPPORTED_VERSIONS, ("0.2.0",))
+
+
+class UnpatchedModelsTest(Case):
+    """DSpark and Domino keep SpecForge's objective (their separately
+    differentiable numerators are not in dflash's core): the same result,
+    no head call, one warning saying why."""
+
+    def run_model(self, make, forward_kwargs):
+        inputs = batch(torch.float64)
+
+        def run():
+            torch.manual_seed(0)
+            model = make().to(torch.float64)
+            model.zero_grad(set_to_none=True)
+            states = inputs[1].clone().requires_grad_()
+            torch.manual_seed(7)
+            loss, accuracy, metrics = model(inputs[0], states, inputs[2],
+                                            **forward_kwargs)
+            loss.backward()
+            out = {"loss": loss, "accuracy": accuracy,
+                   "grad hidden_states": states.grad}
+            out.update({f"grad {n}": p.grad
+                        for n, p in model.named_parameters()
+                        if p.grad is not None})
+            return out
+
+        shipped = run()
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught, \
+                Counting() as counter:
+            warnings.simplefilter("always")
+            patched = run()
+            run()
+        self.assertEqual(counter.calls, 0)
+        self.assertSame(patched, shipped, 0)
+        self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
+        self.assertIs(caught[0].category, dsf.SpecForgeFallbackWarning)
+        return str(caught[0].message)
+
+    def common(self):
+        head = nn.Linear(H, V, bias=False)
+        head.requires_grad_(False)
+        return dict(target_lm_head=head,
+                    target_embed_tokens=nn.Embedding(V, H),
+                    mask_token_id=V - 1, block_size=K,
+                    attention_backend="sdpa", num_anchors=8,
+                    loss_decay_gamma=7.0, objective_chunk_blocks=2)
+
+    def test_domino(self):
+        for shift in (False, True):
+            message = self.run_model(
+                lambda: sf.OnlineDominoModel(
+                    StubDominoDraft(), shift_label=shift, **self.common()),
+                {"lambda_base": 0.3})
+            self.assertIn("OnlineDominoModel is not patched", message)
+            self.assertIn("final and base numerators separately", message)
+            dsf.revert()
+
+    def test_dspark(self):
+        message = self.run_model(
+            lambda: sf.OnlineDSparkModel(
+                StubDSparkDraft(), dspark_l1_loss_alpha=0.0,
+                **self.common()), {})
+        self.assertIn("OnlineDSparkModel is not patched", message)
+        self.assertIn("CE, L1 and confidence numerators", message)
 
 
 class WithoutSpecForgeTest(unittest.TestCase):
