@@ -62,7 +62,54 @@ class StreamMemory final : public MemorySpace {
   absl::Status deferred_;
 };
 
+absl::Status TakeStreamDeferred(MemorySpace& memory) {
+  return static_cast<StreamMemory&>(memory).TakeDeferred();
+}
+
+// Device memory from a caller's hook (DeviceAllocatorHook), ordered on
+// `stream`.
+class HookMemory final : public MemorySpace {
+ public:
+  HookMemory(const DeviceAllocatorHook& hook, cudaStream_t stream)
+      : hook_(hook), stream_(stream) {}
+  Device device() const override { return Device::kCuda; }
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    return hook_.allocate(bytes, stream_);
+  }
+  void Free(void* data) override { hook_.free(data, stream_); }
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
+    return CudaStatus(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+        "device copy");
+  }
+
+ private:
+  const DeviceAllocatorHook hook_;
+  const cudaStream_t stream_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Wrap(
+    CUstream_st* stream, const DeviceAllocatorHook* hook,
+    int64_t limit_bytes) {
+  std::unique_ptr<CudaStream> wrapped(new CudaStream);
+  wrapped->stream_ = stream;
+  wrapped->owned_ = false;
+  if (hook != nullptr) {
+    if (!hook->allocate || !hook->free) {
+      return absl::InvalidArgumentError(
+          "a device allocator hook needs both allocate and free");
+    }
+    wrapped->memory_ = std::make_unique<HookMemory>(*hook, stream);
+  } else {
+    wrapped->memory_ = std::make_unique<StreamMemory>(stream);
+    wrapped->take_deferred_ = TakeStreamDeferred;
+  }
+  wrapped->allocator_ = std::make_unique<TrackingAllocator>(
+      limit_bytes, /*cache_blocks=*/false, *wrapped->memory_);
+  return wrapped;
+}
 
 absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
     int64_t limit_bytes) {
@@ -90,13 +137,14 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
       cudaStreamCreateWithFlags(&stream->stream_, cudaStreamNonBlocking),
       "cudaStreamCreate"));
   stream->memory_ = std::make_unique<StreamMemory>(stream->stream_);
+  stream->take_deferred_ = TakeStreamDeferred;
   stream->allocator_ = std::make_unique<TrackingAllocator>(
       limit_bytes, /*cache_blocks=*/false, *stream->memory_);
   return stream;
 }
 
 CudaStream::~CudaStream() {
-  if (stream_ == nullptr) return;
+  if (stream_ == nullptr || !owned_) return;
   cudaStreamSynchronize(stream_);
   cudaStreamDestroy(stream_);
 }
@@ -126,7 +174,8 @@ absl::Status CudaStream::Zero(void* device, int64_t bytes) {
 absl::Status CudaStream::Synchronize() {
   DFLASH_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(stream_), "CUDA stream"));
-  return static_cast<StreamMemory&>(*memory_).TakeDeferred();
+  return take_deferred_ != nullptr ? take_deferred_(*memory_)
+                                   : absl::OkStatus();
 }
 
 bool CudaStream::Idle() const {

@@ -7,6 +7,7 @@
 // to and from the device.
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 
@@ -23,10 +24,28 @@ namespace dflash {
 // host that the CUDA backends and their tests need. Work on it runs in
 // issue order; nothing here waits for the device except Synchronize() and
 // the copies to the host.
+// Device memory a caller lends (PyTorch's caching allocator, which the
+// Python binding passes in, so that torch's memory statistics count the
+// head's workspaces): `allocate` returns `bytes` usable in the order of
+// `stream`'s work, or an error saying why; `free` hands it back, in the
+// same order.
+struct DeviceAllocatorHook {
+  std::function<absl::StatusOr<void*>(int64_t bytes, CUstream_st* stream)>
+      allocate;
+  std::function<void(void* data, CUstream_st* stream)> free;
+};
+
 class CudaStream {
  public:
   // Fails with the driver's reason where no device is usable.
   static absl::StatusOr<std::unique_ptr<CudaStream>> Create(
+      int64_t limit_bytes = std::numeric_limits<int64_t>::max());
+  // A CudaStream over `stream`, which the caller owns and keeps alive
+  // (torch's current stream): work is queued on it directly, and it is
+  // neither synchronised nor destroyed with this object. Its memory comes
+  // from `hook` when given, else from cudaMallocAsync on `stream`.
+  static absl::StatusOr<std::unique_ptr<CudaStream>> Wrap(
+      CUstream_st* stream, const DeviceAllocatorHook* hook = nullptr,
       int64_t limit_bytes = std::numeric_limits<int64_t>::max());
   ~CudaStream();
   CudaStream(const CudaStream&) = delete;
@@ -50,7 +69,10 @@ class CudaStream {
  private:
   CudaStream() = default;
   CUstream_st* stream_ = nullptr;
+  bool owned_ = true;  // Created here (destroyed with it), not wrapped.
   std::unique_ptr<MemorySpace> memory_;
+  // memory_'s deferred free errors, where it is stream-ordered CUDA memory.
+  absl::Status (*take_deferred_)(MemorySpace&) = nullptr;
   std::unique_ptr<TrackingAllocator> allocator_;
 };
 

@@ -3,7 +3,7 @@
 # (the extension reads their attributes and needs no torch).
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, SupportsIndex, Union
+from typing import Any, Callable, Dict, List, Optional, SupportsIndex, Union
 
 _Override = Union[str, float, SupportsIndex]
 
@@ -55,5 +55,7 @@ def top_k_value_backward(
     grad_values: object, grad_hidden: object, grad_weight: Optional[object],
     grad_bias: Optional[object], trainable: bool, cuda_stream: int) -> None: ...
 def set_cuda_library_dirs(dirs: List[str]) -> None: ...
+def set_torch_allocator(allocate: Optional[Callable[[int, int, int], int]],
+                        free: Optional[Callable[[int], None]]) -> None: ...
 def built_with_cuda() -> bool: ...
 def release_cached_memory() -> None: ...

@@ -13,7 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -30,6 +32,7 @@
 #include "heads/head_types.h"
 #include "proto/config_overrides.h"
 #include "python/native/config_sources.h"
+#include "python/native/cuda_run.h"
 #include "python/native/objective.h"
 #include "python/native/tensor_arg.h"
 
@@ -430,6 +433,62 @@ TEST_P(CudaObjectiveTest, ForwardOnlyGivesTheTrainingRunsValues) {
   EXPECT_EQ(eval->top_k_values, train->top_k_values);
   EXPECT_LT(eval->head.stats.gemm_passes, train->head.stats.gemm_passes);
   EXPECT_EQ(eval->head.stats.segment_recomputes, 0);
+}
+
+// With an allocator lent (as the binding lends torch's caching allocator),
+// a run goes on the caller's stream itself and takes every workspace from
+// the allocator, on that stream, and hands each back: the same results as
+// the head's own stream and pool.
+TEST_P(CudaObjectiveTest, ALentAllocatorServesEveryWorkspace) {
+  const Case& c = GetParam();
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch = RoundedTo(c.dtype, Batch(7));
+  absl::StatusOr<Outcome> own = RunOn(gpu, c.dtype, c.family, c.mode, batch);
+  ASSERT_TRUE(own.ok()) << own.status();
+
+  struct Counts {
+    int64_t live = 0, peak = 0, calls = 0;
+    std::vector<uintptr_t> streams;
+    std::map<uintptr_t, int64_t> sizes;
+  };
+  auto counts = std::make_shared<Counts>();
+  TorchAllocator lent;
+  lent.allocate = [counts](int64_t bytes, int device,
+                           uintptr_t stream) -> absl::StatusOr<uintptr_t> {
+    EXPECT_EQ(device, 0);
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+      return absl::ResourceExhaustedError("test allocator: full");
+    }
+    counts->live += bytes;
+    counts->peak = std::max(counts->peak, counts->live);
+    ++counts->calls;
+    counts->streams.push_back(stream);
+    counts->sizes[reinterpret_cast<uintptr_t>(p)] = bytes;
+    return reinterpret_cast<uintptr_t>(p);
+  };
+  lent.free = [counts](uintptr_t data) {
+    // The free is stream-ordered for torch's allocator; here, wait.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    counts->live -= counts->sizes.at(data);
+    counts->sizes.erase(data);
+    EXPECT_EQ(cudaFree(reinterpret_cast<void*>(data)), cudaSuccess);
+  };
+  SetTorchAllocator(lent);
+  absl::StatusOr<Outcome> got = RunOn(gpu, c.dtype, c.family, c.mode, batch);
+  SetTorchAllocator(std::nullopt);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_GT(counts->calls, 0);
+  EXPECT_GT(counts->peak, 0);
+  EXPECT_EQ(counts->live, 0);  // Every workspace handed back.
+  for (uintptr_t stream : counts->streams) EXPECT_EQ(stream, gpu.stream());
+  EXPECT_EQ(got->head.terms.loss_num, own->head.terms.loss_num);
+  EXPECT_EQ(got->head.terms.loss_den, own->head.terms.loss_den);
+  EXPECT_EQ(got->grad_hidden, own->grad_hidden);
+  EXPECT_EQ(got->grad_weight, own->grad_weight);
+  EXPECT_EQ(got->neg_log_q, own->neg_log_q);
+  EXPECT_EQ(got->top_k, own->top_k);
 }
 
 std::vector<Case> Cases() {

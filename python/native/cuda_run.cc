@@ -58,6 +58,51 @@ absl::StatusOr<DeviceState*> StateOf(int device) {
   return state.get();
 }
 
+// The allocator SetTorchAllocator lent, and the states of the torch streams
+// runs were queued on with it (keyed by device and stream; dropped when the
+// allocator changes, each kept alive by the runs using it).
+struct Lent {
+  std::mutex mu;
+  std::optional<TorchAllocator> allocator;
+  std::map<std::pair<int, uintptr_t>, std::shared_ptr<DeviceState>> states;
+};
+
+Lent& LentAllocator() {
+  static auto& lent = *new Lent();
+  return lent;
+}
+
+// The state over torch's `stream` on `device` with the lent allocator, or
+// null when none is lent.
+absl::StatusOr<std::shared_ptr<DeviceState>> TorchStreamState(
+    int device, uintptr_t stream) {
+  Lent& lent = LentAllocator();
+  std::lock_guard<std::mutex> lock(lent.mu);
+  if (!lent.allocator.has_value()) return std::shared_ptr<DeviceState>();
+  std::shared_ptr<DeviceState>& state = lent.states[{device, stream}];
+  if (state != nullptr) return state;
+  const TorchAllocator allocator = *lent.allocator;
+  DeviceAllocatorHook hook;
+  hook.allocate = [allocator, device](int64_t bytes, CUstream_st* on)
+      -> absl::StatusOr<void*> {
+    DFLASH_ASSIGN_OR_RETURN(
+        const uintptr_t data,
+        allocator.allocate(bytes, device, reinterpret_cast<uintptr_t>(on)));
+    return reinterpret_cast<void*>(data);
+  };
+  hook.free = [allocator](void* data, CUstream_st*) {
+    allocator.free(reinterpret_cast<uintptr_t>(data));
+  };
+  auto created = std::make_shared<DeviceState>();
+  DFLASH_ASSIGN_OR_RETURN(
+      created->stream,
+      CudaStream::Wrap(reinterpret_cast<CUstream_st*>(stream), &hook));
+  DFLASH_ASSIGN_OR_RETURN(created->blas,
+                          CublasHandle::Create(*created->stream));
+  state = std::move(created);
+  return state;
+}
+
 // Makes `device` current for the scope and restores the caller's after:
 // torch tracks its own current device.
 class DeviceScope {
@@ -83,6 +128,14 @@ auto OnHeadStream(int device, uintptr_t stream, Work work)
     -> decltype(work(std::declval<DeviceState&>())) {
   DeviceScope scope;
   DFLASH_RETURN_IF_ERROR(scope.Enter(device));
+  DFLASH_ASSIGN_OR_RETURN(const std::shared_ptr<DeviceState> on_torch,
+                          TorchStreamState(device, stream));
+  if (on_torch != nullptr) {
+    // On torch's stream itself: ordered with torch's work as its own ops
+    // are, memory from torch's allocator.
+    std::lock_guard<std::mutex> lock(on_torch->mu);
+    return work(*on_torch);
+  }
   DFLASH_ASSIGN_OR_RETURN(DeviceState* const state, StateOf(device));
   std::lock_guard<std::mutex> lock(state->mu);
   const cudaStream_t torch_stream = reinterpret_cast<cudaStream_t>(stream);
@@ -110,6 +163,13 @@ auto OnHeadStream(int device, uintptr_t stream, Work work)
 }  // namespace
 
 bool BuiltWithCuda() { return true; }
+
+void SetTorchAllocator(std::optional<TorchAllocator> allocator) {
+  Lent& lent = LentAllocator();
+  std::lock_guard<std::mutex> lock(lent.mu);
+  lent.allocator = std::move(allocator);
+  lent.states.clear();
+}
 
 void SetCudaLibraryDirs(std::vector<std::string> dirs) {
   dflash::SetCudaLibraryDirs(std::move(dirs));

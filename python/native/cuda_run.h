@@ -2,6 +2,8 @@
 #define DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,25 @@ bool BuiltWithCuda();
 // NVIDIA libraries); the system's and the build's toolkit come after. Does
 // nothing in a build without CUDA.
 void SetCudaLibraryDirs(std::vector<std::string> dirs);
+
+// Device memory lent by the caller: PyTorch's caching allocator
+// (torch.cuda.caching_allocator_alloc and _delete), so that torch's memory
+// statistics (torch.cuda.max_memory_allocated) count the head's workspaces.
+// allocate returns `bytes` on `device` in the order of `stream`, or an
+// error saying why (ResourceExhausted when the device is full).
+struct TorchAllocator {
+  std::function<absl::StatusOr<uintptr_t>(int64_t bytes, int device,
+                                          uintptr_t stream)>
+      allocate;
+  std::function<void(uintptr_t data)> free;
+};
+
+// Sets the allocator the CUDA runs below take their memory from, or with
+// nullopt goes back to the head's own stream and pool. With one set, a run
+// is queued on torch's stream itself (a non-owning wrapper of it, with a
+// cuBLAS handle kept per stream): no stream of its own and no events. Does
+// nothing in a build without CUDA.
+void SetTorchAllocator(std::optional<TorchAllocator> allocator);
 
 // RunCudaHead (T = float or BFloat16) on CUDA device `device`, ordered
 // after the work already queued on `stream` (torch's current stream there)

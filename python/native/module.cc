@@ -340,6 +340,56 @@ void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
   if (!done.ok()) Raise(done);
 }
 
+// The binding's side of SetTorchAllocator: Python callables (torch's
+// caching allocator) called with the GIL taken, as the head runs without
+// it. Kept for the life of the process (never released at exit, when
+// Python may be gone).
+void SetTorchAllocatorFromPython(py::object allocate, py::object free) {
+  if (allocate.is_none() && free.is_none()) {
+    SetTorchAllocator(std::nullopt);
+    return;
+  }
+  if (!PyCallable_Check(allocate.ptr()) || !PyCallable_Check(free.ptr())) {
+    RaiseType(absl::StrCat(
+        "set_torch_allocator: allocate and free must both be callables, or "
+        "both None, got ",
+        std::string(py::str(allocate.get_type())), " and ",
+        std::string(py::str(free.get_type()))));
+  }
+  auto* allocate_fn = new py::object(allocate);
+  auto* free_fn = new py::object(free);
+  TorchAllocator allocator;
+  allocator.allocate = [allocate_fn](int64_t bytes, int device,
+                                     uintptr_t stream)
+      -> absl::StatusOr<uintptr_t> {
+    py::gil_scoped_acquire gil;
+    try {
+      return (*allocate_fn)(bytes, device, stream).cast<uintptr_t>();
+    } catch (py::error_already_set& error) {
+      const std::string what = error.what();
+      const std::string message = absl::StrCat(
+          "allocating ", bytes, " bytes through torch's allocator: ", what);
+      return error.matches(PyExc_MemoryError) ||
+                     what.find("out of memory") != std::string::npos
+                 ? absl::ResourceExhaustedError(message)
+                 : absl::InternalError(message);
+    } catch (const py::cast_error&) {
+      return absl::InternalError(
+          "torch's allocator returned something other than an address");
+    }
+  };
+  allocator.free = [free_fn](uintptr_t data) {
+    py::gil_scoped_acquire gil;
+    try {
+      (*free_fn)(data);
+    } catch (py::error_already_set& error) {
+      // Nothing to report it to: a failed free leaks, as torch's own do.
+      error.discard_as_unraisable("dflash: torch's allocator free");
+    }
+  };
+  SetTorchAllocator(std::move(allocator));
+}
+
 }  // namespace
 }  // namespace dflash::python
 
@@ -483,6 +533,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_cuda_library_dirs", &dp::SetCudaLibraryDirs, py::arg("dirs"),
         "Folders where the CUDA head looks for cuBLAS first, before the "
         "system's library path and the build's toolkit.");
+  m.def("set_torch_allocator", &dp::SetTorchAllocatorFromPython,
+        py::arg("allocate"), py::arg("free"),
+        "Lends the CUDA head an allocator: allocate(bytes, device, stream) "
+        "-> address and free(address) (torch.cuda.caching_allocator_alloc "
+        "and caching_allocator_delete), so torch's memory statistics count "
+        "its workspaces; CUDA runs then queue on torch's stream itself. "
+        "Both None: the head's own stream and pool again. Does nothing in a "
+        "build without CUDA.");
   m.def("built_with_cuda", &dp::BuiltWithCuda,
         "Whether this build runs CUDA tensors.");
   m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,

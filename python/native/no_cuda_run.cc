@@ -9,6 +9,8 @@ bool BuiltWithCuda() { return false; }
 
 void SetCudaLibraryDirs(std::vector<std::string>) {}
 
+void SetTorchAllocator(std::optional<TorchAllocator>) {}
+
 template <typename T>
 absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
                                             const HeadInputs<T>&,

@@ -102,6 +102,48 @@ class CudaObjectiveTest(unittest.TestCase):
         torch.testing.assert_close(hidden.grad.double().cpu(), want_hidden,
                                    rtol=1e-5, atol=1e-6)
 
+    def test_workspaces_come_from_torchs_allocator(self):
+        # Issue 30 item 4: the head's workspaces are torch's memory (its
+        # peak counts them) and the run queues on torch's stream itself.
+        # Written and compiled; the GPU run is pending where none is lent.
+        f = reference.FAMILIES[0]
+        data = reference.batch(seed=33)
+        hidden = data["hidden"].float().cuda().requires_grad_()
+        weight = data["weight"].float().cuda()
+        ids, mask = data["target_ids"].cuda(), data["weight_mask"].cuda()
+        dflash_objective(hidden, weight, ids, mask)  # Lends the allocator.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        terms = dflash_objective(hidden, weight, ids, mask, mode="checkpoint",
+                                 chunk_blocks=1)
+        torch.cuda.synchronize()
+        grad_bytes = hidden.numel() * 4
+        # Above the outputs (the hidden gradient, a few scalars): the
+        # head's logits chunk and row buffers.
+        self.assertGreater(torch.cuda.max_memory_allocated() - before,
+                           grad_bytes + 4 * weight.shape[0])
+        want, _, _ = self.expected(f, data)
+        torch.testing.assert_close(terms.loss_num.double().cpu(),
+                                   want[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+class TorchAllocatorArgumentsTest(unittest.TestCase):
+    # CPU-checkable: lending and taking back an allocator, and what is not
+    # one (a clear TypeError).
+    def test_set_and_clear(self):
+        from dflash import _core
+        _core.set_torch_allocator(None, None)
+        with self.assertRaisesRegex(
+                TypeError, "set_torch_allocator: allocate and free must "
+                "both be callables, or both None"):
+            _core.set_torch_allocator(1, None)
+        with self.assertRaises(TypeError):
+            _core.set_torch_allocator(lambda *a: 0, "free")
+        _core.set_torch_allocator(lambda nbytes, device, stream: 0,
+                                  lambda address: None)
+        _core.set_torch_allocator(None, None)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

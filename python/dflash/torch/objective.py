@@ -244,6 +244,20 @@ def _use_torchs_cuda_libraries() -> None:
         sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib"))))
 
 
+def _torch_alloc(nbytes: int, device: int, stream: int) -> int:
+    address: int = torch.cuda.caching_allocator_alloc(nbytes, device, stream)
+    return address
+
+
+@functools.lru_cache(maxsize=None)
+def _lend_torchs_allocator() -> None:
+    """Lends the CUDA head torch's caching allocator: its workspaces are
+    torch's memory (torch.cuda.max_memory_allocated counts them) and its
+    runs queue on torch's current stream itself."""
+    _core.set_torch_allocator(_torch_alloc,
+                              torch.cuda.caching_allocator_delete)
+
+
 def _interruptible() -> bool:
     # Ctrl-C can stop the call where Python raises KeyboardInterrupt for it:
     # its main thread, under the default SIGINT handler.
@@ -340,6 +354,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
     outputs = {name: made[name] for name in made if name not in grads}
     if hidden.is_cuda:
         _use_torchs_cuda_libraries()
+        _lend_torchs_allocator()
     stream = (torch.cuda.current_stream(device).cuda_stream
               if hidden.is_cuda else 0)
     result = _core.run_objective(
