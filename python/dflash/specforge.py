@@ -158,7 +158,7 @@ class _Patch:
         # when SpecForge's reduction runs it).
         self.unpatched: Dict[Any, _Fallback] = {}
         for cls_name, name, what in _UNPATCHED:
-            function = getattr(module, cls_name).__dict__.get(name)
+            function = vars(getattr(module, cls_name, object)).get(name)
             if function is not None:
                 self.unpatched[function] = _Fallback(
                     cls_name, f"{cls_name} is not patched: SpecForge "
@@ -185,18 +185,18 @@ def _installed_version() -> str:
 
 
 def _fingerprint(module: ModuleType) -> Dict[str, str]:
-    cls = module.OnlineDFlashModel
+    methods = vars(getattr(module, "OnlineDFlashModel", object))
     functions = {
         "OnlineDFlashModel._dflash_objective_chunk_terms":
-            cls.__dict__.get("_dflash_objective_chunk_terms"),
-        "OnlineDFlashModel._dpace_weight": cls.__dict__.get("_dpace_weight"),
+            methods.get("_dflash_objective_chunk_terms"),
+        "OnlineDFlashModel._dpace_weight": methods.get("_dpace_weight"),
         "checkpointed_chunk_reduce":
             getattr(module, "checkpointed_chunk_reduce", None),
     }
     prints = {}
     for name, function in functions.items():
         try:
-            source = inspect.getsource(function)
+            source = "" if function is None else inspect.getsource(function)
         except (OSError, TypeError):
             source = ""
         prints[name] = hashlib.sha256(source.encode()).hexdigest()
@@ -212,7 +212,8 @@ def apply(*, mode: Optional[str] = None,
           threads: Optional[int] = None) -> None:
     """Patches SpecForge's DFlash objective to run through dflash's fused
     head (see the module's documentation). A second call while applied
-    changes nothing (the first call's options stay).
+    changes nothing; with other options it is a ValueError (revert()
+    first).
 
     mode: the head's execution mode (dflash's default "fused": gradients in
         forward, nothing recomputed); threads: the head's CPU threads (0:
@@ -223,8 +224,6 @@ def apply(*, mode: Optional[str] = None,
     """
     global _patch, _last
     with _lock:
-        if _patch is not None:
-            return
         overrides: Dict[str, Override] = {}
         if mode is not None:
             if not isinstance(mode, str):
@@ -234,6 +233,13 @@ def apply(*, mode: Optional[str] = None,
             if isinstance(threads, bool) or not isinstance(threads, int):
                 raise TypeError(f"threads: must be an int, got {threads!r}")
             overrides["threads"] = threads
+        if _patch is not None:
+            if overrides != _patch.overrides:
+                raise ValueError(
+                    f"dflash.specforge.apply: already applied with "
+                    f"{_patch.overrides or 'the defaults'}; call revert() "
+                    f"before applying {overrides or 'the defaults'}")
+            return
         if overrides:
             # Checked now, not at the first training step.
             objective_config(None, **overrides)

@@ -552,6 +552,16 @@ class PatchTest(Case):
         finally:
             sf.OnlineDFlashModel._dflash_objective_chunk_terms = terms
 
+    def test_apply_twice_with_other_options_is_an_error(self):
+        dsf.apply(mode="checkpoint")
+        dsf.apply(mode="checkpoint")
+        with self.assertRaisesRegex(ValueError, r"already applied with "
+                                    r"\{'mode': 'checkpoint'\}; call "
+                                    r"revert\(\) before applying the "
+                                    r"defaults"):
+            dsf.apply()
+        self.assertTrue(dsf.is_applied())
+
     def test_options_are_checked_at_apply(self):
         with self.assertRaises(ValueError):
             dsf.apply(mode="sideways")
