@@ -2,9 +2,9 @@
 #define DFLASH_BASE_BFLOAT16_H_
 
 // BFloat16, the bfloat16 storage type, with ToFloat and ToBFloat16 (round to
-// nearest even), host and device functions that the CPU code and the CUDA
-// kernels share; and FromDouble / AsDouble for code and tests templated on
-// the storage type (float, double or BFloat16).
+// nearest even) and FromFloat, host and device functions that the CPU code
+// and the CUDA kernels share; and FromDouble / AsDouble for code and tests
+// templated on the storage type (float, double or BFloat16).
 
 #include <cstdint>
 #include <cstring>
@@ -54,6 +54,18 @@ DFLASH_HOST_DEVICE inline BFloat16 ToBFloat16(float f) {
   const uint32_t quiet_nan = (bits >> 16) | 0x40u;
   const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   return BFloat16{static_cast<uint16_t>(nan ? quiet_nan : rounded)};
+}
+
+// A float or BFloat16 read as float, and a float stored as T (float or
+// BFloat16, rounded once): for kernels templated on the storage type.
+DFLASH_HOST_DEVICE inline float ToFloat(float x) { return x; }
+template <typename T>
+DFLASH_HOST_DEVICE inline T FromFloat(float f) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return ToBFloat16(f);
+  } else {
+    return f;
+  }
 }
 
 // `x` stored as T (float, double or BFloat16, rounded once), and a stored

@@ -14,10 +14,6 @@ __device__ __forceinline__ uint64_t SplitMix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-__device__ __forceinline__ void Store(float& out, float x) { out = x; }
-__device__ __forceinline__ void Store(BFloat16& out, float f) {
-  out = ToBFloat16(f);
-}
 
 // Box-Muller on two uniforms from one 64-bit draw.
 template <typename T>
@@ -28,7 +24,8 @@ __global__ void FillNormalKernel(T* data, int64_t count, float scale,
     const uint64_t bits = SplitMix(seed ^ SplitMix(static_cast<uint64_t>(i)));
     const float u1 = ((bits >> 40) + 1.0f) * (1.0f / 16777217.0f);
     const float u2 = ((bits >> 16) & 0xffffff) * (1.0f / 16777216.0f);
-    Store(data[i], scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+    data[i] =
+        FromFloat<T>(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
   }
 }
 

@@ -7,19 +7,13 @@
 namespace dflash {
 namespace {
 
-__device__ __forceinline__ float Load(float x) { return x; }
-__device__ __forceinline__ float Load(BFloat16 x) { return ToFloat(x); }
-__device__ __forceinline__ void Store(float& out, float x) { out = x; }
-__device__ __forceinline__ void Store(BFloat16& out, float x) {
-  out = ToBFloat16(x);
-}
 
 template <typename T>
 __global__ void StreamFloorKernel(T* data, const T* other, int64_t count) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float extra = other != nullptr ? Load(other[i]) : 0.0f;
-    Store(data[i], Load(data[i]) + extra);
+    const float extra = other != nullptr ? ToFloat(other[i]) : 0.0f;
+    data[i] = FromFloat<T>(ToFloat(data[i]) + extra);
   }
 }
 

@@ -11,12 +11,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(BFloat16 x) { return ToFloat(x); }
-__device__ __forceinline__ void Store(float& out, float x) { out = x; }
-__device__ __forceinline__ void Store(BFloat16& out, float f) {
-  out = ToBFloat16(f);
-}
 
 // One block per row; 16-byte copies when the rows allow them.
 template <typename T>
@@ -46,7 +40,7 @@ __global__ void AddBiasKernel(T* logits, const T* bias, int64_t total,
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     T& logit = logits[i / vocab * stride + i % vocab];
-    Store(logit, ToF(logit) + ToF(bias[i % vocab]));
+    logit = FromFloat<T>(ToFloat(logit) + ToFloat(bias[i % vocab]));
   }
 }
 
@@ -58,8 +52,8 @@ __global__ void BiasGradientKernel(const T* grad, int64_t count, int64_t vocab,
   const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (v >= vocab) return;
   float sum = 0;
-  for (int64_t i = 0; i < count; ++i) sum += ToF(grad[i * stride + v]);
-  Store(grad_bias[v], ToF(grad_bias[v]) + sum);
+  for (int64_t i = 0; i < count; ++i) sum += ToFloat(grad[i * stride + v]);
+  grad_bias[v] = FromFloat<S>(ToFloat(grad_bias[v]) + sum);
 }
 
 __global__ void FillKernel(int32_t* data, int64_t count, int32_t value) {
@@ -152,20 +146,21 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* row_ids = ids + r * k;
   for (int64_t h = threadIdx.x; h < width; h += kThreads) {
     float sum = 0;
-    const float x = ToF(hidden[r * width + h]);
+    const float x = ToFloat(hidden[r * width + h]);
     for (int32_t j = 0; j < k; ++j) {
       const int32_t id = row_ids[j];
       if (id < 0) continue;
       // In double, as the CPU's AddTopKValueGradients.
       const float c = static_cast<float>(
           transform.Chain(grad_values[r * k + j], values[r * k + j]));
-      sum += c * ToF(weight[int64_t{id} * width + h]);
+      sum += c * ToFloat(weight[int64_t{id} * width + h]);
       if (grad_weight != nullptr) {
         AtomicAdd(grad_weight + int64_t{id} * width + h, c * x);
       }
       if (grad_bias != nullptr && h == 0) AtomicAdd(grad_bias + id, c);
     }
-    Store(grad_hidden[r * width + h], ToF(grad_hidden[r * width + h]) + sum);
+    grad_hidden[r * width + h] =
+        FromFloat<T>(ToFloat(grad_hidden[r * width + h]) + sum);
   }
 }
 
@@ -192,7 +187,7 @@ __global__ void ScaleToStorageKernel(const float* sum, int64_t count,
                                      float scale, T* out) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    Store(out[i], sum[i] * scale);
+    out[i] = FromFloat<T>(sum[i] * scale);
   }
 }
 

@@ -22,19 +22,6 @@ namespace {
 
 constexpr int kThreads = 512;  // A power of two: the reduction tree halves.
 
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(BFloat16 x) { return ToFloat(x); }
-template <typename T>
-__device__ __forceinline__ T FromF(float f);
-template <>
-__device__ __forceinline__ float FromF<float>(float f) {
-  return f;
-}
-template <>
-__device__ __forceinline__ BFloat16 FromF<BFloat16>(float f) {
-  return ToBFloat16(f);
-}
-
 // z -> z' (logit scale and tanh softcap) and its chain rule, in double
 // and rounded to float, as the CPU's float rows take them.
 struct Transform {
@@ -92,11 +79,11 @@ __device__ __forceinline__ void ForRow(const T* row, int64_t n,
       const Packed<T> e(vec[i]);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        if (i * kVec + j < n) f(i * kVec + j, ToF(e.values[j]));
+        if (i * kVec + j < n) f(i * kVec + j, ToFloat(e.values[j]));
       }
     }
   } else {
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) f(i, ToF(row[i]));
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) f(i, ToFloat(row[i]));
   }
 }
 
@@ -117,13 +104,13 @@ __device__ __forceinline__ void ForRows(const T* z, const T* t, int64_t n,
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         if (i * kVec + j < n) {
-          f(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j]));
+          f(i * kVec + j, ToFloat(ze.values[j]), ToFloat(te.values[j]));
         }
       }
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      f(i, ToF(z[i]), ToF(t[i]));
+      f(i, ToFloat(z[i]), ToFloat(t[i]));
     }
   }
 }
@@ -145,23 +132,24 @@ __device__ __forceinline__ void MapRow(T* row, const T* t, int64_t n,
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         if (i * kVec + j < n) {
-          ze.values[j] =
-              FromF<T>(g(i * kVec + j, ToF(ze.values[j]), ToF(te.values[j])));
+          ze.values[j] = FromFloat<T>(
+              g(i * kVec + j, ToFloat(ze.values[j]), ToFloat(te.values[j])));
         }
       }
       zv[i] = ze.Bits();
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      const float x = ToF(row[i]);
-      row[i] = FromF<T>(g(i, x, t != nullptr ? ToF(t[i]) : x));
+      const float x = ToFloat(row[i]);
+      row[i] = FromFloat<T>(g(i, x, t != nullptr ? ToFloat(t[i]) : x));
     }
   }
 }
 
 template <typename T>
 __device__ void ZeroRow(T* row, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) row[i] = FromF<T>(0.0f);
+  for (int64_t i = threadIdx.x; i < n; i += kThreads)
+    row[i] = FromFloat<T>(0.0f);
 }
 
 // The block's reduction of `value` by `op` in a fixed tree; every thread
@@ -308,8 +296,9 @@ __global__ void __launch_bounds__(kThreads, 3)
   s = BlockReduce(
       s, [&](Online x, Online y) { return Merge(x, y, inv_t, tempered); });
   if (s.bad) {
-    ReportFirstNonFinite(a.error, out, kLogitNotFinite, v,
-                         [&](int64_t i) { return transform(ToF(z_row[i])); });
+    ReportFirstNonFinite(a.error, out, kLogitNotFinite, v, [&](int64_t i) {
+      return transform(ToFloat(z_row[i]));
+    });
   }
   // The teacher's statistics where the loss reads them, as on the CPU:
   // distillation and DSpark skip rows without weight.
@@ -328,8 +317,9 @@ __global__ void __launch_bounds__(kThreads, 3)
       return Merge(x, y, teacher_inv_t, teacher_tempered);
     });
     if (t.bad) {
-      ReportFirstNonFinite(a.error, out, kTeacherNotFinite, v,
-                           [&](int64_t i) { return transform(ToF(t_row[i])); });
+      ReportFirstNonFinite(a.error, out, kTeacherNotFinite, v, [&](int64_t i) {
+        return transform(ToFloat(t_row[i]));
+      });
     }
   }
   if (threadIdx.x != 0) return;
@@ -432,7 +422,8 @@ __global__ void __launch_bounds__(kThreads)
         if (best.index == meta.target) rank = j;
         mass += exp((static_cast<double>(best.value) - max) - log_sum);
         if (teacher_metrics) {
-          const float t = transform(ToF(a.teacher[r * a.stride + best.index]));
+          const float t =
+              transform(ToFloat(a.teacher[r * a.stride + best.index]));
           teacher_mass += exp(static_cast<double>(t) - t_lse);
         }
       }
@@ -525,7 +516,7 @@ class CudaRow {
     // A teacher row without a finite value has no argmax (its error is
     // reported already): read nothing past the row.
     const float t_max = s_.t_argmax < p_.vocab
-                            ? transform_(ToF(t_[s_.t_argmax]))
+                            ? transform_(ToFloat(t_[s_.t_argmax]))
                             : NAN;
     return exp(static_cast<double>(t_max) - s_.t_lse);
   }
@@ -773,7 +764,7 @@ class CudaDominoRow {
     DFLASH_SHARED(float, base_target);
     Online fs, bs;
     for (int64_t i = threadIdx.x; i < v; i += kThreads) {
-      const float b = ToF(base_[i]), c = ToF(correction_[i]);
+      const float b = ToFloat(base_[i]), c = ToFloat(correction_[i]);
       const float zf = Final(b, c), zb = transform_(b);
       AddLogit(fs, i, zf, 1.0f, false);
       AddLogit(bs, i, zb, 1.0f, false);
@@ -788,8 +779,8 @@ class CudaDominoRow {
     if (fs.bad || bs.bad) {
       // As the CPU: the final logits' first bad one, else the base logits'.
       ReportFirstNonFinite(a_.error, out_, kLogitNotFinite, v, [&](int64_t i) {
-        const float b = ToF(base_[i]);
-        return fs.bad ? Final(b, ToF(correction_[i])) : transform_(b);
+        const float b = ToFloat(base_[i]);
+        return fs.bad ? Final(b, ToFloat(correction_[i])) : transform_(b);
       });
       return false;
     }
@@ -826,7 +817,7 @@ class CudaDominoRow {
     const float gb = static_cast<float>(g_base);
     bool bad = false;
     for (int64_t i = threadIdx.x; i < p_.vocab; i += kThreads) {
-      const float b = ToF(base_[i]), c = ToF(correction_[i]);
+      const float b = ToFloat(base_[i]), c = ToFloat(correction_[i]);
       const float zf = Final(b, c), zb = transform_(b);
       const float onehot = i == meta_.target ? 1.0f : 0.0f;
       const float d_final = transform_.Chain(
@@ -834,8 +825,8 @@ class CudaDominoRow {
       const float d_base = transform_.Chain(
           gb * (expf((zb - base_max_) - base_log_sum_) - onehot), zb);
       bad |= !isfinite(d_final + d_base);
-      base_[i] = FromF<T>(d_final + d_base);
-      correction_[i] = FromF<T>(corrected_ ? d_final : 0.0f);
+      base_[i] = FromFloat<T>(d_final + d_base);
+      correction_[i] = FromFloat<T>(corrected_ ? d_final : 0.0f);
     }
     if (bad) ReportError(a_.error, out_, kGradientNotFinite);
   }
@@ -846,7 +837,7 @@ class CudaDominoRow {
 
  private:
   __device__ __forceinline__ float Final(float b, float c) const {
-    return transform_(corrected_ ? ToF(FromF<T>(b + c)) : b);
+    return transform_(corrected_ ? ToFloat(FromFloat<T>(b + c)) : b);
   }
 
   const KernelParams& p_;
@@ -916,7 +907,7 @@ template <typename T>
 __global__ void ScaleKernel(T* data, int64_t count, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    data[i] = FromF<T>(ToF(data[i]) * scale);
+    data[i] = FromFloat<T>(ToFloat(data[i]) * scale);
   }
 }
 
@@ -931,7 +922,7 @@ __global__ void ScaleRowsByLkFactorKernel(T* data, int64_t width,
         static_cast<float>(scale * LkDeferredFactor(kl_weight, q[row]));
     T* values = data + row * width;
     for (int64_t h = threadIdx.x; h < width; h += blockDim.x) {
-      values[h] = FromF<T>(ToF(values[h]) * factor);
+      values[h] = FromFloat<T>(ToFloat(values[h]) * factor);
     }
   }
 }
