@@ -1,7 +1,7 @@
 """dflash.specforge.apply() against SpecForge's own OnlineDFlashModel.
 
 SpecForge's model runs forward and backward on small CPU batches with a
-stubbed draft network (as SpecForge's own loss tests stub it), once as
+small stand-in draft network (as in SpecForge's own loss tests), once as
 shipped and once after apply(): the loss, accuracy, every metric and every
 gradient must agree (float64 1e-9 relative, float32 2e-5), with one head
 call per batch and no fallback. The fallbacks must warn once, naming why,
@@ -42,7 +42,7 @@ DPACE = ("dpace", "dpace-cumulative-confidence-only",
          "dpace-continuation-value-only")
 
 
-class StubDraft(nn.Module):
+class TinyDraft(nn.Module):
     """Stands in for DFlashDraftModel: the draft's output states from the
     noise embedding, the context states and the draft positions."""
 
@@ -62,7 +62,7 @@ class StubDraft(nn.Module):
                               + self.position(draft_positions))
 
 
-class StubDominoDraft(StubDraft):
+class TinyDominoDraft(TinyDraft):
     """Domino's draft: a correction of the logits from the previous
     tokens' embeddings."""
 
@@ -75,7 +75,7 @@ class StubDominoDraft(StubDraft):
         return base_logits + self.correction(prev_token_embeddings)
 
 
-class StubDSparkDraft(StubDraft):
+class TinyDSparkDraft(TinyDraft):
     """DSpark's draft: a Markov bias from the previous token, no
     confidence head."""
 
@@ -115,7 +115,7 @@ def batch(dtype, mask_dtype=None, width=HT):
 
 def build(loss_type="dflash", gamma=None, chunk=2, dtype=torch.float64,
           alpha=0.5, head_grad=False, bias=False, num_anchors=8,
-          draft=StubDraft):
+          draft=TinyDraft):
     torch.manual_seed(0)
     head = nn.Linear(H, V, bias=bias)
     with torch.no_grad():
@@ -325,7 +325,7 @@ def specforge_draft():
 
 class SpecForgeDraftTest(Case):
     """The same parity with SpecForge's own draft network in place of the
-    stub."""
+    stand-in."""
 
     def test_dflash_draft_model(self):
         for dtype in (torch.float64, torch.float32):
@@ -623,7 +623,7 @@ class UnpatchedModelsTest(Case):
         for shift in (False, True):
             message = self.run_model(
                 lambda: sf.OnlineDominoModel(
-                    StubDominoDraft(), shift_label=shift, **self.common()),
+                    TinyDominoDraft(), shift_label=shift, **self.common()),
                 {"lambda_base": 0.3})
             self.assertIn("OnlineDominoModel is not patched", message)
             self.assertIn("final and base numerators separately", message)
@@ -632,7 +632,7 @@ class UnpatchedModelsTest(Case):
     def test_dspark(self):
         message = self.run_model(
             lambda: sf.OnlineDSparkModel(
-                StubDSparkDraft(), dspark_l1_loss_alpha=0.0,
+                TinyDSparkDraft(), dspark_l1_loss_alpha=0.0,
                 **self.common()), {})
         self.assertIn("OnlineDSparkModel is not patched", message)
         self.assertIn("CE, L1 and confidence numerators", message)
