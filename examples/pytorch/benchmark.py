@@ -181,41 +181,47 @@ def reference(hidden, weight, target_ids, weight_mask):
     return loss.item(), hidden.grad
 
 
-def measure(run, batch, args, peak):
-    hidden, weight, target_ids, weight_mask = batch
+def timed(step, args, peak):
+    """step() args.repeats + 1 times, the first an untimed warm-up: the best
+    seconds and the largest peak bytes, and the last step's result. step
+    returns (loss, bytes it owns, result)."""
     seconds, peaks = [], []
-    for step in range(args.repeats + 1):  # The first is an untimed warm-up.
-        x = hidden.detach().requires_grad_()
+    for i in range(args.repeats + 1):
         peak.start()
         start = time.perf_counter()
-        loss, own = run(x, weight, target_ids, weight_mask, args.chunk_blocks)
-        loss.backward()
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
+        loss, own, result = step()
+        if loss.is_cuda:
+            torch.cuda.synchronize(loss.device)
         elapsed = time.perf_counter() - start
-        if step > 0:
+        if i > 0:
             seconds.append(elapsed)
             peaks.append(peak.stop(own))
-        grad = x.grad
-        del x, loss
-    return min(seconds), max(peaks), loss_value(run, batch, args), grad
+    return min(seconds), max(peaks), result
+
+
+def measure(run, batch, args, peak):
+    hidden, weight, target_ids, weight_mask = batch
+
+    def step():
+        x = hidden.detach().requires_grad_()
+        loss, own = run(x, weight, target_ids, weight_mask, args.chunk_blocks)
+        loss.backward()
+        return loss, own, x.grad
+
+    seconds, peak_bytes, grad = timed(step, args, peak)
+    return seconds, peak_bytes, loss_value(run, batch, args), grad
 
 
 def measure_eval(batch, args, peak):
     """dflash_fused under torch.no_grad(): best seconds, peak bytes, loss."""
-    seconds, peaks = [], []
-    for step in range(args.repeats + 1):  # The first is an untimed warm-up.
-        peak.start()
-        start = time.perf_counter()
+
+    def step():
         with torch.no_grad():
             loss, own = dflash_fused(*batch, args.chunk_blocks)
-        if loss.is_cuda:
-            torch.cuda.synchronize(loss.device)
-        elapsed = time.perf_counter() - start
-        if step > 0:
-            seconds.append(elapsed)
-            peaks.append(peak.stop(own))
-    return min(seconds), max(peaks), loss.item()
+        return loss, own, loss
+
+    seconds, peak_bytes, loss = timed(step, args, peak)
+    return seconds, peak_bytes, loss.item()
 
 
 def loss_value(run, batch, args):
