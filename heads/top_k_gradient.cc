@@ -58,9 +58,8 @@ template <typename T>
 absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
                                    const HeadInputs<T>& inputs,
                                    absl::Span<const int32_t> ids,
-                                   absl::Span<const float> values,
-                                   absl::Span<const float> grad_values,
-                                   int32_t k,
+                                   absl::Span<const T> values,
+                                   absl::Span<const T> grad_values, int32_t k,
                                    const HeadGradients<T>& gradients) {
   const v1::HeadConfig& head = config.head();
   const int64_t h = head.hidden_size();
@@ -99,7 +98,7 @@ template absl::Status AddTopKValueGradients<float>(
     int32_t, const HeadGradients<float>&);
 template absl::Status AddTopKValueGradients<double>(
     const v1::ObjectiveConfig&, const HeadInputs<double>&,
-    absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,
-    int32_t, const HeadGradients<double>&);
+    absl::Span<const int32_t>, absl::Span<const double>,
+    absl::Span<const double>, int32_t, const HeadGradients<double>&);
 
 }  // namespace dflash

@@ -22,14 +22,15 @@ namespace dflash {
 // (the last two when head.trainable), c = grad_values[r, j] * dz'/dz, read
 // off v. Adds to what is there (RunHead's gradients, already scaled). Ids
 // of -1 (rows without mask) add nothing. T is float or double, on the CPU;
-// sizes and ids are checked first, and nothing is written on an error.
+// the values and their gradients are in T too, so that a float64 head's
+// update is exact. Sizes and ids are checked first, and nothing is written
+// on an error.
 template <typename T>
 absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
                                    const HeadInputs<T>& inputs,
                                    absl::Span<const int32_t> ids,
-                                   absl::Span<const float> values,
-                                   absl::Span<const float> grad_values,
-                                   int32_t k,
+                                   absl::Span<const T> values,
+                                   absl::Span<const T> grad_values, int32_t k,
                                    const HeadGradients<T>& gradients);
 
 // The checks AddTopKValueGradients makes, shared with the CUDA version:

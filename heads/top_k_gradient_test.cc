@@ -27,7 +27,7 @@ v1::ObjectiveConfig Config(bool trainable) {
 struct Problem {
   std::vector<double> hidden, weight, bias;
   std::vector<int32_t> ids;
-  std::vector<float> grad_values;
+  std::vector<double> grad_values;
 };
 
 Problem MakeProblem() {
@@ -40,7 +40,7 @@ Problem MakeProblem() {
   for (int64_t i = 0; i < kV; ++i) p.bias.push_back(normal(rng));
   for (int64_t i = 0; i < kRows * kK; ++i) {
     p.ids.push_back(i / kK == 2 ? -1 : token(rng));  // Row 2: no mask.
-    p.grad_values.push_back(static_cast<float>(normal(rng)));
+    p.grad_values.push_back(normal(rng));
   }
   return p;
 }
@@ -67,10 +67,9 @@ double Objective(const Problem& p) {
 
 TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
   const Problem p = MakeProblem();
-  std::vector<float> values(kRows * kK, 0);
+  std::vector<double> values(kRows * kK, 0);
   for (int64_t i = 0; i < kRows * kK; ++i) {
-    if (p.ids[i] >= 0)
-      values[i] = static_cast<float>(Value(p, i / kK, p.ids[i]));
+    if (p.ids[i] >= 0) values[i] = Value(p, i / kK, p.ids[i]);
   }
   // Gradients start from what a head run left (here 1 everywhere).
   std::vector<double> dh(kRows * kH, 1), dw(kV * kH, 1), db(kV, 1);
@@ -87,15 +86,16 @@ TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
     (minus.*field)[i] -= step;
     return (Objective(plus) - Objective(minus)) / (2 * step);
   };
-  // values are float: dz'/dz read off them is good to ~1e-7 relative.
+  // Values and their gradients in double: central differences' own error
+  // (step^2 times the third derivative, and rounding over step) bounds it.
   for (int64_t i = 0; i < kRows * kH; ++i) {
-    EXPECT_NEAR(dh[i] - 1, numeric(&Problem::hidden, i), 1e-6) << "h " << i;
+    EXPECT_NEAR(dh[i] - 1, numeric(&Problem::hidden, i), 1e-8) << "h " << i;
   }
   for (int64_t i = 0; i < kV * kH; ++i) {
-    EXPECT_NEAR(dw[i] - 1, numeric(&Problem::weight, i), 1e-6) << "w " << i;
+    EXPECT_NEAR(dw[i] - 1, numeric(&Problem::weight, i), 1e-8) << "w " << i;
   }
   for (int64_t i = 0; i < kV; ++i) {
-    EXPECT_NEAR(db[i] - 1, numeric(&Problem::bias, i), 1e-6) << "b " << i;
+    EXPECT_NEAR(db[i] - 1, numeric(&Problem::bias, i), 1e-8) << "b " << i;
   }
   // Row 2 (ids -1) is untouched.
   for (int64_t i = 2 * kH; i < 3 * kH; ++i) EXPECT_EQ(dh[i], 1);
@@ -103,12 +103,12 @@ TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
 
 TEST(TopKGradientTest, BadInputsAreClearErrors) {
   const Problem p = MakeProblem();
-  std::vector<float> values(kRows * kK, 0);
+  std::vector<double> values(kRows * kK, 0);
   std::vector<double> dh(kRows * kH);
   const HeadInputs<double> inputs{p.hidden, {}, {}, {}, p.weight, p.bias};
   const HeadGradients<double> gradients{absl::MakeSpan(dh), {}, {}, {}};
   auto run = [&](const std::vector<int32_t>& ids,
-                 const std::vector<float>& grads, int32_t k) {
+                 const std::vector<double>& grads, int32_t k) {
     return std::string(AddTopKValueGradients<double>(Config(false), inputs, ids,
                                                      values, grads, k,
                                                      gradients)
@@ -119,7 +119,7 @@ TEST(TopKGradientTest, BadInputsAreClearErrors) {
   ids[4] = kV;
   EXPECT_EQ(run(ids, p.grad_values, kK),
             "ids[1, 1]: must lie in [0, 13) or be -1, got 13");
-  EXPECT_EQ(run(p.ids, std::vector<float>(5), kK),
+  EXPECT_EQ(run(p.ids, std::vector<double>(5), kK),
             "grad_values: must hold 18 values (rows x k), got 5");
   EXPECT_EQ(AddTopKValueGradients<double>(Config(true), inputs, p.ids, values,
                                           p.grad_values, kK, gradients)

@@ -307,7 +307,10 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
   o.neg_log_q = place.Zeros("neg_log_q", "float32", rows);
   o.argmax = place.Zeros("argmax", "int32", rows);
   o.top_k = place.Zeros("top_k", "int32", ranked);
-  o.top_k_values = place.Zeros("top_k_values", "float32", ranked);
+  // The top-k values and their gradient: float64 on the CPU in float64,
+  // else float32.
+  const std::string values = dtype == "float64" ? "float64" : "float32";
+  o.top_k_values = place.Zeros("top_k_values", values, ranked);
   ObjectiveOptions options;
   options.trainable = !forward_only;
   options.forward_only = forward_only;
@@ -328,12 +331,12 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
   if (ranked_by != nullptr) {
     back.top_k = place.Tensor("top_k", ranked_by->top_k, "int32", ranked);
     back.values = place.Tensor("top_k_values", ranked_by->top_k_values,
-                               "float32", ranked);
+                               values, ranked);
   }
   back.grad_values = place.Tensor(
       "grad_values",
       std::vector<double>(static_cast<size_t>(kB * kN * kK * kTopK), 1.0),
-      "float32", ranked);
+      values, ranked);
   back.grad_hidden = *o.grad_hidden;
   back.grad_weight = o.grad_weight;
   if (absl::Status s = RunTopKValueBackward(config, back, options); !s.ok()) {

@@ -17,6 +17,7 @@
 #include "base/tracking_allocator.h"
 #include "heads/top_k_gradient.h"
 #include "losses/loss_family.h"
+#include "losses/loss_math.h"
 #include "proto/config.h"
 #include "python/native/cuda_run.h"
 #include "python/native/objective_checks.h"
@@ -167,16 +168,51 @@ HeadGradients<T> GradientsOf(const ObjectiveOutputs& o) {
   return gradients;
 }
 
-HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o) {
+// The head writes top-k values in float32: a float64 run gives it none and
+// computes them afterwards (TopKValuesInFloat64).
+HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o, bool float64) {
   HeadRowOutputs row_outputs;
   row_outputs.neg_log_q = MutableSpanOf<float>(o.neg_log_q);
   row_outputs.argmax = MutableSpanOf<int32_t>(o.argmax);
   row_outputs.top_k = MutableSpanOf<int32_t>(o.top_k);
   row_outputs.k =
       o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;
-  row_outputs.top_k_values = MutableSpanOf<float>(o.top_k_values);
+  if (!float64) row_outputs.top_k_values = MutableSpanOf<float>(o.top_k_values);
   row_outputs.loss_weight = MutableSpanOf<float>(o.loss_weight);
   return row_outputs;
+}
+
+// The loss's logits z' at the head's top-k ids, in float64, as the head
+// formed them: hidden . W[id] (+ bias[id]) (+ the correction's z . M[id];
+// domino, the one loss that reads the correction apart, takes no top-k),
+// then the head's logit transform; 0 where an id is -1. k dot products a
+// row, after the run.
+void TopKValuesInFloat64(const v1::ObjectiveConfig& config,
+                         const HeadInputs<double>& in,
+                         absl::Span<const int32_t> ids, int64_t k,
+                         absl::Span<double> values) {
+  const v1::HeadConfig& head = config.head();
+  const int64_t h = head.hidden_size(), rank = head.correction_rank();
+  const LogitTransform transform(head.logit_scale(), head.logit_softcap());
+  const auto dot = [](const double* a, const double* b, int64_t n) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+  };
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int64_t r = static_cast<int64_t>(i) / k, id = ids[i];
+    if (id < 0) {
+      values[i] = 0;
+      continue;
+    }
+    double z = dot(in.hidden.data() + r * h, in.weight.data() + id * h, h);
+    if (!in.bias.empty()) z += in.bias[id];
+    if (rank > 0) {
+      z += dot(in.correction_inputs.data() + r * rank,
+               in.correction_weight.data() + id * rank, rank);
+    }
+    values[i] = transform(z);
+  }
 }
 
 template <typename T>
@@ -188,7 +224,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   const uintptr_t cuda_stream = objective_options.cuda_stream;
   const HeadInputs<T> inputs = InputsOf<T>(t, rows);
   const HeadGradients<T> gradients = GradientsOf<T>(o);
-  const HeadRowOutputs row_outputs = RowOutputsOf(o);
+  const HeadRowOutputs row_outputs =
+      RowOutputsOf(o, std::is_same_v<T, double>);
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
@@ -205,8 +242,15 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     options.prepared_projection = objective_options.prepared_projection;
     options.interrupt = objective_options.interrupt;
     options.forward_only = objective_options.forward_only;
-    return RunHead<T>(config, inputs, gradients, HostAllocator(), row_outputs,
-                      options);
+    absl::StatusOr<HeadResult> result = RunHead<T>(
+        config, inputs, gradients, HostAllocator(), row_outputs, options);
+    if constexpr (std::is_same_v<T, double>) {
+      if (result.ok() && o.top_k_values.has_value()) {
+        TopKValuesInFloat64(config, inputs, row_outputs.top_k,
+                            row_outputs.k, o.top_k_values->span<double>());
+      }
+    }
+    return result;
   }
 }
 
@@ -349,19 +393,21 @@ absl::Status TopKBackward(const v1::ObjectiveConfig& config,
                                    MutableSpanOf<T>(t.grad_bias),
                                    {}};
   const auto ids = t.top_k.span<const int32_t>();
-  const auto values = t.values.span<const float>();
-  const auto grad_values = t.grad_values.span<const float>();
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
       return AddTopKValueGradientsOnTorchStream<T>(
-          config, inputs, ids, values, grad_values, k, gradients,
+          config, inputs, ids, t.values.span<const float>(),
+          t.grad_values.span<const float>(), k, gradients,
           t.hidden.cuda_index(), cuda_stream);
     }
   }
   if constexpr (std::is_same_v<T, BFloat16>) {
     return Invalid(t.hidden, "bfloat16 runs on CUDA only");
   } else {
-    return AddTopKValueGradients<T>(config, inputs, ids, values, grad_values, k,
+    // On the CPU the values and their gradients are in hidden's dtype.
+    return AddTopKValueGradients<T>(config, inputs, ids,
+                                    t.values.span<const T>(),
+                                    t.grad_values.span<const T>(), k,
                                     gradients);
   }
 }

@@ -30,7 +30,10 @@ struct ObjectiveTensors {
   TensorArg weight_mask;
   std::optional<TensorArg> bias;               // [V], like weight.
   std::optional<TensorArg> teacher_hidden;     // [B, N, K, H], like hidden.
-  std::optional<TensorArg> confidence_logits;  // [B, N, K] float32, contiguous.
+  // [B, N, K], contiguous: float32 whatever hidden's dtype (the loss reads
+  // confidence logits and writes their gradient in float32,
+  // ChunkLossInputs::confidence_logits).
+  std::optional<TensorArg> confidence_logits;
   // A low-rank logit correction z @ M^T: z [B, N, K, r] like hidden, M
   // [V, r] like the weight; both or neither.
   std::optional<TensorArg> correction_inputs;
@@ -49,7 +52,10 @@ struct ObjectiveOutputs {
   std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
   std::optional<TensorArg> argmax;           // [B, N, K] int32.
   std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
-  std::optional<TensorArg> top_k_values;     // [B, N, K, k] float32.
+  // [B, N, K, k] with top_k: float64 for float64 hidden (the head writes
+  // float32 values, so a float64 run computes them again in float64 at its
+  // ids), else float32.
+  std::optional<TensorArg> top_k_values;
   std::optional<TensorArg> loss_weight;      // [B, N, K] float32.
   // With a correction: d/dz and d/dM, like z and M.
   std::optional<TensorArg> grad_correction_inputs, grad_correction_weight;
@@ -109,9 +115,11 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
 struct TopKBackwardTensors {
   TensorArg hidden, weight;
   std::optional<TensorArg> bias;
-  TensorArg top_k;        // [B, N, K, k] int32, from the forward.
-  TensorArg values;       // [B, N, K, k] float32, from the forward.
-  TensorArg grad_values;  // [B, N, K, k] float32, contiguous.
+  TensorArg top_k;  // [B, N, K, k] int32, from the forward.
+  // [B, N, K, k], contiguous, in the forward's top_k_values dtype (float64
+  // for float64 hidden, else float32).
+  TensorArg values;       // From the forward.
+  TensorArg grad_values;
   TensorArg grad_hidden;  // Like hidden.
   std::optional<TensorArg> grad_weight, grad_bias;
 };

@@ -18,6 +18,10 @@ absl::Status Invalid(const TensorArg& t, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(t.name, ": ", what));
 }
 
+string_view TopKValueDType(const TensorArg& hidden) {
+  return hidden.dtype == "float64" ? "float64" : "float32";
+}
+
 absl::Status CheckHidden(const TensorArg& hidden) {
   const bool cuda = hidden.on_cuda();
   if (!cuda && hidden.device != "cpu") {
@@ -103,6 +107,11 @@ absl::Status CheckTensors(const ObjectiveTensors& t) {
         CheckBeside(*t.teacher_hidden, t.hidden, s, "[B, N, K, H]"));
   }
   if (t.confidence_logits.has_value()) {
+    static constexpr string_view kFloat32[] = {"float32"};
+    DFLASH_RETURN_IF_ERROR(ExpectDType(
+        *t.confidence_logits, kFloat32,
+        "the loss reads confidence logits in float32, whatever hidden's "
+        "dtype"));
     DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
                                        "[B, N, K]", "float32"));
   }
@@ -191,7 +200,8 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
         CheckBeside(*o.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
     if (o.top_k_values.has_value()) {
       DFLASH_RETURN_IF_ERROR(CheckBeside(*o.top_k_values, t.hidden, shape,
-                                         "[B, N, K, k]", "float32"));
+                                         "[B, N, K, k]",
+                                         TopKValueDType(t.hidden)));
     }
   } else if (o.top_k_values.has_value()) {
     return Invalid(*o.top_k_values, "needs top_k beside it, got none");
@@ -273,10 +283,11 @@ absl::Status CheckTopKBackward(const TopKBackwardTensors& t, bool trainable) {
   const std::vector<int64_t> shape = {s[0], s[1], s[2], k};
   DFLASH_RETURN_IF_ERROR(
       CheckBeside(t.top_k, t.hidden, shape, "[B, N, K, k]", "int32"));
+  const string_view values = TopKValueDType(t.hidden);
   DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.values, t.hidden, shape, "[B, N, K, k]", "float32"));
+      CheckBeside(t.values, t.hidden, shape, "[B, N, K, k]", values));
   DFLASH_RETURN_IF_ERROR(
-      CheckBeside(t.grad_values, t.hidden, shape, "[B, N, K, k]", "float32"));
+      CheckBeside(t.grad_values, t.hidden, shape, "[B, N, K, k]", values));
   DFLASH_RETURN_IF_ERROR(
       CheckBeside(t.grad_hidden, t.hidden, s, "[B, N, K, H]"));
   DFLASH_RETURN_IF_ERROR(CheckOutput(t.grad_weight, trainable, "grad_weight",

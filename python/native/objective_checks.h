@@ -21,6 +21,10 @@ namespace dflash::python {
 // "<t's name>: <what>", invalid argument.
 absl::Status Invalid(const TensorArg& t, const std::string& what);
 
+// The dtype of the top-k values and of their gradient: hidden's on the
+// CPU (float64 or float32), float32 on CUDA (bfloat16 hidden included).
+absl::string_view TopKValueDType(const TensorArg& hidden);
+
 // hidden decides the dtype, the device and B, N, K, H for the rest.
 absl::Status CheckHidden(const TensorArg& hidden);
 

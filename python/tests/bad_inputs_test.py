@@ -306,7 +306,8 @@ class BadInputsTest(unittest.TestCase):
             confidence_logits=torch.zeros(2, 3, 4))
         self.assertRaisesMessage(
             ValueError,
-            "confidence_logits: must be float32, got float64",
+            "confidence_logits: must be float32 (the loss reads confidence "
+            "logits in float32, whatever hidden's dtype), got float64",
             loss_type="dspark", teacher_hidden=self.hidden,
             confidence_logits=torch.zeros(2, 3, 4, dtype=torch.float64))
 

@@ -196,10 +196,15 @@ class CompileTest(unittest.TestCase):
 
 
 def op_inputs(n=2, dtype=torch.float32, *, bias=False, train=False,
-              top_k=0, return_rows=False, loss="dflash", correction=0):
+              top_k=0, return_rows=False, loss="dflash", correction=0,
+              view=False):
     """Arguments of torch.ops.dflash.objective, as dflash_objective makes
-    them."""
+    them; with `view`, hidden, its targets and mask are chunk views (blocks
+    [1, n + 1) of a batch of n + 2)."""
     x, ids, mask = batch(n, seed=7, dtype=dtype)
+    if view:
+        x, ids, mask = [torch.cat([t[:, :1], t, t[:, :1]], dim=1)[:, 1:n + 1]
+                        for t in (x, ids, mask)]
     weight = torch.randn(V, H, dtype=dtype)
     b = torch.randn(V, dtype=dtype) if bias else None
     if train:
@@ -226,6 +231,10 @@ CASES = {
     "rows_top_k_bias": dict(bias=True, train=True, top_k=3,
                             return_rows=True),
     "float64": dict(dtype=torch.float64),
+    # Top-k values in hidden's dtype.
+    "float64_top_k": dict(dtype=torch.float64, bias=True, train=True,
+                          top_k=3),
+    "chunk_views": dict(view=True, bias=True, train=True, top_k=3),
     "dspark_confidence": dict(loss="dspark"),
     "correction": dict(correction=3),
 }
@@ -279,15 +288,19 @@ class OperatorTest(unittest.TestCase):
                 torch.library.opcheck(op, op_inputs(**case))
 
     def test_opcheck_top_k_value_backward(self):
-        args = op_inputs(**CASES["rows_top_k_bias"])
-        outputs = torch.ops.dflash.objective(*args)
-        at = _library.OUTPUTS.index
-        x, weight, bias = args[0], args[1], args[4]
-        ids, values = outputs[at("top_k")], outputs[at("top_k_values")]
-        torch.library.opcheck(
-            torch.ops.dflash.top_k_value_backward.default,
-            (x.detach(), weight.detach(), bias.detach(), ids,
-             values.detach(), torch.randn_like(values), args[9], True))
+        for name in ("rows_top_k_bias", "float64_top_k"):
+            with self.subTest(name):
+                args = op_inputs(**CASES[name])
+                outputs = torch.ops.dflash.objective(*args)
+                at = _library.OUTPUTS.index
+                x, weight, bias = args[0], args[1], args[4]
+                ids, values = outputs[at("top_k")], outputs[at("top_k_values")]
+                self.assertEqual(values.dtype, x.dtype)
+                torch.library.opcheck(
+                    torch.ops.dflash.top_k_value_backward.default,
+                    (x.detach(), weight.detach(), bias.detach(), ids,
+                     values.detach(), torch.randn_like(values), args[9],
+                     True))
 
     def test_the_autograd_path_gives_the_same_values(self):
         # The operator and torch 1.13's autograd.Function run the same head.

@@ -1,15 +1,28 @@
 """The DFlash2 selector's inputs from dflash_objective: the strict top-k of
-the loss's logits as ids and differentiable values, whether and where the
-target is among them, and the rows' loss weights; against plain torch on
-materialised logits (float64), in every mode, frozen and trainable."""
+the loss's logits as ids and differentiable values (in hidden's dtype,
+float64 exact), whether and where the target is among them, and the rows'
+loss weights; against plain torch on materialised logits (float64), in
+every mode, frozen and trainable, on both torch paths (the torch.library
+operator and the autograd.Function)."""
 
+import contextlib
 import unittest
+from unittest import mock
 
 import torch
 
-from dflash.torch import dflash_objective
+from dflash.torch import _library, dflash_objective
 
 B, N, K, H, V, TOP_K = 2, 3, 4, 8, 37, 5
+
+
+def paths():
+    """The torch paths this torch has: the operator (torch >= 2.4) and the
+    autograd.Function (every torch; forced where the operator exists)."""
+    found = [("function", mock.patch.object(_library, "SUPPORTED", False))]
+    if _library.SUPPORTED:
+        found.insert(0, ("operator", contextlib.nullcontext()))
+    return found
 
 
 def batch(seed):
@@ -47,59 +60,112 @@ class SelectorInputsTest(unittest.TestCase):
 
     def test_top_k_ids_values_and_their_gradients(self):
         cap = 6.0
-        for mode in ("fused", "checkpoint", "materialize"):
-            for trainable in (False, True):
-                with self.subTest(mode=mode, trainable=trainable):
-                    hidden, weight, bias, target_ids, weight_mask = batch(3)
-                    probe = torch.randn(B, N, K, TOP_K, dtype=torch.float64,
-                                        generator=torch.Generator()
-                                        .manual_seed(5))
-                    leaves = [t.clone().requires_grad_(
-                        i == 0 or trainable)
-                        for i, t in enumerate((hidden, weight, bias))]
-                    config = (
-                        f"head {{ logit_softcap: {cap} }} "
-                        "loss { dflash { gamma: 7 } }")
-                    terms = dflash_objective(
-                        leaves[0], leaves[1], target_ids, weight_mask,
-                        lm_head_bias=leaves[2], config=config, mode=mode,
-                        chunk_blocks=2, top_k=TOP_K)
-                    rows = terms.diagnostics
-                    supervised = (weight_mask > 0).unsqueeze(-1)
-                    (terms.loss + (rows.top_k_values.double() * probe
-                                   * supervised).sum()).backward()
+        cases = [(path, context, mode, trainable)
+                 for path, context in paths()
+                 for mode in ("fused", "checkpoint", "materialize")
+                 for trainable in (False, True)]
+        for path, context, mode, trainable in cases:
+            with self.subTest(path=path, mode=mode,
+                              trainable=trainable), context:
+                hidden, weight, bias, target_ids, weight_mask = batch(3)
+                probe = torch.randn(B, N, K, TOP_K, dtype=torch.float64,
+                                    generator=torch.Generator()
+                                    .manual_seed(5))
+                leaves = [t.clone().requires_grad_(i == 0 or trainable)
+                          for i, t in enumerate((hidden, weight, bias))]
+                config = (f"head {{ logit_softcap: {cap} }} "
+                          "loss { dflash { gamma: 7 } }")
+                terms = dflash_objective(
+                    leaves[0], leaves[1], target_ids, weight_mask,
+                    lm_head_bias=leaves[2], config=config, mode=mode,
+                    chunk_blocks=2, top_k=TOP_K)
+                rows = terms.diagnostics
+                self.assertEqual(rows.top_k_values.dtype, torch.float64)
+                supervised = (weight_mask > 0).unsqueeze(-1)
+                (terms.loss + (rows.top_k_values * probe
+                               * supervised).sum()).backward()
 
-                    ref_leaves = [t.clone().requires_grad_(
-                        i == 0 or trainable)
-                        for i, t in enumerate((hidden, weight, bias))]
-                    objective, ids, values, w = reference(
-                        *ref_leaves, target_ids, weight_mask, cap, probe)
-                    objective.backward()
-                    mask = weight_mask > 0
-                    self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
-                    self.assertTrue(bool((rows.top_k[~mask] == -1).all()))
+                ref_leaves = [t.clone().requires_grad_(i == 0 or trainable)
+                              for i, t in enumerate((hidden, weight, bias))]
+                objective, ids, values, w = reference(
+                    *ref_leaves, target_ids, weight_mask, cap, probe)
+                objective.backward()
+                mask = weight_mask > 0
+                self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
+                self.assertTrue(bool((rows.top_k[~mask] == -1).all()))
+                self.assertTrue(bool((rows.top_k_values[~mask] == 0).all()))
+                # float64 values, and their gradients, exact.
+                torch.testing.assert_close(
+                    rows.top_k_values[mask], values[mask].detach(),
+                    rtol=1e-12, atol=1e-12)
+                matches = ids.eq(target_ids.unsqueeze(-1))
+                self.assertTrue(torch.equal(
+                    rows.target_is_candidate[mask], matches.any(-1)[mask]))
+                self.assertTrue(bool(rows.target_is_candidate[0, 0, 1:]
+                                     .all()))
+                self.assertTrue(torch.equal(
+                    rows.target_candidate_index[mask],
+                    matches.long().argmax(-1)[mask]))
+                # Row outputs are float32 (ChunkLossOutputs::loss_weight).
+                torch.testing.assert_close(rows.loss_weight.double(), w,
+                                           rtol=1e-6, atol=1e-7)
+                for name, got, want in zip(
+                        ("hidden", "weight", "bias"), leaves, ref_leaves):
+                    if want.grad is None:
+                        self.assertIsNone(got.grad, name)
+                        continue
                     torch.testing.assert_close(
-                        rows.top_k_values[mask].double(),
-                        values[mask].detach(), rtol=1e-6, atol=1e-6)
-                    matches = ids.eq(target_ids.unsqueeze(-1))
-                    self.assertTrue(torch.equal(
-                        rows.target_is_candidate[mask], matches.any(-1)[mask]))
-                    self.assertTrue(bool(rows.target_is_candidate[0, 0, 1:]
-                                         .all()))
-                    self.assertTrue(torch.equal(
-                        rows.target_candidate_index[mask],
-                        matches.long().argmax(-1)[mask]))
-                    torch.testing.assert_close(rows.loss_weight.double(), w,
-                                               rtol=1e-6, atol=1e-7)
-                    # The values are float32: their dz'/dz is good to ~1e-7.
-                    for name, got, want in zip(
-                            ("hidden", "weight", "bias"), leaves, ref_leaves):
-                        if want.grad is None:
-                            self.assertIsNone(got.grad, name)
-                            continue
-                        torch.testing.assert_close(
-                            got.grad, want.grad, rtol=1e-6, atol=1e-6,
-                            msg=lambda m, name=name: f"d/d{name}: {m}")
+                        got.grad, want.grad, rtol=1e-9, atol=1e-12,
+                        msg=lambda m, name=name: f"d/d{name}: {m}")
+
+    def test_values_with_a_correction_in_float64(self):
+        hidden, weight, bias, target_ids, weight_mask = batch(6)
+        gen = torch.Generator().manual_seed(8)
+        z = torch.randn(B, N, K, 2, generator=gen, dtype=torch.float64)
+        m = 0.5 * torch.randn(V, 2, generator=gen, dtype=torch.float64)
+        for path, context in paths():
+            with self.subTest(path=path), context:
+                leaves = [t.clone().requires_grad_()
+                          for t in (hidden, weight, bias)]
+                terms = dflash_objective(
+                    leaves[0], leaves[1], target_ids, weight_mask,
+                    lm_head_bias=leaves[2], correction_inputs=z,
+                    correction_weight=m, top_k=TOP_K)
+                rows = terms.diagnostics
+                terms.diagnostics.top_k_values.sum().backward()
+                ref = [t.clone().requires_grad_()
+                       for t in (hidden, weight, bias)]
+                logits = ref[0] @ ref[1].T + ref[2] + z @ m.T
+                mask = weight_mask > 0
+                values, ids = logits.topk(TOP_K, dim=-1)
+                self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
+                torch.testing.assert_close(rows.top_k_values[mask],
+                                           values[mask].detach(),
+                                           rtol=1e-12, atol=1e-12)
+                (values * mask.unsqueeze(-1)).sum().backward()
+                for name, got, want in zip(("hidden", "weight", "bias"),
+                                           leaves, ref):
+                    torch.testing.assert_close(
+                        got.grad, want.grad, rtol=1e-12, atol=1e-12,
+                        msg=lambda msg, name=name: f"d/d{name}: {msg}")
+
+    def test_values_in_float32_stay_float32(self):
+        hidden, weight, _, target_ids, weight_mask = batch(4)
+        for path, context in paths():
+            with self.subTest(path=path), context:
+                x = hidden.float().requires_grad_()
+                terms = dflash_objective(x, weight.float(), target_ids,
+                                         weight_mask, top_k=TOP_K)
+                values = terms.diagnostics.top_k_values
+                self.assertEqual(values.dtype, torch.float32)
+                values.sum().backward()
+                self.assertEqual(x.grad.dtype, torch.float32)
+                logits = hidden @ weight.T
+                mask = weight_mask > 0
+                torch.testing.assert_close(
+                    values[mask].double(),
+                    logits.topk(TOP_K, dim=-1).values[mask],
+                    rtol=1e-5, atol=1e-5)
 
     def test_bad_top_k_backward_inputs_raise(self):
         hidden, weight, _, target_ids, weight_mask = batch(4)

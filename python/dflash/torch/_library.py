@@ -275,6 +275,13 @@ def _empty_like_none(dtype: torch.dtype, device: torch.device
     return torch.empty((0,), dtype=dtype, device=device)
 
 
+def top_k_value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the head computes top-k values and their gradients in for
+    hidden of `dtype`: float64 for float64 (exact), else float32 (bfloat16
+    values are returned rounded to bfloat16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor],
                  confidence: Optional[torch.Tensor],
@@ -297,7 +304,7 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         (rows if return_rows else none, torch.float32, device),
         (rows if return_rows else none, torch.int64, device),
         (rows + (top_k,) if top_k else none, torch.int64, device),
-        (rows + (top_k,) if top_k else none, torch.float32, device),
+        (rows + (top_k,) if top_k else none, hidden.dtype, device),
         (rows if return_rows or top_k else none, torch.float32, device),
         ((info_size(k),), torch.float64, cpu),
         ((), scalar, device),
@@ -412,7 +419,9 @@ def _register() -> Tuple[Any, Any]:
                           top_k_values: torch.Tensor,
                           grad_values: torch.Tensor, config: str,
                           trainable: bool) -> Tuple[torch.Tensor, ...]:
-        grad_hidden = torch.zeros_like(hidden)
+        # Contiguous whatever hidden's strides (zeros_like keeps a dense
+        # view's).
+        grad_hidden = hidden.new_zeros(hidden.shape)
         grad_weight = (torch.zeros_like(weight) if trainable
                        else weight.new_empty((0,)))
         grad_bias = (torch.zeros_like(bias)
@@ -420,7 +429,7 @@ def _register() -> Tuple[Any, Any]:
                      else weight.new_empty((0,)))
         _objective()._top_k_value_backward(
             config_of_text(config), hidden, weight, bias, top_k.int(),
-            top_k_values, grad_values.float().contiguous(), grad_hidden,
+            top_k_values, grad_values, grad_hidden,
             grad_weight if trainable else None,
             grad_bias if trainable and bias is not None else None, trainable)
         return grad_hidden, grad_weight, grad_bias
@@ -430,7 +439,7 @@ def _register() -> Tuple[Any, Any]:
           bias: Optional[torch.Tensor], top_k: torch.Tensor,
           top_k_values: torch.Tensor, grad_values: torch.Tensor, config: str,
           trainable: bool) -> Tuple[torch.Tensor, ...]:
-        return (torch.empty_like(hidden),
+        return (hidden.new_empty(hidden.shape),
                 torch.empty_like(weight) if trainable
                 else weight.new_empty((0,)),
                 torch.empty_like(bias) if trainable and bias is not None

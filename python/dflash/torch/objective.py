@@ -108,8 +108,11 @@ class ObjectiveDiagnostics:
             return_rows; else None.
         top_k, top_k_values: with top_k = k, the strict top-k of the loss's
             logits (ties to the lower id; -1 where the row has no mask) as
-            ids [B, N, K, k] int64 and values [B, N, K, k] float32. The values
-            carry a gradient (a DFlash2 selector's unary logits). Else None.
+            ids [B, N, K, k] int64 and values [B, N, K, k] in hidden's dtype
+            (float64 computed in float64; bfloat16 rounded once from the
+            head's float32; 0 where the id is -1). The values carry a
+            gradient (a DFlash2 selector's unary logits), in the same
+            precision. Else None.
         target_is_candidate: [B, N, K] bool, whether the target is among
             top_k; target_candidate_index: [B, N, K] int64, where (0 if not).
             With top_k; else None.
@@ -321,6 +324,14 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
     """Runs the head once into fresh buffers (target_ids and weight_mask on
     the host). `gradients` false: the forward pass alone, no gradient
     computed and no gradient buffer (every grads value None)."""
+    # The head reads hidden and the per-row tensors beside it as whole
+    # rows, one after the other: a view that is not laid out so (a slice of
+    # a longer batch along N, as SpecForge's chunks are) is copied here.
+    # Targets and masks are read at any strides.
+    hidden = hidden.contiguous()
+    teacher, confidence, correction_inputs = [
+        None if t is None else t.contiguous()
+        for t in (teacher, confidence, correction_inputs)]
     rows = tuple(hidden.shape[:3])
     device = hidden.device
     trainable = trainable and gradients
@@ -340,8 +351,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "neg_log_q": (rows, torch.float32) if return_rows else None,
         "argmax": (rows, torch.int32) if return_rows else None,
         "top_k": (rows + (top_k,), torch.int32) if top_k else None,
-        "top_k_values": ((rows + (top_k,), torch.float32)
-                         if top_k else None),
+        "top_k_values": ((rows + (top_k,), _library.top_k_value_dtype(
+                             hidden.dtype)) if top_k else None),
         "loss_weight": ((rows, torch.float32)
                         if return_rows or top_k else None),
     }
@@ -392,7 +403,9 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         outputs["neg_log_q"],
         None if outputs["argmax"] is None else outputs["argmax"].long(),
         None if outputs["top_k"] is None else outputs["top_k"].long(),
-        outputs["top_k_values"],
+        # In hidden's dtype: bfloat16 rounds the head's float32 once.
+        None if outputs["top_k_values"] is None
+        else outputs["top_k_values"].to(hidden.dtype),
         outputs["loss_weight"],
     ]
     return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"])
@@ -439,13 +452,19 @@ def _top_k_value_backward(config: _core.ObjectiveConfig,
                           grad_weight: Optional[torch.Tensor],
                           grad_bias: Optional[torch.Tensor],
                           trainable: bool) -> None:
-    """Adds d(objective)/d(top-k values) to the gradients, in place, on
-    torch's current stream."""
+    """Adds d(objective)/d(top-k values) to the gradients (contiguous),
+    in place, on torch's current stream. The values and their gradient are
+    taken in the dtype the head computes them in
+    (_library.top_k_value_dtype); hidden is read as whole rows (copied when
+    it is not laid out so, as _run_head does)."""
     stream = (torch.cuda.current_stream(hidden.device).cuda_stream
               if hidden.is_cuda else 0)
+    dtype = _library.top_k_value_dtype(hidden.dtype)
     _core.top_k_value_backward(
-        config, hidden, weight, bias, ids, values, grad_values, grad_hidden,
-        grad_weight, grad_bias, trainable=trainable, cuda_stream=stream)
+        config, hidden.contiguous(), weight, bias, ids,
+        values.to(dtype).contiguous(), grad_values.to(dtype).contiguous(),
+        grad_hidden, grad_weight, grad_bias, trainable=trainable,
+        cuda_stream=stream)
 
 
 class _Objective(torch.autograd.Function):
@@ -545,15 +564,17 @@ class _Objective(torch.autograd.Function):
                        else unused[ctx.values_at - 1])
         if grad_values is not None and (needs[5] or needs[6] or needs[7]):
             if grad_hidden is None:
-                grad_hidden = torch.zeros_like(hidden)
+                # Contiguous whatever hidden's strides (zeros_like keeps a
+                # dense view's).
+                grad_hidden = hidden.new_zeros(hidden.shape)
             trainable = ctx.trainable
             if trainable and grad_weight is None:
                 grad_weight = torch.zeros_like(weight)
             if trainable and bias is not None and grad_bias is None:
                 grad_bias = torch.zeros_like(bias)
             _top_k_value_backward(
-                ctx.config, hidden, weight, bias, ids, values,
-                grad_values.float().contiguous(), grad_hidden,
+                ctx.config, hidden, weight, bias, ids, values, grad_values,
+                grad_hidden,
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
                 trainable)
@@ -582,12 +603,18 @@ def dflash_objective(
     by `checkpointed_chunk_reduce` returns, without materialising the logits.
 
     hidden: [B, N, K, H] draft hidden states; float32 or float64 on the CPU,
-        float32 or bfloat16 on CUDA (torch's current stream); contiguous.
-    lm_head_weight: [V, H], hidden's dtype and device; lm_head_bias: [V].
-        Neither is copied; when either requires grad the head trains.
+        float32 or bfloat16 on CUDA (torch's current stream). Read in place
+        when contiguous; any other view (a slice of a longer batch along N,
+        as SpecForge's chunks) is copied once, as are teacher_hidden,
+        confidence_logits and correction_inputs.
+    lm_head_weight: [V, H], hidden's dtype and device, contiguous;
+        lm_head_bias: [V]. Neither is copied; when either requires grad the
+        head trains.
     target_ids: [B, N, K] int64 or int32; weight_mask: [B, N, K] float32,
-        float64 or bool. Row (b, n, k) is position k of block b*N + n.
-        On a CUDA device they are copied to the host (small; waits for them).
+        float64 or bool; both at any strides (slices, transposed or expanded
+        views are read in place). Row (b, n, k) is position k of block
+        b*N + n. On a CUDA device they are copied to the host (small; waits
+        for them).
     config: None (the default: dflash, gamma 7, 128 blocks a chunk, fused),
         an ObjectiveConfig, text format or a file; overrides such as
         loss_type=, gamma=, mode=, chunk_blocks= go on top
@@ -595,7 +622,8 @@ def dflash_objective(
     teacher_hidden: [B, N, K, H] (no gradient), for dspark and distillation;
         with another loss, for the teacher diagnostics (the target model's
         state that predicts each row's label).
-    confidence_logits: [B, N, K] float32, for dspark's confidence term.
+    confidence_logits: [B, N, K] float32 whatever hidden's dtype (the loss
+        reads them in float32), for dspark's confidence term.
     correction_inputs, correction_weight: a trainable low-rank logit
         correction, logits = hidden @ W^T + z @ M^T, with z [B, N, K, r]
         (hidden's dtype and device; made by the caller's module, e.g.
