@@ -54,8 +54,8 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                   element_bytes, LogitsBuffers(config)}));
   HeadPlan plan;
   plan.chunks = std::move(chunks);
-  plan.active =
-      WeightedRows(rows, config.loss().cross_entropy().ignore_index());
+  const LossParams loss = LossParamsOf(config.loss());
+  plan.active = WeightedRows(rows, loss.ignore_index, loss.count_ignored);
   for (const ChunkRange& chunk : plan.chunks.chunks) {
     plan.chunk_begin.push_back(
         std::lower_bound(plan.active.begin(), plan.active.end(), chunk.begin) -

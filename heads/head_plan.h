@@ -19,8 +19,8 @@
 namespace dflash {
 
 // How a head run splits a batch: the chunk plan (one chunk of all rows in
-// MATERIALIZE), the rows it projects (weighted, target not ignore_index,
-// ascending) and each chunk's share of them, and the checkpoint policy its
+// MATERIALIZE), the rows it projects (WeightedRows: weighted, target not
+// ignore_index unless such rows count, ascending) and each chunk's share of them, and the checkpoint policy its
 // context runs (SAVE_ALL for MATERIALIZE and SAVE_CHUNKS; none in FUSED).
 struct HeadPlan {
   ChunkPlan chunks;

@@ -47,7 +47,7 @@ class HeadRun {
           HeadBackend<T>& backend, bool forward_only)
       : config_(config),
         head_(config.head()),
-        inputs_(inputs),
+        inputs_(WithSequenceShares(config, inputs)),
         gradients_(gradients),
         row_outputs_(row_outputs),
         backend_(backend),
@@ -66,6 +66,32 @@ class HeadRun {
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
 
  private:
+  // The caller's inputs or, for D-PACE's SEQUENCE_BALANCED denominator, a
+  // copy whose rows carry their sequence shares (SetSequenceShares), which
+  // the backends' chunk losses read. Sequences of layout.num_anchors blocks
+  // (all rows with none).
+  const HeadInputs<T>& WithSequenceShares(const v1::ObjectiveConfig& config,
+                                          const HeadInputs<T>& inputs) {
+    const LossParams params = LossParamsOf(config.loss());
+    const int64_t block = config.layout().block_size();
+    if (!params.sequence_balanced || block < 1) return inputs;
+    const int64_t anchors = config.layout().num_anchors();
+    const int64_t rows = static_cast<int64_t>(inputs.rows.size());
+    shared_rows_.assign(inputs.rows.begin(), inputs.rows.end());
+    SetSequenceShares(params, block, anchors > 0 ? anchors * block : rows,
+                      absl::MakeSpan(shared_rows_));
+    shared_inputs_ = inputs;
+    shared_inputs_.rows = shared_rows_;
+    return shared_inputs_;
+  }
+  // The batch's loss, after its last chunk: SEQUENCE_BALANCED D-PACE's
+  // loss_den is the rows' WeightedSequences, not the chunks' sum of w.
+  FinishedLoss Finish(ChunkTerms& terms, int64_t sequences) const {
+    if (params_.sequence_balanced) {
+      terms.loss_den = WeightedSequences(params_, inputs_.rows);
+    }
+    return FinishTerms(params_, terms, sequences);
+  }
   bool Fused() const { return head_.mode() == v1::HeadConfig::FUSED; }
   int64_t Begin(int64_t c) const { return chunk_begin_[c]; }
   int64_t Rows(int64_t c) const {
@@ -116,6 +142,9 @@ class HeadRun {
     return absl::CancelledError("the head run was interrupted");
   }
 
+  // Before inputs_, which may refer to them (WithSequenceShares).
+  std::vector<RowMeta> shared_rows_;
+  HeadInputs<T> shared_inputs_;
   const v1::ObjectiveConfig& config_;
   const v1::HeadConfig& head_;
   const HeadInputs<T>& inputs_;
@@ -179,12 +208,16 @@ absl::Status HeadRun<T>::Validate() const {
                        "), got ", meta.target));
     }
   }
-  // D-PARD's loss is per sequence: rows / (num_anchors * block_size).
+  // D-PARD's loss is per sequence: rows / (num_anchors * block_size); so is
+  // SEQUENCE_BALANCED D-PACE's denominator.
   const int64_t sequence_rows = config_.layout().num_anchors() * block_size_;
-  if (params_.dpard && rows % sequence_rows != 0) {
+  if ((params_.dpard || params_.sequence_balanced) && sequence_rows > 0 &&
+      rows % sequence_rows != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "inputs.rows: loss.dspark objective DPARD counts sequences of "
-        "layout.num_anchors x layout.block_size = ",
+        "inputs.rows: ",
+        params_.dpard ? "loss.dspark objective DPARD"
+                      : "loss.dpace denominator SEQUENCE_BALANCED",
+        " counts sequences of layout.num_anchors x layout.block_size = ",
         sequence_rows, " rows, got ", rows, " rows"));
   }
   struct Size {
@@ -518,7 +551,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
     if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
     backend_.InputGradientScale(
         options.upstream_gradient *
-        FinishTerms(params_, *terms, sequences).gradient_scale);
+        Finish(*terms, sequences).gradient_scale);
   }
   if (backward_pass) {
     for (int64_t c = chunks - 1; c >= 0; --c) {
@@ -532,8 +565,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   result.terms = *std::move(terms);
   // d(loss)/d(.) = upstream * scale * d(loss_num)/d(.), the latter
   // complete once the composition is.
-  const FinishedLoss finished =
-      FinishTerms(params_, result.terms, sequences);
+  const FinishedLoss finished = Finish(result.terms, sequences);
   result.lk_kl_weight = finished.lk_kl_weight;
   if (!forward_only_) {
     DFLASH_RETURN_IF_ERROR(

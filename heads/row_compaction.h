@@ -15,9 +15,11 @@ namespace dflash {
 
 // Draft states [B, N, K, H] are already rows [B * N * K, H] in memory; the
 // head projects only the rows that carry weight. These are their indices,
-// ascending: mask > 0 and target != ignore_index.
+// ascending: mask > 0 and target != ignore_index, or any target where
+// ignored targets count (CrossEntropyOptions COUNT).
 std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
-                                  int64_t ignore_index);
+                                  int64_t ignore_index,
+                                  bool count_ignored = false);
 
 // dst[i, :] = src[indices[i], :] for rows of `width` values.
 template <typename T>

@@ -356,6 +356,18 @@ absl::Status TeacherError(const absl::Status& status) {
       absl::StrCat("teacher logits: ", status.message()));
 }
 
+// A row's stats as the loss reads them: of its target, or, for a row with
+// a mask whose target is ignore_index (counted; HasTarget is false), with
+// -log q = 0 exactly. Any other target outside [0, V) is compute's error.
+template <typename W, typename Compute>
+absl::StatusOr<RowStats> StatsForTarget(const LossParams& p, int32_t target,
+                                        Compute compute) {
+  if (target != p.ignore_index) return compute(target);
+  absl::StatusOr<RowStats> stats = compute(0);
+  if (stats.ok()) stats->target_logit = stats->logsumexp;
+  return stats;
+}
+
 // Domino's row on the CPU (family_passes.h's DominoPass): each row's base
 // logits and, at positions >= suffix_start, final = base + correction, both
 // transformed into scratch in the working type.
@@ -753,13 +765,13 @@ class ChunkPasses {
         }
       }
     }
-    absl::StatusOr<RowStats> row_stats;
-    if constexpr (std::is_same_v<W, float>) {
-      row_stats = keep_exp_ ? ComputeRowStatsKeepExp(z, target, r)
-                            : ComputeRowStats<W>(z, target, r);
-    } else {
-      row_stats = ComputeRowStats<W>(z, target, r);
-    }
+    absl::StatusOr<RowStats> row_stats =
+        StatsForTarget<W>(p_, target, [&](int32_t stats_target) {
+          if constexpr (std::is_same_v<W, float>) {
+            if (keep_exp_) return ComputeRowStatsKeepExp(z, stats_target, r);
+          }
+          return ComputeRowStats<W>(z, stats_target, r);
+        });
     if (!row_stats.ok()) return row_stats.status();
     const RowStats& s = *row_stats;
     stats_[r] = s;
@@ -831,8 +843,11 @@ class ChunkPasses {
           p_, end - b, [&](int64_t i) { return q_[b + i]; },
           [&](int64_t i) { return accept_[b + i]; },
           [&](int64_t i) { return mask_[b + i]; },
-          [&](int64_t i) { return row_weight(b + i); }, weight_.data() + b,
-          share_.data() + b);
+          [&](int64_t i) { return row_weight(b + i); },
+          [&](int64_t i) {
+            return DPaceRowScale(p_, inputs_.rows[b + i].sequence_share);
+          },
+          weight_.data() + b, share_.data() + b);
     }
   }
 
@@ -1021,9 +1036,10 @@ FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
 std::optional<double> RowsGradientScale(const LossParams& params,
                                         absl::Span<const RowMeta> rows,
                                         int64_t sequences) {
-  if (params.family == LossFamily::kDPace ||
-      params.lk == LkMode::kLambdaBatch) {
-    return std::nullopt;
+  if (params.lk == LkMode::kLambdaBatch) return std::nullopt;
+  if (params.family == LossFamily::kDPace) {
+    if (!params.sequence_balanced) return std::nullopt;
+    return 1 / FlooredLossDen(WeightedSequences(params, rows));
   }
   if (params.dpard) {
     return 1.0 / static_cast<double>(std::max<int64_t>(sequences, 1));
@@ -1038,6 +1054,45 @@ std::optional<double> RowsGradientScale(const LossParams& params,
     return 1 / (den + kDominoDenominatorOffset);
   }
   return 1 / FlooredLossDen(den);
+}
+
+void SetSequenceShares(const LossParams& params, int64_t block_size,
+                       int64_t sequence_rows, absl::Span<RowMeta> rows) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  for (int64_t begin = 0; begin < n; begin += sequence_rows) {
+    const int64_t end = std::min(n, begin + sequence_rows);
+    int64_t weighted_blocks = 0;
+    for (int64_t b = begin; b < end; b += block_size) {
+      for (int64_t r = b; r < std::min(end, b + block_size); ++r) {
+        if (EffectiveMask(params, rows[r].target, rows[r].mask) > 0) {
+          ++weighted_blocks;
+          break;
+        }
+      }
+    }
+    // SpecForge's clamp_min(1): a sequence without weight has share 1,
+    // which no row of it uses.
+    const double share =
+        1.0 / static_cast<double>(std::max<int64_t>(weighted_blocks, 1));
+    for (int64_t r = begin; r < end; ++r) rows[r].sequence_share = share;
+  }
+}
+
+double WeightedSequences(const LossParams& params,
+                         absl::Span<const RowMeta> rows) {
+  double sum = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const bool first_of_block = r == 0 || rows[r].block != rows[r - 1].block;
+    if (!first_of_block) continue;
+    for (size_t i = r; i < rows.size() && rows[i].block == rows[r].block;
+         ++i) {
+      if (EffectiveMask(params, rows[i].target, rows[i].mask) > 0) {
+        sum += rows[r].sequence_share;
+        break;
+      }
+    }
+  }
+  return sum;
 }
 
 template <typename T>

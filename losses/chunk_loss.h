@@ -127,10 +127,15 @@ struct ChunkLossOutputs {
 //   dflash; forward KL(t || s), reverse KL(s || t), or the generalised
 //   JSD beta * KL(t || M) + (1 - beta) * KL(s || M), M = beta * t +
 //   (1 - beta) * s. Not multiplied by T^2.
-// - cross_entropy: a row whose target is ignore_index carries nothing;
-//   label smoothing eps turns CE into (1 - eps) * CE + eps * (lse -
-//   mean(z')); z_loss_scale adds w * z_loss_scale * lse^2.
-// loss_den is sum(w) (for dpace the effective weight). Accumulation in
+// - cross_entropy: a row whose target is ignore_index carries nothing,
+//   or, with ignored_target_weight COUNT (SpecForge's), keeps its mask
+//   with -log q = 0 and q = 1, no loss and no gradient of its own (DSpark's
+//   L1 and confidence terms stay); label smoothing eps turns CE into
+//   (1 - eps) * CE + eps * (lse - mean(z')); z_loss_scale adds
+//   w * z_loss_scale * lse^2.
+// loss_den is sum(w) (for dpace the effective weight; with the
+// SEQUENCE_BALANCED denominator w carries RowMeta::sequence_share, and the
+// batch's loss_den is WeightedSequences). Accumulation in
 // double. A row whose weight is 0 gets a zero gradient and no other work.
 // Uses O(vocab) scratch for BFloat16, softcaps and teacher rows.
 template <typename T>
@@ -188,11 +193,27 @@ FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
 
 // The gradient_scale FinishTerms will give, known before any logit where
 // the rows alone decide it (so a head can fold it into its input-gradient
-// GEMM and round a BF16 gradient once); nullopt where the logits decide it
-// (D-PACE's block weights, the batch-level LK lambda's row factors).
+// GEMM and round a BF16 gradient once; D-PACE's SEQUENCE_BALANCED
+// WeightedSequences); nullopt where the logits decide it (D-PACE's block
+// weights, the batch-level LK lambda's row factors).
 std::optional<double> RowsGradientScale(const LossParams& params,
                                         absl::Span<const RowMeta> rows,
                                         int64_t sequences);
+
+// D-PACE's SEQUENCE_BALANCED denominator (SpecForge main's): sets each
+// row's sequence_share to 1 / A, A the anchor blocks of `block_size` rows
+// with an effective mask > 0 among its sequence's `sequence_rows` rows (at
+// least 1). Rows are whole sequences, in order.
+void SetSequenceShares(const LossParams& params, int64_t block_size,
+                       int64_t sequence_rows, absl::Span<RowMeta> rows);
+
+// The sum over anchor blocks (runs of one block id) with an effective mask
+// > 0 of their sequence_share: with the shares SetSequenceShares sets, the
+// number of sequences with weight, the SEQUENCE_BALANCED loss_den. The
+// chunks' loss_den is their sum of w, for loss_weight_per_position; a
+// head replaces the batch's total by this before FinishTerms.
+double WeightedSequences(const LossParams& params,
+                         absl::Span<const RowMeta> rows);
 
 // ResolveLoss (loss_family.h) with its errors prefixed "chunk loss: ".
 absl::StatusOr<LossParams> ResolveChunkLoss(const v1::LossConfig& config);

@@ -113,17 +113,25 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
   const v1::CrossEntropyOptions& ce = c.cross_entropy();
   std::vector<std::vector<double>> z(kRows), t(kRows);
   std::vector<double> mask(kRows), q(kRows), lse(kRows);
+  std::vector<bool> has_target(kRows);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t v = 0; v < kV; ++v) {
       z[r].push_back(Transform(p.logits[r * kV + v], p.options));
       t[r].push_back(Transform(p.teacher[r * kV + v], p.options));
     }
     const RowMeta& m = p.rows[r];
-    mask[r] = m.target == ce.ignore_index() ? 0 : m.mask;
+    // SpecForge's COUNT: F.cross_entropy's 0 for the row (q = 1), its
+    // weight kept.
+    const bool ignored = m.target == ce.ignore_index();
+    has_target[r] = !ignored;
+    mask[r] = ignored && ce.ignored_target_weight() !=
+                             v1::CrossEntropyOptions::COUNT
+                  ? 0
+                  : m.mask;
     lse[r] = LogSumExp(z[r]);
-    q[r] = std::exp(z[r][m.target] - lse[r]);
+    q[r] = ignored ? 1.0 : std::exp(z[r][m.target] - lse[r]);
     if (mask[r] > 0) {
-      ref.neg_log_q[r] = lse[r] - z[r][m.target];
+      ref.neg_log_q[r] = ignored ? 0.0 : lse[r] - z[r][m.target];
       ref.argmax[r] = static_cast<int>(
           std::max_element(z[r].begin(), z[r].end()) - z[r].begin());
     }
@@ -158,6 +166,20 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
         w = mask[r] * (g > 0 ? std::exp(-k / g) : 1);
       }
       if (c.has_dpace()) {
+        // SEQUENCE_BALANCED: 1 / the weighted blocks of the row's sequence.
+        double share = 1;
+        if (c.dpace().denominator() == v1::DPaceLoss::SEQUENCE_BALANCED) {
+          const int64_t sequence = b / kN;
+          int64_t blocks = 0;
+          for (int64_t n = 0; n < kN; ++n) {
+            double block_mass = 0;
+            for (int64_t j = 0; j < kK; ++j) {
+              block_mass += mask[(sequence * kN + n) * kK + j];
+            }
+            blocks += block_mass > 0;
+          }
+          share = 1.0 / std::max<int64_t>(blocks, 1);
+        }
         switch (c.dpace().variant()) {
           case v1::DPaceLoss::CUMULATIVE_CONFIDENCE_ONLY:
             w = prefix[k];
@@ -168,7 +190,7 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
           default:
             w = suffix[k];
         }
-        w *= mask[r];
+        w *= mask[r] * share;
       }
       d.weights[r] = w;
       if (c.has_lk_lambda()) {
@@ -185,14 +207,18 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
     ref.correct += hit;
     ref.correct_per_position[m.position] += hit;
     ref.acc_den += mask[r];
-    ref.target_probability += mask[r] * std::exp(z[r][m.target] - lse[r]);
+    ref.target_probability += mask[r] * q[r];
     const double w = d.weights[r];
     ref.den += w;
     const double eps = ce.label_smoothing();
     const double mean = std::accumulate(z[r].begin(), z[r].end(), 0.0) / kV;
-    const double ce_term = (1 - eps) * (lse[r] - z[r][m.target]) +
-                           eps * (lse[r] - mean);
-    const double z_term = ce.z_loss_scale() * lse[r] * lse[r];
+    // A counted row without a target has no CE and no z-loss.
+    const double ce_term =
+        has_target[r] ? (1 - eps) * (lse[r] - z[r][m.target]) +
+                            eps * (lse[r] - mean)
+                      : 0.0;
+    const double z_term =
+        has_target[r] ? ce.z_loss_scale() * lse[r] * lse[r] : 0.0;
     // SpecForge's ce_loss_num and tv_loss_num, for every softmax family.
     const v1::LkComposition::Type lk_type =
         c.has_dflash()  ? c.dflash().lk().type()
@@ -344,14 +370,58 @@ std::vector<Case> AllCases() {
        "distillation { divergence: JSD beta: 0.5 temperature: 0.8 } "
        "cross_entropy { ignore_index: 5 }",
        {kK, 1, 3}},
+      // SpecForge's convention for ignored targets with weight.
+      {"DFlashCountIgnored",
+       "dflash { gamma: 7 } cross_entropy { ignored_target_weight: COUNT }"},
+      {"DFlashCountIgnoredSmoothingZLossSoftcap",
+       "dflash {} cross_entropy { ignored_target_weight: COUNT "
+       "label_smoothing: 0.1 z_loss_scale: 0.01 }",
+       {kK, 1, 4}},
+      {"DFlashLkTvCountIgnored",
+       "dflash { lk { type: TV } } cross_entropy { ignored_target_weight: "
+       "COUNT }"},
+      {"TvCountIgnored",
+       "tv { gamma: 7 } cross_entropy { ignored_target_weight: COUNT }"},
+      {"DPaceCountIgnored",
+       "dpace { alpha: 0.3 } cross_entropy { ignored_target_weight: COUNT }"},
+      {"DPaceCumulativeCountIgnored",
+       "dpace { alpha: 0.3 variant: CUMULATIVE_CONFIDENCE_ONLY } "
+       "cross_entropy { ignored_target_weight: COUNT }"},
+      {"DPaceContinuationCountIgnored",
+       "dpace { alpha: 0.3 variant: CONTINUATION_VALUE_ONLY } "
+       "cross_entropy { ignored_target_weight: COUNT }"},
+      {"DPaceLkTvCountIgnored",
+       "dpace { alpha: 0.6 lk { type: TV } } cross_entropy { "
+       "ignored_target_weight: COUNT }"},
+      {"DSparkCountIgnored",
+       "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 } "
+       "cross_entropy { ignored_target_weight: COUNT }"},
   };
+}
+
+// Rows given an ignored target (-100, the default ignore_index) though
+// their mask is positive, in two blocks: one mid-block, one at a block's
+// last supervised position.
+void IgnoreTwoWeightedTargets(Problem& p) {
+  int64_t set = 0;
+  for (int64_t r : {2, 8}) {
+    ASSERT_GT(p.rows[r].mask, 0) << "row " << r;
+    p.rows[r].target = -100;
+    ++set;
+  }
+  ASSERT_EQ(set, 2);
 }
 
 class LossCaseTest : public ::testing::TestWithParam<Case> {
  protected:
   v1::LossConfig config() const { return Parse(GetParam().loss); }
+  // With the default ignore_index, two weighted rows' targets are ignored.
   Problem problem(uint32_t seed) const {
-    return MakeProblem(seed, GetParam().options);
+    Problem p = MakeProblem(seed, GetParam().options);
+    if (config().cross_entropy().ignore_index() == -100) {
+      IgnoreTwoWeightedTargets(p);
+    }
+    return p;
   }
 };
 
@@ -1192,6 +1262,110 @@ TEST_P(LossCaseTest, RowsWithoutWeightCanBeLeftOut) {
     }
     EXPECT_EQ(confidence_grad[i], full_confidence_grad[source[i]]);
   }
+}
+
+
+TEST(ChunkLossTest, CountedIgnoredTargetsNeedSpecForgesFamiliesAndANegativeIndex) {
+  for (const auto& [loss, message] : std::vector<std::pair<std::string, std::string>>{
+           {"dflash {} cross_entropy { ignored_target_weight: COUNT "
+            "ignore_index: 3 }",
+            "loss.cross_entropy.ignore_index: must be negative with "
+            "ignored_target_weight COUNT (SpecForge's -100, never a class), "
+            "got 3"},
+           {"lk_lambda {} cross_entropy { ignored_target_weight: COUNT }",
+            "loss.cross_entropy.ignored_target_weight: COUNT is SpecForge's "
+            "convention, which loss.lk_lambda has no counterpart in (use "
+            "DROP, or dflash { lk { type: LAMBDA } } for SpecForge's LK "
+            "lambda), got COUNT"},
+           {"distillation {} cross_entropy { ignored_target_weight: COUNT }",
+            "loss.cross_entropy.ignored_target_weight: COUNT is SpecForge's "
+            "convention, which loss.distillation has no counterpart in (use "
+            "DROP, or dflash { lk { type: LAMBDA } } for SpecForge's LK "
+            "lambda), got COUNT"},
+           {"domino {} cross_entropy { ignored_target_weight: COUNT }",
+            "loss.cross_entropy.ignored_target_weight: COUNT is undefined for "
+            "loss.domino: SpecForge's Domino embeds every target id, which "
+            "fails on an ignored one (use DROP), got COUNT"},
+           {"dflash {} cross_entropy { ignored_target_weight: "
+            "IGNORED_TARGET_WEIGHT_UNSPECIFIED }",
+            "loss.cross_entropy.ignored_target_weight: must be set, got "
+            "IGNORED_TARGET_WEIGHT_UNSPECIFIED"},
+           {"dpace { denominator: DENOMINATOR_UNSPECIFIED }",
+            "loss.dpace.denominator: must be set, got "
+            "DENOMINATOR_UNSPECIFIED"},
+       }) {
+    absl::StatusOr<LossParams> params = ResolveLoss(Parse(loss));
+    EXPECT_FALSE(params.ok()) << loss;
+    EXPECT_EQ(params.status().message(), message) << loss;
+  }
+}
+
+// Under COUNT a weighted row whose target is another negative id is still
+// an error, not a row without a target.
+TEST(ChunkLossTest, CountedIgnoredTargetsLeaveOtherBadTargetsErrors) {
+  Problem p = MakeProblem(1, {kK});
+  p.rows[1].target = -7;
+  EXPECT_EQ(RunLoss("dflash {} cross_entropy { ignored_target_weight: COUNT }",
+                    p)
+                .message(),
+            "row 1: target id -7 is outside [0, 13)");
+}
+
+// D-PACE's SEQUENCE_BALANCED denominator against the naive reference: each
+// weight times 1 / (its sequence's weighted blocks), loss_den the number of
+// sequences with weight; the fixture's second sequence has one kept block,
+// the first two.
+TEST(ChunkLossTest, SequenceBalancedDPaceMatchesTheNaiveReference) {
+  for (const std::string loss :
+       {"dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }",
+        "dpace { alpha: 0.3 variant: CUMULATIVE_CONFIDENCE_ONLY denominator: "
+        "SEQUENCE_BALANCED } cross_entropy { ignored_target_weight: COUNT }",
+        "dpace { alpha: 0.7 variant: CONTINUATION_VALUE_ONLY lk { type: TV } "
+        "denominator: SEQUENCE_BALANCED }"}) {
+    const v1::LossConfig config = Parse(loss);
+    const LossParams params = *ResolveLoss(config);
+    Problem p = MakeProblem(41, {kK});
+    IgnoreTwoWeightedTargets(p);
+    SetSequenceShares(params, kK, kN * kK, absl::MakeSpan(p.rows));
+    EXPECT_EQ(p.rows[0].sequence_share, 0.5) << loss;
+    EXPECT_EQ(p.rows[kN * kK].sequence_share, 1.0) << loss;
+    const Reference ref = Naive(config, p);
+    std::vector<double> grad;
+    std::vector<float> confidence_grad;
+    auto terms = RunDouble(config, p, grad, confidence_grad);
+    ASSERT_TRUE(terms.ok()) << terms.status();
+    EXPECT_NEAR(terms->loss_num, ref.num, 1e-12) << loss;
+    // The chunk's loss_den is its sum of w (loss_weight_per_position's).
+    EXPECT_NEAR(terms->loss_den, ref.den, 1e-12) << loss;
+    EXPECT_EQ(WeightedSequences(params, p.rows), 2.0) << loss;
+    terms->loss_den = WeightedSequences(params, p.rows);
+    const FinishedLoss finished = FinishTerms(params, *terms, kB);
+    EXPECT_NEAR(finished.loss, ref.num / 2, 1e-12) << loss;
+    EXPECT_EQ(RowsGradientScale(params, p.rows, kB), finished.gradient_scale);
+    const Detached detached = Naive(config, p).detached;
+    const double h = 1e-6;
+    for (int64_t i = 0; i < kRows * kV; ++i) {
+      Problem plus = p, minus = p;
+      plus.logits[i] += h;
+      minus.logits[i] -= h;
+      const double numeric = (Naive(config, plus, &detached).num -
+                              Naive(config, minus, &detached).num) /
+                             (2 * h);
+      ASSERT_NEAR(grad[i], numeric, 1e-8) << loss << " logit " << i;
+    }
+  }
+}
+
+// A sequence without weight keeps share 1 (SpecForge's clamp_min(1)) and
+// adds nothing to the denominator.
+TEST(ChunkLossTest, SequenceSharesOfAnUnweightedSequence) {
+  const LossParams params =
+      *ResolveLoss(Parse("dpace { denominator: SEQUENCE_BALANCED }"));
+  Problem p = MakeProblem(3, {kK});
+  for (int64_t r = kN * kK; r < kRows; ++r) p.rows[r].mask = 0;
+  SetSequenceShares(params, kK, kN * kK, absl::MakeSpan(p.rows));
+  EXPECT_EQ(p.rows[kRows - 1].sequence_share, 1.0);
+  EXPECT_EQ(WeightedSequences(params, p.rows), 1.0);
 }
 
 }  // namespace

@@ -128,13 +128,14 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   for (int64_t r = 0; r < n; ++r) {
     const RowMeta& meta = inputs.rows[r];
     const float mask = EffectiveMask(loss, meta.target, meta.mask);
-    if (!inputs.rows_checked && mask != 0 &&
+    if (!inputs.rows_checked && mask != 0 && meta.target != loss.ignore_index &&
         (meta.target < 0 || meta.target >= vocab)) {
       return RowError(r, absl::StrCat("target id ", meta.target,
                                       " is outside [0, ", vocab, ")"));
     }
     rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
-               RowLossWeight(loss, meta.position, mask)};
+               RowLossWeight(loss, meta.position, mask),
+               DPaceRowScale(loss, meta.sequence_share)};
   }
   std::vector<int32_t> block_begin;
   if (CouplesBlocks(loss)) {

@@ -75,6 +75,8 @@ Problem MakeProblem(int64_t vocab, uint32_t seed) {
     meta.mask = meta.position == 0 || r % 11 == 3 ? 0.0f : 1.0f;
     if (meta.block == 2 && meta.mask > 0) meta.mask = 0.5f;
     if (r == 8) meta.target = -100;  // ignore_index
+    // Read only by SEQUENCE_BALANCED D-PACE.
+    meta.sequence_share = 1.0 / static_cast<double>(1 + meta.block % 3);
     p.rows.push_back(meta);
   }
   for (int64_t i = 0; i < kRows * vocab; ++i) {
@@ -169,6 +171,21 @@ const Case kCases[] = {
     {"forward_kl", "distillation { divergence: FORWARD_KL temperature: 2 }"},
     {"reverse_kl", "distillation { divergence: REVERSE_KL temperature: 0.7 }"},
     {"jsd", "distillation { divergence: JSD beta: 0.3 }"},
+    // Row 8's ignored target counted, as SpecForge does; D-PACE's weights
+    // times the rows' sequence shares.
+    {"dflash_count",
+     "dflash { gamma: 7 } cross_entropy { ignored_target_weight: COUNT }"},
+    {"dpace_count",
+     "dpace { alpha: 0.3 } cross_entropy { ignored_target_weight: COUNT }"},
+    {"dpace_balanced_count",
+     "dpace { alpha: 0.4 variant: CONTINUATION_VALUE_ONLY denominator: "
+     "SEQUENCE_BALANCED } cross_entropy { ignored_target_weight: COUNT }"},
+    {"dflash_lk_lambda_batch_count",
+     "dflash { gamma: 7 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2 } } "
+     "cross_entropy { ignored_target_weight: COUNT }"},
+    {"dspark_count",
+     "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 } "
+     "cross_entropy { ignored_target_weight: COUNT }"},
 };
 
 class CudaChunkLossTest : public ::testing::TestWithParam<Case> {};

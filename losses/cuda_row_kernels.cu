@@ -333,7 +333,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     stats.lse_t =
         tempered ? s.max * inv_t + logf(s.sum_t) : s.max + stats.log_sum;
   }
-  stats.target = target;
+  // A row without a target class (HasTarget) never sets `target`.
+  stats.target = HasTarget(meta.target) ? target : 0.0f;
   stats.sum = s.total;
   stats.argmax = s.argmax;
   if (teacher) {
@@ -468,7 +469,9 @@ class CudaRow {
   __device__ __forceinline__ double mask() const { return meta_.mask; }
   __device__ __forceinline__ double weight() const { return weight_; }
   // max - target is exact in double; log_sum carries its own rounding only.
+  // 0 without a target class (HasTarget), as the CPU's.
   __device__ __forceinline__ double neg_log_q() const {
+    if (!HasTarget(meta_.target)) return 0.0;
     return (static_cast<double>(s_.max) - s_.target) + s_.log_sum;
   }
   __device__ __forceinline__ double lse() const {
@@ -633,15 +636,16 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   const int32_t begin = block_begin[b], end = block_begin[b + 1];
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
-    return meta[r].mask > 0
-               ? exp((static_cast<double>(stats[r].target) - stats[r].max) -
-                     stats[r].log_sum)
-               : 0.0;
+    if (!(meta[r].mask > 0)) return 0.0;
+    if (!HasTarget(meta[r].target)) return 1.0;
+    return exp((static_cast<double>(stats[r].target) - stats[r].max) -
+               stats[r].log_sum);
   };
   CoupledBlockWeights(
       p, end - begin, q, [&](int64_t i) { return accept[begin + i]; },
       [&](int64_t i) { return double{meta[begin + i].mask}; },
-      [&](int64_t i) { return meta[begin + i].weight; }, weight + begin,
+      [&](int64_t i) { return meta[begin + i].weight; },
+      [&](int64_t i) { return meta[begin + i].scale; }, weight + begin,
       share + begin);
 }
 

@@ -25,13 +25,16 @@ struct KernelParams {
   int64_t vocab = 0;
 };
 
-// A chunk row, prepared on the host: mask is 0 where the target is
-// ignore_index, weight is RowLossWeight (replaced per block for D-PACE).
+// A chunk row, prepared on the host: mask is EffectiveMask (0 where the
+// target is ignore_index, unless counted: the target is then negative, no
+// class), weight is RowLossWeight (replaced per block for D-PACE), scale
+// its DPaceRowScale.
 struct Row {
   int32_t target = 0;
   int32_t position = 0;
   float mask = 0;
   double weight = 0;  // In double, as the CPU's.
+  double scale = 1;
 };
 
 // What the stats pass leaves per row (of the transformed logits z').

@@ -163,11 +163,16 @@ DFLASH_ROW_PASS void DSparkPass(Row& row, const SoftmaxRowTerms& t,
 // a teacher.
 template <typename Row>
 DFLASH_ROW_PASS void SoftmaxFamilyPass(Row& row) {
+  using R = typename Row::Real;
   const LossParams& p = row.loss();
   const double w = row.weight();
-  const SoftmaxRowTerms t = SoftmaxFamilyRow(
-      p, w, CrossEntropyShare(p, row.share()), row.neg_log_q(), row.lse(),
-      p.label_smoothing > 0 ? row.MeanLogit() : 0.0);
+  // A row without a target class has no softmax-family terms (HasTarget).
+  const SoftmaxRowTerms t =
+      HasTarget(row.target())
+          ? SoftmaxFamilyRow(p, w, CrossEntropyShare(p, row.share()),
+                             row.neg_log_q(), row.lse(),
+                             p.label_smoothing > 0 ? row.MeanLogit() : 0.0)
+          : SoftmaxRowTerms{};
   row.Add(kCeNum, t.ce);
   row.Add(kTvNum, t.tv);
   if (p.family == LossFamily::kDSpark) {
@@ -180,6 +185,10 @@ DFLASH_ROW_PASS void SoftmaxFamilyPass(Row& row) {
     return;
   }
   row.Add(kLossNum, t.loss);
+  if (!HasTarget(row.target())) {
+    row.WriteGradient([](int64_t, R, R) { return R{0}; }, 0.0);
+    return;
+  }
   row.WriteSoftmaxGradient(t.softmax, t.target, t.uniform, bound);
 }
 
@@ -271,19 +280,21 @@ DFLASH_ROW_PASS void FamilyPass(Row& row) {
 }
 
 // The block pass of the block-coupled families over one block of n rows:
-// each row's loss weight (D-PACE's block weights, else row_weight(i)) and
-// share (lk_lambda's CE share, D-PARD's credit over the rows' acceptance,
-// else 1). q(i), accept(i), mask(i) and row_weight(i) read row i.
-template <typename Q, typename Accept, typename Mask, typename RowWeight>
-DFLASH_HOST_DEVICE inline void CoupledBlockWeights(const LossParams& p,
-                                                   int64_t n, Q q,
-                                                   Accept accept, Mask mask,
-                                                   RowWeight row_weight,
-                                                   double* weight,
-                                                   double* share) {
+// each row's loss weight (D-PACE's block weights times the row's
+// DPaceRowScale, else row_weight(i)) and share (lk_lambda's CE share,
+// D-PARD's credit over the rows' acceptance, else 1). q(i), accept(i),
+// mask(i), row_weight(i) and scale(i) read row i.
+template <typename Q, typename Accept, typename Mask, typename RowWeight,
+          typename Scale>
+DFLASH_HOST_DEVICE inline void CoupledBlockWeights(
+    const LossParams& p, int64_t n, Q q, Accept accept, Mask mask,
+    RowWeight row_weight, Scale scale, double* weight, double* share) {
   if (p.family == LossFamily::kDPace) {
     DPaceBlockWeights(p, n, q, mask, weight);
-    for (int64_t i = 0; i < n; ++i) share[i] = 1;
+    for (int64_t i = 0; i < n; ++i) {
+      weight[i] *= scale(i);
+      share[i] = 1;
+    }
     return;
   }
   for (int64_t i = 0; i < n; ++i) weight[i] = row_weight(i);

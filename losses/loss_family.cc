@@ -126,6 +126,8 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
           break;
       }
       ReadLk(loss.dpace().lk(), p);
+      p.sequence_balanced =
+          loss.dpace().denominator() == v1::DPaceLoss::SEQUENCE_BALANCED;
       break;
     case v1::LossConfig::kTv:
       p.family = LossFamily::kTv;
@@ -180,6 +182,8 @@ LossParams LossParamsOf(const v1::LossConfig& loss) {
   p.label_smoothing =
       LossTraitsOf(p).has_cross_entropy ? ce.label_smoothing() : 0;
   p.z_loss_scale = ce.z_loss_scale();
+  p.count_ignored =
+      ce.ignored_target_weight() == v1::CrossEntropyOptions::COUNT;
   return p;
 }
 
@@ -203,6 +207,9 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
       if (loss.dpace().has_lk()) {
         Lk("loss.dpace.lk", loss.dpace().lk(), problems);
       }
+      problems.Specified(
+          "loss.dpace.denominator", loss.dpace().denominator(),
+          v1::DPaceLoss::Denominator_Name(loss.dpace().denominator()));
       break;
     case v1::LossConfig::kTv:
       Gamma("loss.tv", loss.tv(), problems);
@@ -283,6 +290,40 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
                  absl::StrCat("must lie in [0, 1), got ", ProblemNumber(smoothing)));
   }
   problems.AtLeast("loss.cross_entropy.z_loss_scale", ce.z_loss_scale(), 0);
+  problems.Specified(
+      "loss.cross_entropy.ignored_target_weight", ce.ignored_target_weight(),
+      v1::CrossEntropyOptions::IgnoredTargetWeight_Name(
+          ce.ignored_target_weight()));
+  if (ce.ignored_target_weight() == v1::CrossEntropyOptions::COUNT) {
+    // A non-negative ignore_index is a class: whether its row is then
+    // correct, or its target the argmax's, SpecForge (always -100) never
+    // says.
+    if (ce.ignore_index() >= 0) {
+      problems.Add("loss.cross_entropy.ignore_index",
+                   absl::StrCat("must be negative with ignored_target_weight "
+                                "COUNT (SpecForge's -100, never a class), "
+                                "got ",
+                                ce.ignore_index()));
+    }
+    // Families SpecForge does not have leave COUNT undefined; its Domino
+    // embeds each target id (embed_tokens(target_ids), or the next slot's
+    // predecessor with shift_label), which raises on -100.
+    if (loss.has_lk_lambda() || loss.has_distillation()) {
+      problems.Add("loss.cross_entropy.ignored_target_weight",
+                   absl::StrCat("COUNT is SpecForge's convention, which loss.",
+                                loss.has_lk_lambda() ? "lk_lambda"
+                                                     : "distillation",
+                                " has no counterpart in (use DROP, or "
+                                "dflash { lk { type: LAMBDA } } for "
+                                "SpecForge's LK lambda), got COUNT"));
+    }
+    if (loss.has_domino()) {
+      problems.Add("loss.cross_entropy.ignored_target_weight",
+                   "COUNT is undefined for loss.domino: SpecForge's Domino "
+                   "embeds every target id, which fails on an ignored one "
+                   "(use DROP), got COUNT");
+    }
+  }
   // Label smoothing reshapes a cross-entropy term; tv and distillation have
   // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
   // distillation at another temperature never forms.

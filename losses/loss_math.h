@@ -130,10 +130,23 @@ DFLASH_HOST_DEVICE inline double FlooredLossDen(double den) {
   return den > kFloat32Tiny ? den : kFloat32Tiny;
 }
 
-// The mask a row counts with: 0 where its target is ignore_index.
+// The mask a row counts with: 0 where its target is ignore_index, unless
+// the convention counts such rows (LossParams::count_ignored).
 DFLASH_HOST_DEVICE inline float EffectiveMask(const LossParams& p,
                                               int32_t target, float mask) {
-  return target == p.ignore_index ? 0.0f : mask;
+  return target == p.ignore_index && !p.count_ignored ? 0.0f : mask;
+}
+
+// Whether a row with a mask has a target class. Without one (its target
+// ignore_index, counted: negative then, by validation) its -log q is 0 and
+// q 1, as F.cross_entropy gives it; it adds no loss and no gradient.
+DFLASH_HOST_DEVICE inline bool HasTarget(int32_t target) { return target >= 0; }
+
+// The factor of a row's D-PACE weight: its sequence share under the
+// SEQUENCE_BALANCED denominator, else 1.
+DFLASH_HOST_DEVICE inline double DPaceRowScale(const LossParams& p,
+                                               double sequence_share) {
+  return p.sequence_balanced ? sequence_share : 1.0;
 }
 
 // A row's loss weight before block-level coupling: the family's decay of

@@ -49,9 +49,11 @@ struct LossParams {
   // gamma is 0 (absent). decay_from is 1 for the DFlash decay, 0 for DSpark.
   double gamma = 0;
   int32_t decay_from = 1;
-  // D-PACE.
+  // D-PACE; sequence_balanced: each row's weight times its RowMeta's
+  // sequence_share, loss_den the sequences with weight (the head's).
   DPaceVariant dpace_variant = DPaceVariant::kDPace;
   double alpha = 0;
+  bool sequence_balanced = false;
   // The LK composition; kl_scale and kl_decay for the two lambdas.
   LkMode lk = LkMode::kCrossEntropy;
   double kl_scale = 0, kl_decay = 0;
@@ -73,6 +75,9 @@ struct LossParams {
   // cross-entropy term.
   int64_t ignore_index = -100;
   double label_smoothing = 0, z_loss_scale = 0;
+  // CrossEntropyOptions.ignored_target_weight COUNT: a row whose target is
+  // ignore_index keeps its mask and has no target class (HasTarget).
+  bool count_ignored = false;
 };
 
 // How logits z become the loss's logits z': z' = c * tanh(s * z / c) with

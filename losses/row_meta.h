@@ -16,6 +16,10 @@ struct RowMeta {
   int32_t position = 0;  // k in [0, K): position inside its anchor block.
   float mask = 0;        // Weight mask m (docs/semantics.md section 2).
   int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
+  // 1 / (anchor blocks with weight in the row's sequence): the factor of
+  // its weight under D-PACE's SEQUENCE_BALANCED denominator, which alone
+  // reads it. A head sets it from its rows (SetSequenceShares).
+  double sequence_share = 1;
 };
 
 }  // namespace dflash
