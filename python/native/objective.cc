@@ -330,7 +330,9 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                 ") where weight_mask > 0, got ", target));
           }
           meta.target = static_cast<int32_t>(target);
-          meta.mask = static_cast<float>(mask);
+          // RowMeta's precision: float32 today (losses/row_meta.h), so a
+          // float64 mask such as 1/3 is rounded here, and only here.
+          meta.mask = static_cast<decltype(meta.mask)>(mask);
         }
         rows.push_back(meta);
       }
