@@ -330,8 +330,8 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
                            *o.top_k_values};
   if (ranked_by != nullptr) {
     back.top_k = place.Tensor("top_k", ranked_by->top_k, "int32", ranked);
-    back.values = place.Tensor("top_k_values", ranked_by->top_k_values,
-                               values, ranked);
+    back.values =
+        place.Tensor("top_k_values", ranked_by->top_k_values, values, ranked);
   }
   back.grad_values = place.Tensor(
       "grad_values",

@@ -241,6 +241,104 @@ TEST(RunObjectiveTest, RunsForwardOnly) {
       HasSubstr("trainable: a forward-only run computes no gradient"));
 }
 
+// A float64 run's top-k values are float64, the loss's logits at the
+// head's ids as a naive float64 computation gives them (bias, correction,
+// softcap); their backward takes float64 values and gradients; a float32
+// buffer for them is refused, naming it.
+TEST(RunObjectiveTest, TopKValuesInFloat64) {
+  constexpr int64_t kRows = 4, kH = 3, kV = 7, kR = 2, kTop = 3;
+  std::vector<double> hidden, weight, bias, z, m;
+  for (int64_t i = 0; i < kRows * kH; ++i) hidden.push_back(std::sin(i + 1.0));
+  for (int64_t i = 0; i < kV * kH; ++i) weight.push_back(std::cos(3.0 * i));
+  for (int64_t i = 0; i < kV; ++i) bias.push_back(0.1 * i - 0.3);
+  for (int64_t i = 0; i < kRows * kR; ++i) z.push_back(std::sin(2.0 * i));
+  for (int64_t i = 0; i < kV * kR; ++i) m.push_back(0.5 * std::cos(i + 0.5));
+  std::vector<int64_t> ids = {0, 1, 2, 3};
+  std::vector<double> mask = {0, 1, 1, 1};
+  ObjectiveTensors t{Arg("hidden", hidden, "float64", {1, 2, 2, kH}),
+                     Arg("lm_head_weight", weight, "float64", {kV, kH}),
+                     Arg("target_ids", ids, "int64", {1, 2, 2}),
+                     Arg("weight_mask", mask, "float64", {1, 2, 2}),
+                     Arg("lm_head_bias", bias, "float64", {kV})};
+  t.correction_inputs = Arg("correction_inputs", z, "float64", {1, 2, 2, kR});
+  t.correction_weight = Arg("correction_weight", m, "float64", {kV, kR});
+  std::vector<double> grad(kRows * kH), grad_z(kRows * kR), grad_m(kV * kR);
+  std::vector<int32_t> top(kRows * kTop);
+  std::vector<double> values(kRows * kTop, -1);
+  std::vector<float> float_values(kRows * kTop);
+  ObjectiveOutputs o;
+  o.grad_hidden = Arg("grad_hidden", grad, "float64", {1, 2, 2, kH});
+  o.grad_correction_inputs =
+      Arg("grad_correction_inputs", grad_z, "float64", {1, 2, 2, kR});
+  o.grad_correction_weight =
+      Arg("grad_correction_weight", grad_m, "float64", {kV, kR});
+  o.top_k = Arg("top_k", top, "int32", {1, 2, 2, kTop});
+  o.top_k_values =
+      Arg("top_k_values", float_values, "float32", {1, 2, 2, kTop});
+  absl::StatusOr<v1::ObjectiveConfig> config = ParseObjectiveConfig(
+      "head { logit_softcap: 2.5 } loss { dflash { gamma: 7 } }", "test");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(RunObjective(*config, t, o, {}).status().message(),
+            "top_k_values: must be float64, got float32");
+  o.top_k_values = Arg("top_k_values", values, "float64", {1, 2, 2, kTop});
+  absl::StatusOr<HeadResult> result = RunObjective(*config, t, o, {});
+  ASSERT_TRUE(result.ok()) << result.status();
+  auto logit = [&](int64_t r, int32_t id) {
+    double x = bias[id];
+    for (int64_t i = 0; i < kH; ++i) {
+      x += hidden[r * kH + i] * weight[id * kH + i];
+    }
+    for (int64_t i = 0; i < kR; ++i) x += z[r * kR + i] * m[id * kR + i];
+    return 2.5 * std::tanh(x / 2.5);
+  };
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t j = 0; j < kTop; ++j) {
+      const int32_t id = top[r * kTop + j];
+      if (r == 0) {  // No mask: no ids, value 0.
+        EXPECT_EQ(id, -1);
+        EXPECT_EQ(values[r * kTop + j], 0);
+        continue;
+      }
+      ASSERT_GE(id, 0);
+      const double want = logit(r, id);
+      EXPECT_NEAR(values[r * kTop + j], want, 1e-14 * std::abs(want))
+          << r << ", " << j;
+      // The strict top-k: each id's logit is at least the next one's.
+      if (j + 1 < kTop) {
+        EXPECT_GE(want, logit(r, top[r * kTop + j + 1]));
+      }
+    }
+  }
+  // Backward of sum(values * g): grad_hidden[r] += g * dz'/dz * W[id].
+  std::vector<double> grad_values(kRows * kTop);
+  for (size_t i = 0; i < grad_values.size(); ++i) grad_values[i] = 0.25 + i;
+  std::vector<double> dh(kRows * kH, 0);
+  TopKBackwardTensors back{t.hidden, t.weight, t.bias, *o.top_k,
+                           *o.top_k_values};
+  back.grad_values =
+      Arg("grad_values", grad_values, "float64", {1, 2, 2, kTop});
+  back.grad_hidden = Arg("grad_hidden", dh, "float64", {1, 2, 2, kH});
+  ASSERT_TRUE(RunTopKValueBackward(*config, back, {}).ok());
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t i = 0; i < kH; ++i) {
+      double want = 0;
+      for (int64_t j = 0; j < kTop; ++j) {
+        const int32_t id = top[r * kTop + j];
+        if (id < 0) continue;
+        const double v = logit(r, id) / 2.5;
+        want += grad_values[r * kTop + j] * (1 - v * v) * weight[id * kH + i];
+      }
+      EXPECT_NEAR(dh[r * kH + i], want, 1e-13 * (1 + std::abs(want)))
+          << r << ", " << i;
+    }
+  }
+  std::vector<float> float_grads(kRows * kTop);
+  back.grad_values =
+      Arg("grad_values", float_grads, "float32", {1, 2, 2, kTop});
+  EXPECT_EQ(RunTopKValueBackward(*config, back, {}).message(),
+            "grad_values: must be float64, got float32");
+}
+
 int handled_before = 0;
 void CountSignal(int) { ++handled_before; }
 

@@ -224,8 +224,7 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   const uintptr_t cuda_stream = objective_options.cuda_stream;
   const HeadInputs<T> inputs = InputsOf<T>(t, rows);
   const HeadGradients<T> gradients = GradientsOf<T>(o);
-  const HeadRowOutputs row_outputs =
-      RowOutputsOf(o, std::is_same_v<T, double>);
+  const HeadRowOutputs row_outputs = RowOutputsOf(o, std::is_same_v<T, double>);
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
@@ -246,8 +245,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
         config, inputs, gradients, HostAllocator(), row_outputs, options);
     if constexpr (std::is_same_v<T, double>) {
       if (result.ok() && o.top_k_values.has_value()) {
-        TopKValuesInFloat64(config, inputs, row_outputs.top_k,
-                            row_outputs.k, o.top_k_values->span<double>());
+        TopKValuesInFloat64(config, inputs, row_outputs.top_k, row_outputs.k,
+                            o.top_k_values->span<double>());
       }
     }
     return result;
@@ -407,10 +406,9 @@ absl::Status TopKBackward(const v1::ObjectiveConfig& config,
     return Invalid(t.hidden, "bfloat16 runs on CUDA only");
   } else {
     // On the CPU the values and their gradients are in hidden's dtype.
-    return AddTopKValueGradients<T>(config, inputs, ids,
-                                    t.values.span<const T>(),
-                                    t.grad_values.span<const T>(), k,
-                                    gradients);
+    return AddTopKValueGradients<T>(
+        config, inputs, ids, t.values.span<const T>(),
+        t.grad_values.span<const T>(), k, gradients);
   }
 }
 

@@ -118,7 +118,7 @@ struct TopKBackwardTensors {
   TensorArg top_k;  // [B, N, K, k] int32, from the forward.
   // [B, N, K, k], contiguous, in the forward's top_k_values dtype (float64
   // for float64 hidden, else float32).
-  TensorArg values;       // From the forward.
+  TensorArg values;  // From the forward.
   TensorArg grad_values;
   TensorArg grad_hidden;  // Like hidden.
   std::optional<TensorArg> grad_weight, grad_bias;
