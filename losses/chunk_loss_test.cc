@@ -1269,9 +1269,14 @@ TEST(ChunkLossTest, CountedIgnoredTargetsNeedSpecForgesFamiliesAndANegativeIndex
   for (const auto& [loss, message] : std::vector<std::pair<std::string, std::string>>{
            {"dflash {} cross_entropy { ignored_target_weight: COUNT "
             "ignore_index: 3 }",
-            "loss.cross_entropy.ignore_index: must be negative with "
-            "ignored_target_weight COUNT (SpecForge's -100, never a class), "
-            "got 3"},
+            "loss.cross_entropy.ignore_index: must be negative, and at least "
+            "-2^31, with ignored_target_weight COUNT (SpecForge's -100, never "
+            "a class), got 3"},
+           {"dflash {} cross_entropy { ignored_target_weight: COUNT "
+            "ignore_index: -3000000000 }",
+            "loss.cross_entropy.ignore_index: must be negative, and at least "
+            "-2^31, with ignored_target_weight COUNT (SpecForge's -100, never "
+            "a class), got -3000000000"},
            {"lk_lambda {} cross_entropy { ignored_target_weight: COUNT }",
             "loss.cross_entropy.ignored_target_weight: COUNT is SpecForge's "
             "convention, which loss.lk_lambda has no counterpart in (use "

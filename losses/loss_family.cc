@@ -1,5 +1,7 @@
 #include "losses/loss_family.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -298,11 +300,13 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
     // A non-negative ignore_index is a class: whether its row is then
     // correct, or its target the argmax's, SpecForge (always -100) never
     // says.
-    if (ce.ignore_index() >= 0) {
+    // And an int32, as the rows' targets are.
+    if (ce.ignore_index() >= 0 ||
+        ce.ignore_index() < std::numeric_limits<int32_t>::min()) {
       problems.Add("loss.cross_entropy.ignore_index",
-                   absl::StrCat("must be negative with ignored_target_weight "
-                                "COUNT (SpecForge's -100, never a class), "
-                                "got ",
+                   absl::StrCat("must be negative, and at least -2^31, with "
+                                "ignored_target_weight COUNT (SpecForge's "
+                                "-100, never a class), got ",
                                 ce.ignore_index()));
     }
     // Families SpecForge does not have leave COUNT undefined; its Domino

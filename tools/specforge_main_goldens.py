@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Makes goldens from SpecForge's newest main by running its own objective.
+
+SpecForge main's `OnlineDFlashModel` has what specforge 0.2.0 lacks: the
+sequence-balanced D-PACE denominator (PR #848, `_sequence_anchor_scale`) and
+the LK compositions after the chunk reduction. This generator loads the
+objective's definitions from a copy of SpecForge's
+`specforge/algorithms/common/dflash_family_model.py` that the user gives
+(the whole file, or a saved excerpt holding the definitions below), runs
+them in float64 on seeded small batches, and writes what they compute. It
+holds none of SpecForge's code.
+
+    python3 tools/specforge_main_goldens.py \\
+        --specforge-file /path/to/dflash_family_model.py \\
+        --out tests/goldens/specforge_main
+
+Main's module imports packages specforge 0.2.0 does not have
+(`specforge.algorithms.common.dflash_metrics`, the flex-attention backend,
+Triton), so it is not imported: the named definitions are taken from the
+file's syntax tree (ast) and executed alone, with torch, torch.nn and
+torch.nn.functional, as the module imports them. Of the model only the
+objective's methods run, as `forward` calls them on its full batch (one
+chunk: the terms are additive), then `forward`'s composition:
+`_compose_token_objective`, and the loss is the numerator over the
+denominator floored at the dtype's tiny. The draft has no candidate
+selector. Needs torch >= 1.13 and numpy.
+
+Each case directory gets:
+
+  config.textproto   the dflash ObjectiveConfig that computes the same loss
+  target_ids.npy     int64 [B, N, K]; -100 where the target is ignored
+  weight_mask.npy    float64 [B, N, K]
+  hidden.npy         float64 [B * N * K, H]  the draft's output states
+  weight.npy         float64 [V, H]  the frozen lm_head weight
+  terms.npy          float64, in TERMS order
+  grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
+"""
+
+import argparse
+import ast
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The definitions taken from SpecForge's file.
+MODULE_NAMES = ("_VALID_LOSS_TYPES", "_DPACE_LOSS_TYPES", "SelectorTerms",
+                "DFlashObjectiveTerms")
+METHODS = ("_dpace_weight", "_sequence_anchor_scale",
+           "_dflash_objective_chunk_terms", "_lk_kl_weight",
+           "_compose_token_objective")
+
+TERMS = ("ce_loss_num", "tv_loss_num", "loss_den", "target_probability_num",
+         "correct_num", "accuracy_den", "loss_num", "loss")
+
+B, N, K, H, V = 3, 3, 4, 6, 11
+IGNORED = ((0, 0, 2), (0, 2, 3), (1, 0, 1), (2, 1, 1))
+COUNT = "cross_entropy { ignored_target_weight: COUNT }"
+
+# name: (SpecForge's loss_type, lk_loss_type, dpace_alpha, kl_scale,
+# kl_decay, ignored targets, seed, dflash's loss config).
+CASES = {
+    "dpace_balanced": (
+        "dpace", None, 0.3, 1.0, 1.0, False, 1,
+        "dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }"),
+    "dpace_cumulative_balanced_lk_tv": (
+        "dpace-cumulative-confidence-only", "tv", 0.6, 1.0, 1.0, False, 2,
+        "dpace { alpha: 0.6 variant: CUMULATIVE_CONFIDENCE_ONLY lk { type: TV "
+        "} denominator: SEQUENCE_BALANCED }"),
+    "dpace_continuation_balanced_lk_lambda": (
+        "dpace-continuation-value-only", "lambda", 0.4, 0.8, 2.0, False, 3,
+        "dpace { alpha: 0.4 variant: CONTINUATION_VALUE_ONLY lk { type: "
+        "LAMBDA kl_scale: 0.8 kl_decay: 2 } denominator: SEQUENCE_BALANCED }"),
+    "dpace_balanced_ignored": (
+        "dpace", None, 0.5, 1.0, 1.0, True, 4,
+        "dpace { alpha: 0.5 denominator: SEQUENCE_BALANCED } " + COUNT),
+    "dpace_continuation_balanced_ignored_lk_alpha": (
+        "dpace-continuation-value-only", "alpha", 0.2, 1.0, 1.0, True, 5,
+        "dpace { alpha: 0.2 variant: CONTINUATION_VALUE_ONLY lk { type: ALPHA "
+        "} denominator: SEQUENCE_BALANCED } " + COUNT),
+    "dflash_ignored": (
+        "dflash", None, 0.5, 1.0, 1.0, True, 6, "dflash {} " + COUNT),
+    "dflash_ignored_lk_lambda": (
+        "dflash", "lambda", 0.5, 1.2, 0.5, True, 7,
+        "dflash { lk { type: LAMBDA kl_scale: 1.2 kl_decay: 0.5 } } " + COUNT),
+    "dflash_ignored_lk_tv": (
+        "dflash", "tv", 0.5, 1.0, 1.0, True, 8,
+        "dflash { lk { type: TV } } " + COUNT),
+}
+
+
+def load_objective(path):
+    """SpecForge's objective definitions from `path`, executed alone: a
+    class OnlineDFlashModel(nn.Module) holding METHODS, and MODULE_NAMES."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found, methods = {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "OnlineDFlashModel":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in METHODS:
+                    methods[item.name] = item
+        elif isinstance(node, ast.ClassDef) and node.name in MODULE_NAMES:
+            found[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id in MODULE_NAMES:
+                    found[target.id] = node
+    missing = [n for n in MODULE_NAMES if n not in found] + [
+        m for m in METHODS if m not in methods]
+    if missing:
+        raise SystemExit(f"{path}: no definition of {', '.join(missing)}; "
+                         "give SpecForge main's dflash_family_model.py")
+    model = ast.ClassDef(
+        name="OnlineDFlashModel",
+        bases=[ast.Attribute(value=ast.Name(id="nn", ctx=ast.Load()),
+                             attr="Module", ctx=ast.Load())],
+        keywords=[], body=[methods[m] for m in METHODS], decorator_list=[])
+    module = ast.Module(body=[found[n] for n in MODULE_NAMES] + [model],
+                        type_ignores=[])
+    ast.fix_missing_locations(module)
+    from typing import Dict, NamedTuple, Optional, Tuple
+    namespace = {"torch": torch, "nn": nn, "F": F, "Dict": Dict,
+                 "NamedTuple": NamedTuple, "Optional": Optional,
+                 "Tuple": Tuple, "__name__": "specforge_main_objective"}
+    exec(compile(module, path, "exec"), namespace)  # noqa: S102
+    return namespace["OnlineDFlashModel"]
+
+
+def batch(seed, ignored):
+    """Three sequences of three blocks: the first with three weighted
+    blocks (one fractional weight), the second with one, the third with
+    none; slot 0 (the anchor) unweighted."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, N, K, H, generator=g, dtype=torch.float64)
+    weight = 0.9 * torch.randn(V, H, generator=g, dtype=torch.float64)
+    target_ids = torch.randint(0, V, (B, N, K), generator=g)
+    weight_mask = torch.ones(B, N, K, dtype=torch.float64)
+    weight_mask[..., 0] = 0
+    weight_mask[0, 1, 2] = 0.5
+    weight_mask[1, 1:] = 0
+    weight_mask[2] = 0
+    weight_mask[1, 0, 3] = 0
+    if ignored:
+        for b, n, k in IGNORED:
+            target_ids[b, n, k] = -100
+    return hidden, weight, target_ids, weight_mask
+
+
+def run(model_class, case):
+    loss_type, lk, alpha, kl_scale, kl_decay, ignored, seed, _ = case
+    hidden, weight, target_ids, weight_mask = batch(seed, ignored)
+    model = model_class.__new__(model_class)
+    nn.Module.__init__(model)
+    head = nn.Linear(H, V, bias=False).double()
+    head.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    model.lm_head = head
+    model.draft_model = nn.Module()  # No candidate selector.
+    model._selector_objective_enabled = False
+    model.block_size = K
+    model.loss_type = loss_type
+    model.loss_decay_gamma = None
+    model.dpace_alpha = alpha
+    model.lk_loss_type = lk
+    model.kl_scale = kl_scale
+    model.kl_decay = kl_decay
+    states = hidden.clone().requires_grad_()
+    scale = (model._sequence_anchor_scale(weight_mask)
+             if loss_type != "dflash" else None)
+    predecessor_ids = torch.cat([target_ids[:, :, :1], target_ids[:, :, :-1]],
+                                dim=-1)
+    terms = model._dflash_objective_chunk_terms(
+        states, target_ids, weight_mask, predecessor_ids, scale)
+    loss_num = model._compose_token_objective(
+        terms.ce_loss_num, terms.tv_loss_num, terms.target_probability_num,
+        terms.accuracy_den)
+    den = terms.loss_den
+    loss = loss_num / den.clamp_min(torch.finfo(den.dtype).tiny)
+    grad, = torch.autograd.grad(loss, states)
+    values = [terms.ce_loss_num, terms.tv_loss_num, den,
+              terms.target_probability_num, terms.correct_num,
+              terms.accuracy_den, loss_num, loss]
+    return {
+        "target_ids": target_ids.numpy().astype(np.int64),
+        "weight_mask": weight_mask.numpy(),
+        "hidden": hidden.reshape(-1, H).numpy(),
+        "weight": weight.numpy(),
+        "terms": np.array([float(v.detach()) for v in values]),
+        "grad_hidden": grad.reshape(-1, H).numpy(),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--specforge-file", required=True,
+                        help="SpecForge main's dflash_family_model.py")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    model_class = load_objective(args.specforge_file)
+    for name, case in CASES.items():
+        directory = os.path.join(args.out, name)
+        os.makedirs(directory, exist_ok=True)
+        for array, value in run(model_class, case).items():
+            np.save(os.path.join(directory, array + ".npy"), value)
+        loss_type, lk, alpha, kl_scale, kl_decay, ignored, _, loss = case
+        with open(os.path.join(directory, "config.textproto"), "w") as f:
+            f.write(
+                f"# SpecForge main OnlineDFlashModel(loss_type={loss_type!r}, "
+                f"lk_loss_type={lk!r}, dpace_alpha={alpha}, kl_scale="
+                f"{kl_scale}, kl_decay={kl_decay}); ignored targets: "
+                f"{ignored}\n"
+                f"layout {{ block_size: {K} num_anchors: {N} }}\n"
+                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
+                f"loss {{ {loss} }}\n")
+
+
+if __name__ == "__main__":
+    main()
