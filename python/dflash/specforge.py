@@ -1,5 +1,5 @@
-"""SpecForge drop-in: `apply()` runs SpecForge's own DFlash objective
-through dflash's fused head; `revert()` undoes it.
+"""SpecForge drop-in: `apply()` runs SpecForge's own DFlash, DSpark and
+Domino objectives through dflash's fused head; `revert()` undoes it.
 
     import dflash.specforge
     dflash.specforge.apply()      # once, before or after building the model
@@ -8,44 +8,54 @@ through dflash's fused head; `revert()` undoes it.
 What is patched (specforge 0.2.0, `specforge.algorithms.common.
 dflash_family_model`), nothing else:
 
-- `OnlineDFlashModel._dflash_objective_chunk_terms`, the chunk-term
-  function: the same four terms `(loss_num, loss_den, correct_num,
-  accuracy_den)` in SpecForge's dtypes on hidden's device, `loss_num`
-  differentiable with respect to hidden (and the lm_head's weight and bias
-  when they require grad), from one call of the fused head over the chunk.
+- The chunk-term functions `OnlineDFlashModel._dflash_objective_chunk_terms`,
+  `OnlineDSparkModel._dspark_objective_chunk_terms` and
+  `OnlineDominoModel._domino_objective_chunk_terms`: SpecForge's tuples
+  (4, 14 and 9 terms, in its order, dtypes and device) from one call of the
+  fused head over the chunk. The numerators SpecForge weighs after the
+  reduction are each differentiable (DSpark's CE, L1 and confidence BCE;
+  Domino's final and base CE; dflash.torch.separate_numerators): the head
+  runs with the weights SpecForge will apply (the DSpark alphas, forward's
+  lambda_base), so backward scales its gradients; other weights recompute
+  them exactly.
 - The module's name `checkpointed_chunk_reduce`: when its chunk function is
-  the patched one (OnlineDFlashModel.forward's call) the whole batch is one
-  head call, chunked inside the head by `objective_chunk_blocks` (so nothing
-  is recomputed in backward); every other call goes to SpecForge's function.
+  a patched one (the models' forward) the whole batch is one head call,
+  chunked inside the head by `objective_chunk_blocks` (so nothing is
+  recomputed in backward); every other call goes to SpecForge's function.
+- `OnlineDominoModel.forward`, wrapped to hand its lambda_base to the chunk
+  terms.
 
-The DFlash loss (`loss_type="dflash"`, any `loss_decay_gamma`) and the three
-D-PACE variants run through the head. A batch the head cannot run goes to
-SpecForge's own code, with one `SpecForgeFallbackWarning` per reason (see
-`FALLBACKS`). `apply()` refuses, with `SpecForgeVersionError`, a SpecForge
-whose patched functions are not the ones it knows (it compares their
-source with the released versions'). `OnlineDSparkModel` and
-`OnlineDominoModel` keep SpecForge's objective: SpecForge 0.2.0 returns
-their term numerators separately, each differentiable, which dflash's core
-does not give from one call; their first step warns saying so.
+The DFlash loss (any `loss_decay_gamma`), the three D-PACE variants, DSpark
+with SpecForge's DSparkDraftModel (no Markov head, or its vanilla, gated or
+rnn head: the head adds their z @ markov_w2^T, z made by SpecForge's own
+code with the projection deferred; any confidence head) and Domino with its
+DominoDraftModel (z the input of embed_proj's last Linear) run through the
+head. A batch the head cannot run goes to SpecForge's own code, with one
+`SpecForgeFallbackWarning` per reason (see `FALLBACKS`). `apply()` refuses,
+with `SpecForgeVersionError`, a SpecForge whose patched or read functions
+are not the ones it knows (it compares their source with the released
+versions').
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import importlib
 import inspect
 import threading
 import warnings
 import weakref
-from types import ModuleType
-from typing import (Any, Callable, Dict, NamedTuple, Optional, Set, Tuple,
-                    Union)
+from types import FunctionType, ModuleType
+from typing import (Any, Callable, Dict, List, NamedTuple, Optional,
+                    Sequence, Set, Tuple, Union)
 
 import torch
 
 from dflash import _core
 from dflash.config import Override, objective_config
 from dflash.torch.objective import dflash_objective
+from dflash.torch.term_numerators import separate_numerators
 
 __all__ = [
     "FALLBACKS",
@@ -58,9 +68,18 @@ __all__ = [
 ]
 
 _MODULE = "specforge.algorithms.common.dflash_family_model"
+# The draft modules whose logits heads the DSpark and Domino patches read,
+# by the short names the seam keys use.
+_DRAFT_MODULES = {
+    "dflash": "specforge.modeling.draft.dflash",
+    "dspark": "specforge.modeling.draft.dspark",
+    "domino": "specforge.modeling.draft.domino",
+}
 
 # The sha256 of the source (inspect.getsource) of each function the patch
-# replaces or depends on, per released SpecForge version.
+# replaces or depends on, per released SpecForge version. A key is
+# "Class.function" in the model module, or "<draft module>.Class.function";
+# a property's source is its getter's.
 _SEAMS: Dict[str, Dict[str, str]] = {
     "0.2.0": {
         "OnlineDFlashModel._dflash_objective_chunk_terms":
@@ -69,6 +88,36 @@ _SEAMS: Dict[str, Dict[str, str]] = {
             "798cc6975ec13590dfc71b62662393582c27f23cb87b8cba75523a8b593d448f",
         "checkpointed_chunk_reduce":
             "0a5f97c519a3438579e9eda33e8aa6cc83d7029b5ec8ad4b34fb38f737c2dc5d",
+        "OnlineDSparkModel._dspark_objective_chunk_terms":
+            "be622b23368c8f97d415e41149de281792f4bb2b6a6bc00c236a68a2d5817481",
+        "OnlineDSparkModel._compute_dspark_loss":
+            "9a0fa34c6a0c166ed54e2cac54dbd3b5681e39bf882bbc079b9c651c587c0d86",
+        "OnlineDominoModel._domino_objective_chunk_terms":
+            "6a966c93aaf54340314dc8d940c9d16758f4691802bca567fae2d28943815678",
+        "OnlineDominoModel._apply_domino_head":
+            "492a2e56b36b8d1710713f50780a5307fa16fac76b1ab0ec8f908bd69840095c",
+        "OnlineDominoModel.forward":
+            "ece93a8080fdc80ed9f0842a00130309bbd31ab8f2524779e0ffc4d7c8bca8cc",
+        "dflash.DFlashDraftModel.apply_logits_head":
+            "2f5fa8734a1047c8d6625f9324d193e9ab5f1cf8bc988356b16510291cd3c620",
+        "dspark.DSparkDraftModel.apply_logits_head":
+            "fd08fa075a90d66eaa2dad9338ecece8617c86f7be880bdd3d32a5d6169dcd1a",
+        "dspark.VanillaMarkovHead.apply_block_logits":
+            "8f0ff54cf02593db201d75c417c3a2f9b0a4112778ef22f83f80eb9c3e28f4c9",
+        "dspark.VanillaMarkovHead.compute_step_bias":
+            "ab7c5f0fa494e99c8290408db9636e735184d4a12b830208f7cadeea1955ed73",
+        "dspark.VanillaMarkovHead.project_bias":
+            "e63cfd8c427d85d9c98b8c2c9dcab5931d4925c26f782d2dd2a2f80ee6b0cdba",
+        "dspark.GatedMarkovHead.compute_step_bias":
+            "fe375ff5cbbd1077cceb1756b028509aab386af21c822a43166690f9b8e24bc8",
+        "dspark.RNNMarkovHead.apply_block_logits":
+            "e9f5834aa9d62a09a49a863f9e758aff4526d1fc48e9f78185eb077d837964e7",
+        "dspark.RNNMarkovHead._rnn_step":
+            "f10f67615420a4cad105ccec43e400a7d9411cefa47b8bcdc76762347cf8fed1",
+        "domino.DominoDraftModel.apply_logits_head":
+            "ce68ae90e0c10d253d143fa1a018e263cf6d15db41248c1a32c2c473c4ad1e5f",
+        "domino.DominoDraftModel.suffix_start":
+            "633ab4a67fb7c8f1c2d11f5ad6ab29119d8f37cc4041db8f20a2a5297cb0f270",
     },
 }
 
@@ -93,8 +142,16 @@ FALLBACKS: Tuple[str, ...] = (
     "a loss_type this version of the patch does not know, or a subclass "
     "that overrides _dpace_weight",
     "an input the head refuses (ValueError: non-finite hidden, ...)",
-    "OnlineDSparkModel and OnlineDominoModel: their separately "
-    "differentiable term numerators are not in dflash's core (not patched)",
+    "DSpark: a draft whose apply_logits_head is neither SpecForge's DSpark "
+    "one (no Markov head, or its vanilla, gated or rnn head with a plain "
+    "bias-free markov_w2) nor DFlash's identity; confidence logits that are "
+    "not float32 [B, N, block_size] (the head takes float32); a teacher "
+    "state of another dtype or shape; loss weights that are not a "
+    "per-position weight of eval_mask",
+    "Domino: a draft whose apply_logits_head is not SpecForge's Domino one "
+    "with embed_proj a plain Sequential ending in a bias-free Linear; a "
+    "model that overrides _apply_domino_head; the draft's shift_label "
+    "differing from the model's; an empty corrected suffix",
 )
 """What makes a call fall back to SpecForge's own objective."""
 
@@ -114,22 +171,6 @@ _DPACE_VARIANTS = {
 }
 
 
-# The models whose objective needs what dflash's core lacks (issue 29,
-# item 3): separately differentiable term numerators from one head call.
-_UNPATCHED = (
-    ("OnlineDSparkModel", "_dspark_objective_chunk_terms",
-     "returns DSpark's CE, L1 and confidence numerators separately, each "
-     "differentiable, and weighs them after the chunked reduction; dflash's "
-     "core gives one differentiable loss_num (separate numerators are "
-     "missing)"),
-    ("OnlineDominoModel", "_domino_objective_chunk_terms",
-     "returns Domino's final and base numerators separately, each "
-     "differentiable, and mixes them with forward's lambda_base after the "
-     "chunked reduction; dflash's core gives one differentiable loss_num "
-     "(separate numerators are missing)"),
-)
-
-
 class _Fallback(NamedTuple):
     """Why a call runs SpecForge's own objective: a key (one warning per
     key) and the reason in words."""
@@ -138,31 +179,42 @@ class _Fallback(NamedTuple):
     reason: str
 
 
+# The chunk-term methods apply() replaces: (class, method).
+_REPLACED = (
+    ("OnlineDFlashModel", "_dflash_objective_chunk_terms"),
+    ("OnlineDSparkModel", "_dspark_objective_chunk_terms"),
+    ("OnlineDominoModel", "_domino_objective_chunk_terms"),
+)
+
+
 class _Patch:
     """One apply(): what it replaced, the head options and the reasons
     already warned about."""
 
-    def __init__(self, module: ModuleType, version: str,
-                 overrides: Dict[str, Override]) -> None:
+    def __init__(self, module: ModuleType, drafts: Dict[str, ModuleType],
+                 version: str, overrides: Dict[str, Override]) -> None:
         self.module = module
+        self.drafts = drafts
         self.version = version
         self.cls: Any = module.OnlineDFlashModel
+        self.dspark_cls: Any = module.OnlineDSparkModel
+        self.domino_cls: Any = module.OnlineDominoModel
+        # (class, method name) -> SpecForge's function.
+        self.originals: Dict[Tuple[Any, str], Any] = {
+            (getattr(module, cls), name): vars(getattr(module, cls))[name]
+            for cls, name in _REPLACED}
         self.original_terms: Callable[..., Tuple[torch.Tensor, ...]] = (
-            self.cls.__dict__["_dflash_objective_chunk_terms"])
+            self.originals[(self.cls, "_dflash_objective_chunk_terms")])
         self.original_dpace_weight: Any = self.cls.__dict__["_dpace_weight"]
         self.original_reduce: Callable[..., Tuple[torch.Tensor, ...]] = (
             module.checkpointed_chunk_reduce)
+        self.original_domino_forward: Any = vars(self.domino_cls)["forward"]
+        self.domino_forward_signature = inspect.signature(
+            self.original_domino_forward)
+        self.original_apply_domino_head: Any = vars(
+            self.domino_cls)["_apply_domino_head"]
         self.overrides = overrides
         self.warned: Set[str] = set()
-        # The chunk functions left as they are, and why (each warns once
-        # when SpecForge's reduction runs it).
-        self.unpatched: Dict[Any, _Fallback] = {}
-        for cls_name, name, what in _UNPATCHED:
-            function = vars(getattr(module, cls_name, object)).get(name)
-            if function is not None:
-                self.unpatched[function] = _Fallback(
-                    cls_name, f"{cls_name} is not patched: SpecForge "
-                    f"{version} {what}")
 
 
 _lock = threading.Lock()
@@ -174,6 +226,9 @@ _last: Optional[_Patch] = None
 _Layout = Tuple[Any, _core.PreparedProjection]
 _layouts: "weakref.WeakKeyDictionary[torch.nn.Module, _Layout]" = (
     weakref.WeakKeyDictionary())
+# The lambda_base of the OnlineDominoModel.forward running in this context.
+_domino_lambda: "contextvars.ContextVar[Optional[float]]" = (
+    contextvars.ContextVar("dflash_specforge_domino_lambda", default=None))
 
 
 def _installed_version() -> str:
@@ -184,17 +239,28 @@ def _installed_version() -> str:
         return "unknown"
 
 
-def _fingerprint(module: ModuleType) -> Dict[str, str]:
-    methods = vars(getattr(module, "OnlineDFlashModel", object))
-    functions = {
-        "OnlineDFlashModel._dflash_objective_chunk_terms":
-            methods.get("_dflash_objective_chunk_terms"),
-        "OnlineDFlashModel._dpace_weight": methods.get("_dpace_weight"),
-        "checkpointed_chunk_reduce":
-            getattr(module, "checkpointed_chunk_reduce", None),
-    }
+def _seam_function(module: ModuleType, drafts: Dict[str, ModuleType],
+                   key: str) -> Any:
+    """The function a seam key names, or None."""
+    parts = key.split(".")
+    owner: Any = module
+    if parts[0] in _DRAFT_MODULES:
+        owner = drafts.get(parts[0])
+        parts = parts[1:]
+    for part in parts[:-1]:
+        owner = getattr(owner, part, None)
+    if owner is None:
+        return None
+    found = (vars(owner).get(parts[-1]) if isinstance(owner, type)
+             else getattr(owner, parts[-1], None))
+    return found.fget if isinstance(found, property) else found
+
+
+def _fingerprint(module: ModuleType,
+                 drafts: Dict[str, ModuleType]) -> Dict[str, str]:
     prints = {}
-    for name, function in functions.items():
+    for name in sorted({key for seam in _SEAMS.values() for key in seam}):
+        function = _seam_function(module, drafts, name)
         try:
             source = "" if function is None else inspect.getsource(function)
         except (OSError, TypeError):
@@ -251,8 +317,14 @@ def apply(*, mode: Optional[str] = None,
                 "install SpecForge (pip install --no-deps specforge==0.2.0 "
                 "brings its sources; its DFlash model also needs "
                 "transformers)") from error
+        drafts: Dict[str, ModuleType] = {}
+        for short, name in _DRAFT_MODULES.items():
+            try:
+                drafts[short] = importlib.import_module(name)
+            except ImportError:
+                pass  # Its seam keys then differ: refused below.
         installed = _installed_version()
-        prints = _fingerprint(module)
+        prints = _fingerprint(module, drafts)
         known = [version for version, seam in _SEAMS.items()
                  if seam == prints]
         if not known:
@@ -263,11 +335,14 @@ def apply(*, mode: Optional[str] = None,
                 f"dflash.specforge.apply: the installed SpecForge "
                 f"({installed}) is not a version whose seam dflash knows "
                 f"(known: {', '.join(SUPPORTED_VERSIONS)}): "
-                f"{', '.join(differing)} in {_MODULE} differ from every "
-                "known version's (or are already patched by something "
+                f"{', '.join(differing)} (in {_MODULE} or the draft modules "
+                f"{', '.join(sorted(_DRAFT_MODULES.values()))}) differ from "
+                "every known version's (or are already patched by something "
                 "else); nothing was patched")
-        patch = _Patch(module, known[0], overrides)
-        setattr(patch.cls, "_dflash_objective_chunk_terms", _chunk_terms)
+        patch = _Patch(module, drafts, known[0], overrides)
+        for (cls, name), _ in patch.originals.items():
+            setattr(cls, name, _REPLACEMENTS[name])
+        setattr(patch.domino_cls, "forward", _domino_forward)
         setattr(module, "checkpointed_chunk_reduce", _chunk_reduce)
         _patch = _last = patch
 
@@ -281,10 +356,12 @@ def revert() -> None:
         patch = _patch
         if patch is None:
             return
-        if patch.cls.__dict__.get("_dflash_objective_chunk_terms") is (
-                _chunk_terms):
-            setattr(patch.cls, "_dflash_objective_chunk_terms",
-                    patch.original_terms)
+        for (cls, name), original in patch.originals.items():
+            if cls.__dict__.get(name) is _REPLACEMENTS[name]:
+                setattr(cls, name, original)
+        if patch.domino_cls.__dict__.get("forward") is _domino_forward:
+            setattr(patch.domino_cls, "forward",
+                    patch.original_domino_forward)
         if getattr(patch.module, "checkpointed_chunk_reduce",
                    None) is _chunk_reduce:
             setattr(patch.module, "checkpointed_chunk_reduce",
@@ -530,56 +607,601 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
             weight_mask.sum())
 
 
+class _Deferred:
+    """`target` seen through its class's own methods (SpecForge's code runs
+    on this object, `self` bound to it), with the attributes in `replaced`
+    standing in for the target's. The patch computes a logits correction's
+    inputs z this way: SpecForge's apply_logits_head with its last
+    projection (z -> z @ M^T over the vocabulary) replaced by the identity
+    and zero base logits of width r, so nothing [.., V] is made."""
+
+    def __init__(self, target: Any, **replaced: Any) -> None:
+        self.__dict__["_target"] = target
+        self.__dict__["_replaced"] = replaced
+
+    def __getattr__(self, name: str) -> Any:
+        replaced = self.__dict__["_replaced"]
+        if name in replaced:
+            return replaced[name]
+        target = self.__dict__["_target"]
+        attribute = inspect.getattr_static(type(target), name, None)
+        if isinstance(attribute, FunctionType):
+            return attribute.__get__(self)
+        return getattr(target, name)
+
+
+def _plain_linear(module: object, bias: bool) -> bool:
+    """A torch.nn.Linear computed as x @ W^T (+ b), with or without a
+    bias as `bias` says, and no hooks."""
+    return (type(module) is torch.nn.Linear
+            and (getattr(module, "bias", None) is not None) == bias
+            and _head_reason(module) is None)
+
+
+def _upcast(dtype: torch.dtype) -> torch.dtype:
+    """What SpecForge's `.float()` makes of a tensor of `dtype`."""
+    return torch.empty((), dtype=dtype).float().dtype
+
+
+def _decay(block_size: int, gamma: Optional[float], start: int,
+           device: torch.device) -> torch.Tensor:
+    """The head's decay exp(-max(k - start, 0) / gamma) per block position,
+    float64 ([K], ones without a gamma)."""
+    positions = torch.arange(block_size, device=device, dtype=torch.float64)
+    if gamma is None or not gamma > 0:
+        return torch.ones_like(positions)
+    return torch.exp(-(positions - start).clamp(min=0) / float(gamma))
+
+
+def _correction(patch: _Patch, hidden: torch.Tensor,
+                projection: Any) -> Optional[_Fallback]:
+    """Why the correction's weight M (projection.weight) cannot go to the
+    head beside `hidden`, or None."""
+    if not _plain_linear(projection, bias=False):
+        return _Fallback(
+            "correction:projection",
+            f"the draft's last logits projection is a "
+            f"{type(projection).__name__} (the head adds z @ M^T from a "
+            "plain bias-free torch.nn.Linear without hooks)")
+    weight = projection.weight
+    if (not _plain_tensor(weight) or weight.dtype != hidden.dtype
+            or weight.device != hidden.device or not weight.is_contiguous()):
+        return _Fallback(
+            "correction:weight",
+            f"the draft's correction weight is {weight.dtype} on "
+            f"{weight.device} (the head takes hidden's {hidden.dtype} on "
+            f"{hidden.device}, contiguous)")
+    return None
+
+
+def _z_reason(z: object, hidden: torch.Tensor,
+              rank: int) -> Optional[_Fallback]:
+    if (not isinstance(z, torch.Tensor) or not _plain_tensor(z)
+            or z.dtype != hidden.dtype or z.device != hidden.device
+            or tuple(z.shape) != tuple(hidden.shape[:3]) + (rank,)):
+        return _Fallback(
+            "correction:inputs",
+            "the correction's inputs z are not a tensor of hidden's dtype "
+            f"and shape [B, N, K, {rank}]")
+    return None
+
+
+def _common_reason(patch: _Patch, model: Any, hidden: torch.Tensor,
+                   target_ids: torch.Tensor,
+                   mask: torch.Tensor) -> Optional[_Fallback]:
+    head = model.lm_head
+    reason = _head_reason(head)
+    if reason is None:
+        reason = _tensor_reason(head, hidden, target_ids, mask,
+                                int(model.block_size))
+    return reason
+
+
+def _head_call(patch: _Patch, hidden: torch.Tensor, head: torch.nn.Linear,
+               target_ids: torch.Tensor, mask: torch.Tensor, config: str,
+               chunk_blocks: int, **kwargs: Any) -> Any:
+    batch, blocks = hidden.shape[:2]
+    resolved = objective_config(
+        config, chunk_blocks=batch * (chunk_blocks or blocks),
+        **patch.overrides)
+    return dflash_objective(
+        hidden, head.weight, target_ids, mask, config=resolved,
+        lm_head_bias=head.bias, prepared_projection=_prepared(head),
+        **kwargs)
+
+
+def _dspark_z(patch: _Patch, draft: Any, hidden: torch.Tensor,
+              prev_token_ids: torch.Tensor) -> Union[
+                  None, Tuple[torch.Tensor, torch.Tensor], _Fallback]:
+    """The Markov correction (z, M) of a DSpark draft, None without one."""
+    dspark, dflash = patch.drafts["dspark"], patch.drafts["dflash"]
+    apply_head = getattr(type(draft), "apply_logits_head", None)
+    if "apply_logits_head" in vars(draft):
+        apply_head = None
+    if apply_head is dflash.DFlashDraftModel.apply_logits_head:
+        return None
+    if apply_head is not dspark.DSparkDraftModel.apply_logits_head:
+        return _Fallback(
+            f"dspark:head:{type(draft).__name__}",
+            f"the draft's apply_logits_head ({type(draft).__qualname__}) "
+            "is not SpecForge's DSpark or DFlash one (dflash adds a "
+            "low-rank correction z @ M^T to the logits, nothing else)")
+    markov = getattr(draft, "markov_head", None)
+    if markov is None:
+        return None
+    kinds = (dspark.VanillaMarkovHead, dspark.GatedMarkovHead,
+             dspark.RNNMarkovHead)
+    if type(markov) not in kinds or any(
+            name in vars(markov) for name in (
+                "apply_block_logits", "compute_step_bias", "project_bias",
+                "get_prev_embeddings", "compute_gate", "_rnn_step")):
+        return _Fallback(
+            f"dspark:markov:{type(markov).__name__}",
+            f"the draft's Markov head is a {type(markov).__qualname__}, not "
+            "SpecForge's vanilla, gated or rnn head")
+    projection: Any = getattr(markov, "markov_w2", None)
+    reason = _correction(patch, hidden, projection)
+    if reason is not None:
+        return reason
+    rank = int(projection.weight.shape[1])
+    z = _Deferred(draft, markov_head=_Deferred(
+        markov, project_bias=lambda latent: latent)).apply_logits_head(
+            hidden.new_zeros(tuple(hidden.shape[:3]) + (rank,)),
+            prev_token_ids=prev_token_ids, hidden_states=hidden)
+    reason = _z_reason(z, hidden, rank)
+    if reason is not None:
+        return reason
+    return z.contiguous(), projection.weight
+
+
+def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
+                prev_token_ids: torch.Tensor, target_ids: torch.Tensor,
+                loss_weights: torch.Tensor, eval_mask: torch.Tensor,
+                teacher: Optional[torch.Tensor], chunk_blocks: int
+                ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
+    """SpecForge's 14 DSpark chunk terms over `hidden` from one head call,
+    or a _Fallback."""
+    if getattr(model, "loss_type", None) != "dspark":
+        return _Fallback(
+            f"dspark:loss_type:{model.loss_type}",
+            f"OnlineDSparkModel with loss_type={model.loss_type!r}, which "
+            f"dflash.specforge does not know for SpecForge {patch.version}")
+    reason = _common_reason(patch, model, hidden, target_ids, loss_weights)
+    if reason is not None:
+        return reason
+    if (not isinstance(eval_mask, torch.Tensor)
+            or eval_mask.dtype != torch.bool
+            or eval_mask.shape != target_ids.shape):
+        return _Fallback("dspark:eval_mask",
+                         "an eval_mask that is not bool [B, N, K]")
+    if teacher is not None and (
+            not _plain_tensor(teacher) or teacher.dtype != hidden.dtype
+            or teacher.shape != hidden.shape
+            or teacher.device != hidden.device):
+        return _Fallback(
+            "dspark:teacher",
+            "a teacher state (target_last_hidden_states aligned) of another "
+            "dtype, shape or device than the draft's states")
+    # The head weighs row r by mask_r * decay_k: mask = loss_weights /
+    # decay, so that the weights are SpecForge's (float32) ones, while the
+    # mask stays eval_mask times a per-position factor close to 1, which
+    # the eval-mask terms divide out.
+    gamma = model.loss_decay_gamma
+    decay = _decay(int(model.block_size), gamma, 0, hidden.device)
+    mask = torch.where(eval_mask, loss_weights.double() / decay,
+                       torch.zeros((), dtype=torch.float64,
+                                   device=hidden.device))
+    factor = mask.amax(dim=(0, 1))
+    if (bool(((loss_weights > 0) != eval_mask).any())
+            or not torch.equal(mask, eval_mask * factor)
+            or bool(((mask > 0.5) != eval_mask).any())):
+        return _Fallback(
+            "dspark:weights",
+            "loss weights that are not a per-position weight of eval_mask "
+            "close to its decay (a decay that underflows to 0, or a "
+            "subclass's own _dspark_loss_weight_mask)")
+    draft = model.draft_model
+    correction = _dspark_z(patch, draft, hidden, prev_token_ids)
+    if isinstance(correction, _Fallback):
+        return correction
+    z, m = correction if correction is not None else (None, None)
+
+    ce_alpha = float(model.dspark_ce_loss_alpha)
+    l1_alpha = float(model.dspark_l1_loss_alpha)
+    confidence_alpha = float(model.dspark_confidence_head_alpha)
+    has_l1 = teacher is not None and l1_alpha > 0
+    confidence: Optional[torch.Tensor] = None
+    if confidence_alpha > 0:
+        confidence = draft.predict_confidence(
+            hidden, prev_token_ids=prev_token_ids)
+    if confidence is not None:
+        if teacher is None:
+            return _Fallback(
+                "dspark:confidence:teacher",
+                "confidence logits without target_last_hidden_states "
+                "(SpecForge raises)")
+        if (not isinstance(confidence, torch.Tensor)
+                or confidence.dtype != torch.float32
+                or confidence.shape != target_ids.shape
+                or confidence.device != hidden.device):
+            return _Fallback(
+                "dspark:confidence",
+                "confidence logits that are not float32 [B, N, K] on "
+                "hidden's device (dflash's head takes float32 confidence "
+                "logits)")
+        confidence = confidence.contiguous()
+    # The numerators SpecForge makes differentiable, in its order.
+    parts = [("ce", ce_alpha)]
+    if has_l1:
+        parts.append(("l1", l1_alpha))
+    if confidence is not None:
+        parts.append(("confidence", confidence_alpha))
+
+    gamma_text = f"gamma: {float(gamma)!r} " if gamma and gamma > 0 else ""
+
+    def run(coefficients: Sequence[float],
+            inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[
+                torch.Tensor, List[float], Any]:
+        weights = dict(zip((name for name, _ in parts), coefficients))
+        config = (
+            f"loss {{ dspark {{ {gamma_text}ce_weight: "
+            f"{weights['ce']!r} l1_weight: {weights.get('l1', 0.0)!r} "
+            f"confidence_weight: {weights.get('confidence', 0.0)!r} }} }}")
+        h, confidence_logits, z_in, m_in = inputs
+        assert h is not None
+        terms = _head_call(
+            patch, h, model.lm_head, target_ids, mask, config, chunk_blocks,
+            teacher_hidden=None if teacher is None else teacher.detach(),
+            confidence_logits=confidence_logits, correction_inputs=z_in,
+            correction_weight=m_in)
+        family = terms.diagnostics.family_terms
+        values = {"ce": float(terms.diagnostics.ce_loss_num),
+                  "l1": family["l1_loss_num"],
+                  "confidence": family["confidence_loss_num"]}
+        return terms.loss_num, [values[name] for name, _ in parts], terms
+
+    hd, weights_dtype = hidden.dtype, loss_weights.dtype
+    up = _upcast(hd)
+    ce_dtype = torch.promote_types(hd, weights_dtype)
+    confidence_dtype = torch.promote_types(
+        torch.promote_types(up, torch.float32), weights_dtype)
+    dtypes = {"ce": ce_dtype,
+              "l1": torch.promote_types(up, weights_dtype),
+              "confidence": confidence_dtype}
+    try:
+        numerators, terms = separate_numerators(
+            run, [alpha for _, alpha in parts], [hidden, confidence, z, m],
+            [dtypes[name] for name, _ in parts])
+    except ValueError as error:
+        return _Fallback("refused", f"dflash refused the batch ({error})")
+
+    device = hidden.device
+    made = dict(zip((name for name, _ in parts), numerators))
+    zero = torch.zeros((), dtype=ce_dtype, device=device)
+    diagnostics = terms.diagnostics
+    family = diagnostics.family_terms
+    metrics = diagnostics.metrics
+    counts = eval_mask.float()
+    # The eval-mask sums per position, the head's mask's factor divided out.
+    scale = torch.where(factor > 0, 1 / factor, torch.zeros_like(factor))
+
+    def per_position(values: Any) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.float64,
+                               device=device) * scale
+
+    def scalar(value: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(float(value), dtype=dtype, device=device)
+
+    correct_position = diagnostics.position_correct.to(
+        device=device, dtype=counts.dtype)
+    confidence_error = (
+        scalar(family["confidence_abs_error_num"], confidence_dtype)
+        if confidence is not None else zero)
+    teacher_terms = [zero] * 5
+    if teacher is not None:
+        agreement = per_position(
+            metrics["teacher_agreement_per_position"]).sum().round()
+        top1_dtype = torch.promote_types(up, counts.dtype)
+        teacher_terms = [
+            agreement.to(counts.dtype),
+            scalar(family["teacher_top1_num"], top1_dtype),
+            scalar(family["draft_top1_num"], top1_dtype),
+            scalar(metrics["teacher_expected_accepted_length_num"],
+                   top1_dtype),
+            scalar(metrics["block_den"], counts.dtype)]
+    return (
+        made["ce"],
+        made.get("l1", zero),
+        made.get("confidence", zero),
+        confidence_error,
+        correct_position.sum(),
+        counts.sum(),
+        per_position(family["ce_position_num"]).to(
+            torch.promote_types(hd, torch.bool)),
+        correct_position,
+        counts.sum(dim=(0, 1)),
+        *teacher_terms,
+    )
+
+
+def _domino_z(patch: _Patch, model: Any, hidden: torch.Tensor,
+              prev_ids: torch.Tensor, target_ids: torch.Tensor) -> Union[
+                  Tuple[torch.Tensor, torch.Tensor, int], _Fallback]:
+    """Domino's correction (z, M) and its suffix_start."""
+    domino = patch.drafts["domino"]
+    draft = model.draft_model
+    if (type(model)._apply_domino_head is not patch.original_apply_domino_head
+            or "_apply_domino_head" in vars(model)):
+        return _Fallback(
+            f"domino:model:{type(model).__name__}",
+            f"{type(model).__qualname__} overrides _apply_domino_head")
+    if (getattr(type(draft), "apply_logits_head", None)
+            is not domino.DominoDraftModel.apply_logits_head
+            or "apply_logits_head" in vars(draft)):
+        return _Fallback(
+            f"domino:head:{type(draft).__name__}",
+            f"the draft's apply_logits_head ({type(draft).__qualname__}) "
+            "is not SpecForge's Domino one")
+    projection: Any = getattr(draft, "embed_proj", None)
+    hooks: Any = torch.nn.modules.module
+    if (type(projection) is not torch.nn.Sequential or len(projection) != 3
+            or projection._forward_hooks or projection._forward_pre_hooks
+            or hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks):
+        return _Fallback(
+            "domino:embed_proj",
+            "the draft's embed_proj is not a plain three-module "
+            "torch.nn.Sequential")
+    reason = _correction(patch, hidden, projection[2])
+    if reason is not None:
+        return reason
+    if bool(draft.shift_label) != bool(model.shift_label):
+        return _Fallback(
+            "domino:shift_label",
+            f"the draft's shift_label ({draft.shift_label}) differs from "
+            f"the model's ({model.shift_label})")
+    suffix_start = int(draft.suffix_start)
+    if not 0 <= suffix_start < hidden.shape[2]:
+        return _Fallback(
+            "domino:suffix",
+            f"suffix_start {suffix_start} leaves no corrected block "
+            f"position (block_size {hidden.shape[2]})")
+    first, activation = projection[0], projection[1]
+    last: Any = projection[2]
+    rank = int(last.weight.shape[1])
+    z = _Deferred(model, draft_model=_Deferred(
+        draft, embed_proj=lambda x: activation(first(x)))
+    )._apply_domino_head(
+        base_logits4d=hidden.new_zeros(tuple(hidden.shape[:3]) + (rank,)),
+        hidden4d=hidden, prev_ids=prev_ids, target_ids=target_ids)
+    reason = _z_reason(z, hidden, rank)
+    if reason is not None:
+        return reason
+    return z.contiguous(), last.weight, suffix_start
+
+
+def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
+                prev_ids: torch.Tensor, target_ids: torch.Tensor,
+                weight_mask: torch.Tensor, eval_weight_mask: torch.Tensor,
+                chunk_blocks: int
+                ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
+    """SpecForge's nine Domino chunk terms over `hidden` from one head
+    call, or a _Fallback."""
+    reason = _common_reason(patch, model, hidden, target_ids, weight_mask)
+    if reason is not None:
+        return reason
+    if (not _plain_tensor(eval_weight_mask)
+            or eval_weight_mask.shape != target_ids.shape
+            or eval_weight_mask.dtype not in (torch.float32, torch.float64)
+            or eval_weight_mask.device != hidden.device):
+        return _Fallback("domino:eval_mask",
+                         "an eval_weight_mask that is not float32/float64 "
+                         "[B, N, K] on hidden's device")
+    shift = bool(model.shift_label)
+    gamma = model.loss_decay_gamma
+    decay = _decay(int(model.block_size), gamma, 0 if shift else 1,
+                   hidden.device)
+    # The head weighs row r by mask_r * decay_k: mask = weight_mask / decay
+    # gives SpecForge's weights; its thresholds (> 0: accepted lengths;
+    # > 0.5: accuracy) must be eval_weight_mask's.
+    mask = weight_mask.double() / decay
+    evaluated = eval_weight_mask
+    # Also as float32, which dflash's core stores masks in today.
+    if any(bool(((m > bound) != (evaluated > bound)).any())
+           for m in (mask, mask.float()) for bound in (0.0, 0.5)):
+        return _Fallback(
+            "domino:weights",
+            "loss weights that cross 0 or 0.5 elsewhere than "
+            "eval_weight_mask (a decay that underflows to 0, or a weight "
+            "at 0.5 that the decay's rounding moves)")
+    correction = _domino_z(patch, model, hidden, prev_ids, target_ids)
+    if isinstance(correction, _Fallback):
+        return correction
+    z, m, suffix_start = correction
+    prefix = suffix_start - (0 if shift else 1)
+    gamma_text = f"gamma: {float(gamma)!r} " if gamma and gamma > 0 else ""
+    lambda_base = _domino_lambda.get()
+    if lambda_base is None or not 0 <= lambda_base <= 1:
+        # Outside forward (or a lambda the head does not take): backward
+        # recomputes what forward's mixture needs.
+        lambda_base = 0.0
+
+    def run(coefficients: Sequence[float],
+            inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[
+                torch.Tensor, List[float], Any]:
+        total = coefficients[0] + coefficients[1]
+        config = (
+            f"loss {{ domino {{ {gamma_text}shift_label: "
+            f"{'true' if shift else 'false'} pure_draft_prefix_len: "
+            f"{prefix} lambda_base: {coefficients[1] / total!r} }} }}")
+        h, z_in, m_in = inputs
+        assert h is not None
+        terms = _head_call(patch, h, model.lm_head, target_ids, mask,
+                           config, chunk_blocks, correction_inputs=z_in,
+                           correction_weight=m_in)
+        return (terms.loss_num * total,
+                [float(terms.diagnostics.ce_loss_num),
+                 terms.diagnostics.family_terms["base_num"]], terms)
+
+    num_dtype = torch.promote_types(hidden.dtype, weight_mask.dtype)
+    try:
+        (final_num, base_num), terms = separate_numerators(
+            run, [1 - lambda_base, lambda_base], [hidden, z, m],
+            [num_dtype, num_dtype])
+    except ValueError as error:
+        return _Fallback("refused", f"dflash refused the batch ({error})")
+    device = hidden.device
+    family = terms.diagnostics.family_terms
+
+    def count(value: Any) -> torch.Tensor:
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+    return (final_num, base_num, weight_mask.sum(),
+            count(terms.correct_num), count(family["base_correct_num"]),
+            eval_weight_mask.sum(), count(family["accept_num"]),
+            count(family["base_accept_num"]), count(family["accept_den"]))
+
+
 def _chunk_terms(self: Any, hidden: torch.Tensor, target_ids: torch.Tensor,
                  weight_mask: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """OnlineDFlashModel._dflash_objective_chunk_terms through dflash's
     fused head: (loss_num, loss_den, correct_num, accuracy_den) as
     SpecForge's."""
+    return _through_head(self, "_dflash_objective_chunk_terms",
+                         (hidden, target_ids, weight_mask))
+
+
+def _dspark_chunk_terms(self: Any, hidden: torch.Tensor,
+                        prev_token_ids: torch.Tensor,
+                        target_ids: torch.Tensor, loss_weights: torch.Tensor,
+                        eval_mask: torch.Tensor,
+                        aligned_target_hidden: Optional[torch.Tensor]
+                        ) -> Tuple[torch.Tensor, ...]:
+    """OnlineDSparkModel._dspark_objective_chunk_terms through dflash's
+    fused head: SpecForge's 14 terms, the CE, L1 and confidence numerators
+    each differentiable (dflash.torch.separate_numerators)."""
+    return _through_head(self, "_dspark_objective_chunk_terms",
+                         (hidden, prev_token_ids, target_ids, loss_weights,
+                          eval_mask, aligned_target_hidden))
+
+
+def _domino_chunk_terms(self: Any, hidden: torch.Tensor,
+                        prev_ids: torch.Tensor, target_ids: torch.Tensor,
+                        weight_mask: torch.Tensor,
+                        eval_weight_mask: torch.Tensor
+                        ) -> Tuple[torch.Tensor, ...]:
+    """OnlineDominoModel._domino_objective_chunk_terms through dflash's
+    fused head: SpecForge's nine terms, the final and base numerators each
+    differentiable (dflash.torch.separate_numerators)."""
+    return _through_head(self, "_domino_objective_chunk_terms",
+                         (hidden, prev_ids, target_ids, weight_mask,
+                          eval_weight_mask))
+
+
+_REPLACEMENTS: Dict[str, Callable[..., Tuple[torch.Tensor, ...]]] = {
+    "_dflash_objective_chunk_terms": _chunk_terms,
+    "_dspark_objective_chunk_terms": _dspark_chunk_terms,
+    "_domino_objective_chunk_terms": _domino_chunk_terms,
+}
+_BY_REPLACEMENT = {function: name for name, function in _REPLACEMENTS.items()}
+
+
+def _run_any(patch: _Patch, model: Any, name: str,
+             args: Sequence[Any], chunk_blocks: int
+             ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
+    if name == "_dflash_objective_chunk_terms":
+        return _run(patch, model, args[0], args[1], args[2], chunk_blocks)
+    if name == "_dspark_objective_chunk_terms":
+        return _dspark_run(patch, model, args[0], args[1], args[2], args[3],
+                           args[4], args[5], chunk_blocks)
+    return _domino_run(patch, model, args[0], args[1], args[2], args[3],
+                       args[4], chunk_blocks)
+
+
+def _original(patch: _Patch, model: Any, name: str) -> Any:
+    """SpecForge's chunk function `name` for `model`'s class."""
+    for cls in type(model).__mro__:
+        original = patch.originals.get((cls, name))
+        if original is not None:
+            return original
+    raise AttributeError(name)  # Only the patched classes get here.
+
+
+def _through_head(model: Any, name: str,
+                  args: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
+    """A replaced chunk function called directly: one head call over the
+    chunk, or SpecForge's function."""
     patch = _patch
     if patch is None:  # Reverted, and called through an old reference.
         assert _last is not None
-        return _last.original_terms(self, hidden, target_ids, weight_mask)
-    result = _run(patch, self, hidden, target_ids, weight_mask,
-                  hidden.shape[1] if hidden.dim() == 4 else 0)
-    if isinstance(result, _Fallback):
+        patch = _last
+    else:
+        hidden = args[0]
+        result = _run_any(patch, model, name, args,
+                          hidden.shape[1] if hidden.dim() == 4 else 0)
+        if not isinstance(result, _Fallback):
+            return result
         _warn(patch, result)
-        return patch.original_terms(self, hidden, target_ids, weight_mask)
-    return result
+    terms: Tuple[torch.Tensor, ...] = _original(patch, model, name)(
+        model, *args)
+    return terms
+
+
+def _domino_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """OnlineDominoModel.forward, its lambda_base known to the chunk
+    terms (the weight the numerators' gradients most likely come with)."""
+    patch = _patch or _last
+    assert patch is not None
+    try:
+        bound = patch.domino_forward_signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        value: Any = bound.arguments.get("lambda_base")
+        lambda_base: Optional[float] = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        # SpecForge's forward gives the error; a tensor that cannot be a
+        # float gives no hint.
+        lambda_base = None
+    token = _domino_lambda.set(lambda_base)
+    try:
+        return patch.original_domino_forward(self, *args, **kwargs)
+    finally:
+        _domino_lambda.reset(token)
 
 
 def _chunk_reduce(function: Callable[..., Tuple[torch.Tensor, ...]],
                   *aligned_tensors: Optional[torch.Tensor], chunk_size: int,
                   dim: int = 0) -> Tuple[torch.Tensor, ...]:
-    """SpecForge's checkpointed_chunk_reduce; for the patched DFlash chunk
-    terms over a whole batch, one head call chunked inside the head."""
+    """SpecForge's checkpointed_chunk_reduce; for a patched chunk function
+    over a whole batch, one head call chunked inside the head."""
     patch = _patch
     if patch is None:  # Reverted, and called through an old reference.
         assert _last is not None
         return _last.original_reduce(function, *aligned_tensors,
                                      chunk_size=chunk_size, dim=dim)
     model = getattr(function, "__self__", None)
-    tensors = [t for t in aligned_tensors if isinstance(t, torch.Tensor)]
-    ours = (getattr(function, "__func__", None) is _chunk_terms
-            and isinstance(model, patch.cls) and dim == 1
-            and len(tensors) == 3 and len(aligned_tensors) == 3
-            and type(chunk_size) is int and chunk_size >= 0)
+    method: Any = getattr(function, "__func__", None)
+    name = _BY_REPLACEMENT.get(method)
+    ours = (name is not None and any(
+                isinstance(model, cls) for cls, method in patch.originals
+                if method == name)
+            and dim == 1 and type(chunk_size) is int and chunk_size >= 0
+            and len(aligned_tensors) >= 3
+            and isinstance(aligned_tensors[0], torch.Tensor)
+            and aligned_tensors[0].dim() == 4
+            and aligned_tensors[0].shape[1] > 0)
     if ours:
-        hidden, target_ids, weight_mask = tensors
-        ours = (hidden.dim() == 4 and target_ids.dim() == 3
-                and weight_mask.dim() == 3 and hidden.shape[1] > 0
-                and target_ids.shape[1] == hidden.shape[1]
-                and weight_mask.shape[1] == hidden.shape[1])
+        blocks = aligned_tensors[0].shape[1]  # type: ignore[union-attr]
+        ours = all(t is None or (isinstance(t, torch.Tensor) and t.dim() >= 2
+                                 and t.shape[1] == blocks)
+                   for t in aligned_tensors)
     if not ours:
-        unpatched = patch.unpatched.get(getattr(function, "__func__", None))
-        if unpatched is not None:
-            _warn(patch, unpatched)
         return patch.original_reduce(function, *aligned_tensors,
                                      chunk_size=chunk_size, dim=dim)
-    hidden, target_ids, weight_mask = tensors
-    result = _run(patch, model, hidden, target_ids, weight_mask, chunk_size)
+    assert name is not None
+    result = _run_any(patch, model, name, aligned_tensors, chunk_size)
     if isinstance(result, _Fallback):
         _warn(patch, result)
         return patch.original_reduce(
-            patch.original_terms.__get__(model), *aligned_tensors,
+            _original(patch, model, name).__get__(model), *aligned_tensors,
             chunk_size=chunk_size, dim=dim)
     return result

@@ -6,6 +6,9 @@
 - FusedHead: an nn.Module over a frozen nn.Linear lm_head and a config.
 - chunked_reduce: SpecForge's checkpointed_chunk_reduce for any chunk
   function, with segments of chunks as the recompute boundary.
+- separate_numerators: several loss numerators, each
+  differentiable, from one head call (SpecForge's DSpark and Domino terms,
+  weighed after the reduction).
 - selective_checkpoint_context_fn, checkpoint_options (CheckpointOptions): a
   dflash checkpoint policy for torch.utils.checkpoint.
 """
@@ -18,6 +21,7 @@ from dflash.torch.head import FusedHead
 from dflash.torch.objective import (FamilyTerms, HeadStats,
                                     ObjectiveDiagnostics, ObjectiveTerms,
                                     dflash_objective)
+from dflash.torch.term_numerators import separate_numerators
 
 __all__ = [
     "CheckpointOptions",
@@ -30,4 +34,5 @@ __all__ = [
     "chunked_reduce",
     "dflash_objective",
     "selective_checkpoint_context_fn",
+    "separate_numerators",
 ]

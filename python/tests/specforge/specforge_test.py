@@ -14,6 +14,7 @@ it. Where SpecForge cannot be imported (Debian's torch 1.13) the model
 tests skip, saying why.
 """
 
+import contextlib
 import importlib
 import unittest
 import warnings
@@ -505,6 +506,22 @@ class PatchTest(Case):
         return (sf.OnlineDFlashModel.__dict__["_dflash_objective_chunk_terms"],
                 sf.checkpointed_chunk_reduce)
 
+    def family_originals(self):
+        return (sf.OnlineDSparkModel.__dict__["_dspark_objective_chunk_terms"],
+                sf.OnlineDominoModel.__dict__["_domino_objective_chunk_terms"],
+                sf.OnlineDominoModel.__dict__["forward"],
+                sf.OnlineDSparkModel.__dict__["_compute_dspark_loss"])
+
+    def test_revert_restores_dspark_and_domino(self):
+        before = self.family_originals()
+        dsf.apply()
+        during = self.family_originals()
+        for i in range(3):
+            self.assertIsNot(during[i], before[i], i)
+        self.assertIs(during[3], before[3])  # Read, not replaced.
+        dsf.revert()
+        self.assertEqual(self.family_originals(), before)
+
     def test_revert_restores_and_apply_twice_is_harmless(self):
         terms, reduce = self.originals()
         self.assertFalse(dsf.is_applied())
@@ -573,69 +590,447 @@ class PatchTest(Case):
         self.assertEqual(dsf.SUPPORTED_VERSIONS, ("0.2.0",))
 
 
-class UnpatchedModelsTest(Case):
-    """DSpark and Domino keep SpecForge's objective (their separately
-    differentiable numerators are not in dflash's core): the same result,
-    no head call, one warning saying why."""
+def qwen3_config(extra):
+    """A tiny Qwen3 config for SpecForge's draft models (one layer, sdpa)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Config
+    config = Qwen3Config(
+        hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=H // 2,
+        vocab_size=V, max_position_embeddings=2 * S)
+    config.block_size = K
+    config.num_target_layers = 4
+    config.dflash_config = {"target_layer_ids": [1], "mask_token_id": V - 1,
+                            **extra}
+    config._attn_implementation = "sdpa"
+    return config
 
-    def run_model(self, make, forward_kwargs):
-        inputs = batch(torch.float64)
 
-        def run():
-            torch.manual_seed(0)
-            model = make().to(torch.float64)
-            model.zero_grad(set_to_none=True)
-            states = inputs[1].clone().requires_grad_()
-            torch.manual_seed(7)
-            loss, accuracy, metrics = model(inputs[0], states, inputs[2],
-                                            **forward_kwargs)
-            loss.backward()
-            out = {"loss": loss, "accuracy": accuracy,
-                   "grad hidden_states": states.grad}
-            out.update({f"grad {n}": p.grad
-                        for n, p in model.named_parameters()
-                        if p.grad is not None})
-            return out
+def dspark_draft(markov="vanilla", confidence=True, with_markov=True):
+    """SpecForge's DSparkDraftModel: a Markov head of `markov`'s kind (None:
+    none) and a confidence head."""
+    from specforge.modeling.draft.dspark import DSparkDraftModel
+    extra = {"enable_confidence_head": confidence,
+             "confidence_head_with_markov": bool(markov) and with_markov}
+    if markov:
+        extra.update(markov_rank=3, markov_head_type=markov)
+    return DSparkDraftModel(qwen3_config(extra))
 
-        shipped = run()
+
+def domino_draft(shift=False, prefix=0):
+    """SpecForge's DominoDraftModel: its GRU and embed_proj."""
+    from specforge.modeling.draft.domino import DominoDraftModel
+    return DominoDraftModel(qwen3_config({
+        "emb_dim": 3, "gru_hidden_dim": 5, "shift_label": shift,
+        "pure_draft_prefix_len": prefix}))
+
+
+def family_head():
+    torch.manual_seed(0)
+    head = nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.mul_(6)
+    return head.requires_grad_(False)
+
+
+def make_dspark(draft, gamma=None, alphas=(0.1, 0.9, 1.0), chunk=2):
+    def make():
+        torch.manual_seed(0)
+        return sf.OnlineDSparkModel(
+            draft(), family_head(), nn.Embedding(V, H), mask_token_id=V - 1,
+            block_size=K, attention_backend="sdpa", num_anchors=8,
+            loss_decay_gamma=gamma, dspark_ce_loss_alpha=alphas[0],
+            dspark_l1_loss_alpha=alphas[1],
+            dspark_confidence_head_alpha=alphas[2],
+            objective_chunk_blocks=chunk)
+    return make
+
+
+def make_domino(draft, shift=False, gamma=None, chunk=2):
+    def make():
+        torch.manual_seed(0)
+        return sf.OnlineDominoModel(
+            draft(), family_head(), nn.Embedding(V, H), mask_token_id=V - 1,
+            block_size=K, attention_backend="sdpa", num_anchors=8,
+            loss_decay_gamma=gamma, objective_chunk_blocks=chunk,
+            shift_label=shift)
+    return make
+
+
+def flatten(prefix, value, out):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flatten(f"{prefix}.{key}", item, out)
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            flatten(f"{prefix}.{i}", item, out)
+    else:
+        out[prefix] = value
+
+
+def family_step(make, dtype, forward_kwargs, width=H):
+    """SpecForge's forward and backward of a DSpark or Domino model: the
+    loss, accuracy, every metric and every gradient."""
+    input_ids, hidden_states, loss_mask = batch(dtype, width=width)
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    states = hidden_states.clone().requires_grad_()
+    kwargs = dict(forward_kwargs)
+    if kwargs.get("target_last_hidden_states") is True:
+        generator = torch.Generator().manual_seed(3)
+        kwargs["target_last_hidden_states"] = 2 * torch.randn(
+            B, S, H, generator=generator, dtype=dtype)
+    torch.manual_seed(7)
+    loss, accuracy, metrics = model(input_ids, states, loss_mask, **kwargs)
+    loss.backward()
+    out = {"loss": loss, "accuracy": accuracy,
+           "grad hidden_states": states.grad}
+    flatten("metrics", metrics, out)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[f"grad {name}"] = p.grad
+    return out
+
+
+@contextlib.contextmanager
+def float64_upcasts():
+    """SpecForge's `.float()` upcasts (of bfloat16 logits, meant) leave
+    float64 tensors in float64 inside the DSpark objective, so that its
+    L1, softmax and confidence terms are float64 too (as
+    tools/specforge_dspark_goldens.py makes its goldens)."""
+    original = torch.Tensor.float
+
+    def keeping_float64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            return self
+        return original(self, *args, **kwargs)
+
+    compute = sf.OnlineDSparkModel.__dict__["_compute_dspark_loss"]
+
+    def upcasting(self, **kwargs):
+        torch.Tensor.float = keeping_float64
+        try:
+            return compute(self, **kwargs)
+        finally:
+            torch.Tensor.float = original
+
+    sf.OnlineDSparkModel._compute_dspark_loss = upcasting
+    try:
+        yield
+    finally:
+        sf.OnlineDSparkModel._compute_dspark_loss = compute
+
+
+class FamilyCase(Case):
+    def compare_family(self, what, make, dtype=torch.float64, tolerance=None,
+                       forward_kwargs=None, heads=1, upcasts=False):
+        """SpecForge's DSpark or Domino model as shipped and after apply():
+        the same outputs and gradients, `heads` head calls, no fallback."""
+        forward_kwargs = forward_kwargs or {}
+        scope = float64_upcasts if upcasts else contextlib.nullcontext
+        with scope():
+            shipped = family_step(make, dtype, forward_kwargs)
         dsf.apply()
-        with warnings.catch_warnings(record=True) as caught, \
-                Counting() as counter:
-            warnings.simplefilter("always")
-            patched = run()
-            run()
+        try:
+            with warnings.catch_warnings(record=True) as caught, \
+                    Counting() as counter, scope():
+                warnings.simplefilter("always")
+                patched = family_step(make, dtype, forward_kwargs)
+        finally:
+            dsf.revert()
+        self.assertEqual([str(w.message) for w in caught], [], what)
+        self.assertEqual(counter.calls, heads, what)
+        self.assertSame(patched, shipped, tolerance or TOLERANCE[dtype], what)
+        return shipped
+
+
+# SpecForge computes DSpark's L1, softmaxes and confidence terms in float32
+# (its .float() upcasts) also for a float64 model.
+SPECFORGE_FLOAT32 = 2e-5
+# With a decay the head takes the weights as mask x its own float64 decay,
+# the mask SpecForge's (float32) decayed weight over it; dflash's core keeps
+# masks in float32 today, which rounds that ratio (about 1e-8 relative).
+DECAY_TOLERANCE = 1e-7
+
+
+class DSparkTest(FamilyCase):
+    """OnlineDSparkModel with SpecForge's own DSparkDraftModel (its Markov
+    heads and confidence head) through the head: one call per step."""
+
+    def test_markov_heads_and_alphas(self):
+        alphas_cases = ((0.1, 0.9, 1.0), (0.3, 0.5, 0.7), (1.0, 0.0, 0.0),
+                        (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.5, 0.0, 0.5),
+                        (0.0, 0.0, 0.0))
+        for markov in ("vanilla", "gated", "rnn", None):
+            for alphas in alphas_cases:
+                for gamma in (None, 5.0):
+                    self.compare_family(
+                        f"dspark {markov} {alphas} gamma {gamma}",
+                        make_dspark(lambda: dspark_draft(markov), gamma,
+                                    alphas),
+                        tolerance=SPECFORGE_FLOAT32,
+                        forward_kwargs={"target_last_hidden_states": True})
+
+    def test_without_confidence_head_or_teacher(self):
+        for markov in ("vanilla", None):
+            # No teacher: only CE (SpecForge needs one for L1/confidence).
+            self.compare_family(
+                f"dspark {markov} CE only",
+                make_dspark(lambda: dspark_draft(markov, confidence=False),
+                            alphas=(1.0, 0.0, 0.7)))
+            self.compare_family(
+                f"dspark {markov} L1, no confidence head",
+                make_dspark(lambda: dspark_draft(markov, confidence=False),
+                            gamma=4.0),
+                tolerance=SPECFORGE_FLOAT32,
+                forward_kwargs={"target_last_hidden_states": True})
+
+    def test_float64_exact_with_float64_upcasts(self):
+        # SpecForge's float32 upcasts kept in float64: every term and
+        # gradient within 1e-9 (confidence logits stay out: the head takes
+        # float32 ones). One chunk: SpecForge's checkpoint would recompute
+        # it in backward, outside float64_upcasts.
+        for markov in ("vanilla", "gated", "rnn", None):
+            for alphas in ((0.1, 0.9, 0.0), (0.0, 1.0, 0.0)):
+                self.compare_family(
+                    f"dspark {markov} {alphas} float64",
+                    make_dspark(lambda: dspark_draft(markov,
+                                                     confidence=False),
+                                alphas=alphas, chunk=0),
+                    forward_kwargs={"target_last_hidden_states": True},
+                    upcasts=True)
+        self.compare_family(
+            "dspark vanilla float64 gamma 5",
+            make_dspark(lambda: dspark_draft("vanilla", confidence=False),
+                        gamma=5.0, chunk=0),
+            tolerance=DECAY_TOLERANCE,
+            forward_kwargs={"target_last_hidden_states": True}, upcasts=True)
+
+    def test_float32(self):
+        for markov in ("vanilla", "rnn"):
+            for gamma in (None, 5.0):
+                self.compare_family(
+                    f"dspark {markov} float32 gamma {gamma}",
+                    make_dspark(lambda: dspark_draft(markov), gamma),
+                    dtype=torch.float32,
+                    forward_kwargs={"target_last_hidden_states": True})
+
+    def test_chunk_sizes(self):
+        for chunk in (0, 1, 128):
+            self.compare_family(
+                f"dspark chunk {chunk}",
+                make_dspark(lambda: dspark_draft("gated"), 5.0, chunk=chunk),
+                tolerance=SPECFORGE_FLOAT32,
+                forward_kwargs={"target_last_hidden_states": True})
+
+
+class DominoTest(FamilyCase):
+    """OnlineDominoModel with SpecForge's own DominoDraftModel (its GRU and
+    embed_proj) through the head: one call per step, lambda_base learnt
+    from forward."""
+
+    def test_shift_and_lambda(self):
+        for shift in (False, True):
+            for prefix in (0, 1):
+                for lambda_base in (0.0, 0.5, 1.0):
+                    self.compare_family(
+                        f"domino shift {shift} prefix {prefix} lambda "
+                        f"{lambda_base}",
+                        make_domino(lambda: domino_draft(shift, prefix),
+                                    shift),
+                        forward_kwargs={"lambda_base": lambda_base})
+
+    def test_decay(self):
+        for shift in (False, True):
+            for lambda_base in (0.0, 0.3):
+                self.compare_family(
+                    f"domino shift {shift} gamma 7 lambda {lambda_base}",
+                    make_domino(lambda: domino_draft(shift), shift, 7.0),
+                    tolerance=DECAY_TOLERANCE,
+                    forward_kwargs={"lambda_base": lambda_base})
+
+    def test_float32_and_chunks(self):
+        for shift in (False, True):
+            for chunk in (0, 1, 128):
+                self.compare_family(
+                    f"domino float32 shift {shift} chunk {chunk}",
+                    make_domino(lambda: domino_draft(shift), shift, 7.0,
+                                chunk=chunk),
+                    dtype=torch.float32,
+                    forward_kwargs={"lambda_base": 0.25})
+
+    def test_lambda_outside_forward_defaults(self):
+        # SpecForge's forward default (lambda_base 0).
+        self.compare_family("domino default lambda",
+                            make_domino(lambda: domino_draft(True), True))
+
+
+def chunk_batch(dtype, shift=False):
+    """One chunk's inputs, direct to the chunk functions."""
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(B, 3, K, H, generator=generator, dtype=dtype)
+    target_ids = torch.randint(0, V - 1, (B, 3, K), generator=generator)
+    prev_ids = torch.randint(0, V - 1, (B, 3, K), generator=generator)
+    teacher = torch.randn(B, 3, K, H, generator=generator, dtype=dtype)
+    eval_mask = torch.ones(B, 3, K, dtype=torch.bool)
+    eval_mask[1, 2, 2:] = False
+    return hidden, prev_ids, target_ids, teacher, eval_mask
+
+
+class NumeratorsTest(FamilyCase):
+    """The chunk functions called directly and their numerators combined
+    otherwise than SpecForge's forward does: backward recomputes (one head
+    call for the positive weights, one for the negative), and the
+    gradients are those of SpecForge's own chunk function."""
+
+    def chunk_gradients(self, model, name, args, weights, parameters):
+        terms = getattr(model, name)(*args)
+        loss = sum(w * terms[i] for i, w in weights.items())
+        wanted = [args[0]] + parameters
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+        # A numerator that does not read a parameter: SpecForge's gradient
+        # is None, the recomputed one zeros.
+        return terms, [torch.zeros_like(t) if g is None else g
+                       for g, t in zip(grads, wanted)]
+
+    def check(self, model, name, args, weights, heads, tolerance=1e-9,
+              scope=contextlib.nullcontext):
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        with scope():
+            want = self.chunk_gradients(model, name, args, weights,
+                                        parameters)
+        dsf.apply()
+        try:
+            with Counting() as counter, scope():
+                got = self.chunk_gradients(model, name, args, weights,
+                                           parameters)
+        finally:
+            dsf.revert()
+        self.assertEqual(counter.calls, heads, weights)
+        self.assertIs(type(got[0]), tuple)
+        self.assertEqual(len(got[0]), len(want[0]))
+        for i, (a, b) in enumerate(zip(got[0], want[0])):
+            self.assertEqual((a.dtype, a.device, a.shape),
+                             (b.dtype, b.device, b.shape), i)
+        self.assertSame(
+            {i: t.detach() for i, t in enumerate(got[0])},
+            {i: t.detach() for i, t in enumerate(want[0])}, tolerance)
+        self.assertSame(dict(enumerate(got[1])), dict(enumerate(want[1])),
+                        tolerance, str(weights))
+
+    def test_dspark_numerators_with_other_weights(self):
+        hidden, prev_ids, target_ids, teacher, eval_mask = chunk_batch(
+            torch.float64)
+        model = make_dspark(lambda: dspark_draft("rnn", confidence=False),
+                            alphas=(0.2, 0.6, 0.0))().double()
+        hidden.requires_grad_()
+        weights = eval_mask.float()
+        args = (hidden, prev_ids, target_ids, weights, eval_mask, teacher)
+        # ce_num (0) and l1_num (1): proportional to the alphas (one call),
+        # other weights (two calls, or one when all have one sign).
+        for combination, heads in (({0: 0.2, 1: 0.6}, 1),
+                                   ({0: 1.0, 1: 0.6}, 2),
+                                   ({0: 0.7, 1: -1.3}, 3),
+                                   ({0: -2.0}, 2)):
+            self.check(model, "_dspark_objective_chunk_terms", args,
+                       combination, heads, scope=float64_upcasts_direct)
+
+    def test_domino_numerators_with_other_weights(self):
+        hidden, prev_ids, target_ids, _, eval_mask = chunk_batch(
+            torch.float64)
+        model = make_domino(lambda: domino_draft(False))().double()
+        hidden.requires_grad_()
+        mask = eval_mask.double()
+        mask[..., 0] = 0
+        args = (hidden, prev_ids, target_ids, mask, mask.clone())
+        # Outside forward the head runs with lambda_base 0: (1, 0).
+        for combination, heads in (({0: 3.0}, 1), ({0: 1.0, 1: 1.0}, 2),
+                                   ({0: 2.0, 1: -0.5}, 3), ({1: 1.0}, 2)):
+            self.check(model, "_domino_objective_chunk_terms", args,
+                       combination, heads)
+
+
+@contextlib.contextmanager
+def float64_upcasts_direct():
+    """float64_upcasts for a direct chunk-function call."""
+    original = torch.Tensor.float
+
+    def keeping_float64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.float = keeping_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original
+
+
+class FamilyFallbackTest(FamilyCase):
+    """What the head cannot run goes to SpecForge's own objective, with
+    one warning naming why, and gives SpecForge's result."""
+
+    def run_fallback(self, make, forward_kwargs, words, width=H):
+        shipped = family_step(make, torch.float64, forward_kwargs, width)
+        dsf.apply()
+        try:
+            with warnings.catch_warnings(record=True) as caught, \
+                    Counting() as counter:
+                warnings.simplefilter("always")
+                patched = family_step(make, torch.float64, forward_kwargs,
+                                      width)
+                family_step(make, torch.float64, forward_kwargs, width)
+        finally:
+            dsf.revert()
         self.assertEqual(counter.calls, 0)
         self.assertSame(patched, shipped, 0)
         self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
         self.assertIs(caught[0].category, dsf.SpecForgeFallbackWarning)
-        return str(caught[0].message)
+        for word in words:
+            self.assertIn(word, str(caught[0].message))
 
     def common(self):
-        head = nn.Linear(H, V, bias=False)
-        head.requires_grad_(False)
-        return dict(target_lm_head=head,
+        return dict(target_lm_head=family_head(),
                     target_embed_tokens=nn.Embedding(V, H),
                     mask_token_id=V - 1, block_size=K,
                     attention_backend="sdpa", num_anchors=8,
                     loss_decay_gamma=7.0, objective_chunk_blocks=2)
 
-    def test_domino(self):
-        for shift in (False, True):
-            message = self.run_model(
-                lambda: sf.OnlineDominoModel(
-                    TinyDominoDraft(), shift_label=shift, **self.common()),
-                {"lambda_base": 0.3})
-            self.assertIn("OnlineDominoModel is not patched", message)
-            self.assertIn("final and base numerators separately", message)
-            dsf.revert()
+    def test_a_domino_draft_of_another_form(self):
+        self.run_fallback(
+            lambda: sf.OnlineDominoModel(TinyDominoDraft(), **self.common()),
+            {"lambda_base": 0.3},
+            ["TinyDominoDraft", "not SpecForge's Domino one"], width=HT)
 
-    def test_dspark(self):
-        message = self.run_model(
+    def test_a_dspark_draft_of_another_form(self):
+        self.run_fallback(
             lambda: sf.OnlineDSparkModel(
                 TinyDSparkDraft(), dspark_l1_loss_alpha=0.0,
-                **self.common()), {})
-        self.assertIn("OnlineDSparkModel is not patched", message)
-        self.assertIn("CE, L1 and confidence numerators", message)
+                **self.common()), {},
+            ["TinyDSparkDraft", "not SpecForge's DSpark or DFlash one"],
+            width=HT)
+
+    def test_a_markov_projection_with_a_bias(self):
+        def make():
+            draft = dspark_draft("vanilla", confidence=False)
+            draft.markov_head.markov_w2 = nn.Linear(3, V)
+            return sf.OnlineDSparkModel(draft, **self.common())
+        self.run_fallback(make, {"target_last_hidden_states": True},
+                          ["bias-free"])
+
+    def test_a_head_that_is_not_a_linear(self):
+        def make():
+            common = self.common()
+            common["target_lm_head"] = CappedHead(common["target_lm_head"])
+            return sf.OnlineDominoModel(domino_draft(), **common)
+        self.run_fallback(make, {"lambda_base": 0.5},
+                          ["CappedHead", "not a torch.nn.Linear"])
+
+    def test_domino_shift_label_differing_from_the_draft(self):
+        self.run_fallback(
+            lambda: sf.OnlineDominoModel(domino_draft(shift=True),
+                                         **self.common()),
+            {"lambda_base": 0.5}, ["shift_label"])
 
 
 class WithoutSpecForgeTest(unittest.TestCase):
