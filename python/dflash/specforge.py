@@ -197,14 +197,11 @@ class _Patch:
         self.drafts = drafts
         self.version = version
         self.cls: Any = module.OnlineDFlashModel
-        self.dspark_cls: Any = module.OnlineDSparkModel
         self.domino_cls: Any = module.OnlineDominoModel
         # (class, method name) -> SpecForge's function.
         self.originals: Dict[Tuple[Any, str], Any] = {
             (getattr(module, cls), name): vars(getattr(module, cls))[name]
             for cls, name in _REPLACED}
-        self.original_terms: Callable[..., Tuple[torch.Tensor, ...]] = (
-            self.originals[(self.cls, "_dflash_objective_chunk_terms")])
         self.original_dpace_weight: Any = self.cls.__dict__["_dpace_weight"]
         self.original_reduce: Callable[..., Tuple[torch.Tensor, ...]] = (
             module.checkpointed_chunk_reduce)
@@ -653,8 +650,7 @@ def _decay(block_size: int, gamma: Optional[float], start: int,
     return torch.exp(-(positions - start).clamp(min=0) / float(gamma))
 
 
-def _correction(patch: _Patch, hidden: torch.Tensor,
-                projection: Any) -> Optional[_Fallback]:
+def _correction(hidden: torch.Tensor, projection: Any) -> Optional[_Fallback]:
     """Why the correction's weight M (projection.weight) cannot go to the
     head beside `hidden`, or None."""
     if not _plain_linear(projection, bias=False):
@@ -686,7 +682,7 @@ def _z_reason(z: object, hidden: torch.Tensor,
     return None
 
 
-def _common_reason(patch: _Patch, model: Any, hidden: torch.Tensor,
+def _common_reason(model: Any, hidden: torch.Tensor,
                    target_ids: torch.Tensor,
                    mask: torch.Tensor) -> Optional[_Fallback]:
     head = model.lm_head
@@ -740,7 +736,7 @@ def _dspark_z(patch: _Patch, draft: Any, hidden: torch.Tensor,
             f"the draft's Markov head is a {type(markov).__qualname__}, not "
             "SpecForge's vanilla, gated or rnn head")
     projection: Any = getattr(markov, "markov_w2", None)
-    reason = _correction(patch, hidden, projection)
+    reason = _correction(hidden, projection)
     if reason is not None:
         return reason
     rank = int(projection.weight.shape[1])
@@ -766,7 +762,7 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
             f"dspark:loss_type:{model.loss_type}",
             f"OnlineDSparkModel with loss_type={model.loss_type!r}, which "
             f"dflash.specforge does not know for SpecForge {patch.version}")
-    reason = _common_reason(patch, model, hidden, target_ids, loss_weights)
+    reason = _common_reason(model, hidden, target_ids, loss_weights)
     if reason is not None:
         return reason
     if (not isinstance(eval_mask, torch.Tensor)
@@ -952,7 +948,7 @@ def _domino_z(patch: _Patch, model: Any, hidden: torch.Tensor,
             "domino:embed_proj",
             "the draft's embed_proj is not a plain three-module "
             "torch.nn.Sequential")
-    reason = _correction(patch, hidden, projection[2])
+    reason = _correction(hidden, projection[2])
     if reason is not None:
         return reason
     if bool(draft.shift_label) != bool(model.shift_label):
@@ -987,7 +983,7 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
                 ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
     """SpecForge's nine Domino chunk terms over `hidden` from one head
     call, or a _Fallback."""
-    reason = _common_reason(patch, model, hidden, target_ids, weight_mask)
+    reason = _common_reason(model, hidden, target_ids, weight_mask)
     if reason is not None:
         return reason
     if (not _plain_tensor(eval_weight_mask)
