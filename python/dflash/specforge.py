@@ -845,6 +845,10 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
             f"confidence_weight: {weights.get('confidence', 0.0)!r} }} }}")
         h, confidence_logits, z_in, m_in = inputs
         assert h is not None
+        if not weights.get("confidence", 0.0) > 0:
+            # The head takes confidence logits only for a confidence term
+            # (a backward run may weigh it 0).
+            confidence_logits = None
         terms = _head_call(
             patch, h, model.lm_head, target_ids, mask, config, chunk_blocks,
             teacher_hidden=None if teacher is None else teacher.detach(),

@@ -934,6 +934,20 @@ class NumeratorsTest(FamilyCase):
             self.check(model, "_dspark_objective_chunk_terms", args,
                        combination, heads, scope=float64_upcasts_direct)
 
+    def test_dspark_confidence_numerator_with_other_weights(self):
+        # Against SpecForge as shipped, whose L1 and confidence terms are
+        # float32.
+        hidden, prev_ids, target_ids, teacher, eval_mask = chunk_batch(
+            torch.float64)
+        model = make_dspark(lambda: dspark_draft("gated"))().double()
+        hidden.requires_grad_()
+        args = (hidden, prev_ids, target_ids, eval_mask.float(), eval_mask,
+                teacher)
+        for combination, heads in (({0: 0.1, 1: 0.9, 2: 1.0}, 1),
+                                   ({0: 1.0, 2: -0.5}, 3), ({2: 2.0}, 2)):
+            self.check(model, "_dspark_objective_chunk_terms", args,
+                       combination, heads, tolerance=SPECFORGE_FLOAT32)
+
     def test_domino_numerators_with_other_weights(self):
         hidden, prev_ids, target_ids, _, eval_mask = chunk_batch(
             torch.float64)
