@@ -83,4 +83,37 @@ absl::StatusOr<std::vector<RowMeta>> LabelSpecForgeBatch(
                    LossTraitsOf(config.loss()).labeling);
 }
 
+std::vector<SpecForgeMainGolden> LoadSpecForgeMainGoldens(
+    const std::string& dir) {
+  std::vector<SpecForgeMainGolden> goldens;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (!entry.is_directory()) continue;
+    const std::string d = entry.path().string();
+    SpecForgeMainGolden g;
+    g.name = entry.path().filename().string();
+    absl::StatusOr<v1::ObjectiveConfig> config =
+        LoadObjectiveConfigFromFile(d + "/config.textproto");
+    EXPECT_TRUE(config.ok()) << config.status();
+    if (config.ok()) g.config = *config;
+    const std::vector<int64_t> targets = NpyToInt64(Read(d, "target_ids"));
+    const std::vector<double> mask = ReadGoldenValues(d, "weight_mask");
+    EXPECT_EQ(targets.size(), mask.size()) << d;
+    const int64_t k = std::max<int64_t>(g.config.layout().block_size(), 1);
+    for (size_t r = 0; r < targets.size() && r < mask.size(); ++r) {
+      RowMeta meta;
+      meta.target = static_cast<int32_t>(targets[r]);
+      meta.position = static_cast<int32_t>(static_cast<int64_t>(r) % k);
+      meta.mask = static_cast<float>(mask[r]);
+      meta.block = static_cast<int64_t>(r) / k;
+      g.rows.push_back(meta);
+    }
+    g.hidden = ReadGoldenValues(d, "hidden");
+    g.weight = ReadGoldenValues(d, "weight");
+    g.terms = ReadGoldenValues(d, "terms");
+    g.grad_hidden = ReadGoldenValues(d, "grad_hidden");
+    goldens.push_back(std::move(g));
+  }
+  return goldens;
+}
+
 }  // namespace dflash

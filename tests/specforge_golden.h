@@ -49,6 +49,32 @@ void ExpectNear(double actual, double expected, double tolerance,
 absl::StatusOr<std::vector<RowMeta>> LabelSpecForgeBatch(
     const SpecForgeBatch& batch, const v1::ObjectiveConfig& config);
 
+// A case of tests/goldens/specforge_main (tools/specforge_main_goldens.py):
+// SpecForge main's objective on given states, targets (some ignored) and
+// weight masks, as the head's rows (row (b, n, k) of block b * N + n).
+struct SpecForgeMainGolden {
+  // terms.npy, in the generator's TERMS order.
+  enum Term {
+    kCeLossNum,
+    kTvLossNum,
+    kLossDen,
+    kTargetProbabilityNum,
+    kCorrectNum,
+    kAccuracyDen,
+    kLossNum,
+    kLoss,
+    kTermCount,
+  };
+  std::string name;
+  v1::ObjectiveConfig config;
+  std::vector<RowMeta> rows;
+  std::vector<double> hidden, weight, terms, grad_hidden;
+};
+
+// Every case under `dir`; a failure fails the test.
+std::vector<SpecForgeMainGolden> LoadSpecForgeMainGoldens(
+    const std::string& dir);
+
 }  // namespace dflash
 
 #endif  // DFLASH_TESTS_SPECFORGE_GOLDEN_H_

@@ -7,7 +7,8 @@
 // SpecForge's counting of ignored targets. The head, configured by the
 // case's config.textproto, must give the same terms, loss and d(loss)/
 // d(hidden) in every execution mode and at every chunk size.
-#include <filesystem>
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -16,79 +17,21 @@
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
 #include "heads/cpu_head.h"
-#include "io/npy.h"
 #include "proto/config.h"
 #include "tests/specforge_golden.h"
 
 namespace dflash {
 namespace {
 
+using Golden = SpecForgeMainGolden;
 constexpr char kGoldens[] = "tests/goldens/specforge_main";
 
-// terms.npy, in tools/specforge_main_goldens.py's TERMS order.
-enum Term {
-  kCeLossNum,
-  kTvLossNum,
-  kLossDen,
-  kTargetProbabilityNum,
-  kCorrectNum,
-  kAccuracyDen,
-  kLossNum,
-  kLoss,
-  kTermCount,
-};
-
-struct Golden {
-  std::string name;
-  v1::ObjectiveConfig config;
-  std::vector<RowMeta> rows;
-  std::vector<double> hidden, weight, terms, grad_hidden;
-};
-
-Golden Load(const std::filesystem::path& dir) {
-  const std::string d = dir.string();
-  Golden g;
-  g.name = dir.filename().string();
-  absl::StatusOr<v1::ObjectiveConfig> config =
-      LoadObjectiveConfigFromFile(d + "/config.textproto");
-  EXPECT_TRUE(config.ok()) << config.status();
-  if (config.ok()) g.config = *config;
-  absl::StatusOr<NpyArray> ids = ReadNpy(d + "/target_ids.npy");
-  EXPECT_TRUE(ids.ok()) << ids.status();
-  const std::vector<int64_t> targets =
-      ids.ok() ? NpyToInt64(*ids) : std::vector<int64_t>();
-  const std::vector<double> mask = ReadGoldenValues(d, "weight_mask");
-  const int64_t k = g.config.layout().block_size();
-  EXPECT_EQ(targets.size(), mask.size());
-  for (size_t r = 0; r < targets.size() && r < mask.size(); ++r) {
-    RowMeta meta;
-    meta.target = static_cast<int32_t>(targets[r]);
-    meta.position = static_cast<int32_t>(r % k);
-    meta.mask = static_cast<float>(mask[r]);
-    meta.block = static_cast<int64_t>(r) / k;
-    g.rows.push_back(meta);
-  }
-  g.hidden = ReadGoldenValues(d, "hidden");
-  g.weight = ReadGoldenValues(d, "weight");
-  g.terms = ReadGoldenValues(d, "terms");
-  g.grad_hidden = ReadGoldenValues(d, "grad_hidden");
-  return g;
-}
-
-std::vector<Golden> LoadAll() {
-  std::vector<Golden> goldens;
-  for (const auto& entry : std::filesystem::directory_iterator(kGoldens)) {
-    if (entry.is_directory()) goldens.push_back(Load(entry.path()));
-  }
-  return goldens;
-}
-
 TEST(SpecForgeMainGoldensTest, GoldensAreThere) {
-  const std::vector<Golden> goldens = LoadAll();
+  const std::vector<Golden> goldens = LoadSpecForgeMainGoldens(kGoldens);
   EXPECT_GE(goldens.size(), 8u);
   for (const Golden& g : goldens) {
     SCOPED_TRACE(g.name);
-    EXPECT_EQ(g.terms.size(), static_cast<size_t>(kTermCount));
+    EXPECT_EQ(g.terms.size(), static_cast<size_t>(Golden::kTermCount));
     EXPECT_EQ(g.grad_hidden.size(), g.hidden.size());
     EXPECT_EQ(g.hidden.size(),
               g.rows.size() * g.config.head().hidden_size());
@@ -98,8 +41,9 @@ TEST(SpecForgeMainGoldensTest, GoldensAreThere) {
 // Every execution mode, at chunks of one block up to the whole batch, on
 // one and two threads: SpecForge's terms within float64 round-off.
 TEST(SpecForgeMainGoldensTest, HeadMatchesSpecForgeMainInFloat64) {
-  for (const Golden& g : LoadAll()) {
-    ASSERT_EQ(g.terms.size(), static_cast<size_t>(kTermCount)) << g.name;
+  for (const Golden& g : LoadSpecForgeMainGoldens(kGoldens)) {
+    ASSERT_EQ(g.terms.size(), static_cast<size_t>(Golden::kTermCount))
+        << g.name;
     const int64_t blocks =
         static_cast<int64_t>(g.rows.size()) / g.config.layout().block_size();
     for (const char* mode :
@@ -122,19 +66,18 @@ TEST(SpecForgeMainGoldensTest, HeadMatchesSpecForgeMainInFloat64) {
               RunHead<double>(config, inputs, gradients, allocator);
           ASSERT_TRUE(result.ok()) << result.status();
           const ChunkTerms& t = result->terms;
-          const auto near = [](double got, double want) {
-            return std::abs(got - want) <=
-                   1e-12 * std::max(1.0, std::abs(want));
-          };
-          EXPECT_PRED2(near, result->loss, g.terms[kLoss]);
-          EXPECT_PRED2(near, t.loss_num, g.terms[kLossNum]);
-          EXPECT_PRED2(near, t.loss_den, g.terms[kLossDen]);
-          EXPECT_PRED2(near, t.ce_num, g.terms[kCeLossNum]);
-          EXPECT_PRED2(near, t.tv_num, g.terms[kTvLossNum]);
-          EXPECT_PRED2(near, t.target_probability,
-                       g.terms[kTargetProbabilityNum]);
-          EXPECT_EQ(t.correct, g.terms[kCorrectNum]);
-          EXPECT_EQ(t.accuracy_den, g.terms[kAccuracyDen]);
+          ExpectNear(result->loss, g.terms[Golden::kLoss], 1e-12, "loss");
+          ExpectNear(t.loss_num, g.terms[Golden::kLossNum], 1e-12,
+                     "loss_num");
+          ExpectNear(t.loss_den, g.terms[Golden::kLossDen], 1e-12,
+                     "loss_den");
+          ExpectNear(t.ce_num, g.terms[Golden::kCeLossNum], 1e-12, "ce_num");
+          ExpectNear(t.tv_num, g.terms[Golden::kTvLossNum], 1e-12, "tv_num");
+          ExpectNear(t.target_probability,
+                     g.terms[Golden::kTargetProbabilityNum], 1e-12,
+                     "target_probability");
+          EXPECT_EQ(t.correct, g.terms[Golden::kCorrectNum]);
+          EXPECT_EQ(t.accuracy_den, g.terms[Golden::kAccuracyDen]);
           EXPECT_LT(RelativeL2Error<double>(grad, g.grad_hidden), 1e-12);
         }
       }
