@@ -1291,6 +1291,10 @@ TEST(ChunkLossTest, CountedIgnoredTargetsNeedSpecForgesFamiliesAndANegativeIndex
             "loss.cross_entropy.ignored_target_weight: COUNT is undefined for "
             "loss.domino: SpecForge's Domino embeds every target id, which "
             "fails on an ignored one (use DROP), got COUNT"},
+           {"dspark { objective: DPARD ce_weight: 0 l1_weight: 0 } "
+            "cross_entropy { ignored_target_weight: COUNT }",
+            "loss.cross_entropy.ignored_target_weight: COUNT is not matched "
+            "for loss.dspark objective DPARD (use DROP), got COUNT"},
            {"dflash {} cross_entropy { ignored_target_weight: "
             "IGNORED_TARGET_WEIGHT_UNSPECIFIED }",
             "loss.cross_entropy.ignored_target_weight: must be set, got "

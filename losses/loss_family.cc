@@ -327,6 +327,14 @@ void AddLossConfigProblems(const v1::LossConfig& loss, ProblemList& problems) {
                    "embeds every target id, which fails on an ignored one "
                    "(use DROP), got COUNT");
     }
+    // D-PARD's credit chains the rows' teacher acceptance, not q; how
+    // SpecForge's would take such a row is not matched here.
+    if (loss.has_dspark() &&
+        loss.dspark().objective() == v1::DSparkLoss::DPARD) {
+      problems.Add("loss.cross_entropy.ignored_target_weight",
+                   "COUNT is not matched for loss.dspark objective DPARD "
+                   "(use DROP), got COUNT");
+    }
   }
   // Label smoothing reshapes a cross-entropy term; tv and distillation have
   // none. The z-loss acts on the draft's logsumexp at temperature 1, which a
