@@ -387,15 +387,24 @@ absl::Status AddCudaTopKValueGradients(
       config, rows, inputs.hidden.size(), inputs.weight.size(),
       gradients.hidden.size(), gradients.weight.size(), host_ids, values.size(),
       grad_values.size(), k));
+  DFLASH_RETURN_IF_ERROR(ValidateTopKCorrection(
+      config, rows, inputs.correction_inputs.size(),
+      inputs.correction_weight.size(), gradients.correction_inputs.size(),
+      gradients.correction_weight.size()));
   T* grad_weight = head.trainable() ? gradients.weight.data() : nullptr;
   T* grad_bias = head.trainable() && !gradients.bias.empty()
                      ? gradients.bias.data()
                      : nullptr;
+  auto or_null = [](absl::Span<T> span) {
+    return span.empty() ? nullptr : span.data();
+  };
   cuda::LaunchAddTopKValueGradients<T>(
       inputs.hidden.data(), inputs.weight.data(), ids.data(), values.data(),
       grad_values.data(), rows, k, head.hidden_size(), head.logit_scale(),
       head.logit_softcap(), gradients.hidden.data(), grad_weight, grad_bias,
-      stream.stream());
+      inputs.correction_inputs.data(), inputs.correction_weight.data(),
+      head.correction_rank(), or_null(gradients.correction_inputs),
+      or_null(gradients.correction_weight), stream.stream());
   return stream.LaunchStatus("top-k value gradients");
 }
 

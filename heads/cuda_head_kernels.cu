@@ -141,7 +141,11 @@ __global__ void __launch_bounds__(kThreads)
                             const int32_t* ids, const float* values,
                             const float* grad_values, int32_t k, int64_t width,
                             LogitTransform transform, T* grad_hidden,
-                            T* grad_weight, T* grad_bias) {
+                            T* grad_weight, T* grad_bias,
+                            const T* correction_inputs,
+                            const T* correction_weight, int64_t rank,
+                            T* grad_correction_inputs,
+                            T* grad_correction_weight) {
   const int64_t r = blockIdx.x;
   const int32_t* row_ids = ids + r * k;
   for (int64_t h = threadIdx.x; h < width; h += kThreads) {
@@ -162,6 +166,25 @@ __global__ void __launch_bounds__(kThreads)
     grad_hidden[r * width + h] =
         FromFloat<T>(ToFloat(grad_hidden[r * width + h]) + sum);
   }
+  // With a correction the values' logits hold u[r] . M[id] too.
+  for (int64_t i = threadIdx.x; i < rank; i += kThreads) {
+    float sum = 0;
+    const float u = ToFloat(correction_inputs[r * rank + i]);
+    for (int32_t j = 0; j < k; ++j) {
+      const int32_t id = row_ids[j];
+      if (id < 0) continue;
+      const float c = static_cast<float>(
+          transform.Chain(grad_values[r * k + j], values[r * k + j]));
+      sum += c * ToFloat(correction_weight[int64_t{id} * rank + i]);
+      if (grad_correction_weight != nullptr) {
+        AtomicAdd(grad_correction_weight + int64_t{id} * rank + i, c * u);
+      }
+    }
+    if (grad_correction_inputs != nullptr) {
+      T* du = grad_correction_inputs + r * rank + i;
+      *du = FromFloat<T>(ToFloat(*du) + sum);
+    }
+  }
 }
 
 }  // namespace
@@ -173,13 +196,18 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  int32_t k, int64_t width, double logit_scale,
                                  double logit_softcap, T* grad_hidden,
                                  T* grad_weight, T* grad_bias,
+                                 const T* correction_inputs,
+                                 const T* correction_weight, int64_t rank,
+                                 T* grad_correction_inputs,
+                                 T* grad_correction_weight,
                                  CUstream_st* stream) {
   if (rows == 0 || k == 0) return;
   DFLASH_LAUNCH(TopKValueGradientKernel<T>, static_cast<unsigned>(rows),
                 kThreads, 0, stream)
   (hidden, weight, ids, values, grad_values, k, width,
    LogitTransform(logit_scale, logit_softcap), grad_hidden, grad_weight,
-   grad_bias);
+   grad_bias, correction_inputs, correction_weight, rank,
+   grad_correction_inputs, grad_correction_weight);
 }
 
 template <typename T>
@@ -217,7 +245,8 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
       const T*, int64_t, int64_t, int64_t, T*, CUstream_st*);                  \
   template void LaunchAddTopKValueGradients<T>(                                \
       const T*, const T*, const int32_t*, const float*, const float*, int64_t, \
-      int32_t, int64_t, double, double, T*, T*, T*, CUstream_st*);             \
+      int32_t, int64_t, double, double, T*, T*, T*, const T*, const T*,        \
+      int64_t, T*, T*, CUstream_st*);                                          \
   template void LaunchScaleToStorage<T>(const float*, int64_t, double, T*,     \
                                         CUstream_st*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)

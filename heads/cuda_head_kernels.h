@@ -38,7 +38,10 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
 // per row adds sum_j c[r, j] W[ids[r, j]] to grad_hidden[r], c = grad_values
 // * dz'/dz read off the values (the head's logit scale and softcap); with
 // grad_weight, grad_weight[id] += c x[r] and grad_bias[id] += c by atomic
-// adds (bfloat16 by compare-and-swap, rounded at each add). Ids of -1 add
+// adds (bfloat16 by compare-and-swap, rounded at each add). With a
+// correction of rank > 0 (u [rows, rank], M [V, rank]) likewise
+// grad_correction_inputs[r] += sum_j c M[id] and, atomically,
+// grad_correction_weight[id] += c u[r], each where given. Ids of -1 add
 // nothing.
 template <typename T>
 void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
@@ -47,6 +50,10 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  int32_t k, int64_t width, double logit_scale,
                                  double logit_softcap, T* grad_hidden,
                                  T* grad_weight, T* grad_bias,
+                                 const T* correction_inputs,
+                                 const T* correction_weight, int64_t rank,
+                                 T* grad_correction_inputs,
+                                 T* grad_correction_weight,
                                  CUstream_st* stream);
 
 // out[i] = sum[i] * scale rounded to T once, i < count: a gradient summed

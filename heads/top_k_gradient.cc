@@ -54,6 +54,28 @@ absl::Status ValidateTopKValueGradients(const v1::ObjectiveConfig& config,
   return absl::OkStatus();
 }
 
+absl::Status ValidateTopKCorrection(const v1::ObjectiveConfig& config,
+                                    int64_t rows, size_t inputs, size_t weight,
+                                    size_t grad_inputs, size_t grad_weight) {
+  const int64_t rank = config.head().correction_rank();
+  const int64_t vocab = config.head().vocab_size();
+  const char* what = "rows x head.correction_rank";
+  const char* weight_what = "head.vocab_size x head.correction_rank";
+  DFLASH_RETURN_IF_ERROR(
+      Size("inputs.correction_inputs", inputs, rows * rank, what));
+  DFLASH_RETURN_IF_ERROR(
+      Size("inputs.correction_weight", weight, vocab * rank, weight_what));
+  if (grad_inputs != 0) {
+    DFLASH_RETURN_IF_ERROR(Size("gradients.correction_inputs", grad_inputs,
+                                rows * rank, what));
+  }
+  if (grad_weight != 0) {
+    DFLASH_RETURN_IF_ERROR(Size("gradients.correction_weight", grad_weight,
+                                vocab * rank, weight_what));
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
                                    const HeadInputs<T>& inputs,
@@ -68,6 +90,11 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
       config, rows, inputs.hidden.size(), inputs.weight.size(),
       gradients.hidden.size(), gradients.weight.size(), ids, values.size(),
       grad_values.size(), k));
+  DFLASH_RETURN_IF_ERROR(ValidateTopKCorrection(
+      config, rows, inputs.correction_inputs.size(),
+      inputs.correction_weight.size(), gradients.correction_inputs.size(),
+      gradients.correction_weight.size()));
+  const int64_t rank = head.correction_rank();
   const bool trainable = head.trainable();
   const bool bias = trainable && !gradients.bias.empty();
   const LogitTransform transform(head.logit_scale(), head.logit_softcap());
@@ -87,6 +114,17 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
         for (int64_t i = 0; i < h; ++i) dw[i] += c * x[i];
       }
       if (bias) gradients.bias[id] += c;
+      if (rank == 0) continue;
+      const T* u = inputs.correction_inputs.data() + r * rank;
+      const T* m = inputs.correction_weight.data() + int64_t{id} * rank;
+      if (!gradients.correction_inputs.empty()) {
+        T* du = gradients.correction_inputs.data() + r * rank;
+        for (int64_t i = 0; i < rank; ++i) du[i] += c * m[i];
+      }
+      if (!gradients.correction_weight.empty()) {
+        T* dm = gradients.correction_weight.data() + int64_t{id} * rank;
+        for (int64_t i = 0; i < rank; ++i) dm[i] += c * u[i];
+      }
     }
   }
   return absl::OkStatus();

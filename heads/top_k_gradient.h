@@ -16,10 +16,15 @@
 namespace dflash {
 
 // For each row r and j < k with id = ids[r, j] >= 0, the value v = z'(z),
-// z = hidden[r] . weight[id] (+ bias[id]), z' the head's logit transform:
+// z = hidden[r] . weight[id] (+ bias[id]) (+ u[r] . M[id] with a
+// correction, head.correction_rank > 0: u = inputs.correction_inputs, M =
+// inputs.correction_weight), z' the head's logit transform:
 //   gradients.hidden[r] += c * weight[id]
 //   gradients.weight[id] += c * hidden[r], gradients.bias[id] += c
-// (the last two when head.trainable), c = grad_values[r, j] * dz'/dz, read
+// (the last two when head.trainable)
+//   gradients.correction_inputs[r] += c * M[id]
+//   gradients.correction_weight[id] += c * u[r]
+// (each when its span is given), c = grad_values[r, j] * dz'/dz, read
 // off v. Adds to what is there (RunHead's gradients, already scaled). Ids
 // of -1 (rows without mask) add nothing. T is float or double, on the CPU;
 // the values and their gradients are in T too, so that a float64 head's
@@ -37,6 +42,13 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
 // k in [1, 64], sizes of rows x k for ids, values and grad_values, rows x H
 // for the hidden states and their gradient, V x H for the weight (and its
 // gradient when trainable), and ids in [-1, V) (ids are read on the host).
+// The correction's spans: none without head.correction_rank; with rank r,
+// u of rows x r and M of V x r, each gradient empty (not wanted) or of its
+// input's size.
+absl::Status ValidateTopKCorrection(const v1::ObjectiveConfig& config,
+                                    int64_t rows, size_t inputs, size_t weight,
+                                    size_t grad_inputs, size_t grad_weight);
+
 absl::Status ValidateTopKValueGradients(const v1::ObjectiveConfig& config,
                                         int64_t rows, size_t hidden,
                                         size_t weight, size_t grad_hidden,

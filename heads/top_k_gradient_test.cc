@@ -14,18 +14,21 @@ namespace {
 constexpr int64_t kRows = 6, kV = 13, kH = 5;
 constexpr int32_t kK = 3;
 
-v1::ObjectiveConfig Config(bool trainable) {
+constexpr int64_t kRank = 2;  // With a correction.
+
+v1::ObjectiveConfig Config(bool trainable, int64_t rank = 0) {
   auto config = LoadObjectiveConfigFromString(absl::StrCat(
       "layout { block_size: 3 num_anchors: 2 } head { vocab_size: ", kV,
       " hidden_size: ", kH, " dtype: FLOAT64 logit_scale: 0.7 logit_softcap: 4",
       " bias: true trainable: ", trainable ? "true" : "false",
-      " } loss { dflash {} }"));
+      " correction_rank: ", rank, " } loss { dflash {} }"));
   EXPECT_TRUE(config.ok()) << config.status();
   return *config;
 }
 
 struct Problem {
   std::vector<double> hidden, weight, bias;
+  std::vector<double> u, m;  // A correction's inputs and weight, or none.
   std::vector<int32_t> ids;
   std::vector<double> grad_values;
 };
@@ -45,11 +48,15 @@ Problem MakeProblem() {
   return p;
 }
 
-// v = 4 tanh(0.7 z / 4), z = x . W[id] + b[id], as the head transforms.
+// v = 4 tanh(0.7 z / 4), z = x . W[id] + b[id] (+ u . M[id]), as the head
+// transforms.
 double Value(const Problem& p, int64_t r, int32_t id) {
   double z = p.bias[id];
   for (int64_t i = 0; i < kH; ++i)
     z += p.hidden[r * kH + i] * p.weight[id * kH + i];
+  for (int64_t i = 0; i < kRank && !p.u.empty(); ++i) {
+    z += p.u[r * kRank + i] * p.m[id * kRank + i];
+  }
   return 4 * std::tanh(0.7 * z / 4);
 }
 
@@ -99,6 +106,51 @@ TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
   }
   // Row 2 (ids -1) is untouched.
   for (int64_t i = 2 * kH; i < 3 * kH; ++i) EXPECT_EQ(dh[i], 1);
+}
+
+TEST(TopKGradientTest, CorrectionGetsItsGradients) {
+  Problem p = MakeProblem();
+  std::mt19937 rng(11);
+  std::normal_distribution<double> normal(0, 1);
+  for (int64_t i = 0; i < kRows * kRank; ++i) p.u.push_back(normal(rng));
+  for (int64_t i = 0; i < kV * kRank; ++i) p.m.push_back(normal(rng));
+  std::vector<double> values(kRows * kK, 0);
+  for (int64_t i = 0; i < kRows * kK; ++i) {
+    if (p.ids[i] >= 0) values[i] = Value(p, i / kK, p.ids[i]);
+  }
+  std::vector<double> dh(kRows * kH, 0), dw(kV * kH, 0), db(kV, 0),
+      du(kRows * kRank, 1), dm(kV * kRank, 1);
+  HeadInputs<double> inputs{p.hidden, {}, {}, {}, p.weight, p.bias, p.u, p.m};
+  ASSERT_TRUE(AddTopKValueGradients<double>(
+                  Config(true, kRank), inputs, p.ids, values, p.grad_values,
+                  kK,
+                  {absl::MakeSpan(dh), absl::MakeSpan(dw), absl::MakeSpan(db),
+                   {}, absl::MakeSpan(du), absl::MakeSpan(dm)})
+                  .ok());
+  const double step = 1e-6;
+  auto numeric = [&](std::vector<double> Problem::*field, int64_t i) {
+    Problem plus = p, minus = p;
+    (plus.*field)[i] += step;
+    (minus.*field)[i] -= step;
+    return (Objective(plus) - Objective(minus)) / (2 * step);
+  };
+  for (int64_t i = 0; i < kRows * kRank; ++i) {
+    EXPECT_NEAR(du[i] - 1, numeric(&Problem::u, i), 1e-8) << "u " << i;
+  }
+  for (int64_t i = 0; i < kV * kRank; ++i) {
+    EXPECT_NEAR(dm[i] - 1, numeric(&Problem::m, i), 1e-8) << "m " << i;
+  }
+  for (int64_t i = 0; i < kRows * kH; ++i) {
+    EXPECT_NEAR(dh[i], numeric(&Problem::hidden, i), 1e-8) << "h " << i;
+  }
+  // A correction's inputs of the wrong size are refused, naming them.
+  inputs.correction_inputs = absl::MakeConstSpan(p.u).subspan(1);
+  EXPECT_EQ(AddTopKValueGradients<double>(Config(false, kRank), inputs, p.ids,
+                                          values, p.grad_values, kK,
+                                          {absl::MakeSpan(dh), {}, {}, {}})
+                .message(),
+            "inputs.correction_inputs: must hold 12 values (rows x "
+            "head.correction_rank), got 11");
 }
 
 TEST(TopKGradientTest, BadInputsAreClearErrors) {

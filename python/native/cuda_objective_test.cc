@@ -515,6 +515,83 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.mode);
     });
 
+// The backward of top-k values whose logits hold a correction's u . M[id]:
+// d/du and d/dM beside d/dh and d/dW, on the device in float32 against the
+// CPU in float64, for the same ids and values (a softcap, so that dz'/dz is
+// read off the values; ids of -1 add nothing).
+TEST(CudaTopKBackwardTest, CorrectionGetsItsGradients) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  constexpr int64_t kR = 2;
+  const Batch batch(7);
+  const int64_t rows = kB * kN * kK;
+  std::vector<double> u, m, ids, values, grad_values;
+  for (int64_t i = 0; i < rows * kR; ++i) u.push_back(std::sin(0.7 * i));
+  for (int64_t i = 0; i < kV * kR; ++i) m.push_back(0.5 * std::cos(1.3 * i));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < kTopK; ++j) {
+      const int64_t id = r % 5 == 0 ? -1 : (7 * r + 11 * j) % kV;
+      double z = 0;
+      for (int64_t i = 0; id >= 0 && i < kH; ++i) {
+        z += batch.hidden[r * kH + i] * batch.weight[id * kH + i];
+      }
+      for (int64_t i = 0; id >= 0 && i < kR; ++i) {
+        z += u[r * kR + i] * m[id * kR + i];
+      }
+      ids.push_back(static_cast<double>(id));
+      values.push_back(id < 0 ? 0.0 : 5 * std::tanh(z / 5));
+      grad_values.push_back(0.5 + 0.1 * static_cast<double>(j) - 0.03 * r);
+    }
+  }
+  v1::ObjectiveConfig config = *DefaultConfig();
+  config.mutable_head()->set_logit_softcap(5);
+  auto run = [&](Place& place, const std::string& dtype)
+      -> absl::StatusOr<std::vector<std::vector<double>>> {
+    const std::string value_dtype = dtype == "float64" ? "float64" : "float32";
+    const std::vector<int64_t> ranked = {kB, kN, kK, kTopK};
+    const std::vector<int64_t> states = {kB, kN, kK, kH};
+    const std::vector<int64_t> low = {kB, kN, kK, kR};
+    TopKBackwardTensors t{
+        place.Tensor("hidden", batch.hidden, dtype, states),
+        place.Tensor("lm_head_weight", batch.weight, dtype, {kV, kH}),
+        std::nullopt,
+        place.Tensor("top_k", ids, "int32", ranked),
+        place.Tensor("top_k_values", values, value_dtype, ranked),
+        place.Tensor("grad_values", grad_values, value_dtype, ranked),
+        place.Zeros("grad_hidden", dtype, states),
+        place.Zeros("grad_weight", dtype, {kV, kH}),
+        std::nullopt,
+        place.Tensor("correction_inputs", u, dtype, low),
+        place.Tensor("correction_weight", m, dtype, {kV, kR}),
+        place.Zeros("grad_correction_inputs", dtype, low),
+        place.Zeros("grad_correction_weight", dtype, {kV, kR})};
+    ObjectiveOptions options;
+    options.trainable = true;
+    options.cuda_stream = place.stream();
+    if (absl::Status s = RunTopKValueBackward(config, t, options); !s.ok()) {
+      return s;
+    }
+    return std::vector<std::vector<double>>{
+        place.Values(t.grad_hidden), place.Values(*t.grad_weight),
+        place.Values(*t.grad_correction_inputs),
+        place.Values(*t.grad_correction_weight)};
+  };
+  absl::StatusOr<std::vector<std::vector<double>>> got = run(gpu, "float32");
+  ASSERT_TRUE(got.ok()) << got.status();
+  HostPlace cpu;
+  absl::StatusOr<std::vector<std::vector<double>>> want = run(cpu, "float64");
+  ASSERT_TRUE(want.ok()) << want.status();
+  const char* names[] = {"hidden", "weight", "correction_inputs",
+                         "correction_weight"};
+  for (int i = 0; i < 4; ++i) {
+    double norm = 0;
+    for (double x : (*want)[i]) norm += std::abs(x);
+    EXPECT_GT(norm, 0) << names[i];
+    EXPECT_LT(RelativeL2Error<double>((*got)[i], (*want)[i]), 1e-5)
+        << names[i];
+  }
+}
+
 // A float64 CUDA tensor is refused before any work, naming the argument.
 TEST(CudaObjectiveRejectsTest, Float64OnCuda) {
   DevicePlace gpu;

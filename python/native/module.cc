@@ -322,16 +322,25 @@ void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
                                  py::handle top_k_values,
                                  py::handle grad_values, py::handle grad_hidden,
                                  py::handle grad_weight, py::handle grad_bias,
-                                 bool trainable, uintptr_t cuda_stream) {
-  const TopKBackwardTensors tensors{RequiredArgOf("hidden", hidden),
-                                    RequiredArgOf("lm_head_weight", weight),
-                                    ArgOf("lm_head_bias", bias),
-                                    RequiredArgOf("top_k", top_k),
-                                    RequiredArgOf("top_k_values", top_k_values),
-                                    RequiredArgOf("grad_values", grad_values),
-                                    RequiredArgOf("grad_hidden", grad_hidden),
-                                    ArgOf("grad_weight", grad_weight),
-                                    ArgOf("grad_bias", grad_bias)};
+                                 bool trainable, uintptr_t cuda_stream,
+                                 py::handle correction_inputs,
+                                 py::handle correction_weight,
+                                 py::handle grad_correction_inputs,
+                                 py::handle grad_correction_weight) {
+  const TopKBackwardTensors tensors{
+      RequiredArgOf("hidden", hidden),
+      RequiredArgOf("lm_head_weight", weight),
+      ArgOf("lm_head_bias", bias),
+      RequiredArgOf("top_k", top_k),
+      RequiredArgOf("top_k_values", top_k_values),
+      RequiredArgOf("grad_values", grad_values),
+      RequiredArgOf("grad_hidden", grad_hidden),
+      ArgOf("grad_weight", grad_weight),
+      ArgOf("grad_bias", grad_bias),
+      ArgOf("correction_inputs", correction_inputs),
+      ArgOf("correction_weight", correction_weight),
+      ArgOf("grad_correction_inputs", grad_correction_inputs),
+      ArgOf("grad_correction_weight", grad_correction_weight)};
   absl::Status done;
   {
     py::gil_scoped_release release;
@@ -487,9 +496,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),
         py::arg("grad_values"), py::arg("grad_hidden"), py::arg("grad_weight"),
         py::arg("grad_bias"), py::arg("trainable"), py::arg("cuda_stream"),
+        py::arg("correction_inputs") = py::none(),
+        py::arg("correction_weight") = py::none(),
+        py::arg("grad_correction_inputs") = py::none(),
+        py::arg("grad_correction_weight") = py::none(),
         "Adds d(objective)/d(top-k values) to grad_hidden (and grad_weight, "
         "grad_bias when trainable) in place: the sparse update "
-        "sum_j g * dz'/dz * W[id]. The GIL is released while it runs.");
+        "sum_j g * dz'/dz * W[id]. With the forward's correction (z, M) the "
+        "values hold z . M[id] too, and its gradients are added to "
+        "grad_correction_inputs and grad_correction_weight where given. The "
+        "GIL is released while it runs.");
   py::class_<dp::PreparedHandle>(
       m, "PreparedProjection",
       "A frozen float32 CPU lm_head weight (and bias) laid out once in "

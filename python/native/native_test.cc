@@ -88,6 +88,16 @@ TEST(RowsOfTest, RowsAreBlocksOfPositionsAtAnyStrides) {
     EXPECT_EQ((*rows)[r].position, r % 3) << r;
     EXPECT_EQ((*rows)[r].block, r / 3) << r;
   }
+  // Counted (ignored_target_weight COUNT): the ignored row keeps its mask
+  // and its target; the rest as before.
+  rows = RowsOf(target_ids, weight_mask, 10, -100, /*count_ignored=*/true);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ((*rows)[5].target, -100);
+  EXPECT_EQ((*rows)[5].mask, 1);
+  for (int r = 0; r < 5; ++r) {
+    EXPECT_EQ((*rows)[r].target, targets[r]) << r;
+    EXPECT_EQ((*rows)[r].mask, masks[r]) << r;
+  }
 }
 
 TEST(RowsOfTest, BadTargetsAndMasksNameTheElement) {

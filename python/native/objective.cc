@@ -287,7 +287,8 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
 absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                             const TensorArg& weight_mask,
                                             int64_t vocab,
-                                            int64_t ignore_index) {
+                                            int64_t ignore_index,
+                                            bool count_ignored) {
   const int64_t b_size = target_ids.shape[0], n_size = target_ids.shape[1],
                 k_size = target_ids.shape[2];
   std::vector<RowMeta> rows;
@@ -320,9 +321,13 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
         RowMeta meta;
         meta.position = static_cast<int32_t>(k);
         meta.block = b * n_size + n;
-        // An ignored target carries nothing, as a zero mask does.
-        if (mask > 0 && target != ignore_index) {
-          if (target < 0 || target >= vocab) {
+        // An ignored target carries nothing, as a zero mask does, unless
+        // the loss counts it (ignored_target_weight COUNT: it keeps its
+        // weight, and its target, which the loss reads as ignored; the
+        // config holds such an ignore_index to int32).
+        const bool ignored = target == ignore_index;
+        if (mask > 0 && (!ignored || count_ignored)) {
+          if (!ignored && (target < 0 || target >= vocab)) {
             return absl::InvalidArgumentError(absl::StrCat(
                 Element(target_ids, b, n, k), ": must lie in [0, V = ", vocab,
                 ") or be ignore_index (", ignore_index,
@@ -366,7 +371,8 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
   DFLASH_ASSIGN_OR_RETURN(
       const std::vector<RowMeta> rows,
       RowsOf(tensors.target_ids, tensors.weight_mask, bound.head().vocab_size(),
-             bound.loss().cross_entropy().ignore_index()));
+             bound.loss().cross_entropy().ignore_index(),
+             LossParamsOf(bound.loss()).count_ignored));
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<HeadResult> result =
       dtype == "float64"
@@ -386,13 +392,20 @@ template <typename T>
 absl::Status TopKBackward(const v1::ObjectiveConfig& config,
                           const TopKBackwardTensors& t, int32_t k,
                           uintptr_t cuda_stream) {
-  const HeadInputs<T> inputs{
-      t.hidden.span<const T>(), {}, {}, {}, t.weight.span<const T>(),
-      SpanOf<T>(t.bias)};
+  const HeadInputs<T> inputs{t.hidden.span<const T>(),
+                             {},
+                             {},
+                             {},
+                             t.weight.span<const T>(),
+                             SpanOf<T>(t.bias),
+                             SpanOf<T>(t.correction_inputs),
+                             SpanOf<T>(t.correction_weight)};
   const HeadGradients<T> gradients{t.grad_hidden.span<T>(),
                                    MutableSpanOf<T>(t.grad_weight),
                                    MutableSpanOf<T>(t.grad_bias),
-                                   {}};
+                                   {},
+                                   MutableSpanOf<T>(t.grad_correction_inputs),
+                                   MutableSpanOf<T>(t.grad_correction_weight)};
   const auto ids = t.top_k.span<const int32_t>();
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
@@ -428,6 +441,8 @@ absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
   head.set_hidden_size(s[3]);
   head.set_trainable(options.trainable);
   head.set_bias(t.bias.has_value());
+  head.set_correction_rank(
+      t.correction_inputs.has_value() ? t.correction_inputs->shape[3] : 0);
   const std::string& dtype = t.hidden.dtype;
   const int32_t top_k = static_cast<int32_t>(k);
   return dtype == "float64"

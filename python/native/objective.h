@@ -92,11 +92,14 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
 
 // The rows' metadata. Masks must be finite, >= 0, and sum to what float32
 // holds; where a mask is > 0, a target must lie in [0, vocab) or equal
-// ignore_index. Errors name the element, e.g. "target_ids[1, 0, 3]".
+// ignore_index, whose row carries nothing (mask 0) unless `count_ignored`
+// (loss.cross_entropy.ignored_target_weight COUNT: it keeps its mask and
+// target). Errors name the element, e.g. "target_ids[1, 0, 3]".
 absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                             const TensorArg& weight_mask,
                                             int64_t vocab,
-                                            int64_t ignore_index);
+                                            int64_t ignore_index,
+                                            bool count_ignored = false);
 
 // Checks every tensor (dtype, device, shape, contiguity; errors name the
 // argument), binds `config` to them and runs the head once, forward and
@@ -122,6 +125,11 @@ struct TopKBackwardTensors {
   TensorArg grad_values;
   TensorArg grad_hidden;  // Like hidden.
   std::optional<TensorArg> grad_weight, grad_bias;
+  // The forward's correction, whose logits the values hold: z [B, N, K, r]
+  // and M [V, r], both or neither, like hidden; d/dz and d/dM to add to
+  // where they are wanted (contiguous, like z and M).
+  std::optional<TensorArg> correction_inputs, correction_weight;
+  std::optional<TensorArg> grad_correction_inputs, grad_correction_weight;
 };
 absl::Status RunTopKValueBackward(const v1::ObjectiveConfig& config,
                                   const TopKBackwardTensors& tensors,

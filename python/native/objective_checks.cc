@@ -89,6 +89,29 @@ absl::Status CheckWeight(const TensorArg& w, const TensorArg& hidden) {
   return CheckBeside(w, hidden, w.shape, "[V, H]");
 }
 
+absl::Status CheckCorrection(const std::optional<TensorArg>& z,
+                             const std::optional<TensorArg>& m,
+                             const TensorArg& hidden, const TensorArg& w) {
+  if (z.has_value() != m.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        z.has_value() ? "correction_weight" : "correction_inputs",
+        ": required beside ",
+        z.has_value() ? "correction_inputs" : "correction_weight",
+        " (the correction is z @ M^T), got None"));
+  }
+  if (!z.has_value()) return absl::OkStatus();
+  if (z->shape.size() != 4 || z->shape[3] <= 0) {
+    return Invalid(*z, absl::StrCat("must have shape [B, N, K, r] with r > "
+                                    "0, got ",
+                                    ShapeString(z->shape)));
+  }
+  const std::vector<int64_t>& s = hidden.shape;
+  const std::vector<int64_t> shape = {s[0], s[1], s[2], z->shape[3]};
+  DFLASH_RETURN_IF_ERROR(CheckBeside(*z, hidden, shape, "[B, N, K, r]"));
+  return CheckBeside(*m, hidden, {w.shape[0], shape[3]},
+                     "[V, r] (V of lm_head_weight, r of correction_inputs)");
+}
+
 absl::Status CheckTensors(const ObjectiveTensors& t) {
   DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
   const std::vector<int64_t>& s = t.hidden.shape;
@@ -115,29 +138,8 @@ absl::Status CheckTensors(const ObjectiveTensors& t) {
     DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
                                        "[B, N, K]", "float32"));
   }
-  const std::optional<TensorArg>& z = t.correction_inputs;
-  const std::optional<TensorArg>& m = t.correction_weight;
-  if (z.has_value() != m.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        z.has_value() ? "correction_weight" : "correction_inputs",
-        ": required beside ",
-        z.has_value() ? "correction_inputs" : "correction_weight",
-        " (the correction is z @ M^T), got None"));
-  }
-  if (z.has_value()) {
-    if (z->shape.size() != 4 || z->shape[3] <= 0) {
-      return Invalid(*z, absl::StrCat("must have shape [B, N, K, r] with r > "
-                                      "0, got ",
-                                      ShapeString(z->shape)));
-    }
-    std::vector<int64_t> shape = bnk;
-    shape.push_back(z->shape[3]);
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*z, t.hidden, shape, "[B, N, K, r]"));
-    DFLASH_RETURN_IF_ERROR(CheckBeside(*m, t.hidden, {w.shape[0], shape[3]},
-                                       "[V, r] (V of lm_head_weight, r of "
-                                       "correction_inputs)"));
-  }
-  return absl::OkStatus();
+  return CheckCorrection(t.correction_inputs, t.correction_weight, t.hidden,
+                         w);
 }
 
 namespace {
@@ -293,9 +295,29 @@ absl::Status CheckTopKBackward(const TopKBackwardTensors& t, bool trainable) {
   DFLASH_RETURN_IF_ERROR(CheckOutput(t.grad_weight, trainable, "grad_weight",
                                      "with a trainable head", t.hidden,
                                      w.shape, "[V, H]"));
-  return CheckOutput(t.grad_bias, trainable && t.bias.has_value(),
-                     "grad_bias", "with a trainable head and a bias", t.hidden,
-                     {w.shape[0]}, "[V]");
+  DFLASH_RETURN_IF_ERROR(CheckOutput(t.grad_bias,
+                                     trainable && t.bias.has_value(),
+                                     "grad_bias",
+                                     "with a trainable head and a bias",
+                                     t.hidden, {w.shape[0]}, "[V]"));
+  const std::optional<TensorArg>& z = t.correction_inputs;
+  DFLASH_RETURN_IF_ERROR(CheckCorrection(z, t.correction_weight, t.hidden, w));
+  for (const std::optional<TensorArg>* grad :
+       {&t.grad_correction_inputs, &t.grad_correction_weight}) {
+    if (grad->has_value() && !z.has_value()) {
+      return Invalid(**grad, "needs correction_inputs and correction_weight "
+                             "beside it, got none");
+    }
+  }
+  if (t.grad_correction_inputs.has_value()) {
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.grad_correction_inputs, t.hidden,
+                                       z->shape, "[B, N, K, r]"));
+  }
+  if (t.grad_correction_weight.has_value()) {
+    DFLASH_RETURN_IF_ERROR(CheckBeside(*t.grad_correction_weight, t.hidden,
+                                       t.correction_weight->shape, "[V, r]"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace dflash::python

@@ -6,6 +6,7 @@
 // argument. Private to //python/native:objective.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,12 @@ absl::Status CheckBeside(const TensorArg& t, const TensorArg& hidden,
 
 // The projection's weight: [V, H] with hidden's H, beside hidden.
 absl::Status CheckWeight(const TensorArg& w, const TensorArg& hidden);
+
+// A correction's inputs z [B, N, K, r] and weight M [V, r] beside hidden
+// and the weight w: both or neither.
+absl::Status CheckCorrection(const std::optional<TensorArg>& z,
+                             const std::optional<TensorArg>& m,
+                             const TensorArg& hidden, const TensorArg& w);
 
 // Every input tensor of a dflash_objective call.
 absl::Status CheckTensors(const ObjectiveTensors& t);

@@ -235,6 +235,7 @@ CASES = {
     "float64_top_k": dict(dtype=torch.float64, bias=True, train=True,
                           top_k=3),
     "chunk_views": dict(view=True, bias=True, train=True, top_k=3),
+    "correction_top_k": dict(correction=2, bias=True, train=True, top_k=3),
     "dspark_confidence": dict(loss="dspark"),
     "correction": dict(correction=3),
 }
@@ -270,7 +271,7 @@ class OperatorTest(unittest.TestCase):
                                  (B, 2, K))
             if case.get("correction"):
                 self.assertEqual(real[at("grad_correction_weight")].shape,
-                                 (V, 3))
+                                 (V, case["correction"]))
 
     def test_a_stale_prepared_handle_is_an_error(self):
         # A graph keeps a PreparedProjection's handle; once the projection
@@ -288,19 +289,22 @@ class OperatorTest(unittest.TestCase):
                 torch.library.opcheck(op, op_inputs(**case))
 
     def test_opcheck_top_k_value_backward(self):
-        for name in ("rows_top_k_bias", "float64_top_k"):
+        for name in ("rows_top_k_bias", "float64_top_k", "correction_top_k"):
             with self.subTest(name):
                 args = op_inputs(**CASES[name])
                 outputs = torch.ops.dflash.objective(*args)
                 at = _library.OUTPUTS.index
-                x, weight, bias = args[0], args[1], args[4]
+                x, weight, bias, z, m = (args[0], args[1], args[4], args[7],
+                                         args[8])
                 ids, values = outputs[at("top_k")], outputs[at("top_k_values")]
                 self.assertEqual(values.dtype, x.dtype)
+                correction = (() if z is None
+                              else (z.detach(), m.detach()))
                 torch.library.opcheck(
                     torch.ops.dflash.top_k_value_backward.default,
                     (x.detach(), weight.detach(), bias.detach(), ids,
                      values.detach(), torch.randn_like(values), args[9],
-                     True))
+                     True) + correction)
 
     def test_the_autograd_path_gives_the_same_values(self):
         # The operator and torch 1.13's autograd.Function run the same head.

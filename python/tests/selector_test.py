@@ -119,35 +119,54 @@ class SelectorInputsTest(unittest.TestCase):
                         msg=lambda m, name=name: f"d/d{name}: {m}")
 
     def test_values_with_a_correction_in_float64(self):
+        # The values hold the correction's z . M[id]: their gradient reaches
+        # z and M as well as the hidden states and the head, beside the
+        # loss's own (dflash, gamma 7: the default config).
         hidden, weight, bias, target_ids, weight_mask = batch(6)
         gen = torch.Generator().manual_seed(8)
         z = torch.randn(B, N, K, 2, generator=gen, dtype=torch.float64)
         m = 0.5 * torch.randn(V, 2, generator=gen, dtype=torch.float64)
+        probe = torch.randn(B, N, K, TOP_K, generator=gen,
+                            dtype=torch.float64)
+        names = ("hidden", "weight", "bias", "z", "m")
         for path, context in paths():
-            with self.subTest(path=path), context:
-                leaves = [t.clone().requires_grad_()
-                          for t in (hidden, weight, bias)]
-                terms = dflash_objective(
-                    leaves[0], leaves[1], target_ids, weight_mask,
-                    lm_head_bias=leaves[2], correction_inputs=z,
-                    correction_weight=m, top_k=TOP_K)
-                rows = terms.diagnostics
-                terms.diagnostics.top_k_values.sum().backward()
-                ref = [t.clone().requires_grad_()
-                       for t in (hidden, weight, bias)]
-                logits = ref[0] @ ref[1].T + ref[2] + z @ m.T
-                mask = weight_mask > 0
-                values, ids = logits.topk(TOP_K, dim=-1)
-                self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
-                torch.testing.assert_close(rows.top_k_values[mask],
-                                           values[mask].detach(),
-                                           rtol=1e-12, atol=1e-12)
-                (values * mask.unsqueeze(-1)).sum().backward()
-                for name, got, want in zip(("hidden", "weight", "bias"),
-                                           leaves, ref):
-                    torch.testing.assert_close(
-                        got.grad, want.grad, rtol=1e-12, atol=1e-12,
-                        msg=lambda msg, name=name: f"d/d{name}: {msg}")
+            for with_loss in (False, True):
+                with self.subTest(path=path, loss=with_loss), context:
+                    leaves = [t.clone().requires_grad_()
+                              for t in (hidden, weight, bias, z, m)]
+                    terms = dflash_objective(
+                        leaves[0], leaves[1], target_ids, weight_mask,
+                        lm_head_bias=leaves[2], correction_inputs=leaves[3],
+                        correction_weight=leaves[4], top_k=TOP_K)
+                    rows = terms.diagnostics
+                    supervised = (weight_mask > 0).unsqueeze(-1)
+                    objective = (rows.top_k_values * probe * supervised).sum()
+                    if with_loss:
+                        objective = objective + terms.loss
+                    objective.backward()
+                    ref = [t.clone().requires_grad_()
+                           for t in (hidden, weight, bias, z, m)]
+                    logits = ref[0] @ ref[1].T + ref[2] + ref[3] @ ref[4].T
+                    mask = weight_mask > 0
+                    values, ids = logits.topk(TOP_K, dim=-1)
+                    self.assertTrue(torch.equal(rows.top_k[mask], ids[mask]))
+                    torch.testing.assert_close(rows.top_k_values[mask],
+                                               values[mask].detach(),
+                                               rtol=1e-12, atol=1e-12)
+                    want = (values * probe * supervised).sum()
+                    if with_loss:
+                        nlq = torch.nn.functional.cross_entropy(
+                            logits.reshape(-1, V), target_ids.reshape(-1),
+                            reduction="none").reshape(B, N, K)
+                        k = torch.arange(K, dtype=torch.float64)
+                        w = weight_mask * torch.exp(
+                            -(k - 1).clamp(min=0) / 7.0)
+                        want = want + (nlq * w).sum() / w.sum()
+                    want.backward()
+                    for name, got, wanted in zip(names, leaves, ref):
+                        torch.testing.assert_close(
+                            got.grad, wanted.grad, rtol=1e-9, atol=1e-12,
+                            msg=lambda msg, name=name: f"d/d{name}: {msg}")
 
     def test_values_in_float32_stay_float32(self):
         hidden, weight, _, target_ids, weight_mask = batch(4)

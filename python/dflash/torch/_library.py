@@ -338,8 +338,9 @@ _SCHEMA = (
 
 _BACKWARD_SCHEMA = (
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor top_k, "
-    "Tensor top_k_values, Tensor grad_values, str config, bool trainable) "
-    "-> (Tensor, Tensor, Tensor)")
+    "Tensor top_k_values, Tensor grad_values, str config, bool trainable, "
+    "Tensor? correction_inputs=None, Tensor? correction_weight=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _objective() -> Any:
@@ -418,7 +419,10 @@ def _register() -> Tuple[Any, Any]:
                           bias: Optional[torch.Tensor], top_k: torch.Tensor,
                           top_k_values: torch.Tensor,
                           grad_values: torch.Tensor, config: str,
-                          trainable: bool) -> Tuple[torch.Tensor, ...]:
+                          trainable: bool,
+                          correction_inputs: Optional[torch.Tensor] = None,
+                          correction_weight: Optional[torch.Tensor] = None
+                          ) -> Tuple[torch.Tensor, ...]:
         # Contiguous whatever hidden's strides (zeros_like keeps a dense
         # view's).
         grad_hidden = hidden.new_zeros(hidden.shape)
@@ -427,22 +431,40 @@ def _register() -> Tuple[Any, Any]:
         grad_bias = (torch.zeros_like(bias)
                      if trainable and bias is not None
                      else weight.new_empty((0,)))
+        correction = None
+        grad_z, grad_m = weight.new_empty((0,)), weight.new_empty((0,))
+        if correction_inputs is not None and correction_weight is not None:
+            grad_z = correction_inputs.new_zeros(correction_inputs.shape)
+            grad_m = torch.zeros_like(correction_weight)
+            correction = (correction_inputs, correction_weight, grad_z,
+                          grad_m)
         _objective()._top_k_value_backward(
             config_of_text(config), hidden, weight, bias, top_k.int(),
             top_k_values, grad_values, grad_hidden,
             grad_weight if trainable else None,
-            grad_bias if trainable and bias is not None else None, trainable)
-        return grad_hidden, grad_weight, grad_bias
+            grad_bias if trainable and bias is not None else None, trainable,
+            correction)
+        return grad_hidden, grad_weight, grad_bias, grad_z, grad_m
 
     @top_k_backward_op.register_fake
     def _(hidden: torch.Tensor, weight: torch.Tensor,
           bias: Optional[torch.Tensor], top_k: torch.Tensor,
           top_k_values: torch.Tensor, grad_values: torch.Tensor, config: str,
-          trainable: bool) -> Tuple[torch.Tensor, ...]:
+          trainable: bool, correction_inputs: Optional[torch.Tensor] = None,
+          correction_weight: Optional[torch.Tensor] = None
+          ) -> Tuple[torch.Tensor, ...]:
+        correction = (correction_inputs is not None
+                      and correction_weight is not None)
         return (hidden.new_empty(hidden.shape),
                 torch.empty_like(weight) if trainable
                 else weight.new_empty((0,)),
                 torch.empty_like(bias) if trainable and bias is not None
+                else weight.new_empty((0,)),
+                correction_inputs.new_empty(correction_inputs.shape)
+                if correction and correction_inputs is not None
+                else weight.new_empty((0,)),
+                torch.empty_like(correction_weight)
+                if correction and correction_weight is not None
                 else weight.new_empty((0,)))
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...],
@@ -481,7 +503,8 @@ def _register() -> Tuple[Any, Any]:
         saved = ctx.saved_tensors
         g = dict(zip(_GRAD_OUTPUTS, saved))
         den = saved[len(_GRAD_OUTPUTS)]
-        hidden, weight, bias, values, ids = saved[len(_GRAD_OUTPUTS) + 1:][:5]
+        hidden, weight, bias, values, ids, _, z, m = saved[
+            len(_GRAD_OUTPUTS) + 1:]
         needs = ctx.needs_input_grad
         if not ctx.gradients and any(needs[i] for i in (0, 1, 4, 6, 7, 8)):
             raise RuntimeError(
@@ -505,10 +528,17 @@ def _register() -> Tuple[Any, Any]:
         grad_z = (scaled(g["grad_correction_inputs"]) if needs[7] else None)
         grad_m = (scaled(g["grad_correction_weight"]) if needs[8] else None)
         grad_values = grad_outputs[_AT["top_k_values"]] if ctx.top_k else None
-        if grad_values is not None and (needs[0] or needs[1] or needs[4]):
-            add_hidden, add_weight, add_bias = top_k_backward_op(
-                hidden, weight, bias, ids, values, grad_values, ctx.config,
-                ctx.trainable)
+        if grad_values is not None and any(
+                needs[i] for i in (0, 1, 4, 7, 8)):
+            add_hidden, add_weight, add_bias, add_z, add_m = (
+                top_k_backward_op(hidden, weight, bias, ids, values,
+                                  grad_values, ctx.config, ctx.trainable, z,
+                                  m))
+            # The values hold the correction's logits too.
+            if needs[7]:
+                grad_z = add_z if grad_z is None else grad_z + add_z
+            if needs[8]:
+                grad_m = add_m if grad_m is None else grad_m + add_m
             if needs[0]:
                 grad_hidden = (add_hidden if grad_hidden is None
                                else grad_hidden + add_hidden)

@@ -112,7 +112,9 @@ class ObjectiveDiagnostics:
             (float64 computed in float64; bfloat16 rounded once from the
             head's float32; 0 where the id is -1). The values carry a
             gradient (a DFlash2 selector's unary logits), in the same
-            precision. Else None.
+            precision, to hidden, a trainable weight and bias, and a
+            correction's inputs and weight (its z . M[id] is in them).
+            Else None.
         target_is_candidate: [B, N, K] bool, whether the target is among
             top_k; target_candidate_index: [B, N, K] int64, where (0 if not).
             With top_k; else None.
@@ -451,20 +453,27 @@ def _top_k_value_backward(config: _core.ObjectiveConfig,
                           grad_hidden: torch.Tensor,
                           grad_weight: Optional[torch.Tensor],
                           grad_bias: Optional[torch.Tensor],
-                          trainable: bool) -> None:
+                          trainable: bool,
+                          correction: Optional[Tuple[torch.Tensor, ...]] = None
+                          ) -> None:
     """Adds d(objective)/d(top-k values) to the gradients (contiguous),
     in place, on torch's current stream. The values and their gradient are
     taken in the dtype the head computes them in
     (_library.top_k_value_dtype); hidden is read as whole rows (copied when
-    it is not laid out so, as _run_head does)."""
+    it is not laid out so, as _run_head does). `correction`: the forward's
+    (z, M, d/dz, d/dM) when it had one, its values holding z . M[id]."""
     stream = (torch.cuda.current_stream(hidden.device).cuda_stream
               if hidden.is_cuda else 0)
     dtype = _library.top_k_value_dtype(hidden.dtype)
+    z, m, grad_z, grad_m = correction or (None, None, None, None)
     _core.top_k_value_backward(
         config, hidden.contiguous(), weight, bias, ids,
         values.to(dtype).contiguous(), grad_values.to(dtype).contiguous(),
         grad_hidden, grad_weight, grad_bias, trainable=trainable,
-        cuda_stream=stream)
+        cuda_stream=stream,
+        correction_inputs=None if z is None else z.contiguous(),
+        correction_weight=m, grad_correction_inputs=grad_z,
+        grad_correction_weight=grad_m)
 
 
 class _Objective(torch.autograd.Function):
@@ -540,7 +549,7 @@ class _Objective(torch.autograd.Function):
         # denominator, an accumulation factor, ...).
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
-        hidden, weight, bias, values, ids = saved[len(_GRADIENTS):][:5]
+        hidden, weight, bias, values, ids, _, z, m = saved[len(_GRADIENTS):]
         scale: torch.Tensor = grad_num * ctx.den
 
         def scaled(grad: torch.Tensor) -> torch.Tensor:
@@ -562,7 +571,8 @@ class _Objective(torch.autograd.Function):
                   else None)
         grad_values = (None if ctx.values_at is None
                        else unused[ctx.values_at - 1])
-        if grad_values is not None and (needs[5] or needs[6] or needs[7]):
+        if grad_values is not None and any(
+                needs[i] for i in (5, 6, 7, 12, 13)):
             if grad_hidden is None:
                 # Contiguous whatever hidden's strides (zeros_like keeps a
                 # dense view's).
@@ -572,12 +582,21 @@ class _Objective(torch.autograd.Function):
                 grad_weight = torch.zeros_like(weight)
             if trainable and bias is not None and grad_bias is None:
                 grad_bias = torch.zeros_like(bias)
+            correction = None
+            if z is not None:
+                if grad_z is None:
+                    grad_z = z.new_zeros(z.shape)
+                if grad_m is None:
+                    grad_m = torch.zeros_like(m)
+                correction = (z, m, grad_z, grad_m)
             _top_k_value_backward(
                 ctx.config, hidden, weight, bias, ids, values, grad_values,
                 grad_hidden,
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
-                trainable)
+                trainable, correction)
+            grad_z = grad_z if needs[12] else None
+            grad_m = grad_m if needs[13] else None
             grad_hidden = grad_hidden if needs[5] else None
             grad_weight = grad_weight if needs[6] else None
             grad_bias = grad_bias if needs[7] else None
