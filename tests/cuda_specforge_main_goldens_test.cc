@@ -80,6 +80,10 @@ TEST(CudaSpecForgeMainGoldensTest, Float32MatchesSpecForgeMain) {
         EXPECT_EQ(t.accuracy_den, g.terms[Golden::kAccuracyDen]);
         const std::vector<double> got(host.begin(), host.end());
         EXPECT_LT(RelativeL2Error<double>(got, g.grad_hidden), 1e-5);
+        for (size_t k = 0; k < g.loss_weight.size(); ++k) {
+          ExpectNear(t.loss_weight_per_position[k], g.loss_weight[k], 1e-5,
+                     absl::StrCat("loss_weight[", k, "]"));
+        }
       }
     }
   }

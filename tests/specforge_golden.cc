@@ -111,6 +111,7 @@ std::vector<SpecForgeMainGolden> LoadSpecForgeMainGoldens(
     g.weight = ReadGoldenValues(d, "weight");
     g.terms = ReadGoldenValues(d, "terms");
     g.grad_hidden = ReadGoldenValues(d, "grad_hidden");
+    g.loss_weight = ReadOptionalGoldenValues(d, "loss_weight");
     goldens.push_back(std::move(g));
   }
   return goldens;

@@ -69,6 +69,9 @@ struct SpecForgeMainGolden {
   v1::ObjectiveConfig config;
   std::vector<RowMeta> rows;
   std::vector<double> hidden, weight, terms, grad_hidden;
+  // [K], where no target is ignored: SpecForge's metric loss_weight_num
+  // (its probabilities taken in float32), else empty.
+  std::vector<double> loss_weight;
 };
 
 // Every case under `dir`; a failure fails the test.

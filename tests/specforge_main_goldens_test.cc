@@ -25,6 +25,9 @@ namespace {
 
 using Golden = SpecForgeMainGolden;
 constexpr char kGoldens[] = "tests/goldens/specforge_main";
+// SpecForge's diagnostics take softmax in float32 (`.float()`), so its
+// metric loss weights carry float32 rounding.
+constexpr double kFloat32Metric = 2e-6;
 
 TEST(SpecForgeMainGoldensTest, GoldensAreThere) {
   const std::vector<Golden> goldens = LoadSpecForgeMainGoldens(kGoldens);
@@ -35,11 +38,16 @@ TEST(SpecForgeMainGoldensTest, GoldensAreThere) {
     EXPECT_EQ(g.grad_hidden.size(), g.hidden.size());
     EXPECT_EQ(g.hidden.size(),
               g.rows.size() * g.config.head().hidden_size());
+    if (!g.loss_weight.empty()) {
+      EXPECT_EQ(g.loss_weight.size(),
+                static_cast<size_t>(g.config.layout().block_size()));
+    }
   }
 }
 
 // Every execution mode, at chunks of one block up to the whole batch, on
-// one and two threads: SpecForge's terms within float64 round-off.
+// one and two threads: SpecForge's terms within float64 round-off, and its
+// per-position loss weights (the sequence shares in them) within float32's.
 TEST(SpecForgeMainGoldensTest, HeadMatchesSpecForgeMainInFloat64) {
   for (const Golden& g : LoadSpecForgeMainGoldens(kGoldens)) {
     ASSERT_EQ(g.terms.size(), static_cast<size_t>(Golden::kTermCount))
@@ -79,6 +87,11 @@ TEST(SpecForgeMainGoldensTest, HeadMatchesSpecForgeMainInFloat64) {
           EXPECT_EQ(t.correct, g.terms[Golden::kCorrectNum]);
           EXPECT_EQ(t.accuracy_den, g.terms[Golden::kAccuracyDen]);
           EXPECT_LT(RelativeL2Error<double>(grad, g.grad_hidden), 1e-12);
+          // SpecForge's metric takes its probabilities in float32.
+          for (size_t k = 0; k < g.loss_weight.size(); ++k) {
+            ExpectNear(t.loss_weight_per_position[k], g.loss_weight[k],
+                       kFloat32Metric, absl::StrCat("loss_weight[", k, "]"));
+          }
         }
       }
     }

@@ -23,7 +23,12 @@ objective's methods run, as `forward` calls them on its full batch (one
 chunk: the terms are additive), then `forward`'s composition:
 `_compose_token_objective`, and the loss is the numerator over the
 denominator floored at the dtype's tiny. The draft has no candidate
-selector. Needs torch >= 1.13 and numpy.
+selector. Where no target is ignored (SpecForge's diagnostics gather each
+row's target probability, which fails on -100), the metric chunk terms'
+`loss_weight_num` too: `_dflash_metric_loss_weights` over
+`_dflash_unary_diagnostics`' probabilities (softmax in float32, as
+SpecForge takes them), summed per block position. Needs torch >= 1.13 and
+numpy.
 
 Each case directory gets:
 
@@ -34,6 +39,7 @@ Each case directory gets:
   weight.npy         float64 [V, H]  the frozen lm_head weight
   terms.npy          float64, in TERMS order
   grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
+  loss_weight.npy    float64 [K], without ignored targets: loss_weight_num
 """
 
 import argparse
@@ -47,10 +53,11 @@ import torch.nn.functional as F
 
 # The definitions taken from SpecForge's file.
 MODULE_NAMES = ("_VALID_LOSS_TYPES", "_DPACE_LOSS_TYPES", "SelectorTerms",
-                "DFlashObjectiveTerms")
+                "DFlashObjectiveTerms", "_DFlashUnaryDiagnostics")
 METHODS = ("_dpace_weight", "_sequence_anchor_scale",
            "_dflash_objective_chunk_terms", "_lk_kl_weight",
-           "_compose_token_objective")
+           "_compose_token_objective", "_dflash_unary_diagnostics",
+           "_dflash_metric_loss_weights")
 
 TERMS = ("ce_loss_num", "tv_loss_num", "loss_den", "target_probability_num",
          "correct_num", "accuracy_den", "loss_num", "loss")
@@ -182,7 +189,16 @@ def run(model_class, case):
     values = [terms.ce_loss_num, terms.tv_loss_num, den,
               terms.target_probability_num, terms.correct_num,
               terms.accuracy_den, loss_num, loss]
+    arrays = {}
+    if not ignored:
+        with torch.no_grad():
+            unary = model._dflash_unary_diagnostics(hidden, target_ids,
+                                                    top_k=1)
+            weights = model._dflash_metric_loss_weights(
+                unary.hard_label_probability, weight_mask, scale)
+        arrays["loss_weight"] = weights.sum(dim=(0, 1)).double().numpy()
     return {
+        **arrays,
         "target_ids": target_ids.numpy().astype(np.int64),
         "weight_mask": weight_mask.numpy(),
         "hidden": hidden.reshape(-1, H).numpy(),
