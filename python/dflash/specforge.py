@@ -131,10 +131,10 @@ FALLBACKS: Tuple[str, ...] = (
     "a dtype or device the head does not run (CPU float32/float64, CUDA "
     "float32/bfloat16 with a CUDA build; weight and hidden alike), or "
     "autocast enabled",
-    "hidden is not contiguous (a chunk view; dflash reads hidden in place "
-    "and does not take strided views)",
-    "a target of -100 where the weight is positive (SpecForge counts its "
-    "weight with loss 0 and q = 1; dflash drops the row)",
+    "DSpark and Domino: a target of -100 where the weight is positive "
+    "(their forwards label from input_ids, which never hold -100, and "
+    "their corrections embed the targets; DFlash and D-PACE count such a "
+    "row as SpecForge does: loss 0, weight counted, q = 1)",
     "a target outside [0, V) (SpecForge's cross-entropy raises)",
     "weight_mask not float32/float64, target_ids not int64, or shapes "
     "other than SpecForge's [B, N, block_size(, H)]",
@@ -419,7 +419,11 @@ def _head_reason(head: object) -> Optional[_Fallback]:
 
 def _tensor_reason(head: torch.nn.Linear, hidden: torch.Tensor,
                    target_ids: torch.Tensor, weight_mask: torch.Tensor,
-                   block_size: int) -> Optional[_Fallback]:
+                   block_size: int,
+                   counts_ignored: bool = False) -> Optional[_Fallback]:
+    """Why the head cannot take these tensors as SpecForge passes them, or
+    None. counts_ignored: the call runs with SpecForge's treatment of -100
+    targets (loss.cross_entropy.ignored_target_weight COUNT)."""
     weight, bias = head.weight, head.bias
     others = [weight, target_ids, weight_mask] + (
         [] if bias is None else [bias])
@@ -481,11 +485,6 @@ def _tensor_reason(head: torch.nn.Linear, hidden: torch.Tensor,
             f"targets:{target_ids.dtype}",
             f"{target_ids.dtype} target_ids (SpecForge's cross-entropy "
             "takes int64)")
-    if not hidden.is_contiguous():
-        return _Fallback(
-            "contiguous",
-            "a non-contiguous hidden (a chunk view of a batch): dflash's "
-            "core reads hidden in place and lacks strided views")
     if not weight.is_contiguous() or (
             bias is not None and not bias.is_contiguous()):
         return _Fallback(
@@ -498,12 +497,13 @@ def _tensor_reason(head: torch.nn.Linear, hidden: torch.Tensor,
     if bool(outside.any()):
         return _Fallback("targets:range",
                          f"target ids outside [0, V = {vocab})")
-    if bool((ignored & (weight_mask > 0)).any()):
+    if not counts_ignored and bool((ignored & (weight_mask > 0)).any()):
         return _Fallback(
             "targets:-100",
-            "a target of -100 where the weight is positive: dflash's core "
-            "lacks SpecForge's treatment of it (loss 0, its weight still "
-            "counted, q = 1); it drops the row")
+            "a target of -100 where the weight is positive (SpecForge "
+            "0.2.0's DSpark and Domino models label from input_ids, which "
+            "never holds -100, and their Markov and embedding corrections "
+            "fail on it; the patch runs such a batch through SpecForge)")
     return None
 
 
@@ -545,13 +545,16 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
     reason = _head_reason(head)
     if reason is None:
         reason = _tensor_reason(head, hidden, target_ids, weight_mask,
-                                int(model.block_size))
+                                int(model.block_size), counts_ignored=True)
     if reason is not None:
         return reason
 
+    # SpecForge's cross-entropy gives a -100 target loss 0 and its weight
+    # still counts (q = 1 in D-PACE): COUNT, where the default drops it.
+    counted = "cross_entropy { ignored_target_weight: COUNT }"
     decayed = False
     if loss_type == "dflash":
-        config = "loss { dflash { } }"
+        config = f"loss {{ dflash {{ }} {counted} }}"
         loss_weights = weight_mask
         gamma = model.loss_decay_gamma
         if gamma is not None and gamma > 0:
@@ -574,7 +577,7 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
     else:
         alpha = float(model.dpace_alpha)
         config = (f"loss {{ dpace {{ alpha: {alpha!r} variant: "
-                  f"{_DPACE_VARIANTS[loss_type]} }} }}")
+                  f"{_DPACE_VARIANTS[loss_type]} }} {counted} }}")
         loss_den = None
         mask = weight_mask
     num_dtype = torch.promote_types(hidden.dtype, mask.dtype)

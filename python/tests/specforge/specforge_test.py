@@ -440,28 +440,59 @@ class FallbackTest(Case):
             self.assertSame(dict(enumerate(terms)), dict(enumerate(want)), 0)
         self.assertSame({0: got_grad}, {0: want_grad}, 0)
 
+    def direct_on_head(self, hidden, targets, mask, **kwargs):
+        """A direct chunk call runs on the head (one call, no warning) and
+        gives SpecForge's terms and gradient (float64, 1e-9)."""
+        model = build(**kwargs)
+        want = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        (want_grad,) = torch.autograd.grad(want[0], hidden)
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught, \
+                Counting() as counter:
+            warnings.simplefilter("always")
+            got = model._dflash_objective_chunk_terms(hidden, targets, mask)
+        dsf.revert()
+        self.assertEqual(counter.calls, 1)
+        self.assertEqual(caught, [])
+        (got_grad,) = torch.autograd.grad(got[0], hidden)
+        self.assertSame(dict(enumerate(got)), dict(enumerate(want)), 1e-9)
+        self.assertSame({0: got_grad}, {0: want_grad}, 1e-9)
+        return want
+
     def test_a_non_contiguous_chunk_view(self):
-        # checkpointed_chunk_reduce's narrow() of a batch of 2 sequences.
+        # checkpointed_chunk_reduce's narrow() of a batch of 2 sequences:
+        # dflash copies such a hidden once, SpecForge's gradient lands in
+        # the view's slice of the batch.
         hidden, targets, mask = self.chunk_inputs()
         view = hidden.narrow(1, 1, 2)
         self.assertFalse(view.is_contiguous())
-        model = build()
-        want = model._dflash_objective_chunk_terms(
-            view, targets.narrow(1, 1, 2), mask.narrow(1, 1, 2))
-        self.direct_fallback(view, targets.narrow(1, 1, 2),
-                             mask.narrow(1, 1, 2),
-                             ["non-contiguous", "strided views"])
-        self.assertEqual(len(want), 4)
+        for loss_type in ("dflash", "dpace"):
+            with self.subTest(loss_type=loss_type):
+                want = self.direct_on_head(view, targets.narrow(1, 1, 2),
+                                           mask.narrow(1, 1, 2),
+                                           loss_type=loss_type, gamma=7.0)
+                self.assertEqual(len(want), 4)
 
     def test_ignored_targets_with_positive_weight(self):
+        # SpecForge's cross-entropy gives a -100 target loss 0 while its
+        # weight still counts in loss_den and accuracy_den, and q = 1 in
+        # D-PACE's products and sums: the head's COUNT convention. A third
+        # of the weighted rows, a whole block and a block's first weighted
+        # row, so that D-PACE's weights of the rows after them change.
         hidden, targets, mask = self.chunk_inputs()
         targets = targets.clone()
         targets[0, 1, 2] = -100
-        for loss_type in ("dflash", "dpace"):
-            with self.subTest(loss_type=loss_type):
-                self.direct_fallback(hidden, targets, mask,
-                                     ["-100", "weight is positive"],
-                                     loss_type=loss_type)
+        targets[1, 0, 1:] = -100
+        targets[1, 2, 1] = -100
+        mask = mask.clone()
+        mask[1, 2, 3] = 0.5
+        for loss_type in ("dflash",) + DPACE:
+            for gamma in (None, 7.0):
+                with self.subTest(loss_type=loss_type, gamma=gamma):
+                    want = self.direct_on_head(hidden, targets, mask,
+                                               loss_type=loss_type,
+                                               gamma=gamma)
+                    self.assertGreater(want[0].item(), 0)
 
     def test_ignored_targets_without_weight_run_on_the_head(self):
         hidden, targets, mask = self.chunk_inputs()
@@ -482,14 +513,13 @@ class FallbackTest(Case):
 
     def test_each_reason_warns_once_per_apply(self):
         hidden, targets, mask = self.chunk_inputs()
-        view = hidden.narrow(1, 0, 2)
-        model = build()
+        # Two reasons: a decay weight that underflows, and a bool mask.
+        model, decayed = build(), build(gamma=0.01)
         dsf.apply()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
-                model._dflash_objective_chunk_terms(
-                    view, targets.narrow(1, 0, 2), mask.narrow(1, 0, 2))
+                decayed._dflash_objective_chunk_terms(hidden, targets, mask)
                 model._dflash_objective_chunk_terms(hidden, targets,
                                                     mask > 0)
         self.assertEqual(len(caught), 2, [str(w.message) for w in caught])
