@@ -1,5 +1,6 @@
-"""Times one training step of SpecForge's own OnlineDFlashModel on the CPU,
-as SpecForge ships it and after dflash.specforge.apply(), and reports
+"""Times one training step of SpecForge's own OnlineDFlashModel,
+OnlineDSparkModel or OnlineDominoModel (--model) on the CPU, as SpecForge
+ships it and after dflash.specforge.apply(), and reports
 seconds, peak memory, the ratio of each to the two GEMMs a step cannot
 avoid (measured in the same process), and how far the patched step's loss
 and gradients are from the shipped one's.
@@ -8,11 +9,15 @@ Each variant runs in a fresh child process (this script with --variant), so
 that one variant's allocations (SpecForge's logits, dflash's workspaces and
 its laid-out weight) cannot hide or inflate the other's peak. In each child:
 
-- the model: SpecForge 0.2.0's OnlineDFlashModel with a frozen nn.Linear
-  lm_head (V x H, float32), an embedding, and a small stand-in draft network
-  (one linear layer over the noise embedding and the context; SpecForge's own
-  loss tests stand the draft in the same way), so that the step's time is
-  the objective's;
+- the model: SpecForge 0.2.0's model with a frozen nn.Linear lm_head
+  (V x H, float32) and an embedding. DFlash: a small stand-in draft network
+  (one linear layer over the noise embedding and the context; SpecForge's
+  own loss tests stand the draft in the same way), so that the step's time
+  is the objective's. DSpark and Domino: SpecForge's own draft models with
+  one Qwen3 layer (DSpark with a vanilla Markov head of rank 32 and a
+  confidence head, given the target's last hidden states; Domino with its
+  GRU and embed_proj of width 32, lambda_base 0.3), whose logits
+  corrections are part of the objective;
 - one untimed warm-up step, then the best of --repeats steps (forward and
   backward). Peak memory is the resident set's high-water mark over all the
   steps, warm-up included, above where it stood once the model and batch
@@ -62,6 +67,34 @@ class StandInDraft(nn.Module):
         return torch.tanh(self.noise(noise_embedding) + context)
 
 
+def qwen3_draft(model, args):
+    """SpecForge's DSpark or Domino draft model: one Qwen3 layer of width
+    H with SpecForge's defaults for its logits corrections."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Config
+    h, v = args.hidden, args.vocab
+    heads = max(2, h // 128)
+    config = Qwen3Config(
+        hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        head_dim=h // heads, vocab_size=v,
+        max_position_embeddings=args.seq + args.block + 1)
+    config.block_size = args.block
+    config.num_target_layers = 4
+    extra = {"target_layer_ids": [1], "mask_token_id": v - 1}
+    if model == "dspark":
+        from specforge.modeling.draft.dspark import DSparkDraftModel
+        extra.update(enable_confidence_head=True, markov_rank=32,
+                     markov_head_type="vanilla")
+        draft_class = DSparkDraftModel
+    else:
+        from specforge.modeling.draft.domino import DominoDraftModel
+        extra.update(emb_dim=32, gru_hidden_dim=32, shift_label=False)
+        draft_class = DominoDraftModel
+    config.dflash_config = extra
+    config._attn_implementation = "sdpa"
+    return draft_class(config)
+
+
 def resident(field):
     with open("/proc/self/status") as status:
         for line in status:
@@ -85,29 +118,41 @@ def build(args):
     lm_head.requires_grad_(False)
     embed.requires_grad_(False)
     torch.manual_seed(args.seed)
-    model = sf.OnlineDFlashModel(
-        StandInDraft(h, h), lm_head, embed, mask_token_id=v - 1,
-        block_size=args.block, attention_backend="sdpa",
-        num_anchors=args.anchors, loss_decay_gamma=args.gamma,
-        objective_chunk_blocks=args.chunk_blocks, loss_type=args.loss_type)
+    common = dict(mask_token_id=v - 1, block_size=args.block,
+                  attention_backend="sdpa", num_anchors=args.anchors,
+                  loss_decay_gamma=args.gamma,
+                  objective_chunk_blocks=args.chunk_blocks)
+    forward_kwargs = {}
+    if args.model == "dflash":
+        model = sf.OnlineDFlashModel(StandInDraft(h, h), lm_head, embed,
+                                     loss_type=args.loss_type, **common)
+    elif args.model == "dspark":
+        model = sf.OnlineDSparkModel(qwen3_draft("dspark", args), lm_head,
+                                     embed, **common)
+        forward_kwargs["target_last_hidden_states"] = torch.randn(
+            args.batch, args.seq, h, generator=g)
+    else:
+        model = sf.OnlineDominoModel(qwen3_draft("domino", args), lm_head,
+                                     embed, **common)
+        forward_kwargs["lambda_base"] = 0.3
     # Prompts and padding as a chat batch has them: the first eighth of
     # each sequence unsupervised, the rest supervised.
     input_ids = torch.randint(0, v - 1, (args.batch, args.seq), generator=g)
     hidden_states = torch.randn(args.batch, args.seq, h, generator=g)
     loss_mask = torch.ones(args.batch, args.seq)
     loss_mask[:, :args.seq // 8] = 0
-    return model, (input_ids, hidden_states, loss_mask)
+    return model, (input_ids, hidden_states, loss_mask, forward_kwargs)
 
 
 def step(model, inputs):
-    input_ids, hidden_states, loss_mask = inputs
+    input_ids, hidden_states, loss_mask, forward_kwargs = inputs
     hidden_states = hidden_states.detach().requires_grad_()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(7)  # SpecForge samples its anchors at random.
-    loss, accuracy, metrics = model(input_ids, hidden_states, loss_mask)
+    loss, accuracy, _ = model(input_ids, hidden_states, loss_mask,
+                              **forward_kwargs)
     loss.backward()
-    rows = int(metrics["accuracy_denom"].item())
-    return loss.detach(), accuracy.detach(), hidden_states.grad, rows
+    return loss.detach(), accuracy.detach(), hidden_states.grad
 
 
 def gemm_floor(model, args):
@@ -140,18 +185,24 @@ def run_variant(args):
         clear.write("5")  # reset the high-water mark
     base = resident("VmRSS:")
     seconds = []
-    for i in range(args.repeats + 1):
-        start = time.perf_counter()
-        loss, accuracy, grad, _ = step(model, inputs)
-        elapsed = time.perf_counter() - start
-        if i > 0:
-            seconds.append(elapsed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(args.repeats + 1):
+            start = time.perf_counter()
+            loss, accuracy, grad = step(model, inputs)
+            elapsed = time.perf_counter() - start
+            if i > 0:
+                seconds.append(elapsed)
+    # The applied step must have run on the head, not SpecForge's fallback.
+    fallbacks = sorted({str(w.message) for w in caught
+                        if w.category.__name__ == "SpecForgeFallbackWarning"})
     peak = resident("VmHWM:") - base
     floor = gemm_floor(model, args)
     torch.save(grad, args.grad_out)
     print(json.dumps({"variant": args.variant, "seconds": min(seconds),
                       "peak_bytes": peak, "floor_seconds": floor,
-                      "loss": loss.item(), "accuracy": accuracy.item()}))
+                      "loss": loss.item(), "accuracy": accuracy.item(),
+                      "fallbacks": fallbacks}))
 
 
 def main(argv=None):
@@ -165,7 +216,12 @@ def main(argv=None):
     parser.add_argument("--chunk_blocks", type=int, default=128,
                         help="SpecForge's objective_chunk_blocks (its "
                         "default, 128)")
-    parser.add_argument("--loss_type", default="dflash")
+    parser.add_argument("--model", default="dflash",
+                        choices=["dflash", "dspark", "domino"],
+                        help="SpecForge's OnlineDFlashModel, "
+                        "OnlineDSparkModel or OnlineDominoModel")
+    parser.add_argument("--loss_type", default="dflash",
+                        help="OnlineDFlashModel's loss_type")
     parser.add_argument("--gamma", type=float, default=7.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -195,9 +251,13 @@ def main(argv=None):
             grads[variant] = torch.load(grad_out)
 
     rows = args.batch * args.anchors * args.block
+    name = {"dflash": f"OnlineDFlashModel ({args.loss_type})",
+            "dspark": "OnlineDSparkModel (Markov rank 32, confidence head, "
+                      "target states)",
+            "domino": "OnlineDominoModel (lambda_base 0.3)"}[args.model]
     lines = [
-        f"One SpecForge 0.2.0 OnlineDFlashModel step ({args.loss_type}, "
-        f"gamma {args.gamma}), up to {rows} rows (B={args.batch}, "
+        f"One SpecForge 0.2.0 {name} step, gamma {args.gamma}, up to "
+        f"{rows} rows (B={args.batch}, "
         f"S={args.seq}, {args.anchors} anchors of {args.block}), "
         f"H={args.hidden}, V={args.vocab}, float32 on the CPU, "
         f"objective_chunk_blocks {args.chunk_blocks}; torch "
@@ -214,6 +274,8 @@ def main(argv=None):
             f"{r['seconds'] / r['floor_seconds']:.2f} | "
             f"{r['peak_bytes'] / 2**20:.0f} | {r['loss']:.6f} |")
     shipped, applied = results["shipped"], results["applied"]
+    for message in applied["fallbacks"]:
+        lines.append(f"\nThe applied step fell back: {message}")
     loss_error = abs(applied["loss"] - shipped["loss"]) / abs(shipped["loss"])
     want = grads["shipped"].double()
     grad_error = ((grads["applied"].double() - want).norm()
