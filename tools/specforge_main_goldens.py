@@ -156,9 +156,134 @@ def batch(seed, ignored):
     return hidden, weight, target_ids, weight_mask
 
 
-def run(model_class, case):
-    loss_type, lk, alpha, kl_scale, kl_decay, ignored, seed, _ = case
-    hidden, weight, target_ids, weight_mask = batch(seed, ignored)
+# The walk/prefix accepted-length metrics: module-level definitions of
+# main's dflash_family_model.py and of its dflash_metrics.py.
+WALK_NAMES = ("_scatter_accepted_prefix", "compute_walk_accepted_length_terms")
+PREFIX_NAMES = ("PrefixCounts", "_prefix_events", "hard_label_prefix_counts")
+ACCEPTANCE_TOP_K = 3  # _dflash_unary_diagnostics' top_k: the oracle's set.
+ACCEPTANCE_CHUNK = 2  # Blocks a chunk, scattered as main's metric chunks are.
+PLAIN = ("dflash", None, 0.5, 1.0, 1.0, False)
+# name: (seed, anchor positions [B][N], kept blocks [B][N]). Sorted anchors,
+# a dropped one at position 0 as _sample_anchor_positions leaves it; walks
+# that overlap the next anchors; a sequence with one anchor or none.
+ACCEPTANCE_CASES = {
+    "acceptance_walk_overlap": (
+        21, ((0, 2, 3, 7, 9), (1, 4, 6, 0, 0), (5, 0, 0, 0, 0)),
+        ((1, 1, 1, 1, 1), (1, 1, 1, 0, 0), (1, 0, 0, 0, 0))),
+    "acceptance_walk_sparse": (
+        22, ((0, 1, 2, 10, 14), (3, 8, 0, 0, 0), (0, 0, 0, 0, 0)),
+        ((1, 1, 1, 1, 1), (1, 1, 0, 0, 0), (0, 0, 0, 0, 0))),
+    "acceptance_all_valid": (
+        23, ((0, 3, 6, 9, 12), (2, 3, 4, 5, 6), (0, 5, 10, 15, 20)),
+        ((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 1, 1, 1))),
+}
+
+
+def load_definitions(path, names):
+    """The module-level definitions `names` of `path`, executed alone."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found = {node.name: node for node in tree.body
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+             and node.name in names}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SystemExit(f"{path}: no definition of {', '.join(missing)}")
+    module = ast.Module(body=[found[n] for n in names], type_ignores=[])
+    ast.fix_missing_locations(module)
+    from typing import NamedTuple, Optional, Tuple
+    namespace = {"torch": torch, "F": F, "NamedTuple": NamedTuple,
+                 "Optional": Optional, "Tuple": Tuple,
+                 "__name__": "specforge_main_metrics"}
+    exec(compile(module, path, "exec"), namespace)  # noqa: S102
+    return {n: namespace[n] for n in names}
+
+
+def acceptance_batch(seed, kept):
+    """Targets that are mostly the head's argmax (long accepted prefixes)
+    with misses, holes and weights of 0.5 (weighted, not supervised) in
+    the kept blocks; the dropped blocks unweighted; slot 0 unweighted. A
+    selector's greedy ids, mostly the target."""
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.tensor(kept, dtype=torch.bool)
+    b, n = kept.shape
+    hidden = torch.randn(b, n, K, H, generator=g, dtype=torch.float64)
+    weight = 0.9 * torch.randn(V, H, generator=g, dtype=torch.float64)
+    logits = hidden @ weight.T
+    top = logits.topk(ACCEPTANCE_TOP_K + 1, dim=-1).values
+    gap = (top[..., :-1] - top[..., 1:]).min()
+    if gap < 1e-4:  # A near tie would make the head's argmax a coin toss.
+        raise SystemExit(f"seed {seed}: logits {gap:.2g} apart; change it")
+    predicted = logits.argmax(dim=-1)
+    miss = torch.rand(b, n, K, generator=g) < 0.3
+    other = (predicted + torch.randint(1, V, (b, n, K), generator=g)) % V
+    target_ids = torch.where(miss, other, predicted)
+    weight_mask = kept.unsqueeze(-1).expand(b, n, K).double().clone()
+    weight_mask[..., 0] = 0
+    u = torch.rand(b, n, K, generator=g)
+    weight_mask[u < 0.1] = 0
+    weight_mask[(u >= 0.1) & (u < 0.18)] *= 0.5
+    slots = target_ids[..., 1:]
+    selector_ids = torch.where(
+        torch.rand(b, n, K - 1, generator=g) < 0.75, slots,
+        (slots + torch.randint(1, V, slots.shape, generator=g)) % V)
+    return (hidden, weight, target_ids, weight_mask), selector_ids
+
+
+def run_acceptance(model_class, walk, case):
+    """The objective's goldens on an acceptance batch, and main's walk and
+    prefix metrics as forward computes them (block slot 0 dropped,
+    supervised = weight_mask > 0.5, the accepted prefixes scattered chunk by
+    chunk into sampled-anchor order and summed)."""
+    seed, positions, kept = case
+    tensors, selector_ids = acceptance_batch(seed, kept)
+    hidden, weight, target_ids, weight_mask = tensors
+    arrays = run(model_class, PLAIN + (seed, "dflash {}"), tensors)
+    model = new_model(model_class, PLAIN, weight)
+    anchor_positions = torch.tensor(positions)
+    n = anchor_positions.shape[1]
+    with torch.no_grad():
+        unary = model._dflash_unary_diagnostics(hidden, target_ids,
+                                                top_k=ACCEPTANCE_TOP_K)
+    slots = target_ids[..., 1:]
+    predicted = unary.predicted_ids[..., 1:]
+    supervised = weight_mask[..., 1:] > 0.5
+    block_index = torch.arange(n).unsqueeze(0)
+
+    def scattered(ids):
+        return sum(
+            walk["_scatter_accepted_prefix"](
+                ids[:, c:c + ACCEPTANCE_CHUNK], slots[:, c:c + ACCEPTANCE_CHUNK],
+                supervised[:, c:c + ACCEPTANCE_CHUNK],
+                block_index[:, c:c + ACCEPTANCE_CHUNK], n)
+            for c in range(0, n, ACCEPTANCE_CHUNK))
+
+    block_valid = supervised.any(dim=-1)
+    counts = walk["hard_label_prefix_counts"](
+        predicted == slots, unary.target_is_candidate[..., 1:],
+        selector_ids == slots, supervised)
+    for name, ids in (("", predicted), ("selector_", selector_ids)):
+        accepted = scattered(ids)
+        arrays[name + "block_accepted"] = accepted.double().numpy()
+        arrays[name + "walk"] = np.array([
+            float(v) for v in walk["compute_walk_accepted_length_terms"](
+                accepted, anchor_positions, block_valid)])
+    arrays.update({
+        "anchor_positions": anchor_positions.numpy().astype(np.int64),
+        "selector_ids": selector_ids.numpy().astype(np.int64),
+        "prefix_reached": counts.reached.double().numpy(),
+        "prefix_accepted": counts.accepted.double().numpy(),
+        "selector_prefix_covered": counts.selector_covered.double().numpy(),
+        "selector_prefix_unary_correct":
+            counts.selector_unary_correct.double().numpy(),
+        "prefix_eligible": counts.eligible.double().numpy(),
+    })
+    return arrays
+
+
+def new_model(model_class, case, weight):
+    """A bare OnlineDFlashModel of `case` over the frozen head `weight`."""
+    loss_type, lk, alpha, kl_scale, kl_decay = case[:5]
     model = model_class.__new__(model_class)
     nn.Module.__init__(model)
     head = nn.Linear(H, V, bias=False).double()
@@ -173,6 +298,16 @@ def run(model_class, case):
     model.lk_loss_type = lk
     model.kl_scale = kl_scale
     model.kl_decay = kl_decay
+    return model
+
+
+def run(model_class, case, tensors=None):
+    """The objective's goldens of `case`, on batch(seed, ignored) or on
+    `tensors` (hidden, weight, target_ids, weight_mask)."""
+    loss_type, lk, alpha, kl_scale, kl_decay, ignored, seed, _ = case
+    hidden, weight, target_ids, weight_mask = (
+        batch(seed, ignored) if tensors is None else tensors)
+    model = new_model(model_class, case, weight)
     states = hidden.clone().requires_grad_()
     scale = (model._sequence_anchor_scale(weight_mask)
              if loss_type != "dflash" else None)
@@ -201,35 +336,53 @@ def run(model_class, case):
         **arrays,
         "target_ids": target_ids.numpy().astype(np.int64),
         "weight_mask": weight_mask.numpy(),
-        "hidden": hidden.reshape(-1, H).numpy(),
+        "hidden": hidden.reshape(-1, hidden.shape[-1]).numpy(),
         "weight": weight.numpy(),
         "terms": np.array([float(v.detach()) for v in values]),
-        "grad_hidden": grad.reshape(-1, H).numpy(),
+        "grad_hidden": grad.reshape(-1, hidden.shape[-1]).numpy(),
     }
+
+
+def write_case(directory, arrays, comment, num_anchors, loss):
+    os.makedirs(directory, exist_ok=True)
+    for array, value in arrays.items():
+        np.save(os.path.join(directory, array + ".npy"), value)
+    with open(os.path.join(directory, "config.textproto"), "w") as f:
+        f.write(f"# {comment}\n"
+                f"layout {{ block_size: {K} num_anchors: {num_anchors} }}\n"
+                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
+                f"loss {{ {loss} }}\n")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--specforge-file", required=True,
                         help="SpecForge main's dflash_family_model.py")
+    parser.add_argument("--specforge-metrics-file",
+                        help="SpecForge main's dflash_metrics.py; with it, "
+                        "the acceptance cases too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model_class = load_objective(args.specforge_file)
     for name, case in CASES.items():
-        directory = os.path.join(args.out, name)
-        os.makedirs(directory, exist_ok=True)
-        for array, value in run(model_class, case).items():
-            np.save(os.path.join(directory, array + ".npy"), value)
         loss_type, lk, alpha, kl_scale, kl_decay, ignored, _, loss = case
-        with open(os.path.join(directory, "config.textproto"), "w") as f:
-            f.write(
-                f"# SpecForge main OnlineDFlashModel(loss_type={loss_type!r}, "
-                f"lk_loss_type={lk!r}, dpace_alpha={alpha}, kl_scale="
-                f"{kl_scale}, kl_decay={kl_decay}); ignored targets: "
-                f"{ignored}\n"
-                f"layout {{ block_size: {K} num_anchors: {N} }}\n"
-                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
-                f"loss {{ {loss} }}\n")
+        write_case(
+            os.path.join(args.out, name), run(model_class, case),
+            f"SpecForge main OnlineDFlashModel(loss_type={loss_type!r}, "
+            f"lk_loss_type={lk!r}, dpace_alpha={alpha}, kl_scale="
+            f"{kl_scale}, kl_decay={kl_decay}); ignored targets: {ignored}",
+            N, loss)
+    if args.specforge_metrics_file:
+        walk = load_definitions(args.specforge_file, WALK_NAMES)
+        walk.update(load_definitions(args.specforge_metrics_file,
+                                     PREFIX_NAMES))
+        for name, case in ACCEPTANCE_CASES.items():
+            write_case(
+                os.path.join(args.out, name),
+                run_acceptance(model_class, walk, case),
+                "SpecForge main OnlineDFlashModel(loss_type='dflash'): its "
+                "walk/prefix accepted-length metrics (acceptance case)",
+                len(case[1][0]), "dflash {}")
 
 
 if __name__ == "__main__":

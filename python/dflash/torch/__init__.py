@@ -11,8 +11,14 @@
   weighed after the reduction).
 - selective_checkpoint_context_fn, checkpoint_options (CheckpointOptions): a
   dflash checkpoint policy for torch.utils.checkpoint.
+- accepted_prefix_lengths, walk_accepted_length_terms,
+  hard_label_prefix_counts (PrefixCounts): SpecForge main's accepted-length
+  metrics from the head's per-row outputs (argmax, target_is_candidate).
 """
 
+from dflash.torch.acceptance import (PrefixCounts, accepted_prefix_lengths,
+                                      hard_label_prefix_counts,
+                                      walk_accepted_length_terms)
 from dflash.torch.checkpoint_policy import (CheckpointOptions,
                                             checkpoint_options,
                                             selective_checkpoint_context_fn)
@@ -30,9 +36,13 @@ __all__ = [
     "HeadStats",
     "ObjectiveDiagnostics",
     "ObjectiveTerms",
+    "PrefixCounts",
+    "accepted_prefix_lengths",
     "checkpoint_options",
     "chunked_reduce",
     "dflash_objective",
+    "hard_label_prefix_counts",
     "selective_checkpoint_context_fn",
     "separate_numerators",
+    "walk_accepted_length_terms",
 ]
