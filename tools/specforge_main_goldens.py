@@ -12,6 +12,7 @@ holds none of SpecForge's code.
 
     python3 tools/specforge_main_goldens.py \\
         --specforge-file /path/to/dflash_family_model.py \\
+        --specforge-metrics-file /path/to/dflash_metrics.py \\
         --out tests/goldens/specforge_main
 
 Main's module imports packages specforge 0.2.0 does not have
@@ -40,6 +41,26 @@ Each case directory gets:
   terms.npy          float64, in TERMS order
   grad_hidden.npy    float64 [B * N * K, H]  d(loss)/d(hidden)
   loss_weight.npy    float64 [K], without ignored targets: loss_weight_num
+
+With --specforge-metrics-file (main's
+specforge/algorithms/common/dflash_metrics.py) the acceptance_* cases too:
+plain DFlash objective cases (the files above, five anchors a sequence,
+targets mostly the head's argmax) that also hold main's walk/prefix
+accepted-length metrics, as its forward computes them with block slot 0
+dropped and supervised = weight_mask > 0.5: `_scatter_accepted_prefix`
+chunk by chunk (ACCEPTANCE_CHUNK blocks) into sampled-anchor order and
+summed, `compute_walk_accepted_length_terms` (both module-level in
+dflash_family_model.py) and `hard_label_prefix_counts`, the oracle's
+candidates `_dflash_unary_diagnostics`' top ACCEPTANCE_TOP_K:
+
+  anchor_positions.npy              int64 [B, N], sorted; dropped ones at 0
+  selector_ids.npy                  int64 [B, N, K - 1], a selector's path
+  block_accepted.npy                float64 [B, N] (SpecForge's float32)
+  walk.npy                          float64 [2]: accepted total, visits
+  selector_block_accepted.npy, selector_walk.npy   the same, selector_ids'
+  prefix_reached.npy, prefix_accepted.npy          float64 [3, K]
+  selector_prefix_covered.npy, selector_prefix_unary_correct.npy,
+  prefix_eligible.npy                              float64 [K]
 """
 
 import argparse
