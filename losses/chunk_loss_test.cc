@@ -451,6 +451,37 @@ TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
   }
 }
 
+// Masks that float32 does not hold (4/3 + r/97): a float64 chunk keeps
+// them (RowMeta::mask is a double), so every family's terms match the naive
+// float64 reference to 1e-12 relative; with the masks rounded to float32
+// the weights would differ by about 1e-8.
+TEST_P(LossCaseTest, Float64MasksAreKeptExactly) {
+  Problem p = problem(11);
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (p.rows[r].mask > 0) p.rows[r].mask *= 4.0 / 3 + r / 97.0;
+  }
+  const Reference ref = Naive(config(), p);
+  std::vector<double> grad;
+  std::vector<float> confidence_grad;
+  auto terms = RunDouble(config(), p, grad, confidence_grad);
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  ASSERT_GT(ref.den, 0);
+  auto near = [](double actual, double wanted) {
+    return std::abs(actual - wanted) <= 1e-12 * std::max(1.0, std::abs(wanted));
+  };
+  EXPECT_PRED2(near, terms->loss_num, ref.num);
+  EXPECT_PRED2(near, terms->loss_den, ref.den);
+  EXPECT_PRED2(near, terms->accuracy_den, ref.acc_den);
+  EXPECT_PRED2(near, terms->correct, ref.correct);
+  EXPECT_PRED2(near, terms->target_probability, ref.target_probability);
+  EXPECT_PRED2(near, terms->ce_num, ref.ce_num);
+  EXPECT_PRED2(near, terms->tv_num, ref.tv_num);
+  // The masks rounded to float32 give another accuracy_den: the test tells
+  // them apart.
+  for (RowMeta& m : p.rows) m.mask = static_cast<float>(m.mask);
+  EXPECT_GT(std::abs(Naive(config(), p).acc_den - ref.acc_den), 1e-10);
+}
+
 TEST_P(LossCaseTest, GradientMatchesFiniteDifferences) {
   const Problem p = problem(5);
   const v1::LossConfig c = config();

@@ -127,14 +127,17 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   std::vector<cuda::Row> rows(n);
   for (int64_t r = 0; r < n; ++r) {
     const RowMeta& meta = inputs.rows[r];
-    const float mask = EffectiveMask(loss, meta.target, meta.mask);
+    const double mask = EffectiveMask(loss, meta.target, meta.mask);
     if (!inputs.rows_checked && mask != 0 && meta.target != loss.ignore_index &&
         (meta.target < 0 || meta.target >= vocab)) {
       return RowError(r, absl::StrCat("target id ", meta.target,
                                       " is outside [0, ", vocab, ")"));
     }
-    rows[r] = {mask != 0 ? meta.target : 0, meta.position, mask,
-               RowLossWeight(loss, meta.position, mask),
+    // The kernels read the mask in float32, as the CUDA head computes
+    // (CUDA runs float32 or bfloat16; the binding gives them float32
+    // masks), and the weight in double, as the CPU's.
+    rows[r] = {mask != 0 ? meta.target : 0, meta.position,
+               static_cast<float>(mask), RowLossWeight(loss, meta.position, mask),
                DPaceRowScale(loss, meta.sequence_share)};
   }
   std::vector<int32_t> block_begin;

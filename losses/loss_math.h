@@ -132,9 +132,9 @@ DFLASH_HOST_DEVICE inline double FlooredLossDen(double den) {
 
 // The mask a row counts with: 0 where its target is ignore_index, unless
 // the convention counts such rows (LossParams::count_ignored).
-DFLASH_HOST_DEVICE inline float EffectiveMask(const LossParams& p,
-                                              int32_t target, float mask) {
-  return target == p.ignore_index && !p.count_ignored ? 0.0f : mask;
+DFLASH_HOST_DEVICE inline double EffectiveMask(const LossParams& p,
+                                               int32_t target, double mask) {
+  return target == p.ignore_index && !p.count_ignored ? 0.0 : mask;
 }
 
 // Whether a row with a mask has a target class. Without one (its target

@@ -14,7 +14,11 @@ namespace dflash {
 struct RowMeta {
   int32_t target = 0;    // Token id the row predicts.
   int32_t position = 0;  // k in [0, K): position inside its anchor block.
-  float mask = 0;        // Weight mask m (docs/semantics.md section 2).
+  // Weight mask m (docs/semantics.md section 2), in double so that a
+  // float64 run keeps a mask such as 1/3 exactly (the binding rounds a
+  // float32 run's masks to float32). The struct stays 32 bytes: the double
+  // fills what was padding before `block`.
+  double mask = 0;
   int64_t block = 0;     // Anchor block id (b * N + n); orders block weights.
   // 1 / (anchor blocks with weight in the row's sequence): the factor of
   // its weight under D-PACE's SEQUENCE_BALANCED denominator, which alone

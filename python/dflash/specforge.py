@@ -1009,9 +1009,11 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
     # > 0.5: accuracy) must be eval_weight_mask's.
     mask = weight_mask.double() / decay
     evaluated = eval_weight_mask
-    # Also as float32, which dflash's core stores masks in today.
+    # And as the head takes them: a float64 run keeps them, any other
+    # rounds them to float32.
+    taken = mask if hidden.dtype == torch.float64 else mask.float()
     if any(bool(((m > bound) != (evaluated > bound)).any())
-           for m in (mask, mask.float()) for bound in (0.0, 0.5)):
+           for m in (mask, taken) for bound in (0.0, 0.5)):
         return _Fallback(
             "domino:weights",
             "loss weights that cross 0 or 0.5 elsewhere than "

@@ -118,6 +118,37 @@ TEST(RowsOfTest, BadTargetsAndMasksNameTheElement) {
             "weight_mask[0, 0, 1]: must be finite and >= 0, got nan");
 }
 
+TEST(RowsOfTest, MasksInTheTermsDtype) {
+  std::vector<int64_t> ids = {0, 1};
+  std::vector<double> mask = {1.0 / 3, 0.1};
+  const TensorArg target_ids = Arg("target_ids", ids, "int64", {1, 1, 2});
+  const TensorArg weight_mask = Arg("weight_mask", mask, "float64", {1, 1, 2});
+  // A float64 run keeps float64 masks exactly; a float32 run rounds them.
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      RowsOf(target_ids, weight_mask, 10, -100, false, /*float64_terms=*/true);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ((*rows)[0].mask, 1.0 / 3);
+  EXPECT_EQ((*rows)[1].mask, 0.1);
+  rows = RowsOf(target_ids, weight_mask, 10, -100);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ((*rows)[0].mask, static_cast<double>(1.0f / 3));
+  EXPECT_EQ((*rows)[1].mask, static_cast<double>(0.1f));
+  // Their sum may then exceed float32, not float64.
+  mask[0] = mask[1] = 3e38;
+  EXPECT_TRUE(RowsOf(target_ids, weight_mask, 10, -100, false, true).ok());
+  EXPECT_EQ(RowsOf(target_ids, weight_mask, 10, -100).status().message(),
+            "weight_mask: its values sum to more than float32 holds "
+            "(3.40282e+38) by weight_mask[0, 0, 1] = 3e+38; the loss and "
+            "accuracy denominators would be inf");
+  mask[0] = mask[1] = 1e308;
+  EXPECT_EQ(RowsOf(target_ids, weight_mask, 10, -100, false, true)
+                .status()
+                .message(),
+            "weight_mask: its values sum to more than float64 holds "
+            "(1.79769e+308) by weight_mask[0, 0, 1] = 1e+308; the loss and "
+            "accuracy denominators would be inf");
+}
+
 TEST(ConfigFromFileTest, NamesTheFileAndTheReason) {
   EXPECT_EQ(ConfigFromFile("/nonexistent.textproto").status().message(),
             "config: /nonexistent.textproto: cannot open: No such file or "

@@ -288,14 +288,17 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                             const TensorArg& weight_mask,
                                             int64_t vocab,
                                             int64_t ignore_index,
-                                            bool count_ignored) {
+                                            bool count_ignored,
+                                            bool float64_terms) {
   const int64_t b_size = target_ids.shape[0], n_size = target_ids.shape[1],
                 k_size = target_ids.shape[2];
   std::vector<RowMeta> rows;
   rows.reserve(static_cast<size_t>(b_size * n_size * k_size));
-  // The masks are kept as float32 and their sums (loss_den, accuracy_den)
-  // returned in it: a sum beyond float32 would be inf.
-  constexpr double kFloat32Max = std::numeric_limits<float>::max();
+  // The masks are kept in the terms' dtype and their sums (loss_den,
+  // accuracy_den) returned in it: a sum beyond it would be inf.
+  const double max_sum = float64_terms ? std::numeric_limits<double>::max()
+                                       : std::numeric_limits<float>::max();
+  const char* terms_dtype = float64_terms ? "float64" : "float32";
   double mask_sum = 0;
   const std::vector<int64_t>& ts = target_ids.strides;
   const std::vector<int64_t>& ms = weight_mask.strides;
@@ -310,10 +313,11 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                            ": must be finite and >= 0, got ", mask));
         }
         mask_sum += mask;
-        if (mask_sum > kFloat32Max) {
+        if (!(mask_sum <= max_sum)) {
           return absl::InvalidArgumentError(absl::StrCat(
-              weight_mask.name, ": its values sum to more than float32 holds (",
-              kFloat32Max, ") by ", Element(weight_mask, b, n, k), " = ", mask,
+              weight_mask.name, ": its values sum to more than ", terms_dtype,
+              " holds (", max_sum, ") by ",
+              Element(weight_mask, b, n, k), " = ", mask,
               "; the loss and accuracy denominators would be inf"));
         }
         const int64_t target =
@@ -334,9 +338,11 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                 ") where weight_mask > 0, got ", target));
           }
           meta.target = static_cast<int32_t>(target);
-          // RowMeta's precision: float32 today (losses/row_meta.h), so a
-          // float64 mask such as 1/3 is rounded here, and only here.
-          meta.mask = static_cast<decltype(meta.mask)>(mask);
+          // In the terms' dtype: a float32 run rounds a float64 mask such
+          // as 1/3 here, and only here; a float64 run keeps it.
+          meta.mask = float64_terms ? mask
+                                    : static_cast<double>(
+                                          static_cast<float>(mask));
         }
         rows.push_back(meta);
       }
@@ -372,7 +378,8 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
       const std::vector<RowMeta> rows,
       RowsOf(tensors.target_ids, tensors.weight_mask, bound.head().vocab_size(),
              bound.loss().cross_entropy().ignore_index(),
-             LossParamsOf(bound.loss()).count_ignored));
+             LossParamsOf(bound.loss()).count_ignored,
+             tensors.hidden.dtype == "float64"));
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<HeadResult> result =
       dtype == "float64"

@@ -90,8 +90,9 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
     const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
     bool trainable);
 
-// The rows' metadata. Masks must be finite, >= 0, and sum to what float32
-// holds; where a mask is > 0, a target must lie in [0, vocab) or equal
+// The rows' metadata. Masks must be finite, >= 0, and sum to what the
+// terms' dtype holds (float64 with `float64_terms`, a float64 run, which
+// keeps them exactly; else float32, to which they are rounded); where a mask is > 0, a target must lie in [0, vocab) or equal
 // ignore_index, whose row carries nothing (mask 0) unless `count_ignored`
 // (loss.cross_entropy.ignored_target_weight COUNT: it keeps its mask and
 // target). Errors name the element, e.g. "target_ids[1, 0, 3]".
@@ -99,7 +100,8 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                             const TensorArg& weight_mask,
                                             int64_t vocab,
                                             int64_t ignore_index,
-                                            bool count_ignored = false);
+                                            bool count_ignored = false,
+                                            bool float64_terms = false);
 
 // Checks every tensor (dtype, device, shape, contiguity; errors name the
 // argument), binds `config` to them and runs the head once, forward and

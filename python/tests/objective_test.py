@@ -211,6 +211,79 @@ class FiniteDifferenceTest(unittest.TestCase):
                                    (up - down) / (2 * step), delta=1e-4)
 
 
+class Float64MaskTest(unittest.TestCase):
+    """A float64 run keeps float64 weight masks (1/3, decay weights) exactly:
+    terms and gradients within 1e-12 of plain torch in float64."""
+
+    def batch(self, seed=3, B=2, N=3, K=4, H=6, V=11):
+        generator = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(B, N, K, H, generator=generator,
+                             dtype=torch.float64)
+        weight = torch.randn(V, H, generator=generator, dtype=torch.float64)
+        target_ids = torch.randint(0, V, (B, N, K), generator=generator)
+        return hidden, weight, target_ids
+
+    def masks(self, shape):
+        k = torch.arange(shape[2], dtype=torch.float64)
+        thirds = torch.full(shape, 1.0 / 3, dtype=torch.float64)
+        thirds[0, 1] = 2.0 / 3
+        thirds[1, 0, 1] = 0.0
+        # SpecForge's decayed weights handed over as the mask.
+        decayed = torch.exp(-k / 5.0).expand(shape) * thirds
+        return {"thirds": thirds, "decayed": decayed}
+
+    def assertClose(self, actual, wanted, what):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"{what}: {m}")
+
+    def test_ce_with_float64_masks(self):
+        hidden, weight, target_ids = self.batch()
+        for name, mask in self.masks(target_ids.shape).items():
+            for gamma in (None, 7.0):
+                loss = "dflash { }" if gamma is None else (
+                    f"dflash {{ gamma: {gamma} }}")
+                what = f"{name} gamma {gamma}"
+                h = hidden.clone().requires_grad_()
+                w = weight.clone().requires_grad_()
+                terms = dflash_objective(
+                    h, w, target_ids, mask,
+                    config=f"chunking {{ blocks_per_chunk: 2 }} "
+                           f"loss {{ {loss} }}")
+                self.assertEqual(terms.loss_num.dtype, torch.float64)
+                (terms.loss_num / terms.loss_den).backward()
+                # Plain torch: CE weighted by mask x exp(-max(k - 1, 0) /
+                # gamma).
+                h_ref = hidden.clone().requires_grad_()
+                w_ref = weight.clone().requires_grad_()
+                k = torch.arange(hidden.shape[2], dtype=torch.float64)
+                row_w = mask * (1.0 if gamma is None else
+                                torch.exp(-(k - 1).clamp(min=0) / gamma))
+                ce = torch.nn.functional.cross_entropy(
+                    (h_ref @ w_ref.T).flatten(0, 2), target_ids.flatten(),
+                    reduction="none").view_as(row_w)
+                loss_num, loss_den = (row_w * ce).sum(), row_w.sum()
+                (loss_num / loss_den).backward()
+                self.assertClose(terms.loss_num, loss_num.detach(),
+                                 f"{what} loss_num")
+                self.assertClose(terms.loss_den, loss_den, f"{what} loss_den")
+                self.assertClose(terms.accuracy_den, mask.sum(),
+                                 f"{what} accuracy_den")
+                self.assertClose(h.grad, h_ref.grad, f"{what} d/d(hidden)")
+                self.assertClose(w.grad, w_ref.grad, f"{what} d/d(weight)")
+
+    def test_float32_runs_round_float64_masks(self):
+        # A float32 run takes the masks in float32, as before: a float64
+        # mask gives what its float32 rounding gives.
+        hidden, weight, target_ids = self.batch()
+        mask = self.masks(target_ids.shape)["thirds"]
+        runs = [dflash_objective(hidden.float(), weight.float(), target_ids, m,
+                                 config="loss { dflash { gamma: 7 } }")
+                for m in (mask, mask.float())]
+        for name in ("loss_num", "loss_den", "correct_num", "accuracy_den"):
+            self.assertEqual(getattr(runs[0], name).item(),
+                             getattr(runs[1], name).item(), name)
+
+
 class RowOutputsTest(unittest.TestCase):
     def test_neg_log_q_argmax_and_top_k(self):
         f = reference.FAMILIES[0]

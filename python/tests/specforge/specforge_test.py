@@ -180,11 +180,15 @@ class Case(unittest.TestCase):
         dsf.revert()
         self.addCleanup(dsf.revert)
 
-    def assertSame(self, got, want, tolerance, what=""):
+    def assertSame(self, got, want, tolerance, what="", loose=None):
+        """`loose` names outputs (by prefix) compared with another
+        tolerance."""
         self.assertEqual(sorted(got), sorted(want), what)
         for name, reference in want.items():
             value = got[name]
             where = f"{what} {name}"
+            rtol = next((t for prefix, t in (loose or {}).items()
+                         if name.startswith(prefix)), tolerance)
             self.assertIs(type(value), type(reference), where)
             self.assertEqual(value.dtype, reference.dtype, where)
             self.assertEqual(value.device, reference.device, where)
@@ -194,8 +198,8 @@ class Case(unittest.TestCase):
             finite = reference.detach()[reference.detach().isfinite()]
             scale = finite.abs().max().item() if finite.numel() else 0.0
             torch.testing.assert_close(
-                value.detach(), reference.detach(), rtol=tolerance,
-                atol=tolerance * scale, equal_nan=True, msg=lambda m: (
+                value.detach(), reference.detach(), rtol=rtol,
+                atol=rtol * scale, equal_nan=True, msg=lambda m: (
                     f"{where}: {m}"))
 
     def compare(self, what, tolerance=None, heads=1, fallback=False,
@@ -752,7 +756,8 @@ def float64_upcasts():
 
 class FamilyCase(Case):
     def compare_family(self, what, make, dtype=torch.float64, tolerance=None,
-                       forward_kwargs=None, heads=1, upcasts=False):
+                       forward_kwargs=None, heads=1, upcasts=False,
+                       loose=None):
         """SpecForge's DSpark or Domino model as shipped and after apply():
         the same outputs and gradients, `heads` head calls, no fallback."""
         forward_kwargs = forward_kwargs or {}
@@ -769,17 +774,22 @@ class FamilyCase(Case):
             dsf.revert()
         self.assertEqual([str(w.message) for w in caught], [], what)
         self.assertEqual(counter.calls, heads, what)
-        self.assertSame(patched, shipped, tolerance or TOLERANCE[dtype], what)
+        self.assertSame(patched, shipped, tolerance or TOLERANCE[dtype], what,
+                        loose)
         return shipped
 
 
 # SpecForge computes DSpark's L1, softmaxes and confidence terms in float32
 # (its .float() upcasts) also for a float64 model.
 SPECFORGE_FLOAT32 = 2e-5
-# With a decay the head takes the weights as mask x its own float64 decay,
-# the mask SpecForge's (float32) decayed weight over it; dflash's core keeps
-# masks in float32 today, which rounds that ratio (about 1e-8 relative).
-DECAY_TOLERANCE = 1e-7
+# With a decay the head's mask is SpecForge's eval mask times a
+# per-position factor (SpecForge's float32 decay over the head's float64
+# one, 1 within about 1e-8); the patch divides it out of the per-position
+# sums, but DSpark's top-1 probability sums come from the head as scalars,
+# weighted by the mask: about 1e-8 relative. Every loss term and gradient
+# is within 1e-9.
+DECAYED_TOP1 = {"metrics.ratio_metrics.teacher_top1_prob": 1e-7,
+                "metrics.ratio_metrics.draft_top1_prob": 1e-7}
 
 
 class DSparkTest(FamilyCase):
@@ -832,8 +842,8 @@ class DSparkTest(FamilyCase):
             "dspark vanilla float64 gamma 5",
             make_dspark(lambda: dspark_draft("vanilla", confidence=False),
                         gamma=5.0, chunk=0),
-            tolerance=DECAY_TOLERANCE,
-            forward_kwargs={"target_last_hidden_states": True}, upcasts=True)
+            forward_kwargs={"target_last_hidden_states": True}, upcasts=True,
+            loose=DECAYED_TOP1)
 
     def test_float32(self):
         for markov in ("vanilla", "rnn"):
@@ -875,7 +885,6 @@ class DominoTest(FamilyCase):
                 self.compare_family(
                     f"domino shift {shift} gamma 7 lambda {lambda_base}",
                     make_domino(lambda: domino_draft(shift), shift, 7.0),
-                    tolerance=DECAY_TOLERANCE,
                     forward_kwargs={"lambda_base": lambda_base})
 
     def test_float32_and_chunks(self):
