@@ -9,7 +9,8 @@
   METADATA) is dflash.__version__;
 - with mypy in this Python (CI's newer-torch venv has it), `mypy --strict`
   accepts the package and a typed use of it from the installed wheel, and
-  rejects a misuse; stubtest finds the stub consistent with the extension.
+  rejects a misuse; `python -m mypy.stubtest` finds the declarations in
+  _core.pyi consistent with the built extension.
 """
 
 import ast
