@@ -196,13 +196,13 @@ class _Patch:
         self.module = module
         self.drafts = drafts
         self.version = version
-        self.cls: Any = module.OnlineDFlashModel
         self.domino_cls: Any = module.OnlineDominoModel
         # (class, method name) -> SpecForge's function.
         self.originals: Dict[Tuple[Any, str], Any] = {
             (getattr(module, cls), name): vars(getattr(module, cls))[name]
             for cls, name in _REPLACED}
-        self.original_dpace_weight: Any = self.cls.__dict__["_dpace_weight"]
+        self.original_dpace_weight: Any = vars(
+            module.OnlineDFlashModel)["_dpace_weight"]
         self.original_reduce: Callable[..., Tuple[torch.Tensor, ...]] = (
             module.checkpointed_chunk_reduce)
         self.original_domino_forward: Any = vars(self.domino_cls)["forward"]
@@ -542,10 +542,8 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
         return _Fallback(
             "dpace_weight", f"{type(model).__name__} overrides _dpace_weight")
     head = model.lm_head
-    reason = _head_reason(head)
-    if reason is None:
-        reason = _tensor_reason(head, hidden, target_ids, weight_mask,
-                                int(model.block_size), counts_ignored=True)
+    reason = _common_reason(model, hidden, target_ids, weight_mask,
+                            counts_ignored=True)
     if reason is not None:
         return reason
 
@@ -582,15 +580,9 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
         mask = weight_mask
     num_dtype = torch.promote_types(hidden.dtype, mask.dtype)
 
-    batch, blocks = hidden.shape[:2]
     try:
-        resolved = objective_config(
-            config, chunk_blocks=batch * (chunk_blocks or blocks),
-            **patch.overrides)
-        terms = dflash_objective(
-            hidden, head.weight, target_ids, mask, config=resolved,
-            lm_head_bias=head.bias, prepared_projection=_prepared(head),
-            return_rows=decayed)
+        terms = _head_call(patch, hidden, head, target_ids, mask, config,
+                           chunk_blocks, return_rows=decayed)
     except ValueError as error:
         return _Fallback("refused", f"dflash refused the batch ({error})")
 
@@ -686,13 +678,13 @@ def _z_reason(z: object, hidden: torch.Tensor,
 
 
 def _common_reason(model: Any, hidden: torch.Tensor,
-                   target_ids: torch.Tensor,
-                   mask: torch.Tensor) -> Optional[_Fallback]:
+                   target_ids: torch.Tensor, mask: torch.Tensor,
+                   counts_ignored: bool = False) -> Optional[_Fallback]:
     head = model.lm_head
     reason = _head_reason(head)
     if reason is None:
         reason = _tensor_reason(head, hidden, target_ids, mask,
-                                int(model.block_size))
+                                int(model.block_size), counts_ignored)
     return reason
 
 
@@ -1062,7 +1054,8 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
         return torch.tensor(float(value), dtype=torch.float32, device=device)
 
     return (final_num, base_num, weight_mask.sum(),
-            count(terms.correct_num), count(family["base_correct_num"]),
+            terms.correct_num.detach().float(),
+            count(family["base_correct_num"]),
             eval_weight_mask.sum(), count(family["accept_num"]),
             count(family["base_accept_num"]), count(family["accept_den"]))
 
