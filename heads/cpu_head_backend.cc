@@ -133,6 +133,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
                                               {}, head.vocab_size(),
                                               head.correction_rank()));
     }
+    options_ = ChunkLossOptionsOf(config_, spec.vocab_shard);
     DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
                             CpuChunkLoss<T>::Create(params_, options_));
     loss_.emplace(std::move(loss));
@@ -357,7 +358,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
   const v1::ObjectiveConfig& config_;
   TrackingAllocator& allocator_;
   LossParams params_;  // The run's (Start).
-  const ChunkLossOptions options_;
+  ChunkLossOptions options_;  // With the run's vocab_shard from Start.
   std::optional<CpuChunkLoss<T>> loss_;  // From Start.
   LossTraits traits_;
   bool confidence_ = false;

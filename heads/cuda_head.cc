@@ -363,6 +363,11 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
       !ok.ok()) {
     return ok;
   }
+  if (options.vocab_shard != nullptr) {
+    return absl::InvalidArgumentError(
+        "vocab_shard: the CUDA head does not run vocab-parallel yet (run the "
+        "CPU head, or set none)");
+  }
   CudaHeadBackend<T> backend(config, blas);
   absl::StatusOr<HeadResult> result =
       RunHeadOn<T>(config, inputs, gradients, backend, row_outputs, options);

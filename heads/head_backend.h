@@ -29,6 +29,8 @@ struct HeadRunSpec {
   const HeadRowOutputs* row_outputs = nullptr;
   absl::Span<const int64_t> active;
   const PreparedProjection* prepared_projection = nullptr;  // Or none.
+  // HeadOptions::vocab_shard: the chunk loss's (ChunkLossOptions).
+  const VocabShard* vocab_shard = nullptr;
 };
 
 // What the head needs from the device it runs on: memory, the projection,

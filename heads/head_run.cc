@@ -509,7 +509,7 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   DFLASH_RETURN_IF_ERROR(backend_.Start(
       {&config_, &params_, &inputs_,
        forward_only_ ? &no_gradients_ : &gradients_, &row_outputs_, active_,
-       options.prepared_projection}));
+       options.prepared_projection, options.vocab_shard}));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
   // input-gradient products: now, where the rows alone decide it.

@@ -18,6 +18,7 @@
 #include "checkpoint/checkpoint_context.h"
 #include "chunking/chunk_plan.h"
 #include "losses/chunk_loss.h"
+#include "losses/vocab_shard.h"
 #include "proto/objective.pb.h"
 
 namespace dflash {
@@ -123,14 +124,18 @@ struct HeadResult {
 // What the head adds to its loss: the layout's block size, the head's logit
 // transform and its metric_top_k (capped at the vocabulary; none for
 // domino, whose loss reports SpecForge's own telemetry instead).
-inline ChunkLossOptions ChunkLossOptionsOf(const v1::ObjectiveConfig& config) {
+// With a vocab_shard, metric_top_k is capped at the whole vocabulary.
+inline ChunkLossOptions ChunkLossOptionsOf(
+    const v1::ObjectiveConfig& config,
+    const VocabShard* vocab_shard = nullptr) {
   const v1::HeadConfig& head = config.head();
+  const int64_t vocab =
+      vocab_shard != nullptr ? vocab_shard->vocab : head.vocab_size();
   const int64_t top_k = config.loss().has_domino()
                             ? 0
-                            : std::min<int64_t>(head.metric_top_k(),
-                                                head.vocab_size());
+                            : std::min<int64_t>(head.metric_top_k(), vocab);
   return {config.layout().block_size(), head.logit_scale(),
-          head.logit_softcap(), static_cast<int32_t>(top_k)};
+          head.logit_softcap(), static_cast<int32_t>(top_k), vocab_shard};
 }
 
 struct HeadOptions {
@@ -153,6 +158,25 @@ struct HeadOptions {
   // as FUSED does) and no gradient written. The HeadGradients may then be
   // empty (any given are left alone, confidence's included).
   bool forward_only = false;
+  // A vocab-parallel CPU head (borrowed; null: the whole vocabulary here):
+  // head.vocab_size is this process's number of classes (the rows of
+  // inputs.weight, inputs.bias and inputs.correction_weight here), classes
+  // [offset, offset + head.vocab_size) of vocab_shard->vocab. Every process
+  // of the exchange's group calls the head with the same config (but
+  // vocab_size), rows, hidden states and options, at the same time.
+  // Target ids are checked against the whole vocabulary; row_outputs'
+  // argmax and top-k ids are global; the loss, terms and row outputs equal
+  // the single-process run's (float64 within 1e-12 relative, float32 1e-6)
+  // and are bitwise equal on every process. gradients.weight, .bias and
+  // .correction_weight are this shard's rows of the single-process
+  // gradients; gradients.hidden and .correction_inputs are this process's
+  // partial sums: the caller sums them over the group (an all-reduce) to
+  // get the single-process gradients. gradients.confidence is whole on
+  // every process. An error on one process is an error on every process.
+  // Not with checkpoint.memory_budget_bytes (the processes' logits differ
+  // in width, so a byte budget could keep different chunks), loss.domino
+  // or a split correction; the CUDA head refuses a shard.
+  const VocabShard* vocab_shard = nullptr;
 };
 
 }  // namespace dflash

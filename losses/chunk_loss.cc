@@ -16,6 +16,7 @@
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "losses/term_slots.h"
+#include "losses/vocab_shard.h"
 
 namespace dflash {
 namespace {
@@ -188,7 +189,29 @@ absl::Status CheckSize(const char* name, size_t size, int64_t expected,
 
 }  // namespace
 
-absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options) {
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options,
+                                      bool vocab_parallel) {
+  if (const VocabShard* shard = options.vocab_shard; shard != nullptr) {
+    if (!vocab_parallel) {
+      return absl::InvalidArgumentError(
+          "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
+          "none, or run the CPU loss)");
+    }
+    if (shard->exchange == nullptr) {
+      return absl::InvalidArgumentError(
+          "vocab_shard.exchange: must be set, got none");
+    }
+    if (shard->vocab <= 0 ||
+        shard->vocab > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "vocab_shard.vocab: must lie in [1, 2^31), got ", shard->vocab));
+    }
+    if (shard->offset < 0 || shard->offset >= shard->vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("vocab_shard.offset: must lie in [0, vocab = ",
+                       shard->vocab, "), got ", shard->offset));
+    }
+  }
   if (options.block_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk loss: block_size must be >= 1, got ", options.block_size));
@@ -1098,7 +1121,12 @@ double WeightedSequences(const LossParams& params,
 template <typename T>
 absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options) {
-  DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
+  DFLASH_RETURN_IF_ERROR(
+      ValidateChunkLossOptions(options, /*vocab_parallel=*/true));
+  if (options.vocab_shard != nullptr) {
+    return absl::UnimplementedError(
+        "vocab_shard: the CPU loss does not run vocab-parallel yet");
+  }
   return CpuChunkLoss(params, options);
 }
 

@@ -138,6 +138,24 @@ struct ChunkLossOutputs {
 // batch's loss_den is WeightedSequences). Accumulation in
 // double. A row whose weight is 0 gets a zero gradient and no other work.
 // Uses O(vocab) scratch for BFloat16, softcaps and teacher rows.
+//
+// Vocab-parallel (options.vocab_shard set): each process of the shard's
+// group holds classes [offset, offset + inputs.vocab) of the whole
+// vocabulary shard->vocab (the logits' width, teacher's alike) and calls Run
+// on the same chunk (the same rows, k and outputs) at the same time; Run
+// exchanges per-row records through shard->exchange (a few AllGathers per
+// chunk, the same calls on every process) and merges them in rank order.
+// Then: target ids are checked against the whole vocabulary; argmax, top-k
+// ids (ties to the lower global id) and every id output are global; the
+// terms and every per-row output equal the single-process run's (up to
+// rounding: the row sums are added shard by shard) and are bitwise equal on
+// every process; the logits are overwritten with this range's part of
+// d(loss_num)/d(logits). The ranges must tile [0, vocab) in rank order, one
+// class at least each, with agreeing vocab and chunk shapes: else an
+// InvalidArgument on every process. An error on one process (a non-finite
+// logit, ...) is an error on every process (the others' names the process
+// and, where it has one, the row), never a hang. Domino (two logit tensors)
+// is refused.
 template <typename T>
 class CpuChunkLoss {
  public:
@@ -227,8 +245,11 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossOutputs& outputs = {});
 
 // The options' checks: block_size >= 1, logit_scale finite and > 0,
-// logit_softcap finite and >= 0.
-absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options);
+// logit_softcap finite and >= 0; a vocab_shard (its offset >= 0, vocab in
+// [1, 2^31), an exchange) only where `vocab_parallel` (the CPU loss), else
+// it is refused (the CUDA loss runs whole rows).
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options,
+                                      bool vocab_parallel = false);
 
 // The checks CpuChunkLoss::Run makes before any work: span sizes, block
 // positions and masks (unless inputs.rows_checked), and, for block-coupled

@@ -11,6 +11,8 @@
 
 namespace dflash {
 
+struct VocabShard;  // losses/vocab_shard.h
+
 // The loss family, as LossConfig's `family` oneof sets it.
 enum class LossFamily : int32_t {
   kNone = 0,
@@ -85,11 +87,20 @@ struct LossParams {
 // The teacher's logits, from the same head, get the same transform.
 // metric_top_k > 0 adds the top-k diagnostics (the target among the k
 // largest z', their probability mass) to the terms; at most min(64, V).
+//
+// vocab_shard (borrowed; null: the whole vocabulary is here) makes the CPU
+// loss vocab-parallel: the logits' width (ChunkLossInputs::vocab) is this
+// process's classes [offset, offset + width) of vocab_shard->vocab, and
+// every process of the exchange's group runs the same chunks in the same
+// order (docs/semantics.md, "Vocab-parallel loss"). Target ids, argmax and
+// top-k ids are global; metric_top_k and outputs.k are bounded by the
+// whole vocabulary. The CUDA loss refuses a shard.
 struct ChunkLossOptions {
   int64_t block_size = 1;
   double logit_scale = 1;
   double logit_softcap = 0;
   int32_t metric_top_k = 0;
+  const VocabShard* vocab_shard = nullptr;
 };
 
 }  // namespace dflash
