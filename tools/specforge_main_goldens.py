@@ -61,10 +61,34 @@ candidates `_dflash_unary_diagnostics`' top ACCEPTANCE_TOP_K:
   prefix_reached.npy, prefix_accepted.npy          float64 [3, K]
   selector_prefix_covered.npy, selector_prefix_unary_correct.npy,
   prefix_eligible.npy                              float64 [K]
+
+and the selector_* cases: main's objective with a DFlash2 candidate selector
+(SelectorStandIn below, top SELECTOR_TOP_K, an identity
+transform_unary_logits) and its metric chunk terms with the target model's
+states, all with main's `.float()` upcasts kept in float64 (float64_casts).
+Besides the objective files above (terms.npy and grad_hidden.npy without
+the selector, for the C++ goldens tests; loss_weight.npy float64-exact):
+
+  teacher_hidden.npy          float64 [B * N * K, H], aligned to the rows
+  selector_embed.npy, selector_proj.npy   the stand-in selector's tables
+  selector_settings.npy       [selector_loss_alpha, selector_stop_gradient,
+                              top_k]
+  selector_candidate_ids.npy, selector_unary_logits.npy, selector_logits.npy,
+  selector_loss_weights.npy   what _selector_chunk_terms scored and weighed
+  selector_terms.npy          float64, in SELECTOR_TERMS order
+  selector_grad_logits.npy    d(selector_ce_num)/d(selector logits)
+  selector_loss.npy           [1] (token numerator + alpha * selector_ce_num)
+                              over loss_den, as forward
+  selector_grad_hidden.npy    its d/d(hidden)
+  selector_greedy_ids.npy     int64 [B, N, K - 1], the metric pass's
+                              greedy_path
+  metric_<field>.npy          each DFlashMetricTerms field of
+                              _dflash_metric_chunk_terms (float64)
 """
 
 import argparse
 import ast
+import contextlib
 import os
 
 import numpy as np
@@ -119,25 +143,30 @@ CASES = {
 }
 
 
-def load_objective(path):
+def load_objective(path, module_names=MODULE_NAMES, method_names=METHODS,
+                   globals_=None):
     """SpecForge's objective definitions from `path`, executed alone: a
-    class OnlineDFlashModel(nn.Module) holding METHODS, and MODULE_NAMES."""
+    class OnlineDFlashModel(nn.Module) holding `method_names`, and
+    `module_names`; `globals_` adds names they read (main's metric
+    functions)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
     found, methods = {}, {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "OnlineDFlashModel":
             for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name in METHODS:
+                if (isinstance(item, ast.FunctionDef)
+                        and item.name in method_names):
                     methods[item.name] = item
-        elif isinstance(node, ast.ClassDef) and node.name in MODULE_NAMES:
+        elif (isinstance(node, (ast.ClassDef, ast.FunctionDef))
+              and node.name in module_names):
             found[node.name] = node
         elif isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Name) and target.id in MODULE_NAMES:
+                if isinstance(target, ast.Name) and target.id in module_names:
                     found[target.id] = node
-    missing = [n for n in MODULE_NAMES if n not in found] + [
-        m for m in METHODS if m not in methods]
+    missing = [n for n in module_names if n not in found] + [
+        m for m in method_names if m not in methods]
     if missing:
         raise SystemExit(f"{path}: no definition of {', '.join(missing)}; "
                          "give SpecForge main's dflash_family_model.py")
@@ -145,14 +174,16 @@ def load_objective(path):
         name="OnlineDFlashModel",
         bases=[ast.Attribute(value=ast.Name(id="nn", ctx=ast.Load()),
                              attr="Module", ctx=ast.Load())],
-        keywords=[], body=[methods[m] for m in METHODS], decorator_list=[])
-    module = ast.Module(body=[found[n] for n in MODULE_NAMES] + [model],
+        keywords=[], body=[methods[m] for m in method_names],
+        decorator_list=[])
+    module = ast.Module(body=[found[n] for n in module_names] + [model],
                         type_ignores=[])
     ast.fix_missing_locations(module)
     from typing import Dict, NamedTuple, Optional, Tuple
     namespace = {"torch": torch, "nn": nn, "F": F, "Dict": Dict,
                  "NamedTuple": NamedTuple, "Optional": Optional,
-                 "Tuple": Tuple, "__name__": "specforge_main_objective"}
+                 "Tuple": Tuple, "__name__": "specforge_main_objective",
+                 **(globals_ or {})}
     exec(compile(module, path, "exec"), namespace)  # noqa: S102
     return namespace["OnlineDFlashModel"]
 
@@ -364,14 +395,225 @@ def run(model_class, case, tensors=None):
     }
 
 
-def write_case(directory, arrays, comment, num_anchors, loss):
+# The DFlash2 selector and teacher metric cases: main's objective with a
+# candidate selector (_selector_chunk_terms) and its metric chunk terms
+# (_dflash_metric_chunk_terms: unary, selector, greedy and teacher families).
+SELECTOR_MODULE_NAMES = MODULE_NAMES + (
+    "DFlashMetricTerms", "_expected_accepted_length_num",
+    "_DFlashSelectorDiagnostics", "_DFlashGreedyDiagnostics",
+    "_DFlashTeacherTerms")
+SELECTOR_METHODS = METHODS + (
+    "_selector_chunk_terms", "_metric_top_k", "_dflash_metric_chunk_terms",
+    "_dflash2_selector_diagnostics", "_dflash_greedy_diagnostics",
+    "_dflash_teacher_terms", "_reduce_dflash_metric_terms")
+SELECTOR_TOP_K = 4
+# The selector's fields of DFlashObjectiveTerms, in selector_terms.npy.
+SELECTOR_TERMS = ("selector_ce_num", "selector_probability_num",
+                  "selector_correct_num", "selector_weight_den",
+                  "selector_covered_num")
+# name: (loss_type, lk_loss_type, dpace_alpha, kl_scale, kl_decay, seed,
+# selector_loss_alpha, selector_stop_gradient, dflash's loss config).
+SELECTOR_CASES = {
+    "selector_dflash": (
+        "dflash", None, 0.5, 1.0, 1.0, 31, 0.5, False, "dflash {}"),
+    "selector_dflash_lk_tv": (
+        "dflash", "tv", 0.5, 1.0, 1.0, 32, 2.0, False,
+        "dflash { lk { type: TV } }"),
+    "selector_dpace_lk_lambda_stop_gradient": (
+        "dpace", "lambda", 0.3, 0.8, 2.0, 33, 1.0, True,
+        "dpace { alpha: 0.3 lk { type: LAMBDA kl_scale: 0.8 kl_decay: 2 } "
+        "denominator: SEQUENCE_BALANCED }"),
+}
+
+
+@contextlib.contextmanager
+def float64_casts():
+    """Main's `.float()` upcasts (the selector's CE, the diagnostics'
+    softmaxes) leave float64 tensors in float64, so its terms are float64
+    exact; bool and integer tensors still become float32."""
+    original = torch.Tensor.float
+
+    def float_keeping_float64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.float = float_keeping_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original
+
+
+class SelectorStandIn(nn.Module):
+    """A fixed tiny DFlash2 candidate selector (dflash's stand-in, not
+    SpecForge's network): a candidate's score is 0.7 times its unary logit
+    plus its embedding against the projected hidden state and the
+    predecessor's embedding; greedy_path feeds each slot's pick to the next
+    slot. The goldens hold its tables (selector_embed.npy,
+    selector_proj.npy); //python/tests/selector_terms runs it on dflash's
+    top-k. `calls` records each score_candidates call's tensors, `paths`
+    each greedy path."""
+
+    top_k = SELECTOR_TOP_K
+
+    def __init__(self, embed, proj):
+        super().__init__()
+        # Trainable, as a selector is: its CE has a gradient even when
+        # selector_stop_gradient detaches its inputs.
+        self.embed = nn.Parameter(torch.as_tensor(embed))
+        self.proj = nn.Parameter(torch.as_tensor(proj))
+        self.calls = []
+        self.paths = []
+
+    def score_candidates(self, candidate_ids, unary_logits, hidden_states,
+                         predecessor_ids):
+        context = hidden_states @ self.proj + self.embed[predecessor_ids]
+        scores = 0.7 * unary_logits + (
+            self.embed[candidate_ids] * context.unsqueeze(-2)).sum(-1)
+        self.calls.append((candidate_ids, unary_logits, scores))
+        return scores
+
+    def greedy_path(self, candidate_ids, unary_logits, hidden_states,
+                    anchor_token_ids):
+        previous, path = anchor_token_ids, []
+        for slot in range(candidate_ids.shape[1]):
+            scores = self.score_candidates(
+                candidate_ids[:, slot], unary_logits[:, slot],
+                hidden_states[:, slot], previous)
+            previous = candidate_ids[:, slot].gather(
+                -1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+            path.append(previous)
+        self.paths.append(torch.stack(path, dim=1))
+        return self.paths[-1]
+
+
+def selector_batch(seed):
+    """batch()'s weights (a sequence with three weighted blocks, one with
+    one, one with none; a fractional weight) with targets that are the
+    argmax, another of the top SELECTOR_TOP_K or outside it, and the
+    target model's states near the draft's (its argmax agrees sometimes)."""
+    hidden, weight, _, weight_mask = batch(seed, False)
+    g = torch.Generator().manual_seed(seed + 100)
+    logits = hidden @ weight.T
+    top = logits.topk(SELECTOR_TOP_K + 1, dim=-1)
+    gap = (top.values[..., :-1] - top.values[..., 1:]).min()
+    if gap < 1e-4:  # A near tie would make the top-k a coin toss.
+        raise SystemExit(f"seed {seed}: logits {gap:.2g} apart; change it")
+    pick = torch.randint(0, SELECTOR_TOP_K, hidden.shape[:3], generator=g)
+    u = torch.rand(hidden.shape[:3], generator=g)
+    pick[u < 0.4] = 0
+    target_ids = top.indices[..., :SELECTOR_TOP_K].gather(
+        -1, pick.unsqueeze(-1)).squeeze(-1)
+    outside = top.indices[..., SELECTOR_TOP_K]
+    target_ids = torch.where(u > 0.8, outside, target_ids)
+    teacher = hidden + 0.6 * torch.randn(hidden.shape, generator=g,
+                                         dtype=torch.float64)
+    rng = np.random.default_rng(seed)
+    embed = rng.standard_normal((V, 3)) * 0.5
+    proj = rng.standard_normal((H, 3)) * 0.5
+    return (hidden, weight, target_ids, weight_mask), teacher, embed, proj
+
+
+def run_selector(model_class, case):
+    """Main's objective with the stand-in selector (its token terms and
+    d(token loss)/d(hidden) as the other cases hold them, for the C++
+    goldens tests), the selector's terms, what _selector_chunk_terms was
+    given and d(selector_ce_num)/d(its logits), d(token loss + alpha *
+    selector_ce_num over loss_den)/d(hidden), and the metric chunk terms
+    with the target model's states (metric_<field>.npy)."""
+    (loss_type, lk, alpha, kl_scale, kl_decay, seed, selector_alpha,
+     stop_gradient, _) = case
+    tensors, teacher, embed, proj = selector_batch(seed)
+    hidden, weight, target_ids, weight_mask = tensors
+    model = new_model(model_class, case, weight)
+    selector = SelectorStandIn(embed, proj)
+    draft = nn.Module()
+    draft.candidate_selector = selector
+    draft.transform_unary_logits = lambda logits: logits
+    model.draft_model = draft
+    model.embed_tokens = nn.Embedding(V, 1)
+    model._selector_objective_enabled = True
+    model.selector_stop_gradient = stop_gradient
+    model.metric_top_k = 16
+    given = {}
+    chunk_terms = model._selector_chunk_terms
+
+    def recording(**kwargs):
+        given.update(kwargs)
+        return chunk_terms(**kwargs)
+
+    model._selector_chunk_terms = recording
+    states = hidden.clone().requires_grad_()
+    with float64_casts():
+        scale = (model._sequence_anchor_scale(weight_mask)
+                 if loss_type != "dflash" else None)
+        predecessor_ids = torch.cat(
+            [target_ids[:, :, :1], target_ids[:, :, :-1]], dim=-1)
+        terms = model._dflash_objective_chunk_terms(
+            states, target_ids, weight_mask, predecessor_ids, scale)
+        candidate_ids, unary_logits, selector_logits = selector.calls[0]
+        loss_num = model._compose_token_objective(
+            terms.ce_loss_num, terms.tv_loss_num,
+            terms.target_probability_num, terms.accuracy_den)
+        den = terms.loss_den
+        floor = torch.finfo(den.dtype).tiny
+        loss = loss_num / den.clamp_min(floor)
+        total = (loss_num + selector_alpha * terms.selector_ce_num) / (
+            den.clamp_min(floor))
+        grad, = torch.autograd.grad(loss, states, retain_graph=True)
+        grad_logits, = torch.autograd.grad(terms.selector_ce_num,
+                                           selector_logits, retain_graph=True)
+        grad_total, = torch.autograd.grad(total, states)
+        selector.calls.clear()
+        with torch.no_grad():
+            metrics = model._dflash_metric_chunk_terms(
+                hidden, target_ids, weight_mask, predecessor_ids, teacher,
+                scale, torch.arange(N).unsqueeze(0), total_blocks=N)
+    values = [terms.ce_loss_num, terms.tv_loss_num, den,
+              terms.target_probability_num, terms.correct_num,
+              terms.accuracy_den, loss_num, loss]
+    arrays = {
+        "target_ids": target_ids.numpy().astype(np.int64),
+        "weight_mask": weight_mask.numpy(),
+        "hidden": hidden.reshape(-1, H).numpy(),
+        "weight": weight.numpy(),
+        "terms": np.array([float(v.detach()) for v in values]),
+        "grad_hidden": grad.reshape(-1, H).numpy(),
+        "loss_weight": metrics.loss_weight_num.double().numpy(),
+        "teacher_hidden": teacher.reshape(-1, H).numpy(),
+        "selector_embed": embed,
+        "selector_proj": proj,
+        "selector_settings": np.array(
+            [selector_alpha, float(stop_gradient), SELECTOR_TOP_K]),
+        "selector_candidate_ids": candidate_ids.numpy().astype(np.int64),
+        "selector_unary_logits": unary_logits.detach().numpy(),
+        "selector_logits": selector_logits.detach().numpy(),
+        "selector_loss_weights": given["loss_weights"].detach().numpy(),
+        "selector_terms": np.array(
+            [float(getattr(terms, name).detach()) for name in SELECTOR_TERMS]),
+        "selector_grad_logits": grad_logits.numpy(),
+        "selector_loss": np.array([float(total.detach())]),
+        "selector_grad_hidden": grad_total.reshape(-1, H).numpy(),
+        "selector_greedy_ids": selector.paths[0].reshape(
+            B, N, K - 1).numpy().astype(np.int64),
+    }
+    for field, value in metrics._asdict().items():
+        arrays["metric_" + field] = value.double().numpy()
+    return arrays
+
+
+def write_case(directory, arrays, comment, num_anchors, loss,
+               metric_top_k=None):
     os.makedirs(directory, exist_ok=True)
     for array, value in arrays.items():
         np.save(os.path.join(directory, array + ".npy"), value)
     with open(os.path.join(directory, "config.textproto"), "w") as f:
         f.write(f"# {comment}\n"
                 f"layout {{ block_size: {K} num_anchors: {num_anchors} }}\n"
-                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64 }}\n"
+                f"head {{ vocab_size: {V} hidden_size: {H} dtype: FLOAT64"
+                + (f" metric_top_k: {metric_top_k}" if metric_top_k else "")
+                + " }\n"
                 f"loss {{ {loss} }}\n")
 
 
@@ -404,6 +646,19 @@ def main():
                 "SpecForge main OnlineDFlashModel(loss_type='dflash'): its "
                 "walk/prefix accepted-length metrics (acceptance case)",
                 len(case[1][0]), "dflash {}")
+        selector_class = load_objective(
+            args.specforge_file, SELECTOR_MODULE_NAMES, SELECTOR_METHODS,
+            globals_=walk)
+        for name, case in SELECTOR_CASES.items():
+            write_case(
+                os.path.join(args.out, name),
+                run_selector(selector_class, case),
+                f"SpecForge main OnlineDFlashModel(loss_type={case[0]!r}, "
+                f"lk_loss_type={case[1]!r}, dpace_alpha={case[2]}, kl_scale="
+                f"{case[3]}, kl_decay={case[4]}, selector_loss_alpha="
+                f"{case[6]}, selector_stop_gradient={case[7]}) with a "
+                f"DFlash2 candidate selector (top {SELECTOR_TOP_K})",
+                N, case[8], SELECTOR_TOP_K)
 
 
 if __name__ == "__main__":
