@@ -73,7 +73,7 @@ class SelectorPositionTerms(NamedTuple):
     covered_den: torch.Tensor
 
 
-class GreedyTerms(NamedTuple):
+class SelectorGreedyTerms(NamedTuple):
     """Main's terms of the selector's greedy path (`greedy_path` over block
     slots 1..K-1): DFlashMetricTerms' selector_greedy_correct_num [K] (slot 0
     is 0), greedy_accepted_length_num (0-dim: over the blocks with a
@@ -97,7 +97,8 @@ def _ids(name: str, value: object) -> torch.Tensor:
     tensor = _tensor(name, value)
     if tensor.dtype == torch.bool or tensor.is_floating_point() or (
             tensor.is_complex()):
-        raise TypeError(f"{name}: must be an integer tensor, got {tensor.dtype}")
+        raise TypeError(
+            f"{name}: must be an integer tensor, got {tensor.dtype}")
     return tensor
 
 
@@ -205,11 +206,10 @@ def selector_terms(selector_logits: torch.Tensor,
 
 
 @torch.no_grad()
-def selector_position_terms(selector_logits: torch.Tensor,
-                            candidate_ids: torch.Tensor,
-                            target_ids: torch.Tensor,
-                            loss_weights: torch.Tensor,
-                            weight_mask: torch.Tensor) -> SelectorPositionTerms:
+def selector_position_terms(
+        selector_logits: torch.Tensor, candidate_ids: torch.Tensor,
+        target_ids: torch.Tensor, loss_weights: torch.Tensor,
+        weight_mask: torch.Tensor) -> SelectorPositionTerms:
     """Main's teacher-forced selector metrics per block position
     (`_dflash2_selector_diagnostics` reduced by `_reduce_dflash_metric_terms`).
 
@@ -232,9 +232,10 @@ def selector_position_terms(selector_logits: torch.Tensor,
 
 
 @torch.no_grad()
-def greedy_terms(greedy_ids: torch.Tensor, target_ids: torch.Tensor,
-                 weight_mask: torch.Tensor,
-                 teacher_ids: Optional[torch.Tensor] = None) -> GreedyTerms:
+def selector_greedy_terms(
+        greedy_ids: torch.Tensor, target_ids: torch.Tensor,
+        weight_mask: torch.Tensor,
+        teacher_ids: Optional[torch.Tensor] = None) -> SelectorGreedyTerms:
     """Main's terms of the selector's greedy path (`_dflash_greedy_diagnostics`
     and `_dflash_teacher_terms`' selector part).
 
@@ -274,7 +275,7 @@ def greedy_terms(greedy_ids: torch.Tensor, target_ids: torch.Tensor,
     supervised = slots > 0.5
     block_valid = supervised.any(dim=-1).to(torch.float32)
     run = (hit & supervised).to(torch.float32).cumprod(dim=-1).sum(dim=-1)
-    return GreedyTerms(
+    return SelectorGreedyTerms(
         correct_num=per_position(hit),
         accepted_length_num=((1.0 + run) * block_valid).sum(),
         teacher_agreement_num=(None if teacher_ids is None else per_position(

@@ -1,9 +1,9 @@
 """dflash.torch.selector (selector_terms, selector_position_terms,
-greedy_terms) against SpecForge main's own DFlash2 selector code, run by
-tools/specforge_main_goldens.py in float64 (tests/goldens/specforge_main/
-selector_*: main's `_selector_chunk_terms` on its own top-k, its metric
-chunk terms with the target model's states), against a naive float64 loop
-reference, and one test per rejected input. The goldens' stand-in selector
+selector_greedy_terms) against SpecForge main's own DFlash2 selector code,
+run by tools/specforge_main_goldens.py in float64
+(tests/goldens/specforge_main/selector_*: main's `_selector_chunk_terms` on
+its own top-k, its metric chunk terms with the target model's states),
+against a naive float64 loop reference, and one test per rejected input. The goldens' stand-in selector
 is written here from its definition (the README of the goldens), and run on
 dflash_objective's top-k, as a SpecForge user runs theirs.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from dflash.torch import dflash_objective, hard_label_prefix_counts
-from dflash.torch.selector import (GreedyTerms, SelectorPositionTerms,
-                                   SelectorTerms, greedy_terms,
+from dflash.torch.selector import (SelectorGreedyTerms, SelectorPositionTerms,
+                                   SelectorTerms, selector_greedy_terms,
                                    selector_position_terms, selector_terms)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
@@ -83,7 +83,8 @@ class GoldenTest(unittest.TestCase):
         for name, _, g in golden_cases():
             names.append(name)
             with self.subTest(case=name):
-                logits = torch.from_numpy(g["selector_logits"]).requires_grad_()
+                logits = torch.from_numpy(g["selector_logits"])
+                logits.requires_grad_()
                 terms = selector_terms(
                     logits, torch.from_numpy(g["selector_candidate_ids"]),
                     torch.from_numpy(g["target_ids"]),
@@ -103,8 +104,9 @@ class GoldenTest(unittest.TestCase):
 
     def test_through_the_head(self):
         """The head's top-k (float64), the stand-in run on it, then
-        selector_terms, selector_position_terms and greedy_terms: main's
-        selector terms, loss with selector_loss_alpha, d(loss)/d(hidden),
+        selector_terms, selector_position_terms and selector_greedy_terms:
+        main's selector terms, loss with selector_loss_alpha,
+        d(loss)/d(hidden),
         the per-position selector metrics, the greedy path's terms and the
         teacher terms. Within 1e-9 where the head's float32 loss_weight is
         exact (0/0.5/1 masks, no decay); D-PACE's weights are float32 there,
@@ -148,8 +150,8 @@ class GoldenTest(unittest.TestCase):
         for field, want in zip(SELECTOR_FIELDS, g["selector_terms"]):
             self.assertLess(relative(getattr(sel, field).detach(), want), tol,
                             field)
-        self.assertLess(relative(terms.loss_num.detach(), g["terms"][LOSS_NUM]),
-                        1e-12)
+        self.assertLess(
+            relative(terms.loss_num.detach(), g["terms"][LOSS_NUM]), 1e-12)
         loss = (terms.loss_num + alpha * sel.ce_num) / terms.loss_den
         self.assertLess(relative(loss.detach(), g["selector_loss"][0]), tol)
         grad, = torch.autograd.grad(loss, hidden)
@@ -181,8 +183,8 @@ class GoldenTest(unittest.TestCase):
         slots = mask[..., 1:] > 0
         self.assertTrue(torch.equal(
             greedy[slots], torch.from_numpy(g["selector_greedy_ids"])[slots]))
-        walked = greedy_terms(greedy, target, mask, teacher_ids)
-        self.assertIsInstance(walked, GreedyTerms)
+        walked = selector_greedy_terms(greedy, target, mask, teacher_ids)
+        self.assertIsInstance(walked, SelectorGreedyTerms)
         for field, array in (
                 ("correct_num", "selector_greedy_correct_num"),
                 ("accepted_length_num", "greedy_accepted_length_num"),
@@ -256,8 +258,9 @@ def naive_selector(logits, candidates, targets, weights, mask):
         ce = log_sum - row[index]
         pick = cand[max(range(len(row)), key=lambda j: (row[j], -j))]
         hit = 1.0 if pick == t else 0.0
-        for i, value in enumerate((ce * w * covered, math.exp(-ce) * m * covered,
-                                   hit * w * covered, w * covered, m * covered)):
+        for i, value in enumerate(
+                (ce * w * covered, math.exp(-ce) * m * covered,
+                 hit * w * covered, w * covered, m * covered)):
             totals[i] += value
         for i, value in enumerate((ce * w * covered, w * covered,
                                    hit * m * covered, m * covered)):
@@ -308,10 +311,9 @@ class ReferenceTest(unittest.TestCase):
         position = selector_position_terms(logits, candidates, targets,
                                            weights, mask)
         for field, want in zip(SelectorPositionTerms._fields, positions):
-            self.assertLess(float((getattr(position, field)
-                                   - torch.tensor(want, dtype=torch.float64)).abs().max()),
-                                  1e-12,
-                            field)
+            want = torch.tensor(want, dtype=torch.float64)
+            error = (getattr(position, field) - want).abs().max()
+            self.assertLess(float(error), 1e-12, field)
 
     def test_random_batches(self):
         for seed in range(12):
@@ -391,12 +393,12 @@ class ReferenceTest(unittest.TestCase):
                     alive = alive and m > 0.5 and hit
                     run += alive
                 length += (1 + run) if valid else 0
-        terms = greedy_terms(greedy, targets, mask, teacher)
+        terms = selector_greedy_terms(greedy, targets, mask, teacher)
         self.assertEqual(terms.correct_num.tolist(), correct)
         self.assertEqual(terms.teacher_agreement_num.tolist(), agree)
         self.assertEqual(float(terms.accepted_length_num), length)
         self.assertEqual(terms.accepted_length_num.dtype, torch.float32)
-        self.assertIsNone(greedy_terms(greedy, targets, mask)
+        self.assertIsNone(selector_greedy_terms(greedy, targets, mask)
                           .teacher_agreement_num)
 
 
@@ -406,11 +408,11 @@ class RejectionTest(unittest.TestCase):
     def setUp(self):
         self.args = list(random_case(9))
 
-    def rejects(self, index, value, error, words, function=selector_terms):
+    def rejects(self, index, value, error, words):
         args = list(self.args)
         args[index] = value
         with self.assertRaises(error) as raised:
-            function(*args)
+            selector_terms(*args)
         for word in words:
             self.assertIn(word, str(raised.exception))
 
@@ -473,31 +475,32 @@ class RejectionTest(unittest.TestCase):
     def test_greedy_ids_shape(self):
         targets, mask = self.args[2], self.args[4]
         with self.assertRaises(ValueError) as raised:
-            greedy_terms(targets, targets, mask)
+            selector_greedy_terms(targets, targets, mask)
         self.assertIn("greedy_ids", str(raised.exception))
 
     def test_greedy_float_ids(self):
         targets, mask = self.args[2], self.args[4]
         with self.assertRaises(TypeError) as raised:
-            greedy_terms(targets[..., 1:].double(), targets, mask)
+            selector_greedy_terms(targets[..., 1:].double(), targets, mask)
         self.assertIn("greedy_ids", str(raised.exception))
 
     def test_greedy_targets_without_predicted_slots(self):
         targets, mask = self.args[2][..., :1], self.args[4][..., :1]
         with self.assertRaises(ValueError) as raised:
-            greedy_terms(targets[..., :0], targets, mask)
+            selector_greedy_terms(targets[..., :0], targets, mask)
         self.assertIn("K >= 2", str(raised.exception))
 
     def test_greedy_teacher_ids_shape(self):
         targets, mask = self.args[2], self.args[4]
         with self.assertRaises(ValueError) as raised:
-            greedy_terms(targets[..., 1:], targets, mask, targets[..., 1:])
+            selector_greedy_terms(targets[..., 1:], targets, mask,
+                                  targets[..., 1:])
         self.assertIn("teacher_ids", str(raised.exception))
 
     def test_greedy_bool_mask(self):
         targets, mask = self.args[2], self.args[4]
         with self.assertRaises(TypeError) as raised:
-            greedy_terms(targets[..., 1:], targets, mask > 0)
+            selector_greedy_terms(targets[..., 1:], targets, mask > 0)
         self.assertIn("weight_mask", str(raised.exception))
 
 
