@@ -3,9 +3,10 @@ selector_greedy_terms) against SpecForge main's own DFlash2 selector code,
 run by tools/specforge_main_goldens.py in float64
 (tests/goldens/specforge_main/selector_*: main's `_selector_chunk_terms` on
 its own top-k, its metric chunk terms with the target model's states),
-against a naive float64 loop reference, and one test per rejected input. The goldens' stand-in selector
-is written here from its definition (the README of the goldens), and run on
-dflash_objective's top-k, as a SpecForge user runs theirs.
+against a naive float64 loop reference, and one test per rejected input.
+The goldens' stand-in selector is written here from its definition (the
+README of the goldens), and run on dflash_objective's top-k, as a
+SpecForge user runs theirs.
 """
 
 import math
