@@ -135,6 +135,38 @@ __device__ __forceinline__ void AtomicAdd(BFloat16* address, float value) {
   } while (assumed != old);
 }
 
+// The most values per row a launch takes (their factors sit in shared
+// memory): ValidateTopKValueGradients (heads/top_k_gradient.cc) refuses a
+// larger k, and AddCudaTopKValueGradients (heads/cuda_head.cc) calls it
+// before every launch.
+constexpr int32_t kMaxTopK = 64;
+static_assert(kMaxTopK <= kThreads, "one pass of the block loads a row's k");
+
+// One row's products a . b[id_j] (x . W[id] or u . M[id]) over `width`
+// values, given the row's ids and chain factors c_j: grad_a += sum_j c_j
+// b[id_j] and, atomically, grad_b[id_j] += c_j a and grad_bias[id_j] += c_j,
+// each where given.
+template <typename T>
+__device__ __forceinline__ void AddTopKProducts(
+    const T* a, const T* b, const int32_t* ids, const float* chain, int32_t k,
+    int64_t width, T* grad_a, T* grad_b, T* grad_bias) {
+  for (int64_t h = threadIdx.x; h < width; h += kThreads) {
+    float sum = 0;
+    const float x = ToFloat(a[h]);
+    for (int32_t j = 0; j < k; ++j) {
+      const int32_t id = ids[j];
+      if (id < 0) continue;
+      const float c = chain[j];
+      sum += c * ToFloat(b[int64_t{id} * width + h]);
+      if (grad_b != nullptr) {
+        AtomicAdd(grad_b + int64_t{id} * width + h, c * x);
+      }
+      if (grad_bias != nullptr && h == 0) AtomicAdd(grad_bias + id, c);
+    }
+    if (grad_a != nullptr) grad_a[h] = FromFloat<T>(ToFloat(grad_a[h]) + sum);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     TopKValueGradientKernel(const T* hidden, const T* weight,
@@ -147,43 +179,31 @@ __global__ void __launch_bounds__(kThreads)
                             T* grad_correction_inputs,
                             T* grad_correction_weight) {
   const int64_t r = blockIdx.x;
-  const int32_t* row_ids = ids + r * k;
-  for (int64_t h = threadIdx.x; h < width; h += kThreads) {
-    float sum = 0;
-    const float x = ToFloat(hidden[r * width + h]);
-    for (int32_t j = 0; j < k; ++j) {
-      const int32_t id = row_ids[j];
-      if (id < 0) continue;
-      // In double, as the CPU's AddTopKValueGradients.
-      const float c = static_cast<float>(
-          transform.Chain(grad_values[r * k + j], values[r * k + j]));
-      sum += c * ToFloat(weight[int64_t{id} * width + h]);
-      if (grad_weight != nullptr) {
-        AtomicAdd(grad_weight + int64_t{id} * width + h, c * x);
-      }
-      if (grad_bias != nullptr && h == 0) AtomicAdd(grad_bias + id, c);
-    }
-    grad_hidden[r * width + h] =
-        FromFloat<T>(ToFloat(grad_hidden[r * width + h]) + sum);
+  // The row's ids and chain factors, once per row (k <= kMaxTopK).
+  DFLASH_SHARED_ARRAY(int32_t, row_ids, kMaxTopK);
+  DFLASH_SHARED_ARRAY(float, chain, kMaxTopK);
+  if (const int32_t j = threadIdx.x; j < k) {
+    const int64_t at = r * k + j;
+    row_ids[j] = ids[at];
+    // In double, as the CPU's AddTopKValueGradients; unread for id -1.
+    chain[j] =
+        ids[at] < 0
+            ? 0.0f
+            : static_cast<float>(transform.Chain(grad_values[at], values[at]));
   }
+  __syncthreads();
+  AddTopKProducts(hidden + r * width, weight, row_ids, chain, k, width,
+                  grad_hidden + r * width, grad_weight, grad_bias);
   // With a correction the values' logits hold u[r] . M[id] too.
-  for (int64_t i = threadIdx.x; i < rank; i += kThreads) {
-    float sum = 0;
-    const float u = ToFloat(correction_inputs[r * rank + i]);
-    for (int32_t j = 0; j < k; ++j) {
-      const int32_t id = row_ids[j];
-      if (id < 0) continue;
-      const float c = static_cast<float>(
-          transform.Chain(grad_values[r * k + j], values[r * k + j]));
-      sum += c * ToFloat(correction_weight[int64_t{id} * rank + i]);
-      if (grad_correction_weight != nullptr) {
-        AtomicAdd(grad_correction_weight + int64_t{id} * rank + i, c * u);
-      }
-    }
-    if (grad_correction_inputs != nullptr) {
-      T* du = grad_correction_inputs + r * rank + i;
-      *du = FromFloat<T>(ToFloat(*du) + sum);
-    }
+  const bool correction =
+      grad_correction_inputs != nullptr || grad_correction_weight != nullptr;
+  if (rank > 0 && correction) {
+    AddTopKProducts<T>(correction_inputs + r * rank, correction_weight,
+                       row_ids, chain, k, rank,
+                       grad_correction_inputs != nullptr
+                           ? grad_correction_inputs + r * rank
+                           : nullptr,
+                       grad_correction_weight, nullptr);
   }
 }
 

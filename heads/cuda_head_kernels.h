@@ -41,8 +41,9 @@ void LaunchAccumulateBiasGradient(const T* grad_logits, int64_t count,
 // adds (bfloat16 by compare-and-swap, rounded at each add). With a
 // correction of rank > 0 (u [rows, rank], M [V, rank]) likewise
 // grad_correction_inputs[r] += sum_j c M[id] and, atomically,
-// grad_correction_weight[id] += c u[r], each where given. Ids of -1 add
-// nothing.
+// grad_correction_weight[id] += c u[r], each where given (the rank's pass is
+// skipped where neither is). Ids of -1 add nothing. k lies in [1, 64]
+// (ValidateTopKValueGradients): a row's factors sit in shared memory.
 template <typename T>
 void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
                                  const int32_t* ids, const float* values,

@@ -14,6 +14,19 @@ absl::Status Size(const char* name, size_t size, int64_t expected,
       name, ": must hold ", expected, " values (", what, "), got ", size));
 }
 
+// One (row, id) pair's product a . b over n values (x . W[id] or u .
+// M[id]), given c: grad_a += c b and grad_b += c a, each where given.
+template <typename T>
+void AddProductGradients(T c, const T* a, const T* b, int64_t n, T* grad_a,
+                         T* grad_b) {
+  if (grad_a != nullptr) {
+    for (int64_t i = 0; i < n; ++i) grad_a[i] += c * b[i];
+  }
+  if (grad_b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) grad_b[i] += c * a[i];
+  }
+}
+
 }  // namespace
 
 absl::Status ValidateTopKValueGradients(const v1::ObjectiveConfig& config,
@@ -98,33 +111,32 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
   const bool trainable = head.trainable();
   const bool bias = trainable && !gradients.bias.empty();
   const LogitTransform transform(head.logit_scale(), head.logit_softcap());
+  auto or_null = [](absl::Span<T> span) {
+    return span.empty() ? nullptr : span.data();
+  };
+  T* const du = or_null(gradients.correction_inputs);
+  T* const dm = or_null(gradients.correction_weight);
+  // The correction's products only where one of their gradients is wanted.
+  const bool correction = rank > 0 && (du != nullptr || dm != nullptr);
   for (int64_t r = 0; r < rows; ++r) {
-    T* dh = gradients.hidden.data() + r * h;
     const T* x = inputs.hidden.data() + r * h;
+    T* dh = gradients.hidden.data() + r * h;
     for (int32_t j = 0; j < k; ++j) {
       const int32_t id = ids[r * k + j];
       if (id < 0) continue;
+      // Once per (row, id), for both products.
       const T c = static_cast<T>(
           transform.Chain(grad_values[r * k + j], values[r * k + j]));
       if (c == T(0)) continue;
-      const T* w = inputs.weight.data() + int64_t{id} * h;
-      for (int64_t i = 0; i < h; ++i) dh[i] += c * w[i];
-      if (trainable) {
-        T* dw = gradients.weight.data() + int64_t{id} * h;
-        for (int64_t i = 0; i < h; ++i) dw[i] += c * x[i];
-      }
+      AddProductGradients(
+          c, x, inputs.weight.data() + int64_t{id} * h, h, dh,
+          trainable ? gradients.weight.data() + int64_t{id} * h : nullptr);
       if (bias) gradients.bias[id] += c;
-      if (rank == 0) continue;
-      const T* u = inputs.correction_inputs.data() + r * rank;
-      const T* m = inputs.correction_weight.data() + int64_t{id} * rank;
-      if (!gradients.correction_inputs.empty()) {
-        T* du = gradients.correction_inputs.data() + r * rank;
-        for (int64_t i = 0; i < rank; ++i) du[i] += c * m[i];
-      }
-      if (!gradients.correction_weight.empty()) {
-        T* dm = gradients.correction_weight.data() + int64_t{id} * rank;
-        for (int64_t i = 0; i < rank; ++i) dm[i] += c * u[i];
-      }
+      if (!correction) continue;
+      AddProductGradients(c, inputs.correction_inputs.data() + r * rank,
+                          inputs.correction_weight.data() + int64_t{id} * rank,
+                          rank, du != nullptr ? du + r * rank : nullptr,
+                          dm != nullptr ? dm + int64_t{id} * rank : nullptr);
     }
   }
   return absl::OkStatus();

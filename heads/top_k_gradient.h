@@ -39,7 +39,8 @@ absl::Status AddTopKValueGradients(const v1::ObjectiveConfig& config,
                                    const HeadGradients<T>& gradients);
 
 // The checks AddTopKValueGradients makes, shared with the CUDA version:
-// k in [1, 64], sizes of rows x k for ids, values and grad_values, rows x H
+// k in [1, 64] (the CUDA kernel holds a row's k factors in shared memory,
+// heads/cuda_head_kernels.cu's kMaxTopK), sizes of rows x k for ids, values and grad_values, rows x H
 // for the hidden states and their gradient, V x H for the weight (and its
 // gradient when trainable), and ids in [-1, V) (ids are read on the host).
 // The correction's spans: none without head.correction_rank; with rank r,

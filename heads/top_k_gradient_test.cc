@@ -72,12 +72,37 @@ double Objective(const Problem& p) {
   return sum;
 }
 
-TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
-  const Problem p = MakeProblem();
+// The head's top-k values of p's ids (0 where the id is -1).
+std::vector<double> ValuesOf(const Problem& p) {
   std::vector<double> values(kRows * kK, 0);
   for (int64_t i = 0; i < kRows * kK; ++i) {
     if (p.ids[i] >= 0) values[i] = Value(p, i / kK, p.ids[i]);
   }
+  return values;
+}
+
+// p with a correction of rank kRank.
+Problem WithCorrection(Problem p) {
+  std::mt19937 rng(11);
+  std::normal_distribution<double> normal(0, 1);
+  for (int64_t i = 0; i < kRows * kRank; ++i) p.u.push_back(normal(rng));
+  for (int64_t i = 0; i < kV * kRank; ++i) p.m.push_back(normal(rng));
+  return p;
+}
+
+// d Objective / d (p.*field)[i] by central differences.
+double Numeric(const Problem& p, std::vector<double> Problem::*field,
+               int64_t i) {
+  const double step = 1e-6;
+  Problem plus = p, minus = p;
+  (plus.*field)[i] += step;
+  (minus.*field)[i] -= step;
+  return (Objective(plus) - Objective(minus)) / (2 * step);
+}
+
+TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
+  const Problem p = MakeProblem();
+  const std::vector<double> values = ValuesOf(p);
   // Gradients start from what a head run left (here 1 everywhere).
   std::vector<double> dh(kRows * kH, 1), dw(kV * kH, 1), db(kV, 1);
   const HeadInputs<double> inputs{p.hidden, {}, {}, {}, p.weight, p.bias};
@@ -86,38 +111,24 @@ TEST(TopKGradientTest, MatchesFiniteDifferencesOfTheValues) {
           Config(true), inputs, p.ids, values, p.grad_values, kK,
           {absl::MakeSpan(dh), absl::MakeSpan(dw), absl::MakeSpan(db), {}})
           .ok());
-  const double step = 1e-6;
-  auto numeric = [&](std::vector<double> Problem::*field, int64_t i) {
-    Problem plus = p, minus = p;
-    (plus.*field)[i] += step;
-    (minus.*field)[i] -= step;
-    return (Objective(plus) - Objective(minus)) / (2 * step);
-  };
   // Values and their gradients in double: central differences' own error
   // (step^2 times the third derivative, and rounding over step) bounds it.
   for (int64_t i = 0; i < kRows * kH; ++i) {
-    EXPECT_NEAR(dh[i] - 1, numeric(&Problem::hidden, i), 1e-8) << "h " << i;
+    EXPECT_NEAR(dh[i] - 1, Numeric(p, &Problem::hidden, i), 1e-8) << "h " << i;
   }
   for (int64_t i = 0; i < kV * kH; ++i) {
-    EXPECT_NEAR(dw[i] - 1, numeric(&Problem::weight, i), 1e-8) << "w " << i;
+    EXPECT_NEAR(dw[i] - 1, Numeric(p, &Problem::weight, i), 1e-8) << "w " << i;
   }
   for (int64_t i = 0; i < kV; ++i) {
-    EXPECT_NEAR(db[i] - 1, numeric(&Problem::bias, i), 1e-8) << "b " << i;
+    EXPECT_NEAR(db[i] - 1, Numeric(p, &Problem::bias, i), 1e-8) << "b " << i;
   }
   // Row 2 (ids -1) is untouched.
   for (int64_t i = 2 * kH; i < 3 * kH; ++i) EXPECT_EQ(dh[i], 1);
 }
 
 TEST(TopKGradientTest, CorrectionGetsItsGradients) {
-  Problem p = MakeProblem();
-  std::mt19937 rng(11);
-  std::normal_distribution<double> normal(0, 1);
-  for (int64_t i = 0; i < kRows * kRank; ++i) p.u.push_back(normal(rng));
-  for (int64_t i = 0; i < kV * kRank; ++i) p.m.push_back(normal(rng));
-  std::vector<double> values(kRows * kK, 0);
-  for (int64_t i = 0; i < kRows * kK; ++i) {
-    if (p.ids[i] >= 0) values[i] = Value(p, i / kK, p.ids[i]);
-  }
+  const Problem p = WithCorrection(MakeProblem());
+  const std::vector<double> values = ValuesOf(p);
   std::vector<double> dh(kRows * kH, 0), dw(kV * kH, 0), db(kV, 0),
       du(kRows * kRank, 1), dm(kV * kRank, 1);
   HeadInputs<double> inputs{p.hidden, {}, {}, {}, p.weight, p.bias, p.u, p.m};
@@ -127,21 +138,14 @@ TEST(TopKGradientTest, CorrectionGetsItsGradients) {
                   {absl::MakeSpan(dh), absl::MakeSpan(dw), absl::MakeSpan(db),
                    {}, absl::MakeSpan(du), absl::MakeSpan(dm)})
                   .ok());
-  const double step = 1e-6;
-  auto numeric = [&](std::vector<double> Problem::*field, int64_t i) {
-    Problem plus = p, minus = p;
-    (plus.*field)[i] += step;
-    (minus.*field)[i] -= step;
-    return (Objective(plus) - Objective(minus)) / (2 * step);
-  };
   for (int64_t i = 0; i < kRows * kRank; ++i) {
-    EXPECT_NEAR(du[i] - 1, numeric(&Problem::u, i), 1e-8) << "u " << i;
+    EXPECT_NEAR(du[i] - 1, Numeric(p, &Problem::u, i), 1e-8) << "u " << i;
   }
   for (int64_t i = 0; i < kV * kRank; ++i) {
-    EXPECT_NEAR(dm[i] - 1, numeric(&Problem::m, i), 1e-8) << "m " << i;
+    EXPECT_NEAR(dm[i] - 1, Numeric(p, &Problem::m, i), 1e-8) << "m " << i;
   }
   for (int64_t i = 0; i < kRows * kH; ++i) {
-    EXPECT_NEAR(dh[i], numeric(&Problem::hidden, i), 1e-8) << "h " << i;
+    EXPECT_NEAR(dh[i], Numeric(p, &Problem::hidden, i), 1e-8) << "h " << i;
   }
   // A correction's inputs of the wrong size are refused, naming them.
   inputs.correction_inputs = absl::MakeConstSpan(p.u).subspan(1);
@@ -151,6 +155,38 @@ TEST(TopKGradientTest, CorrectionGetsItsGradients) {
                 .message(),
             "inputs.correction_inputs: must hold 12 values (rows x "
             "head.correction_rank), got 11");
+}
+
+// Each correction gradient alone, both and neither (the correction's
+// products skipped): each one wanted is right, and so is the hidden
+// states' gradient.
+TEST(TopKGradientTest, CorrectionGradientsOnlyWhereWanted) {
+  const Problem p = WithCorrection(MakeProblem());
+  const std::vector<double> values = ValuesOf(p);
+  const HeadInputs<double> inputs{p.hidden, {}, {},  {},
+                                  p.weight, p.bias, p.u, p.m};
+  for (const bool want_u : {false, true}) {
+    for (const bool want_m : {false, true}) {
+      SCOPED_TRACE(absl::StrCat("u ", want_u, " m ", want_m));
+      std::vector<double> dh(kRows * kH, 0), du(want_u ? kRows * kRank : 0, 0),
+          dm(want_m ? kV * kRank : 0, 0);
+      ASSERT_TRUE(AddTopKValueGradients<double>(
+                      Config(false, kRank), inputs, p.ids, values,
+                      p.grad_values, kK,
+                      {absl::MakeSpan(dh), {}, {}, {}, absl::MakeSpan(du),
+                       absl::MakeSpan(dm)})
+                      .ok());
+      for (int64_t i = 0; i < kRows * kH; ++i) {
+        EXPECT_NEAR(dh[i], Numeric(p, &Problem::hidden, i), 1e-8) << "h " << i;
+      }
+      for (size_t i = 0; i < du.size(); ++i) {
+        EXPECT_NEAR(du[i], Numeric(p, &Problem::u, i), 1e-8) << "u " << i;
+      }
+      for (size_t i = 0; i < dm.size(); ++i) {
+        EXPECT_NEAR(dm[i], Numeric(p, &Problem::m, i), 1e-8) << "m " << i;
+      }
+    }
+  }
 }
 
 TEST(TopKGradientTest, BadInputsAreClearErrors) {
@@ -167,6 +203,8 @@ TEST(TopKGradientTest, BadInputsAreClearErrors) {
                            .message());
   };
   EXPECT_EQ(run(p.ids, p.grad_values, 0), "k: must lie in [1, 64], got 0");
+  // The CUDA kernel's shared memory holds at most 64 factors a row.
+  EXPECT_EQ(run(p.ids, p.grad_values, 65), "k: must lie in [1, 64], got 65");
   std::vector<int32_t> ids = p.ids;
   ids[4] = kV;
   EXPECT_EQ(run(ids, p.grad_values, kK),
