@@ -34,6 +34,25 @@ class PreparedProjection:
     @property
     def prepare_seconds(self) -> float: ...
 
+class VocabShard:
+    """This process's rows of a vocabulary split across processes and the
+    exchange its loss merges row records through (dflash.torch makes one
+    per call from vocab_group)."""
+
+    def __init__(self, offset: SupportsIndex, vocab: SupportsIndex,
+                 rank: SupportsIndex, size: SupportsIndex,
+                 all_gather: Callable[[memoryview, memoryview], object]
+                 ) -> None: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    def all_gather(self, local: List[float]) -> List[float]: ...
+
 def run_objective(
     config: ObjectiveConfig, hidden: object, weight: object,
     target_ids: object, weight_mask: object, bias: Optional[object],
@@ -48,7 +67,8 @@ def run_objective(
     grad_correction_weight: Optional[object],
     prepared: Optional[PreparedProjection], trainable: bool,
     cuda_stream: int, interruptible: bool = ...,
-    forward_only: bool = ...) -> Dict[str, Any]: ...
+    forward_only: bool = ...,
+    vocab_shard: Optional[VocabShard] = ...) -> Dict[str, Any]: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,
     bias: Optional[object], top_k: object, top_k_values: object,

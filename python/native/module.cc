@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
+#include "losses/vocab_shard.h"
 #include "proto/config.h"
 #include "proto/config_overrides.h"
 #include "python/native/config_sources.h"
@@ -257,6 +258,68 @@ py::dict ResultOf(const HeadResult& r) {
   return d;
 }
 
+// dflash::VocabExchange over a Python callable all_gather(local, out):
+// local and out are float64 memoryviews of the head's own buffers (n and
+// size * n values; local is read, not written), and the callable fills out
+// with every process's local in rank order (dflash.torch runs
+// torch.distributed's all_gather on them). The head calls it with the GIL
+// released, from whichever thread runs the loss: it takes the GIL. A Python
+// exception becomes an error Status (the head then fails, and the binding
+// raises it), never an exception through the head's C++ frames.
+class PythonVocabExchange final : public VocabExchange {
+ public:
+  PythonVocabExchange(int rank, int size, py::object all_gather)
+      : rank_(rank), size_(size), all_gather_(std::move(all_gather)) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  absl::Status AllGather(absl::Span<const double> local,
+                         absl::Span<double> out) override {
+    if (out.size() != local.size() * static_cast<size_t>(size_)) {
+      return absl::InternalError(absl::StrCat(
+          "vocab exchange: out holds ", out.size(), " values, expected ",
+          size_, " x ", local.size()));
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      const auto view = [](const double* data, size_t n, bool readonly) {
+        return py::memoryview::from_buffer(
+            const_cast<double*>(data), {static_cast<py::ssize_t>(n)},
+            {static_cast<py::ssize_t>(sizeof(double))}, readonly);
+      };
+      all_gather_(view(local.data(), local.size(), /*readonly=*/false),
+                  view(out.data(), out.size(), /*readonly=*/false));
+    } catch (py::error_already_set& error) {
+      // The exception's type and message (its traceback is the head's
+      // frames, of no use to the caller).
+      return absl::AbortedError(absl::StrCat(
+          "vocab_group: the all-gather of the vocab-parallel head raised ",
+          std::string(py::str(error.type().attr("__name__"))), ": ",
+          std::string(py::str(error.value()))));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const int rank_, size_;
+  py::object all_gather_;
+};
+
+// _core.VocabShard: a VocabShard and the exchange it borrows, kept alive
+// together.
+struct VocabShardHandle {
+  VocabShardHandle(int64_t offset, int64_t vocab, int rank, int size,
+                   py::object all_gather)
+      : exchange(rank, size, std::move(all_gather)) {
+    shard.offset = offset;
+    shard.vocab = vocab;
+    shard.exchange = &exchange;
+  }
+  PythonVocabExchange exchange;
+  VocabShard shard;
+};
+
 // A PreparedProjection and the tensors it reads, kept alive with it.
 struct PreparedHandle {
   std::unique_ptr<PreparedProjection> projection;
@@ -273,7 +336,8 @@ py::dict RunObjectiveFromPython(
     py::handle correction_inputs, py::handle correction_weight,
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
-    bool interruptible, bool forward_only) {
+    bool interruptible, bool forward_only,
+    const VocabShardHandle* vocab_shard) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -305,7 +369,8 @@ py::dict RunObjectiveFromPython(
         config, tensors, outputs,
         {trainable, cuda_stream,
          prepared != nullptr ? prepared->projection.get() : nullptr,
-         interrupt ? interrupt->flag() : nullptr, forward_only});
+         interrupt ? interrupt->flag() : nullptr, forward_only,
+         vocab_shard != nullptr ? &vocab_shard->shard : nullptr});
   }
   if (result.status().code() == absl::StatusCode::kCancelled) {
     // Python's own SIGINT handler raises (KeyboardInterrupt by default).
@@ -484,13 +549,18 @@ PYBIND11_MODULE(_core, m) {
         py::arg("prepared").none(true), py::arg("trainable"),
         py::arg("cuda_stream"), py::arg("interruptible") = false,
         py::arg("forward_only") = false,
+        py::arg("vocab_shard").none(true) = py::none(),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. With forward_only the "
         "forward pass alone: no gradient buffer (every grad_* None), no "
         "gradient GEMM. Returns the terms and stats. "
         "The GIL is released while it runs; with interruptible (a call from "
         "the main thread under Python's default SIGINT handler) Ctrl-C stops "
-        "it before its next GEMM and raises KeyboardInterrupt.");
+        "it before its next GEMM and raises KeyboardInterrupt. With "
+        "vocab_shard (a VocabShard) the weight, bias and correction weight "
+        "are this process's rows of the vocabulary, the ids global, and the "
+        "gradient of hidden (and of correction_inputs) this process's part "
+        "of a sum over the shard's processes.");
   m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
         py::arg("config"), py::arg("hidden"), py::arg("weight"),
         py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),
@@ -546,6 +616,62 @@ PYBIND11_MODULE(_core, m) {
                              [](const dp::PreparedHandle& h) {
                                return h.projection->prepare_seconds();
                              });
+  py::class_<dp::VocabShardHandle>(
+      m, "VocabShard",
+      "This process's part of a vocabulary split across processes (the "
+      "vocab-parallel head, losses/vocab_shard.h): rows [offset, offset + "
+      "the weight's rows) of vocab classes, and the exchange the loss merges "
+      "the processes' row records through: all_gather(local, out), local "
+      "and out float64 memoryviews of n and size * n values, out filled "
+      "with every process's local in rank order. dflash.torch makes one per "
+      "call from vocab_group.")
+      .def(py::init([](py::handle offset, py::handle vocab, py::handle rank,
+                       py::handle size, py::object all_gather) {
+             const int64_t o = dp::Cast<int64_t>("offset", offset, "an int");
+             const int64_t v = dp::Cast<int64_t>("vocab", vocab, "an int");
+             const int64_t r = dp::Cast<int64_t>("rank", rank, "an int");
+             const int64_t w = dp::Cast<int64_t>("size", size, "an int");
+             if (w < 1 || w > (1 << 20) || r < 0 || r >= w) {
+               dp::Raise(absl::InvalidArgumentError(absl::StrCat(
+                   "rank, size: must satisfy 0 <= rank < size, got rank ", r,
+                   " of size ", w)));
+             }
+             if (v < 1 || o < 0 || o >= v) {
+               dp::Raise(absl::InvalidArgumentError(absl::StrCat(
+                   "offset: must lie in [0, vocab = ", v, "), got ", o)));
+             }
+             if (!PyCallable_Check(all_gather.ptr())) {
+               dp::RaiseType(absl::StrCat(
+                   "all_gather: must be callable, got ",
+                   std::string(py::str(all_gather.get_type()))));
+             }
+             return std::make_unique<dp::VocabShardHandle>(
+                 o, v, static_cast<int>(r), static_cast<int>(w),
+                 std::move(all_gather));
+           }),
+           py::arg("offset"), py::arg("vocab"), py::arg("rank"),
+           py::arg("size"), py::arg("all_gather"))
+      .def_property_readonly(
+          "offset",
+          [](const dp::VocabShardHandle& h) { return h.shard.offset; })
+      .def_property_readonly(
+          "vocab", [](const dp::VocabShardHandle& h) { return h.shard.vocab; })
+      .def_property_readonly(
+          "rank", [](const dp::VocabShardHandle& h) { return h.exchange.rank(); })
+      .def_property_readonly(
+          "size", [](const dp::VocabShardHandle& h) { return h.exchange.size(); })
+      .def("all_gather",
+           [](dp::VocabShardHandle& h, const std::vector<double>& local) {
+             std::vector<double> out(local.size() *
+                                     static_cast<size_t>(h.exchange.size()));
+             absl::Status done = h.exchange.AllGather(local, absl::MakeSpan(out));
+             if (!done.ok()) dp::Raise(done);
+             return out;
+           },
+           py::arg("local"),
+           "The exchange as the head calls it (for tests): every process's "
+           "local values in rank order; a failure of the callable is a "
+           "RuntimeError.");
   m.def("set_cuda_library_dirs", &dp::SetCudaLibraryDirs, py::arg("dirs"),
         "Folders where the CUDA head looks for cuBLAS first, before the "
         "system's library path and the build's toolkit.");

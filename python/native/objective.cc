@@ -186,13 +186,17 @@ HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o, bool float64) {
 // formed them: hidden . W[id] (+ bias[id]) (+ the correction's z . M[id];
 // domino, the one loss that reads the correction apart, takes no top-k),
 // then the head's logit transform; 0 where an id is -1. k dot products a
-// row, after the run.
+// row, after the run. With a vocab shard the weight holds rows
+// [offset, offset + vocab_size) alone: ids outside them get 0 here, and the
+// caller sums the processes' values (each id has one owner, so the sum is
+// exact).
 void TopKValuesInFloat64(const v1::ObjectiveConfig& config,
                          const HeadInputs<double>& in,
                          absl::Span<const int32_t> ids, int64_t k,
-                         absl::Span<double> values) {
+                         int64_t offset, absl::Span<double> values) {
   const v1::HeadConfig& head = config.head();
   const int64_t h = head.hidden_size(), rank = head.correction_rank();
+  const int64_t rows = head.vocab_size();
   const LogitTransform transform(head.logit_scale(), head.logit_softcap());
   const auto dot = [](const double* a, const double* b, int64_t n) {
     double sum = 0;
@@ -200,8 +204,8 @@ void TopKValuesInFloat64(const v1::ObjectiveConfig& config,
     return sum;
   };
   for (size_t i = 0; i < ids.size(); ++i) {
-    const int64_t r = static_cast<int64_t>(i) / k, id = ids[i];
-    if (id < 0) {
+    const int64_t r = static_cast<int64_t>(i) / k, id = ids[i] - offset;
+    if (ids[i] < 0 || id < 0 || id >= rows) {
       values[i] = 0;
       continue;
     }
@@ -241,11 +245,14 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
     options.prepared_projection = objective_options.prepared_projection;
     options.interrupt = objective_options.interrupt;
     options.forward_only = objective_options.forward_only;
+    options.vocab_shard = objective_options.vocab_shard;
     absl::StatusOr<HeadResult> result = RunHead<T>(
         config, inputs, gradients, HostAllocator(), row_outputs, options);
     if constexpr (std::is_same_v<T, double>) {
       if (result.ok() && o.top_k_values.has_value()) {
+        const VocabShard* shard = objective_options.vocab_shard;
         TopKValuesInFloat64(config, inputs, row_outputs.top_k, row_outputs.k,
+                            shard != nullptr ? shard->offset : 0,
                             o.top_k_values->span<double>());
       }
     }
@@ -368,6 +375,10 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
         "trainable: a forward-only run computes no gradient, so it cannot "
         "train the head; pass trainable=False");
   }
+  const VocabShard* shard = options.vocab_shard;
+  if (shard != nullptr) {
+    DFLASH_RETURN_IF_ERROR(CheckVocabShard(*shard, tensors));
+  }
   DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
                           BindConfig(config, tensors, options.trainable));
   DFLASH_RETURN_IF_ERROR(
@@ -376,7 +387,8 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
       CheckPrepared(options.prepared_projection, tensors, bound));
   DFLASH_ASSIGN_OR_RETURN(
       const std::vector<RowMeta> rows,
-      RowsOf(tensors.target_ids, tensors.weight_mask, bound.head().vocab_size(),
+      RowsOf(tensors.target_ids, tensors.weight_mask,
+             shard != nullptr ? shard->vocab : bound.head().vocab_size(),
              bound.loss().cross_entropy().ignore_index(),
              LossParamsOf(bound.loss()).count_ignored,
              tensors.hidden.dtype == "float64"));

@@ -11,6 +11,7 @@
 #include "heads/cpu_head.h"
 #include "heads/prepared_projection.h"
 #include "losses/chunk_loss.h"
+#include "losses/vocab_shard.h"
 #include "proto/objective.pb.h"
 #include "python/native/tensor_arg.h"
 
@@ -74,6 +75,11 @@ struct ObjectiveOptions {
   // The forward pass alone (HeadOptions::forward_only): no gradient is
   // computed and no gradient buffer given; `trainable` must be false.
   bool forward_only = false;
+  // A vocab-parallel run (HeadOptions::vocab_shard): the weight (bias,
+  // correction weight) holds this process's rows [offset, offset + rows) of
+  // vocab_shard->vocab classes; target and top-k ids are global. CPU only.
+  // Borrowed; null: the whole vocabulary.
+  const VocabShard* vocab_shard = nullptr;
 };
 
 // A PreparedProjection of a torch weight and bias: CPU, float32,
@@ -90,8 +96,9 @@ absl::StatusOr<v1::ObjectiveConfig> BindConfig(
     const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
     bool trainable);
 
-// The rows' metadata. Masks must be finite, >= 0, and sum to what the
-// terms' dtype holds (float64 with `float64_terms`, a float64 run, which
+// The rows' metadata. `vocab` is the whole vocabulary (a vocab-parallel
+// run's VocabShard::vocab, not its shard's rows). Masks must be finite,
+// >= 0, and sum to what the terms' dtype holds (float64 with `float64_terms`, a float64 run, which
 // keeps them exactly; else float32, to which they are rounded); where a mask is > 0, a target must lie in [0, vocab) or equal
 // ignore_index, whose row carries nothing (mask 0) unless `count_ignored`
 // (loss.cross_entropy.ignored_target_weight COUNT: it keeps its mask and

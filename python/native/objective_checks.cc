@@ -276,6 +276,37 @@ absl::Status CheckPrepared(const PreparedProjection* prepared,
   return absl::OkStatus();
 }
 
+absl::Status CheckVocabShard(const VocabShard& shard,
+                             const ObjectiveTensors& t) {
+  if (t.hidden.device != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_shard: runs on CPU tensors only (the CUDA head does not run "
+        "vocab-parallel yet), got hidden on ",
+        t.hidden.device));
+  }
+  const int64_t rows = t.weight.shape.size() == 2 ? t.weight.shape[0] : 0;
+  if (shard.exchange == nullptr) {
+    return absl::InvalidArgumentError("vocab_shard.exchange: required, got "
+                                      "none");
+  }
+  const int rank = shard.exchange->rank(), size = shard.exchange->size();
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_shard.exchange: rank must lie in [0, size) with size >= 1, "
+        "got rank ",
+        rank, " of ", size));
+  }
+  if (shard.offset < 0 || shard.vocab < 1 ||
+      shard.offset + rows > shard.vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_shard: rows [offset, offset + V) = [", shard.offset, ", ",
+        shard.offset + rows, ") of lm_head_weight must lie in the whole "
+        "vocabulary [0, ",
+        shard.vocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckTopKBackward(const TopKBackwardTensors& t, bool trainable) {
   DFLASH_RETURN_IF_ERROR(CheckHidden(t.hidden));
   const std::vector<int64_t>& s = t.hidden.shape;

@@ -63,6 +63,12 @@ absl::Status CheckPrepared(const PreparedProjection* prepared,
                            const ObjectiveTensors& t,
                            const v1::ObjectiveConfig& bound);
 
+// A vocab-parallel run's shard against the tensors: CPU only, rows
+// [offset, offset + the weight's rows) inside [0, vocab), an exchange of
+// at least one process with this one's rank in it.
+absl::Status CheckVocabShard(const VocabShard& shard,
+                             const ObjectiveTensors& t);
+
 // Every tensor of RunTopKValueBackward; the weight's and bias's gradients
 // exactly when `trainable`.
 absl::Status CheckTopKBackward(const TopKBackwardTensors& t, bool trainable);

@@ -335,7 +335,8 @@ class MypyTest(unittest.TestCase):
         with open(allowlist, "w") as f:
             f.write("dflash._core.ObjectiveConfig\n"
                     "dflash._core.ObjectiveConfig.__init__\n"
-                    "dflash._core.PreparedProjection\n")
+                    "dflash._core.PreparedProjection\n"
+                    "dflash._core.VocabShard\n")
         environment = dict(os.environ,
                            MYPYPATH=os.path.dirname(PACKAGE))
         result = subprocess.run(

@@ -21,11 +21,17 @@ additive terms of each rank's micro-batches (ObjectiveTerms, or any
 Metrics are (numerator, denominator) pairs summed over the window and the
 ranks, then divided. The collectives run whatever the data: a rank whose
 micro-batch has no weight takes part with zeros, so it cannot hang the
-others. docs/scaling.md has the design.
+others.
+
+The vocab-parallel head (dflash_objective's and FusedHead's vocab_group)
+takes each rank's contiguous rows of the weight: vocab_shard_range says
+which, shard_rows and shard_linear cut them from the whole. docs/scaling.md
+has the design.
 """
 
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import (Dict, Iterable, List, Mapping, NamedTuple, Optional,
                     Sequence, Tuple, Union)
@@ -33,9 +39,11 @@ from typing import (Dict, Iterable, List, Mapping, NamedTuple, Optional,
 import torch
 import torch.distributed as dist
 
+from dflash.torch import _vocab_parallel
 from dflash.torch.objective import ObjectiveTerms
 
-__all__ = ["MODES", "GlobalNormalizer", "NormalizedStep"]
+__all__ = ["MODES", "GlobalNormalizer", "NormalizedStep", "shard_linear",
+           "shard_rows", "vocab_shard_range"]
 
 # The conventions, by SpecForge's model names.
 MODES = ("dflash", "dspark", "domino")
@@ -498,3 +506,62 @@ class GlobalNormalizer:
         # rank's micro-batches of their own losses.
         count = micro / world if self._mode == "dspark" else float(micro)
         return objective / count, sync / count
+
+
+def vocab_shard_range(vocab: int, group: Optional[dist.ProcessGroup] = None
+                      ) -> Tuple[int, int]:
+    """This rank's rows [start, stop) of a vocabulary of `vocab` classes
+    split over `group` (None: the default group) for the vocab-parallel
+    head: contiguous shards in rank order whose sizes differ by at most one,
+    the first vocab % W ranks one larger. The rows dflash_objective's
+    vocab_group expects each rank to hold."""
+    if isinstance(vocab, bool) or not hasattr(vocab, "__index__"):
+        raise TypeError(f"vocab: must be an int, got {vocab!r}")
+    vocab = operator.index(vocab)
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialised")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        _, rank, world = _vocab_parallel.checked_group(group, "group")
+    if vocab < world:
+        raise ValueError(f"vocab: must be at least the group's size {world} "
+                         f"(every rank holds a row), got {vocab}")
+    return _vocab_parallel.shard_range(vocab, world, rank)
+
+
+def shard_rows(tensor: torch.Tensor,
+               group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """This rank's rows (vocab_shard_range of tensor.shape[0]) of a
+    vocabulary-sized tensor: the lm_head weight [V, H], its bias [V], a
+    correction's weight [V, r]. A contiguous copy, detached (a new leaf:
+    set requires_grad on it to train it), so the whole can be freed."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+        raise TypeError("tensor: must be a torch.Tensor of at least one "
+                        f"dimension, got {type(tensor).__name__}")
+    start, stop = vocab_shard_range(int(tensor.shape[0]), group)
+    return tensor.detach()[start:stop].clone(
+        memory_format=torch.contiguous_format)
+
+
+def shard_linear(linear: torch.nn.Linear,
+                 group: Optional[dist.ProcessGroup] = None
+                 ) -> torch.nn.Linear:
+    """A new nn.Linear holding this rank's rows of `linear` (the whole
+    lm_head, [V, H]): FusedHead(shard_linear(lm_head, group),
+    vocab_group=group). requires_grad is kept."""
+    if not isinstance(linear, torch.nn.Linear):
+        raise TypeError("linear: must be a torch.nn.Linear, got "
+                        f"{type(linear).__name__}")
+    weight = shard_rows(linear.weight, group)
+    shard = torch.nn.Linear(linear.in_features, weight.shape[0],
+                            bias=linear.bias is not None,
+                            device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        shard.weight.copy_(weight)
+        if linear.bias is not None:
+            shard.bias.copy_(shard_rows(linear.bias, group))
+    shard.weight.requires_grad_(linear.weight.requires_grad)
+    if linear.bias is not None:
+        shard.bias.requires_grad_(linear.bias.requires_grad)
+    return shard

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -33,10 +33,17 @@ class FusedHead(torch.nn.Module):
     when the weight or bias is replaced, or changed in place (even through
     `.data`, which torch's version counter misses: each call compares the
     weight with its checksum, one pass over it).
+
+    vocab_group: a vocab-parallel head (dflash_objective's vocab_group, a
+    gloo ProcessGroup, CPU tensors): lm_head holds this rank's rows of the
+    vocabulary (dflash.torch.distributed.shard_linear cuts them from the
+    whole nn.Linear), and every rank of the group calls the head with the
+    same hidden states.
     """
 
     def __init__(self, lm_head: torch.nn.Linear, config: ConfigSource = None,
-                 *, freeze: bool = True, **overrides: Override) -> None:
+                 *, freeze: bool = True, vocab_group: Optional[Any] = None,
+                 **overrides: Override) -> None:
         super().__init__()
         if not isinstance(lm_head, torch.nn.Linear):
             raise TypeError("lm_head: must be a torch.nn.Linear, got "
@@ -45,6 +52,10 @@ class FusedHead(torch.nn.Module):
         if freeze:
             lm_head.requires_grad_(False)
         self.config = objective_config(config, **overrides)
+        if vocab_group is not None:
+            from dflash.torch import _vocab_parallel
+            _vocab_parallel.checked_group(vocab_group)
+        self.vocab_group = vocab_group
         self._prepared: Optional[_core.PreparedProjection] = None
         self._prepared_from: Optional[_LayoutKey] = None
 
@@ -84,4 +95,5 @@ class FusedHead(torch.nn.Module):
             correction_inputs=None, correction_weight=None,
             prepared_projection=(None if compiling
                                  else self._prepared_projection()),
-            prepare=compiling, return_rows=return_rows, top_k=top_k)
+            prepare=compiling, return_rows=return_rows, top_k=top_k,
+            vocab_group=self.vocab_group)

@@ -270,6 +270,13 @@ def _interruptible() -> bool:
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
+def _vocab_parallel() -> Any:
+    # Imported when a call has a vocab_group: torch.distributed is not
+    # needed otherwise.
+    from dflash.torch import _vocab_parallel as module
+    return module
+
+
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     # Row metadata is read on the host: one small copy from a CUDA device.
     return tensor.cpu() if tensor.is_cuda else tensor
@@ -322,10 +329,14 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               weight_mask: torch.Tensor,
               correction_inputs: Optional[torch.Tensor],
               correction_weight: Optional[torch.Tensor],
-              prepared: Optional[_core.PreparedProjection]) -> _HeadCall:
+              prepared: Optional[_core.PreparedProjection],
+              shard: Optional[Any] = None) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
     the host). `gradients` false: the forward pass alone, no gradient
-    computed and no gradient buffer (every grads value None)."""
+    computed and no gradient buffer (every grads value None). `shard`
+    (_vocab_parallel.Shard): this rank's rows of a vocab-parallel head; the
+    gradient of hidden and of the correction's inputs (and float64 top-k
+    values, computed by their owners) are then summed over its group."""
     # The head reads hidden and the per-row tensors beside it as whole
     # rows, one after the other: a view that is not laid out so (a slice of
     # a longer batch along N, as SpecForge's chunks are) is copied here.
@@ -375,8 +386,17 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         confidence, correction_inputs=correction_inputs,
         correction_weight=correction_weight, prepared=prepared,
         trainable=trainable, cuda_stream=stream,
-        interruptible=_interruptible(), forward_only=not gradients, **grads,
+        interruptible=_interruptible(), forward_only=not gradients,
+        vocab_shard=None if shard is None else shard.core, **grads,
         **outputs)
+    if shard is not None:
+        # The head's gradient of hidden (and z) is this rank's vocabulary's
+        # part; float64 top-k values are 0 at the ids other ranks own.
+        float64_values = (outputs["top_k_values"]
+                          if hidden.dtype == torch.float64 else None)
+        _vocab_parallel().sum_over(shard.group, [
+            grads["grad_hidden"], grads["grad_correction_inputs"],
+            float64_values])
 
     # One host-to-device copy for every scalar term, then a tensor of its
     # own for each (not views of one: a caller may all_reduce one in
@@ -487,14 +507,15 @@ class _Objective(torch.autograd.Function):
                 weight_mask: torch.Tensor,
                 correction_inputs: Optional[torch.Tensor],
                 correction_weight: Optional[torch.Tensor],
-                prepared: Optional[_core.PreparedProjection]
+                prepared: Optional[_core.PreparedProjection],
+                shard: Optional[Any] = None
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
         call = _run_head(config, top_k, return_rows, trainable, gradients,
                          hidden, weight, bias, teacher, confidence,
                          target_ids, weight_mask, correction_inputs,
-                         correction_weight, prepared)
+                         correction_weight, prepared, shard)
         result, grads, terms, extras = call[:4]
         run_info.stats = result["stats"]
         run_info.lk_kl_weight = result["lk_kl_weight"]
@@ -509,6 +530,7 @@ class _Objective(torch.autograd.Function):
         ctx.config = config
         ctx.trainable = trainable
         ctx.stream = stream
+        ctx.shard = shard
         returned = terms + [e for e in extras if e is not None]
         top_k_values = extras[3]
         # The top-k values carry a gradient back through the projection's
@@ -583,18 +605,34 @@ class _Objective(torch.autograd.Function):
             if trainable and bias is not None and grad_bias is None:
                 grad_bias = torch.zeros_like(bias)
             correction = None
+            add_hidden, add_z = grad_hidden, grad_z
+            shard = ctx.shard
+            if shard is not None:
+                # Each rank adds the ids it owns (its rows of the weight)
+                # into buffers of their own, summed over the group; the
+                # weight's, bias's and M's gradients stay on their shard.
+                ids = _vocab_parallel().local_ids(ids, shard)
+                add_hidden = hidden.new_zeros(hidden.shape)
             if z is not None:
                 if grad_z is None:
                     grad_z = z.new_zeros(z.shape)
                 if grad_m is None:
                     grad_m = torch.zeros_like(m)
-                correction = (z, m, grad_z, grad_m)
+                add_z = grad_z if shard is None else z.new_zeros(z.shape)
+                correction = (z, m, add_z, grad_m)
             _top_k_value_backward(
                 ctx.config, hidden, weight, bias, ids, values, grad_values,
-                grad_hidden,
+                add_hidden,
                 grad_weight if trainable else None,
                 grad_bias if trainable and bias is not None else None,
                 trainable, correction)
+            if shard is not None:
+                _vocab_parallel().sum_over(
+                    shard.group, [add_hidden, add_z if z is not None
+                                  else None])
+                grad_hidden = grad_hidden + add_hidden
+                if grad_z is not None and add_z is not None:
+                    grad_z = grad_z + add_z
             grad_z = grad_z if needs[12] else None
             grad_m = grad_m if needs[13] else None
             grad_hidden = grad_hidden if needs[5] else None
@@ -602,7 +640,7 @@ class _Objective(torch.autograd.Function):
             grad_bias = grad_bias if needs[7] else None
         return (None, None, None, None, None, grad_hidden, grad_weight,
                 grad_bias, None, grad_confidence, None, None, grad_z, grad_m,
-                None)
+                None, None)
 
 
 def dflash_objective(
@@ -616,6 +654,7 @@ def dflash_objective(
         correction_weight: Optional[torch.Tensor] = None,
         prepared_projection: Optional[_core.PreparedProjection] = None,
         return_rows: bool = False, top_k: int = 0,
+        vocab_group: Optional[Any] = None,
         **overrides: Override) -> ObjectiveTerms:
     """The DFlash-family objective's chunk terms over one batch, through the
     fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
@@ -657,6 +696,19 @@ def dflash_objective(
     return_rows: also return per-row neg_log_q and argmax; top_k: the k
         largest logits' ids per row (0 <= k <= min(64, V)); both in the
         result's diagnostics.
+    vocab_group: a torch.distributed gloo ProcessGroup for a vocab-parallel
+        head (CPU tensors): lm_head_weight, lm_head_bias and
+        correction_weight are this rank's contiguous rows of the vocabulary
+        (dflash.torch.distributed.shard_rows: sizes differing by at most
+        one, the first V % W ranks one larger; the offset follows from the
+        group's rank and the ranks' rows, agreed by one small all-gather per
+        call), every other argument the same on every rank of the group.
+        target_ids and the top-k and argmax ids are global; every term and
+        per-row output is the single-process one, the same bits on every
+        rank; the gradients of hidden and correction_inputs are summed over
+        the group (one all-reduce per call), the weight's, bias's and
+        correction_weight's are this rank's rows. Runs through the
+        autograd.Function path on every torch (not torch.compile).
 
     Returns ObjectiveTerms: the core terms, the rest in its diagnostics. Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
@@ -671,7 +723,7 @@ def dflash_objective(
         correction_inputs=correction_inputs,
         correction_weight=correction_weight,
         prepared_projection=prepared_projection, prepare=False,
-        return_rows=return_rows, top_k=top_k)
+        return_rows=return_rows, top_k=top_k, vocab_group=vocab_group)
 
 
 def _checked_objective(
@@ -684,9 +736,92 @@ def _checked_objective(
         correction_inputs: Optional[torch.Tensor],
         correction_weight: Optional[torch.Tensor],
         prepared_projection: Optional[_core.PreparedProjection],
-        prepare: bool, return_rows: Any, top_k: Any) -> ObjectiveTerms:
+        prepare: bool, return_rows: Any, top_k: Any,
+        vocab_group: Optional[Any] = None) -> ObjectiveTerms:
     """dflash_objective (and FusedHead, with `prepare`): the arguments
-    checked, then _objective_terms."""
+    checked, then _objective_terms. With a vocab_group the ranks agree on
+    the call first (a refusal on any rank raises on every rank)."""
+    if vocab_group is None:
+        return _checked_local(
+            hidden, lm_head_weight, target_ids, weight_mask, config=config,
+            overrides=overrides, lm_head_bias=lm_head_bias,
+            teacher_hidden=teacher_hidden,
+            confidence_logits=confidence_logits,
+            correction_inputs=correction_inputs,
+            correction_weight=correction_weight,
+            prepared_projection=prepared_projection, prepare=prepare,
+            return_rows=return_rows, top_k=top_k, shard=None)
+    parallel = _vocab_parallel()
+    if _is_compiling():
+        raise ValueError("vocab_group: a vocab-parallel call runs outside "
+                         "torch.compile (its collectives are not traced); "
+                         "call it from eager code")
+    group, rank, world = parallel.checked_group(vocab_group)
+    try:
+        for name, value in (("hidden", hidden),
+                            ("lm_head_weight", lm_head_weight),
+                            ("lm_head_bias", lm_head_bias),
+                            ("teacher_hidden", teacher_hidden),
+                            ("confidence_logits", confidence_logits),
+                            ("correction_inputs", correction_inputs),
+                            ("correction_weight", correction_weight)):
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                raise ValueError(
+                    f"{name}: vocab_group runs on CPU tensors only (the "
+                    "CUDA head does not run vocab-parallel yet), got a "
+                    f"tensor on {value.device}")
+        hidden = _tensor("hidden", hidden)
+        lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
+        target_ids = _tensor("target_ids", target_ids)
+        weight_mask = _tensor("weight_mask", weight_mask)
+        top_k = _int("top_k", top_k)
+        if not 0 <= top_k <= 64:
+            raise ValueError("top_k: must be an int in [0, min(64, V)], got "
+                             f"{top_k!r}")
+        resolved = objective_config(config, **overrides)
+        gradients = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (hidden, lm_head_weight, lm_head_bias,
+                      confidence_logits, correction_inputs,
+                      correction_weight))
+        trainable = gradients and (lm_head_weight.requires_grad or (
+            lm_head_bias is not None and lm_head_bias.requires_grad))
+        mine = parallel.signature(
+            hidden, lm_head_weight, target_ids, weight_mask, resolved.text,
+            lm_head_bias, teacher_hidden, confidence_logits,
+            correction_inputs, top_k, bool(return_rows), gradients,
+            trainable)
+    except Exception:
+        parallel.agree(group, rank, world, None)
+        raise
+    shard = parallel.agree(group, rank, world, mine)
+    if top_k > shard.vocab:
+        raise ValueError(f"top_k: must be an int in [0, min(64, V = "
+                         f"{shard.vocab})], got {top_k!r}")
+    return _checked_local(
+        hidden, lm_head_weight, target_ids, weight_mask, config=resolved,
+        overrides={}, lm_head_bias=lm_head_bias,
+        teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
+        correction_inputs=correction_inputs,
+        correction_weight=correction_weight,
+        prepared_projection=prepared_projection, prepare=False,
+        return_rows=return_rows, top_k=top_k, shard=shard)
+
+
+def _checked_local(
+        hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+        target_ids: torch.Tensor, weight_mask: torch.Tensor, *,
+        config: ConfigSource, overrides: Dict[str, Override],
+        lm_head_bias: Optional[torch.Tensor],
+        teacher_hidden: Optional[torch.Tensor],
+        confidence_logits: Optional[torch.Tensor],
+        correction_inputs: Optional[torch.Tensor],
+        correction_weight: Optional[torch.Tensor],
+        prepared_projection: Optional[_core.PreparedProjection],
+        prepare: bool, return_rows: Any, top_k: Any,
+        shard: Optional[Any]) -> ObjectiveTerms:
+    """_checked_objective's checks on this process's arguments, then
+    _objective_terms (`shard`: a vocab-parallel call's agreed shard)."""
     hidden = _tensor("hidden", hidden)
     lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
     target_ids = _tensor("target_ids", target_ids)
@@ -704,6 +839,8 @@ def _checked_objective(
             "prepared_projection: must be a dflash.PreparedProjection or "
             f"None, got {type(prepared_projection).__name__}")
     vocab = lm_head_weight.shape[0] if lm_head_weight.dim() == 2 else 64
+    if shard is not None:
+        vocab = shard.vocab
     top_k = _int("top_k", top_k)
     if not 0 <= top_k <= min(64, vocab):
         raise ValueError(f"top_k: must be an int in [0, min(64, V = {vocab})], "
@@ -728,7 +865,7 @@ def _checked_objective(
         correction_inputs=correction_inputs,
         correction_weight=correction_weight,
         prepared_projection=prepared_projection, prepare=prepare,
-        return_rows=bool(return_rows), top_k=top_k)
+        return_rows=bool(return_rows), top_k=top_k, shard=shard)
 
 
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
@@ -787,10 +924,11 @@ def _objective_terms(
         correction_inputs: Optional[torch.Tensor],
         correction_weight: Optional[torch.Tensor],
         prepared_projection: Optional[_core.PreparedProjection],
-        prepare: bool, return_rows: bool, top_k: int) -> ObjectiveTerms:
+        prepare: bool, return_rows: bool, top_k: int,
+        shard: Optional[Any] = None) -> ObjectiveTerms:
     """dflash_objective's run, its arguments checked: through the
-    dflash::objective operator where torch has torch.library.custom_op,
-    else through _Objective. With `prepare` (FusedHead under torch.compile)
+    dflash::objective operator where torch has torch.library.custom_op
+    (unless vocab-parallel: `shard`), else through _Objective. With `prepare` (FusedHead under torch.compile)
     the operator lays a frozen float32 CPU weight out itself and keeps it.
 
     Under torch.no_grad(), torch.inference_mode() or when no input that
@@ -799,7 +937,7 @@ def _objective_terms(
         t is not None and t.requires_grad
         for t in (hidden, lm_head_weight, lm_head_bias, confidence_logits,
                   correction_inputs, correction_weight))
-    if _library.SUPPORTED:
+    if _library.SUPPORTED and shard is None:
         results, report = _through_operator(
             hidden, lm_head_weight, target_ids, weight_mask, config,
             overrides, lm_head_bias, teacher_hidden, confidence_logits,
@@ -813,7 +951,7 @@ def _objective_terms(
             resolved, top_k, return_rows, gradients, run_info, hidden,
             lm_head_weight, lm_head_bias, teacher_hidden, confidence_logits,
             _on_host(target_ids), _on_host(weight_mask), correction_inputs,
-            correction_weight, prepared_projection)
+            correction_weight, prepared_projection, shard)
         lk_kl_weight, metrics = run_info.lk_kl_weight, run_info.metrics
         family_terms, stats = run_info.family_terms, run_info.stats
         loss_den_offset = run_info.loss_den_offset
