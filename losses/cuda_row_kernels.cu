@@ -333,8 +333,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     stats.lse_t =
         tempered ? s.max * inv_t + logf(s.sum_t) : s.max + stats.log_sum;
   }
-  // A row without a target class (HasTarget) never sets `target`.
-  stats.target = HasTarget(meta.target) ? target : 0.0f;
+  // Only where a thread set it (NegLogQ reads it then); else RowStats' 0.
+  if (HasTarget(meta.target)) stats.target = target;
   stats.sum = s.total;
   stats.argmax = s.argmax;
   if (teacher) {
@@ -468,11 +468,8 @@ class CudaRow {
   __device__ __forceinline__ int32_t target() const { return meta_.target; }
   __device__ __forceinline__ double mask() const { return meta_.mask; }
   __device__ __forceinline__ double weight() const { return weight_; }
-  // max - target is exact in double; log_sum carries its own rounding only.
-  // 0 without a target class (HasTarget), as the CPU's.
   __device__ __forceinline__ double neg_log_q() const {
-    if (!HasTarget(meta_.target)) return 0.0;
-    return (static_cast<double>(s_.max) - s_.target) + s_.log_sum;
+    return NegLogQ(meta_.target, s_.max, s_.log_sum, s_.target);
   }
   __device__ __forceinline__ double lse() const {
     return static_cast<double>(s_.max) + s_.log_sum;
@@ -637,9 +634,8 @@ __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
     if (!(meta[r].mask > 0)) return 0.0;
-    if (!HasTarget(meta[r].target)) return 1.0;
-    return exp((static_cast<double>(stats[r].target) - stats[r].max) -
-               stats[r].log_sum);
+    const RowStats& s = stats[r];
+    return exp(-NegLogQ(meta[r].target, s.max, s.log_sum, s.target));
   };
   CoupledBlockWeights(
       p, end - begin, q, [&](int64_t i) { return accept[begin + i]; },
@@ -792,10 +788,11 @@ class CudaDominoRow {
     base_max_ = bs.max;
     final_log_sum_ = logf(fs.sum);
     base_log_sum_ = logf(bs.sum);
+    // Domino refuses ignored_target_weight COUNT: a row here has a target.
     out.neg_log_q =
-        (static_cast<double>(fs.max) - final_target) + final_log_sum_;
+        NegLogQ(meta_.target, fs.max, final_log_sum_, final_target);
     out.base_neg_log_q =
-        (static_cast<double>(bs.max) - base_target) + base_log_sum_;
+        NegLogQ(meta_.target, bs.max, base_log_sum_, base_target);
     out.argmax = fs.argmax;
     out.base_argmax = bs.argmax;
     return true;

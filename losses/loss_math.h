@@ -142,6 +142,17 @@ DFLASH_HOST_DEVICE inline double EffectiveMask(const LossParams& p,
 // q 1, as F.cross_entropy gives it; it adds no loss and no gradient.
 DFLASH_HOST_DEVICE inline bool HasTarget(int32_t target) { return target >= 0; }
 
+// A row's -log q from its logits' max, log sum exp(z' - max) and target
+// logit (used only with a target class): (max - target_logit) + log_sum in
+// double, where the float logits' difference is exact; 0 without a target
+// class (HasTarget). The CUDA loss's: the CPU's stats hold logsumexp whole
+// and, without a target class, set target_logit to it.
+DFLASH_HOST_DEVICE inline double NegLogQ(int32_t target, double max,
+                                         double log_sum, double target_logit) {
+  if (!HasTarget(target)) return 0.0;
+  return (max - target_logit) + log_sum;
+}
+
 // The factor of a row's D-PACE weight: its sequence share under the
 // SEQUENCE_BALANCED denominator, else 1.
 DFLASH_HOST_DEVICE inline double DPaceRowScale(const LossParams& p,
