@@ -1,17 +1,26 @@
 #include "heads/row_compaction.h"
 
+#include "losses/loss_math.h"
+
 namespace dflash {
 
 std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
-                                  int64_t ignore_index, bool count_ignored) {
+                                  const LossParams& loss) {
   std::vector<int64_t> indices;
   for (size_t r = 0; r < rows.size(); ++r) {
-    if (rows[r].mask > 0 &&
-        (count_ignored || rows[r].target != ignore_index)) {
+    if (EffectiveMask(loss, rows[r].target, rows[r].mask) > 0) {
       indices.push_back(static_cast<int64_t>(r));
     }
   }
   return indices;
+}
+
+std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
+                                  int64_t ignore_index, bool count_ignored) {
+  LossParams loss;
+  loss.ignore_index = ignore_index;
+  loss.count_ignored = count_ignored;
+  return WeightedRows(rows, loss);
 }
 
 }  // namespace dflash

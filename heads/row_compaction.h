@@ -10,13 +10,18 @@
 
 #include "absl/types/span.h"
 #include "losses/chunk_loss.h"
+#include "losses/loss_params.h"
 
 namespace dflash {
 
 // Draft states [B, N, K, H] are already rows [B * N * K, H] in memory; the
 // head projects only the rows that carry weight. These are their indices,
-// ascending: mask > 0 and target != ignore_index, or any target where
-// ignored targets count (CrossEntropyOptions COUNT).
+// ascending: those whose EffectiveMask (losses/loss_math.h) under `loss` is
+// positive (mask > 0 and target != ignore_index, or any target where
+// ignored targets count, CrossEntropyOptions COUNT).
+std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
+                                  const LossParams& loss);
+// The same from the two fields it reads.
 std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
                                   int64_t ignore_index,
                                   bool count_ignored = false);
