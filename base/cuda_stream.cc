@@ -18,11 +18,26 @@ absl::Status CudaStatus(cudaError_t error, const char* what) {
       absl::StrCat(what, ": ", cudaGetErrorString(error)));
 }
 
-// Device memory allocated and freed in the order of `stream`'s work.
-class StreamMemory final : public MemorySpace {
+// Device memory used in the order of `stream`'s work: its copies are
+// queued there; allocation is the subclass's.
+class OrderedMemory : public MemorySpace {
  public:
-  explicit StreamMemory(cudaStream_t stream) : stream_(stream) {}
+  explicit OrderedMemory(cudaStream_t stream) : stream_(stream) {}
   Device device() const override { return Device::kCuda; }
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
+    return CudaStatus(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+        "device copy");
+  }
+
+ protected:
+  const cudaStream_t stream_;
+};
+
+// Device memory allocated and freed in the order of `stream`'s work.
+class StreamMemory final : public OrderedMemory {
+ public:
+  using OrderedMemory::OrderedMemory;
   absl::StatusOr<void*> Allocate(int64_t bytes) override {
     void* data = nullptr;
     const cudaError_t error = cudaMallocAsync(&data, bytes, stream_);
@@ -43,11 +58,6 @@ class StreamMemory final : public MemorySpace {
     std::lock_guard<std::mutex> lock(mutex_);
     if (deferred_.ok()) deferred_ = CudaStatus(error, "cudaFreeAsync");
   }
-  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
-    return CudaStatus(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-        "device copy");
-  }
   // The first failed free since the last call (frees return nothing).
   absl::Status TakeDeferred() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -57,7 +67,6 @@ class StreamMemory final : public MemorySpace {
   }
 
  private:
-  const cudaStream_t stream_;
   std::mutex mutex_;
   absl::Status deferred_;
 };
@@ -68,47 +77,43 @@ absl::Status TakeStreamDeferred(MemorySpace& memory) {
 
 // Device memory from a caller's hook (DeviceAllocatorHook), ordered on
 // `stream`.
-class HookMemory final : public MemorySpace {
+class HookMemory final : public OrderedMemory {
  public:
   HookMemory(const DeviceAllocatorHook& hook, cudaStream_t stream)
-      : hook_(hook), stream_(stream) {}
-  Device device() const override { return Device::kCuda; }
+      : OrderedMemory(stream), hook_(hook) {}
   absl::StatusOr<void*> Allocate(int64_t bytes) override {
     return hook_.allocate(bytes, stream_);
   }
   void Free(void* data) override { hook_.free(data, stream_); }
-  absl::Status Copy(void* dst, const void* src, int64_t bytes) override {
-    return CudaStatus(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-        "device copy");
-  }
 
  private:
   const DeviceAllocatorHook hook_;
-  const cudaStream_t stream_;
 };
 
 }  // namespace
 
+CudaStream::CudaStream(CUstream_st* stream, bool owned,
+                       const DeviceAllocatorHook* hook, int64_t limit_bytes)
+    : stream_(stream), owned_(owned) {
+  if (hook != nullptr) {
+    memory_ = std::make_unique<HookMemory>(*hook, stream);
+  } else {
+    memory_ = std::make_unique<StreamMemory>(stream);
+    take_deferred_ = TakeStreamDeferred;
+  }
+  allocator_ = std::make_unique<TrackingAllocator>(
+      limit_bytes, /*cache_blocks=*/false, *memory_);
+}
+
 absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Wrap(
     CUstream_st* stream, const DeviceAllocatorHook* hook,
     int64_t limit_bytes) {
-  std::unique_ptr<CudaStream> wrapped(new CudaStream);
-  wrapped->stream_ = stream;
-  wrapped->owned_ = false;
-  if (hook != nullptr) {
-    if (!hook->allocate || !hook->free) {
-      return absl::InvalidArgumentError(
-          "a device allocator hook needs both allocate and free");
-    }
-    wrapped->memory_ = std::make_unique<HookMemory>(*hook, stream);
-  } else {
-    wrapped->memory_ = std::make_unique<StreamMemory>(stream);
-    wrapped->take_deferred_ = TakeStreamDeferred;
+  if (hook != nullptr && (!hook->allocate || !hook->free)) {
+    return absl::InvalidArgumentError(
+        "a device allocator hook needs both allocate and free");
   }
-  wrapped->allocator_ = std::make_unique<TrackingAllocator>(
-      limit_bytes, /*cache_blocks=*/false, *wrapped->memory_);
-  return wrapped;
+  return std::unique_ptr<CudaStream>(
+      new CudaStream(stream, /*owned=*/false, hook, limit_bytes));
 }
 
 absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
@@ -132,15 +137,12 @@ absl::StatusOr<std::unique_ptr<CudaStream>> CudaStream::Create(
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
   }
   cudaGetLastError();
-  std::unique_ptr<CudaStream> stream(new CudaStream);
+  cudaStream_t stream = nullptr;
   DFLASH_RETURN_IF_ERROR(CudaStatus(
-      cudaStreamCreateWithFlags(&stream->stream_, cudaStreamNonBlocking),
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
       "cudaStreamCreate"));
-  stream->memory_ = std::make_unique<StreamMemory>(stream->stream_);
-  stream->take_deferred_ = TakeStreamDeferred;
-  stream->allocator_ = std::make_unique<TrackingAllocator>(
-      limit_bytes, /*cache_blocks=*/false, *stream->memory_);
-  return stream;
+  return std::unique_ptr<CudaStream>(
+      new CudaStream(stream, /*owned=*/true, /*hook=*/nullptr, limit_bytes));
 }
 
 CudaStream::~CudaStream() {

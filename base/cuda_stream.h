@@ -67,7 +67,10 @@ class CudaStream {
   absl::Status LaunchStatus(const char* what);
 
  private:
-  CudaStream() = default;
+  // Over `stream`, with memory from `hook` (checked by Wrap) or else
+  // cudaMallocAsync on the stream.
+  CudaStream(CUstream_st* stream, bool owned, const DeviceAllocatorHook* hook,
+             int64_t limit_bytes);
   CUstream_st* stream_ = nullptr;
   bool owned_ = true;  // Created here (destroyed with it), not wrapped.
   std::unique_ptr<MemorySpace> memory_;
