@@ -54,8 +54,7 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                   element_bytes, LogitsBuffers(config)}));
   HeadPlan plan;
   plan.chunks = std::move(chunks);
-  const LossParams loss = LossParamsOf(config.loss());
-  plan.active = WeightedRows(rows, loss.ignore_index, loss.count_ignored);
+  plan.active = WeightedRows(rows, LossParamsOf(config.loss()));
   for (const ChunkRange& chunk : plan.chunks.chunks) {
     plan.chunk_begin.push_back(
         std::lower_bound(plan.active.begin(), plan.active.end(), chunk.begin) -

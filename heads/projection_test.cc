@@ -82,8 +82,13 @@ TEST(ProjectionTest, BadShapesAreErrors) {
 TEST(FlattenTest, WeightedRowsGatherAndScatter) {
   const std::vector<RowMeta> rows = {
       {1, 0, 0.0f}, {2, 1, 1.0f}, {-100, 2, 1.0f}, {3, 3, 0.5f}};
-  const std::vector<int64_t> weighted = WeightedRows(rows, -100);
+  LossParams loss;
+  loss.ignore_index = -100;
+  const std::vector<int64_t> weighted = WeightedRows(rows, loss);
   EXPECT_EQ(weighted, (std::vector<int64_t>{1, 3}));
+  // Under ignored_target_weight COUNT a -100 target with weight is kept.
+  loss.count_ignored = true;
+  EXPECT_EQ(WeightedRows(rows, loss), (std::vector<int64_t>{1, 2, 3}));
   const std::vector<int> src = {0, 1, 10, 11, 20, 21, 30, 31};
   std::vector<int> packed(4), back(8, -1);
   GatherRows(src.data(), 2, weighted, packed.data());

@@ -15,12 +15,4 @@ std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
   return indices;
 }
 
-std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
-                                  int64_t ignore_index, bool count_ignored) {
-  LossParams loss;
-  loss.ignore_index = ignore_index;
-  loss.count_ignored = count_ignored;
-  return WeightedRows(rows, loss);
-}
-
 }  // namespace dflash

@@ -21,10 +21,6 @@ namespace dflash {
 // ignored targets count, CrossEntropyOptions COUNT).
 std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
                                   const LossParams& loss);
-// The same from the two fields it reads.
-std::vector<int64_t> WeightedRows(absl::Span<const RowMeta> rows,
-                                  int64_t ignore_index,
-                                  bool count_ignored = false);
 
 // dst[i, :] = src[indices[i], :] for rows of `width` values.
 template <typename T>
