@@ -46,7 +46,11 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
   const int64_t m = static_cast<int64_t>(in.rows.size());
   const int64_t v = in.stride();
   constexpr int kGroupsPerThread = 8;
-  const int wanted = threads > 1 ? threads * kGroupsPerThread : 1;
+  // Vocab-parallel, the chunk is one group: its exchange is one sequence
+  // of calls per process, which groups on threads would interleave.
+  const bool vocab_parallel = loss.options().vocab_shard != nullptr;
+  const int wanted =
+      threads > 1 && !vocab_parallel ? threads * kGroupsPerThread : 1;
   std::vector<int64_t> bounds = {0};
   for (int g = 1; g < wanted; ++g) {
     int64_t at = std::max(bounds.back(), m * g / wanted);

@@ -12,6 +12,7 @@
 #include "heads/head_types.h"
 #include "heads/projection.h"
 #include "losses/chunk_loss.h"
+#include "losses/vocab_shard.h"
 #include "proto/objective.pb.h"
 
 namespace dflash {
@@ -120,6 +121,12 @@ absl::Status NameBatchRowError(const absl::Status& error,
 absl::Status NameChunkLossError(const absl::Status& error,
                                 const v1::BatchLayout& layout, int64_t chunk,
                                 absl::Span<const int64_t> chunk_rows);
+
+// A vocab-parallel head's own checks of options.vocab_shard against the
+// config: an exchange, this process's classes within the vocabulary, no
+// Domino or split correction.
+absl::Status CheckVocabShard(const v1::ObjectiveConfig& config,
+                             const VocabShard& shard);
 
 // The config's head.backend and head.dtype against what `call` runs, e.g.
 // "head.dtype: this call takes FLOAT32 tensors (CPU heads run FLOAT32 or

@@ -21,6 +21,9 @@
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
+#include "losses/vocab_shard.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "proto/config.h"
 
 namespace dflash {
@@ -44,7 +47,7 @@ class HeadRun {
  public:
   HeadRun(const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
           const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
-          HeadBackend<T>& backend, bool forward_only)
+          HeadBackend<T>& backend, bool forward_only, const VocabShard* shard)
       : config_(config),
         head_(config.head()),
         inputs_(WithSequenceShares(config, inputs)),
@@ -53,6 +56,8 @@ class HeadRun {
         backend_(backend),
         allocator_(backend.allocator()),
         vocab_(head_.vocab_size()),
+        classes_(shard != nullptr ? shard->vocab : vocab_),
+        plan_vocab_(vocab_),
         hidden_(head_.hidden_size()),
         block_size_(config.layout().block_size()),
         params_(LossParamsOf(config.loss())),
@@ -63,6 +68,11 @@ class HeadRun {
         forward_only_(forward_only) {}
 
   absl::Status Validate() const;
+  // Vocab-parallel: one gather of every process's validation and shape
+  // (they must agree; the chunk plan is made for the widest range, so that
+  // every process runs the same chunks).
+  absl::Status ShardHandshake(const VocabShard& shard, const absl::Status& valid,
+                              const HeadOptions& options);
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
 
  private:
@@ -152,7 +162,12 @@ class HeadRun {
   const HeadRowOutputs& row_outputs_;
   HeadBackend<T>& backend_;
   TrackingAllocator& allocator_;
-  const int64_t vocab_, hidden_, block_size_;
+  // This process's classes (head.vocab_size) and the whole vocabulary's;
+  // the width the chunk plan is made for (vocab-parallel: the widest
+  // process's).
+  const int64_t vocab_, classes_;
+  int64_t plan_vocab_;
+  const int64_t hidden_, block_size_;
   // Values from one logits row to the next: the projection's (padded on
   // CUDA), known once the backend has started.
   int64_t stride_ = 0;
@@ -202,10 +217,10 @@ absl::Status HeadRun<T>::Validate() const {
                        "].mask: must be finite and >= 0, got ", meta.mask));
     }
     if (meta.mask > 0 && meta.target != ignore &&
-        (meta.target < 0 || meta.target >= vocab_)) {
+        (meta.target < 0 || meta.target >= classes_)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("inputs.rows[", r, "].target: must lie in [0, ", vocab_,
-                       "), got ", meta.target));
+          absl::StrCat("inputs.rows[", r, "].target: must lie in [0, ",
+                       classes_, "), got ", meta.target));
     }
   }
   // D-PARD's loss is per sequence: rows / (num_anchors * block_size); so is
@@ -306,15 +321,42 @@ absl::Status HeadRun<T>::Validate() const {
 
 template <typename T>
 absl::Status HeadRun<T>::Plan() {
+  v1::ObjectiveConfig widest;
+  if (plan_vocab_ != vocab_) {
+    widest = config_;
+    widest.mutable_head()->set_vocab_size(plan_vocab_);
+  }
   DFLASH_ASSIGN_OR_RETURN(
       HeadPlan plan,
-      PlanHead(config_, inputs_.rows, static_cast<int64_t>(sizeof(T))));
+      PlanHead(plan_vocab_ != vocab_ ? widest : config_, inputs_.rows,
+               static_cast<int64_t>(sizeof(T))));
   plan_ = std::move(plan.chunks);
   active_ = std::move(plan.active);
   chunk_begin_ = std::move(plan.chunk_begin);
   max_chunk_rows_ = plan.max_chunk_rows;
   // A forward-only run keeps nothing for a backward pass.
   if (Fused() || forward_only_) return absl::OkStatus();
+  if (plan_vocab_ != vocab_ || classes_ != vocab_) {
+    // Vocab-parallel: a chunk recomputed in backward runs its loss's
+    // exchange again, so every process must keep the same chunks. A byte
+    // budget decides by the logits' width, which differs: it must keep
+    // every chunk's intermediates at the widest process's.
+    if (plan.policy.has_memory_budget_bytes()) {
+      const int64_t buffers = LogitRows(1) + (teacher_ ? 1 : 0);
+      const int64_t all = static_cast<int64_t>(active_.size()) * buffers *
+                          plan_vocab_ * static_cast<int64_t>(sizeof(T));
+      if (plan.policy.memory_budget_bytes() < all) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint.memory_budget_bytes: a vocab-parallel head's budget "
+            "must keep every chunk's intermediates (",
+            all,
+            " bytes at the widest process's logits), else its processes "
+            "could keep different chunks and their exchanges would not pair; "
+            "got ",
+            plan.policy.memory_budget_bytes()));
+      }
+    }
+  }
   DFLASH_ASSIGN_OR_RETURN(
       std::unique_ptr<CheckpointContext> context,
       CheckpointContext::Create(CheckpointOptionsFromPolicy(plan.policy),
@@ -485,6 +527,86 @@ absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
   return done;
 }
 
+// A vocab-parallel head's handshake record (HeadRun::ShardHandshake).
+enum HandshakeField {
+  kOffset = kRecordHead,
+  kWidth,
+  kVocab,
+  kRows,
+  kConfigLow,
+  kConfigHigh,
+  kRowsLow,
+  kRowsHigh,
+  kUpstream,
+  kForwardOnly,
+  kSize
+};
+
+// FNV-1a over bytes: the same on every process of a group (unlike
+// absl::Hash, seeded per process).
+uint64_t Fingerprint(const void* data, size_t bytes, uint64_t hash) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    hash = (hash ^ p[i]) * 1099511628211ull;
+  }
+  return hash;
+}
+
+template <typename T>
+absl::Status HeadRun<T>::ShardHandshake(const VocabShard& shard,
+                                        const absl::Status& valid,
+                                        const HeadOptions& options) {
+  // The config but for what may differ per process: its width, threads.
+  v1::ObjectiveConfig shared = config_;
+  shared.mutable_head()->clear_vocab_size();
+  shared.mutable_head()->clear_threads();
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    shared.SerializeToCodedStream(&coded);
+  }
+  const uint64_t offset_basis = 14695981039346656037ull;
+  const uint64_t config_hash =
+      Fingerprint(bytes.data(), bytes.size(), offset_basis);
+  uint64_t rows_hash = offset_basis;
+  for (const RowMeta& row : inputs_.rows) {
+    rows_hash = Fingerprint(&row.target, sizeof(row.target), rows_hash);
+    rows_hash = Fingerprint(&row.position, sizeof(row.position), rows_hash);
+    rows_hash = Fingerprint(&row.mask, sizeof(row.mask), rows_hash);
+    rows_hash = Fingerprint(&row.block, sizeof(row.block), rows_hash);
+  }
+  std::vector<double> record(kSize), gathered;
+  record[kOffset] = static_cast<double>(shard.offset);
+  record[kWidth] = static_cast<double>(vocab_);
+  record[kVocab] = static_cast<double>(shard.vocab);
+  record[kRows] = static_cast<double>(inputs_.rows.size());
+  // 32 bits a value: exact in a double.
+  record[kConfigLow] = static_cast<double>(config_hash & 0xffffffffu);
+  record[kConfigHigh] = static_cast<double>(config_hash >> 32);
+  record[kRowsLow] = static_cast<double>(rows_hash & 0xffffffffu);
+  record[kRowsHigh] = static_cast<double>(rows_hash >> 32);
+  record[kUpstream] = options.upstream_gradient;
+  record[kForwardOnly] = options.forward_only;
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, valid,
+                                       absl::MakeSpan(record), gathered));
+  const AgreedField agreed[] = {
+      {kRows, "the number of inputs.rows"},
+      {kConfigLow, "the config (but head.vocab_size and head.threads)"},
+      {kConfigHigh, "the config (but head.vocab_size and head.threads)"},
+      {kRowsLow, "inputs.rows (targets, positions, masks, blocks)"},
+      {kRowsHigh, "inputs.rows (targets, positions, masks, blocks)"},
+      {kUpstream, "options.upstream_gradient"},
+      {kForwardOnly, "options.forward_only"}};
+  DFLASH_RETURN_IF_ERROR(
+      CheckShardRecords(gathered, kSize, kOffset, kWidth, kVocab, agreed));
+  for (size_t at = kWidth; at < gathered.size(); at += kSize) {
+    plan_vocab_ = std::max(plan_vocab_, static_cast<int64_t>(gathered[at]));
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   interrupt_ = options.interrupt;
@@ -641,6 +763,27 @@ absl::Status NameChunkLossError(const absl::Status& error,
   return NameBatchRowError(RowError(chunk_rows[row->row], row->detail), layout);
 }
 
+absl::Status CheckVocabShard(const v1::ObjectiveConfig& config,
+                             const VocabShard& shard) {
+  if (shard.exchange == nullptr) {
+    return absl::InvalidArgumentError(
+        "options.vocab_shard.exchange: must be set, got none");
+  }
+  if (shard.offset < 0 || shard.offset + config.head().vocab_size() >
+                              shard.vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.vocab_shard: classes [offset, offset + head.vocab_size) = [",
+        shard.offset, ", ", shard.offset + config.head().vocab_size(),
+        ") must lie in [0, vocab = ", shard.vocab, ")"));
+  }
+  if (config.loss().has_domino() || SplitsCorrection(config)) {
+    return absl::InvalidArgumentError(
+        "options.vocab_shard: loss.domino (a correction read apart from the "
+        "logits) does not run vocab-parallel yet");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckHeadTarget(const v1::HeadConfig& head,
                              v1::HeadConfig::Backend backend,
                              v1::HeadConfig::DType dtype, const char* call,
@@ -667,15 +810,30 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
                                      HeadBackend<T>& backend,
                                      const HeadRowOutputs& row_outputs,
                                      const HeadOptions& options) {
-  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
-  if (!std::isfinite(options.upstream_gradient)) {
-    return absl::InvalidArgumentError(
+  const VocabShard* shard = options.vocab_shard;
+  absl::Status valid = ValidateObjectiveConfig(config);
+  if (valid.ok() && !std::isfinite(options.upstream_gradient)) {
+    valid = absl::InvalidArgumentError(
         absl::StrCat("options.upstream_gradient: must be finite, got ",
                      options.upstream_gradient));
   }
+  if (valid.ok() && shard != nullptr) valid = CheckVocabShard(config, *shard);
+  if (!valid.ok()) {
+    // The others are waiting for this process's record: send the error.
+    if (shard != nullptr && shard->exchange != nullptr) {
+      std::vector<double> record(kSize), gathered;
+      GatherRecords(*shard->exchange, valid, absl::MakeSpan(record), gathered)
+          .IgnoreError();
+    }
+    return valid;
+  }
   HeadRun<T> run(config, inputs, gradients, row_outputs, backend,
-                 options.forward_only);
-  DFLASH_RETURN_IF_ERROR(run.Validate());
+                 options.forward_only, shard);
+  if (shard != nullptr) {
+    DFLASH_RETURN_IF_ERROR(run.ShardHandshake(*shard, run.Validate(), options));
+  } else {
+    DFLASH_RETURN_IF_ERROR(run.Validate());
+  }
   return run.Run(options);
 }
 

@@ -172,10 +172,13 @@ struct HeadOptions {
   // gradients; gradients.hidden and .correction_inputs are this process's
   // partial sums: the caller sums them over the group (an all-reduce) to
   // get the single-process gradients. gradients.confidence is whole on
-  // every process. An error on one process is an error on every process.
-  // Not with checkpoint.memory_budget_bytes (the processes' logits differ
-  // in width, so a byte budget could keep different chunks), loss.domino
-  // or a split correction; the CUDA head refuses a shard.
+  // every process. An error on one process is an error on every process
+  // (but HeadOptions::interrupt: set it on every process or none). The
+  // chunk plan is made for the widest process's logits, so that all run
+  // the same chunks; a checkpoint.memory_budget_bytes must keep every
+  // chunk's intermediates (a recomputed chunk exchanges again, so every
+  // process must recompute the same ones). Not with loss.domino or a split
+  // correction; the CUDA head refuses a shard.
   const VocabShard* vocab_shard = nullptr;
 };
 

@@ -320,10 +320,19 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
         " values (one per row: the batch-level LK lambda scales each row's "
         "gradient by its q once the batch is done), got none"));
   }
+  // Ids are of the whole vocabulary, whatever a process holds of it.
+  const VocabShard* shard = options.vocab_shard;
+  const int64_t classes = shard != nullptr ? shard->vocab : vocab;
+  if (shard != nullptr && shard->offset + vocab > classes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk loss: vocab_shard.offset + vocab (the logits' width) must be "
+        "<= vocab_shard.vocab = ",
+        classes, ", got ", shard->offset, " + ", vocab));
+  }
   if (!outputs.top_k.empty()) {
-    if (outputs.k < 1 || outputs.k > 64 || outputs.k > vocab) {
+    if (outputs.k < 1 || outputs.k > 64 || outputs.k > classes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "chunk loss: outputs.k must lie in [1, min(64, V = ", vocab,
+          "chunk loss: outputs.k must lie in [1, min(64, V = ", classes,
           ")], got ", outputs.k));
     }
     absl::Status size = CheckSize("outputs.top_k", outputs.top_k.size(),
@@ -380,12 +389,13 @@ absl::Status TeacherError(const absl::Status& status) {
 }
 
 // A row's stats as the loss reads them: of its target, or, for a row with
-// a mask whose target is ignore_index (counted; HasTarget is false), with
-// -log q = 0 exactly. Any other target outside [0, V) is compute's error.
+// a mask and no target class (HasTarget, as the passes test it: its target
+// ignore_index, counted), with -log q = 0 exactly. Any other target outside
+// [0, V) is compute's error.
 template <typename W, typename Compute>
 absl::StatusOr<RowStats> StatsForTarget(const LossParams& p, int32_t target,
                                         Compute compute) {
-  if (target != p.ignore_index) return compute(target);
+  if (HasTarget(target) || target != p.ignore_index) return compute(target);
   absl::StatusOr<RowStats> stats = compute(0);
   if (stats.ok()) stats->target_logit = stats->logsumexp;
   return stats;
@@ -580,13 +590,16 @@ class ChunkPasses {
         num_rows_(static_cast<int64_t>(inputs.rows.size())),
         teacher_metrics_(!traits_.needs_teacher &&
                          !inputs.teacher_logits.empty()),
+        shard_(options.vocab_shard),
+        offset_(shard_ != nullptr ? shard_->offset : 0),
+        classes_(shard_ != nullptr ? shard_->vocab : inputs.vocab),
         keep_exp_(std::is_same_v<W, float> && p.label_smoothing == 0 &&
                   options.logit_softcap == 0 &&
-                  inputs.teacher_logits.empty() &&
+                  inputs.teacher_logits.empty() && shard_ == nullptr &&
                   (!traits_.couples_blocks || std::is_same_v<T, W>)),
         caller_k_(outputs.top_k.empty() ? 0 : outputs.k),
         metric_k_(static_cast<int32_t>(
-            std::min<int64_t>(options.metric_top_k, inputs.vocab))),
+            std::min<int64_t>(options.metric_top_k, classes_))),
         top_k_(std::max(caller_k_, metric_k_)),
         source_(inputs, options),
         mask_(num_rows_),
@@ -596,18 +609,26 @@ class ChunkPasses {
         rank_(num_rows_, -1),
         top_mass_(num_rows_, 0.0),
         metric_ids_(teacher_metrics_ ? num_rows_ * metric_k_ : 0),
-        teacher_stats_(traits_.needs_teacher ? num_rows_ : 0),
-        have_teacher_stats_(traits_.needs_teacher ? num_rows_ : 0, false),
+        teacher_stats_(inputs.teacher_logits.empty() ? 0 : num_rows_),
+        have_teacher_stats_(inputs.teacher_logits.empty() ? 0 : num_rows_,
+                            false),
         accept_(num_rows_, 0.0),
         q_(num_rows_, 0.0),
         weight_(num_rows_),
         share_(num_rows_, 1.0) {
+    if (shard_ != nullptr) {
+      shard_rows_.resize(num_rows_);
+      mean_sum_.assign(num_rows_, 0.0);
+      teacher_mass_.assign(teacher_metrics_ ? num_rows_ : 0, 0.0);
+      gradient_.resize(inputs.vocab);
+    }
     for (int64_t r = 0; r < num_rows_; ++r) {
       mask_[r] = EffectiveMask(p, inputs.rows[r].target, inputs.rows[r].mask);
     }
   }
 
   absl::StatusOr<ChunkTerms> Run() {
+    if (shard_ != nullptr) return ShardRun();
     if (traits_.couples_blocks) DFLASH_RETURN_IF_ERROR(CoupledPass());
     WeightPass();
     ChunkTerms terms = ChunkTerms::Zero(options_.block_size);
@@ -618,6 +639,13 @@ class ChunkPasses {
   }
 
  private:
+  // How a vocab-parallel row sum merges the processes' partials: added in
+  // rank order, or (max, sum of exp(x - max)) pairs merged as online
+  // softmax, to a logsumexp.
+  enum class Merge { kSum, kLogSumExp };
+  // The values of one process's partial of a row sum.
+  static constexpr int kPartial = 2;
+
   // family_passes.h's Row over row r with draft z', teacher t' (empty
   // without one) and its stats, computed in double.
   class Row {
@@ -640,13 +668,17 @@ class ChunkPasses {
           teacher_lse_(teacher != nullptr ? teacher->logsumexp : 0) {}
 
     const LossParams& loss() const { return c_.p_; }
-    int64_t vocab() const { return c_.inputs_.vocab; }
+    // The whole vocabulary (vocab-parallel: of every process).
+    int64_t vocab() const { return c_.classes_; }
     int32_t target() const { return meta_.target; }
     double mask() const { return c_.mask_[r_]; }
     double weight() const { return weight_; }
     double neg_log_q() const { return s_.logsumexp - s_.target_logit; }
     double lse() const { return s_.logsumexp; }
     double MeanLogit() const {
+      if (c_.shard_ != nullptr) {
+        return c_.mean_sum_[r_] / static_cast<double>(c_.classes_);
+      }
       double sum = 0;
       for (W x : z_) sum += x;
       return sum / static_cast<double>(z_.size());
@@ -676,28 +708,67 @@ class ChunkPasses {
     }
     bool TeacherAgrees() const { return teacher_->argmax == s_.argmax; }
 
-    // Distillation's logsumexps at its temperature.
+    // Distillation's logsumexps at its temperature. Vocab-parallel, one row
+    // sum: the exponentials' sums about the merged maxima, known to all.
     void Temper() {
       const double inv_t = c_.p_.inv_temperature;
+      if (c_.shard_ != nullptr) {
+        double sums[2] = {0, 0};
+        if (!c_.SkipsRowSum(r_)) {
+          for (W x : z_) sums[0] += std::exp((x - s_.max_logit) * inv_t);
+          for (W x : t_) sums[1] += std::exp((x - teacher_->max_logit) * inv_t);
+        }
+        c_.RowSum(r_, Merge::kSum, 2, sums);
+        tempered_lse_ = s_.max_logit * inv_t + std::log(sums[0]);
+        teacher_tempered_lse_ = teacher_->max_logit * inv_t + std::log(sums[1]);
+        return;
+      }
       tempered_lse_ = ScaledLogSumExp<W>(z_, s_.max_logit, inv_t);
       teacher_tempered_lse_ =
           ScaledLogSumExp<W>(t_, teacher_->max_logit, inv_t);
     }
 
     // Raw pointers: the span's checked operator[] costs a compare per logit.
+    // f gets the global class id. Vocab-parallel, a ForEach feeds the row
+    // sum that follows it (as every pass uses it): skipped where that sum
+    // is known already or the row waits for one.
     template <typename F>
     void ForEach(F f) const {
+      if (c_.SkipsRowSum(r_)) return;
       const int64_t vocab = static_cast<int64_t>(z_.size());
+      const int64_t offset = c_.offset_;
       const W* z = z_.data();
       const W* t = t_.empty() ? z : t_.data();
-      for (int64_t v = 0; v < vocab; ++v) f(v, double{z[v]}, double{t[v]});
+      for (int64_t v = 0; v < vocab; ++v) {
+        f(offset + v, double{z[v]}, double{t[v]});
+      }
     }
-    template <typename S>
-    S Reduce(S partial) const {
+    double Reduce(double partial) const {
+      if (c_.shard_ != nullptr) c_.RowSum(r_, Merge::kSum, 1, &partial);
       return partial;
+    }
+    RowSums<double> Reduce(RowSums<double> partial) const {
+      if (c_.shard_ == nullptr) return partial;
+      double sums[2] = {partial.a, partial.b};
+      c_.RowSum(r_, Merge::kSum, 2, sums);
+      return {sums[0], sums[1]};
     }
     template <typename F>
     double LogSumExp(F f) const {
+      if (c_.shard_ != nullptr) {
+        // This range's (max, sum of exp(f - max)), merged as online softmax.
+        double pair[2] = {-std::numeric_limits<double>::infinity(), 0};
+        if (!c_.SkipsRowSum(r_)) {
+          for (int64_t v = 0; v < static_cast<int64_t>(z_.size()); ++v) {
+            pair[0] = std::max(pair[0], f(double{z_[v]}, Tp(v)));
+          }
+          for (int64_t v = 0; v < static_cast<int64_t>(z_.size()); ++v) {
+            pair[1] += std::exp(f(double{z_[v]}, Tp(v)) - pair[0]);
+          }
+        }
+        c_.RowSum(r_, Merge::kLogSumExp, 2, pair);
+        return pair[0];
+      }
       double max = -std::numeric_limits<double>::infinity();
       ForEach([&](int64_t, double zp, double tp) {
         max = std::max(max, f(zp, tp));
@@ -711,6 +782,21 @@ class ChunkPasses {
 
     template <typename G>
     void WriteGradient(G g, double bound) {
+      if (c_.shard_ != nullptr) {
+        // Into scratch: a row sum after it may still make the row wait.
+        if (c_.Pending(r_)) return;
+        const int64_t vocab = static_cast<int64_t>(z_.size());
+        const W* z = z_.data();
+        const W* t = t_.empty() ? z : t_.data();
+        W* out = c_.gradient_.data();
+        for (int64_t v = 0; v < vocab; ++v) {
+          out[v] = static_cast<W>(
+              g(c_.offset_ + v, double{z[v]}, double{t[v]}));
+        }
+        c_.gradient_bound_ = bound;
+        c_.gradient_ready_ = true;
+        return;
+      }
       const int64_t vocab = static_cast<int64_t>(z_.size());
       W* z = z_.data();
       const W* t = t_.empty() ? z : t_.data();
@@ -721,6 +807,24 @@ class ChunkPasses {
     }
     void WriteSoftmaxGradient(double softmax, double on_target, double uniform,
                               double bound) {
+      if (c_.shard_ != nullptr) {
+        if (c_.Pending(r_)) return;
+        // This range of the whole row's gradient: the target's term where
+        // it lies here, uniform / V over the whole vocabulary.
+        const int64_t width = static_cast<int64_t>(z_.size());
+        const int64_t local = meta_.target - c_.offset_;
+        const bool here = local >= 0 && local < width;
+        std::copy(z_.begin(), z_.end(), c_.gradient_.begin());
+        dflash::WriteSoftmaxGradient<W>(
+            absl::MakeSpan(c_.gradient_), here ? static_cast<int32_t>(local) : 0,
+            s_,
+            {softmax, here ? on_target : 0.0,
+             uniform * static_cast<double>(width) /
+                 static_cast<double>(c_.classes_)});
+        c_.gradient_bound_ = bound;
+        c_.gradient_ready_ = true;
+        return;
+      }
       const SoftmaxGradient grad{softmax, on_target, uniform};
       if constexpr (std::is_same_v<W, float>) {
         if (c_.keep_exp_) {
@@ -733,24 +837,29 @@ class ChunkPasses {
       Store(bound);
     }
 
-    void Add(TermSlot slot, double value) {
-      AddTerm(*terms_, slot, meta_.position, value);
-    }
+    void Add(TermSlot slot, double value) { c_.Put(*terms_, r_, slot, value); }
     void SetTeacherAcceptance(double accept) {
+      if (c_.Pending(r_)) return;
       if (!c_.outputs_.teacher_acceptance.empty()) {
         c_.outputs_.teacher_acceptance[r_] = accept;
       }
     }
     void SetConfidenceGradient(double gradient) {
+      if (c_.Pending(r_)) return;
       if (!c_.outputs_.confidence_grad.empty()) {
         c_.outputs_.confidence_grad[r_] = static_cast<float>(gradient);
       }
     }
-    void ConfidenceNotFinite(double c) { Fail(ConfidenceError(r_, c)); }
+    void ConfidenceNotFinite(double c) {
+      if (!c_.Pending(r_)) Fail(ConfidenceError(r_, c));
+    }
 
     const absl::Status& status() const { return status_; }
 
    private:
+    double Tp(int64_t v) const {
+      return t_.empty() ? double{z_[v]} : double{t_[v]};
+    }
     void Store(double bound) {
       Fail(c_.source_.StoreGradient(r_, z_, weight_, bound));
     }
@@ -886,13 +995,14 @@ class ChunkPasses {
     RowMetrics(r, stats_[r], terms);
     if (teacher_metrics_) {
       DFLASH_RETURN_IF_ERROR(TeacherDiagnostics(r, z, terms));
+      if (Pending(r)) return absl::OkStatus();
     }
     const double w = weight_[r];
     if (w == 0) {
       source_.StoreZero(r);
       return absl::OkStatus();
     }
-    AddTerm(terms, kLossDen, inputs_.rows[r].position, w);
+    Put(terms, r, kLossDen, w);
     if (!outputs_.loss_weight.empty()) {
       outputs_.loss_weight[r] = static_cast<float>(w);
     }
@@ -904,9 +1014,18 @@ class ChunkPasses {
     }
     Row row(*this, r, z, t, t.empty() ? nullptr : &teacher_stats_[r], w,
             &terms);
+    gradient_ready_ = false;
     if (p_.family == LossFamily::kDistillation) row.Temper();
     FamilyPass(row);
-    return row.status();
+    DFLASH_RETURN_IF_ERROR(row.status());
+    if (shard_ == nullptr || Pending(r)) return absl::OkStatus();
+    // Vocab-parallel, the row is done: its gradient from scratch.
+    if (!gradient_ready_) {
+      source_.StoreZero(r);
+      return absl::OkStatus();
+    }
+    std::copy(gradient_.begin(), gradient_.end(), z.begin());
+    return source_.StoreGradient(r, z, w, gradient_bound_);
   }
 
   // What every family reports of a row with a mask, weighted or not.
@@ -917,12 +1036,11 @@ class ChunkPasses {
     if (!outputs_.argmax.empty()) outputs_.argmax[r] = s.argmax;
     const double hit = mask_[r] > 0.5 && s.argmax == meta.target;
     const double q_r = std::exp(-neg_log_q);
-    const int32_t k = meta.position;
-    AddTerm(terms, kCorrect, k, hit);
-    AddTerm(terms, kAccuracyDen, k, mask_[r]);
-    AddTerm(terms, kTargetProbability, k, mask_[r] * q_r);
-    AddTerm(terms, kTopKRecall, k, rank_[r] >= 0 ? mask_[r] : 0.0);
-    AddTerm(terms, kTopKMass, k, mask_[r] * top_mass_[r]);
+    Put(terms, r, kCorrect, hit);
+    Put(terms, r, kAccuracyDen, mask_[r]);
+    Put(terms, r, kTargetProbability, mask_[r] * q_r);
+    Put(terms, r, kTopKRecall, rank_[r] >= 0 ? mask_[r] : 0.0);
+    Put(terms, r, kTopKMass, mask_[r] * top_mass_[r]);
     if (!outputs_.target_probability.empty()) {
       outputs_.target_probability[r] = q_r;
     }
@@ -934,17 +1052,363 @@ class ChunkPasses {
   absl::Status TeacherDiagnostics(int64_t r, absl::Span<W> z,
                                   ChunkTerms& terms) {
     absl::Span<const W> t = source_.Teacher(r);
-    absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
-    if (!teacher.ok()) return TeacherError(teacher.status());
-    Row row(*this, r, z, t, &*teacher, 0, &terms);
-    TeacherDiagnosticsPass(row);
-    double mass = 0;
-    for (int32_t j = 0; j < metric_k_; ++j) {
-      mass += std::exp(t[metric_ids_[r * metric_k_ + j]] - teacher->logsumexp);
+    if (shard_ == nullptr) {
+      absl::StatusOr<RowStats> teacher = ComputeRowStats<W>(t, 0, r);
+      if (!teacher.ok()) return TeacherError(teacher.status());
+      teacher_stats_[r] = *teacher;
     }
-    AddTerm(terms, kTeacherTopKMass, inputs_.rows[r].position,
-            mask_[r] * mass);
+    const RowStats& teacher = teacher_stats_[r];
+    Row row(*this, r, z, t, &teacher, 0, &terms);
+    TeacherDiagnosticsPass(row);
+    if (Pending(r)) return absl::OkStatus();
+    double mass = 0;
+    if (shard_ != nullptr) {
+      mass = teacher_mass_[r];
+    } else {
+      for (int32_t j = 0; j < metric_k_; ++j) {
+        mass += std::exp(t[metric_ids_[r * metric_k_ + j]] - teacher.logsumexp);
+      }
+    }
+    Put(terms, r, kTeacherTopKMass, mask_[r] * mass);
     return absl::OkStatus();
+  }
+
+  // Vocab-parallel (options.vocab_shard). A row's pass needs its whole
+  // row's sums; each process has its range only. So the pass runs in
+  // rounds: a row whose pass meets a row sum that no gather has merged yet
+  // records its partial and waits (pending: its later sums, terms, outputs
+  // and gradient are dropped this round); after each round one AllGather
+  // of every row's partial, and the next round replays the waiting rows
+  // with the merged sums known. Every process runs the same rounds on the
+  // same merged values, so all agree bitwise. A row's terms are kept
+  // (ShardRow::adds) and added in row order once every row is done.
+  struct ShardRow {
+    std::vector<double> known;  // Gathered partials, kPartial per process.
+    int32_t next = 0;           // Row sums this round's pass has met.
+    bool pending = false;
+    double partial[kPartial] = {};
+    std::vector<std::pair<TermSlot, double>> adds;
+  };
+
+  bool Pending(int64_t r) const {
+    return shard_ != nullptr && shard_rows_[r].pending;
+  }
+  // Whether a ForEach or row sum of row r would be wasted: its sum is known
+  // from a gather, or the row already waits for another.
+  bool SkipsRowSum(int64_t r) const {
+    if (shard_ == nullptr) return false;
+    const ShardRow& s = shard_rows_[r];
+    const size_t per_sum = kPartial * shard_->exchange->size();
+    return s.pending || (s.next + 1) * per_sum <= s.known.size();
+  }
+  // Row r's next row sum of n values (n <= kPartial) in `value`: this
+  // range's partial in, the whole row's (merged) out where a gather has
+  // it; else the row waits with the partial recorded.
+  void RowSum(int64_t r, Merge merge, int n, double* value) {
+    ShardRow& s = shard_rows_[r];
+    if (s.pending) return;
+    const int size = shard_->exchange->size();
+    const size_t at = static_cast<size_t>(s.next++) * kPartial * size;
+    if (at + kPartial * size > s.known.size()) {
+      s.pending = true;
+      std::fill_n(s.partial, kPartial, 0.0);
+      std::copy_n(value, n, s.partial);
+      return;
+    }
+    const double* known = s.known.data() + at;
+    if (merge == Merge::kSum) {
+      for (int i = 0; i < n; ++i) {
+        value[i] = 0;
+        for (int q = 0; q < size; ++q) value[i] += known[q * kPartial + i];
+      }
+      return;
+    }
+    double max = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (int q = 0; q < size; ++q) {
+      const double m = known[q * kPartial], e = known[q * kPartial + 1];
+      if (!(e > 0)) continue;
+      if (m > max) {
+        sum = sum * std::exp(max - m) + e;
+        max = m;
+      } else {
+        sum += e * std::exp(m - max);
+      }
+    }
+    value[0] = max + std::log(sum);
+  }
+  // A row's term: added now, or vocab-parallel kept for the row-order sum
+  // (none while the row waits).
+  void Put(ChunkTerms& terms, int64_t r, TermSlot slot, double value) {
+    if (shard_ == nullptr) {
+      AddTerm(terms, slot, inputs_.rows[r].position, value);
+    } else if (!shard_rows_[r].pending) {
+      shard_rows_[r].adds.emplace_back(slot, value);
+    }
+  }
+
+  // The vocab-parallel chunk: merged stats (one gather), D-PARD's
+  // acceptance (rounds), the block weights, the rows' passes (rounds).
+  absl::StatusOr<ChunkTerms> ShardRun() {
+    DFLASH_RETURN_IF_ERROR(ShardStats());
+    ChunkTerms terms = ChunkTerms::Zero(options_.block_size);
+    if (traits_.couples_blocks) {
+      for (int64_t r = 0; r < num_rows_; ++r) {
+        if (mask_[r] > 0) {
+          q_[r] = std::exp(stats_[r].target_logit - stats_[r].logsumexp);
+        }
+      }
+      if (p_.dpard) DFLASH_RETURN_IF_ERROR(Rounds(/*row_terms=*/false, terms));
+    }
+    WeightPass();
+    DFLASH_RETURN_IF_ERROR(Rounds(/*row_terms=*/true, terms));
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      for (const auto& [slot, value] : shard_rows_[r].adds) {
+        AddTerm(terms, slot, inputs_.rows[r].position, value);
+      }
+    }
+    return terms;
+  }
+
+  // Rounds of RowTerms (every row) or of D-PARD's acceptance (rows with a
+  // mask) until no row waits on any process.
+  absl::Status Rounds(bool row_terms, ChunkTerms& terms) {
+    constexpr int kRow = 1 + kPartial;  // Waits, then its partial.
+    const int size = shard_->exchange->size();
+    std::vector<double> record(kRecordHead + num_rows_ * kRow), gathered;
+    std::vector<bool> run(num_rows_);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      shard_rows_[r].known.clear();
+      run[r] = row_terms || mask_[r] > 0;
+    }
+    for (;;) {
+      absl::Status local;
+      std::fill(record.begin(), record.end(), 0.0);
+      for (int64_t r = 0; r < num_rows_ && local.ok(); ++r) {
+        if (!run[r]) continue;
+        ShardRow& s = shard_rows_[r];
+        s.next = 0;
+        s.pending = false;
+        s.adds.clear();
+        local = row_terms ? RowTerms(r, terms) : CoupledRow(r);
+        if (s.pending) {
+          double* at = record.data() + kRecordHead + r * kRow;
+          at[0] = 1;
+          std::copy_n(s.partial, kPartial, at + 1);
+        }
+      }
+      DFLASH_RETURN_IF_ERROR(GatherRecords(*shard_->exchange, local,
+                                           absl::MakeSpan(record), gathered));
+      bool any = false;
+      for (int64_t r = 0; r < num_rows_; ++r) {
+        const size_t row_at = kRecordHead + r * kRow;
+        const bool pending = gathered[row_at] != 0;
+        for (int q = 1; q < size; ++q) {
+          if ((gathered[q * record.size() + row_at] != 0) != pending) {
+            return absl::InternalError(absl::StrCat(
+                "vocab_shard: the processes disagree on whether row ", r,
+                " needs another row sum"));
+          }
+        }
+        run[r] = pending;
+        if (!pending) continue;
+        any = true;
+        ShardRow& s = shard_rows_[r];
+        for (int q = 0; q < size; ++q) {
+          const double* at = gathered.data() + q * record.size() + row_at + 1;
+          s.known.insert(s.known.end(), at, at + kPartial);
+        }
+        s.pending = false;
+      }
+      if (!any) return absl::OkStatus();
+    }
+  }
+
+  // D-PARD's acceptance of row r, which the block weights read.
+  absl::Status CoupledRow(int64_t r) {
+    absl::Span<W> z = source_.Draft(r);
+    absl::Span<const W> t = source_.Teacher(r);
+    Row row(*this, r, z, t, &teacher_stats_[r], 0, nullptr);
+    const double accept = DSparkAcceptance(TeacherL1(row));
+    if (!Pending(r)) accept_[r] = accept;
+    return absl::OkStatus();
+  }
+
+  // A stats record's values per row, then top_k_ (value, global id,
+  // teacher value) triples.
+  enum StatsField {
+    kMax,
+    kSumExp,  // Of z' - kMax over this range.
+    kHasTarget,
+    kTargetLogit,
+    kArgmax,     // Global.
+    kSumLogits,  // Label smoothing's mean.
+    kTeacherMax,
+    kTeacherSumExp,
+    kTeacherArgmax,
+    kTopK
+  };
+
+  // Every row's stats over this range, one gather, merged in rank order.
+  absl::Status ShardStats() {
+    const int64_t per_row = kTopK + 3 * top_k_;
+    std::vector<double> record(kRecordHead + num_rows_ * per_row, 0.0),
+        gathered;
+    absl::Status local;
+    for (int64_t r = 0; r < num_rows_ && local.ok(); ++r) {
+      if (mask_[r] == 0) continue;
+      local = AnalyseRange(r, record.data() + kRecordHead + r * per_row);
+    }
+    DFLASH_RETURN_IF_ERROR(GatherRecords(*shard_->exchange, local,
+                                         absl::MakeSpan(record), gathered));
+    const int size = shard_->exchange->size();
+    std::vector<const double*> records(size);
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      if (mask_[r] == 0) continue;
+      for (int q = 0; q < size; ++q) {
+        records[q] =
+            gathered.data() + q * record.size() + kRecordHead + r * per_row;
+      }
+      MergeStats(r, records);
+    }
+    return absl::OkStatus();
+  }
+
+  // Row r's record over this range (StatsField).
+  absl::Status AnalyseRange(int64_t r, double* out) {
+    const int32_t target = inputs_.rows[r].target;
+    if (HasTarget(target) ? target >= classes_ : target != p_.ignore_index) {
+      return RowError(r, absl::StrCat("target id ", target,
+                                      " is outside [0, ", classes_, ")"));
+    }
+    const int64_t width = inputs_.vocab, local = target - offset_;
+    const bool here = HasTarget(target) && local >= 0 && local < width;
+    absl::Span<W> z = source_.Draft(r);
+    absl::StatusOr<RowStats> s =
+        ComputeRowStats<W>(z, here ? static_cast<int32_t>(local) : 0, r);
+    if (!s.ok()) return RangeError(s.status());
+    out[kMax] = s->max_logit;
+    out[kSumExp] = std::exp(s->logsumexp - s->max_logit);
+    out[kHasTarget] = here;
+    out[kTargetLogit] = here ? s->target_logit : 0.0;
+    out[kArgmax] = static_cast<double>(offset_ + s->argmax);
+    if (p_.label_smoothing > 0) {
+      double sum = 0;
+      for (W x : z) sum += x;
+      out[kSumLogits] = sum;
+    }
+    absl::Span<const W> t;
+    if (!inputs_.teacher_logits.empty()) {
+      t = source_.Teacher(r);
+      absl::StatusOr<RowStats> ts = ComputeRowStats<W>(t, 0, r);
+      if (!ts.ok()) return TeacherError(RangeError(ts.status()));
+      out[kTeacherMax] = ts->max_logit;
+      out[kTeacherSumExp] = std::exp(ts->logsumexp - ts->max_logit);
+      out[kTeacherArgmax] = static_cast<double>(offset_ + ts->argmax);
+    }
+    if (top_k_ > 0) {
+      const int32_t local_k =
+          static_cast<int32_t>(std::min<int64_t>(top_k_, width));
+      DFLASH_RETURN_IF_ERROR(TopK<W>(z, local_k, absl::MakeSpan(ids_)));
+      for (int32_t j = 0; j < top_k_; ++j) {
+        double* entry = out + kTopK + 3 * j;
+        if (j >= local_k) {
+          entry[0] = -std::numeric_limits<double>::infinity();
+          entry[1] = -1;  // None: this range holds fewer than k classes.
+          continue;
+        }
+        entry[0] = z[ids_[j]];
+        entry[1] = static_cast<double>(offset_ + ids_[j]);
+        entry[2] = t.empty() ? 0.0 : double{t[ids_[j]]};
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // A row error about this range's logit v, with where the range starts.
+  absl::Status RangeError(const absl::Status& status) const {
+    std::optional<RowErrorInfo> row = GetRowError(status);
+    if (!row) return status;
+    return RowError(row->row,
+                    absl::StrCat(row->detail, " (counted from class ", offset_,
+                                 ", this process's first)"));
+  }
+
+  // Online softmax's merge of one more range's (max, sum of exp(x - max))
+  // and its argmax: on ties the earlier range's, the lower id.
+  static void MergeRange(double max, double sum, double argmax,
+                         double& merged_max, double& merged_sum,
+                         int32_t& merged_argmax) {
+    if (max > merged_max) {
+      merged_sum = merged_sum * std::exp(merged_max - max) + sum;
+      merged_max = max;
+      merged_argmax = static_cast<int32_t>(argmax);
+    } else {
+      merged_sum += sum * std::exp(max - merged_max);
+    }
+  }
+
+  // Row r's stats, top-k and metrics from every process's record, in rank
+  // order.
+  void MergeStats(int64_t r, absl::Span<const double* const> records) {
+    const double lowest = -std::numeric_limits<double>::infinity();
+    double max = lowest, sum = 0, target_logit = 0, mean_sum = 0;
+    double teacher_max = lowest, teacher_sum = 0;
+    int32_t argmax = 0, teacher_argmax = 0;
+    for (const double* rec : records) {
+      MergeRange(rec[kMax], rec[kSumExp], rec[kArgmax], max, sum, argmax);
+      if (rec[kHasTarget] != 0) target_logit = rec[kTargetLogit];
+      mean_sum += rec[kSumLogits];
+      if (!teacher_stats_.empty()) {
+        MergeRange(rec[kTeacherMax], rec[kTeacherSumExp], rec[kTeacherArgmax],
+                   teacher_max, teacher_sum, teacher_argmax);
+      }
+    }
+    const double lse = max + std::log(sum);
+    const int32_t target = inputs_.rows[r].target;
+    // A row without a target class has -log q = 0 (StatsForTarget).
+    stats_[r] = {max, lse, HasTarget(target) ? target_logit : lse, argmax};
+    have_stats_[r] = true;
+    mean_sum_[r] = mean_sum;
+    if (!teacher_stats_.empty()) {
+      teacher_stats_[r] = {teacher_max, teacher_max + std::log(teacher_sum),
+                           0, teacher_argmax};
+      have_teacher_stats_[r] = true;
+    }
+    if (top_k_ == 0) return;
+    // Each range's list is sorted (ties to the lower id) and the ranges
+    // ascend, so taking the largest head, the earliest range on ties, is
+    // the single-process order.
+    merge_heads_.assign(records.size(), 0);
+    double teacher_mass = 0;
+    for (int32_t j = 0; j < top_k_; ++j) {
+      int best = -1;
+      for (int q = 0; q < static_cast<int>(records.size()); ++q) {
+        if (merge_heads_[q] >= top_k_) continue;
+        const double* entry = records[q] + kTopK + 3 * merge_heads_[q];
+        if (entry[1] < 0) continue;
+        if (best < 0 ||
+            entry[0] > records[best][kTopK + 3 * merge_heads_[best]]) {
+          best = q;
+        }
+      }
+      const double* entry = records[best] + kTopK + 3 * merge_heads_[best]++;
+      const int32_t id = static_cast<int32_t>(entry[1]);
+      if (j < caller_k_) {
+        outputs_.top_k[r * caller_k_ + j] = id;
+        if (!outputs_.top_k_values.empty()) {
+          outputs_.top_k_values[r * caller_k_ + j] =
+              static_cast<float>(entry[0]);
+        }
+      }
+      if (j < metric_k_) {
+        if (id == target) rank_[r] = j;
+        top_mass_[r] += std::exp(entry[0] - lse);
+        if (teacher_metrics_) {
+          teacher_mass += std::exp(entry[2] - teacher_stats_[r].logsumexp);
+        }
+      }
+    }
+    if (teacher_metrics_) teacher_mass_[r] = teacher_mass;
   }
 
   const LossParams& p_;
@@ -955,6 +1419,10 @@ class ChunkPasses {
   const int64_t num_rows_;
   // The teacher diagnostics: teacher logits for a loss that reads none.
   const bool teacher_metrics_;
+  // Vocab-parallel: the shard (else null), its first class, and the whole
+  // vocabulary (inputs.vocab without a shard).
+  const VocabShard* const shard_;
+  const int64_t offset_, classes_;
   // Float rows whose gradient is a SoftmaxGradient keep exp(z' - max) from
   // the stats pass and skip the second exponential. Not with label
   // smoothing (it reads z'), a softcap (its chain rule reads z') or teacher
@@ -978,6 +1446,16 @@ class ChunkPasses {
   // Pass 1's q and D-PARD acceptance (block-coupled families), pass 2's
   // weights and shares.
   std::vector<double> accept_, q_, weight_, share_;
+  // Vocab-parallel: each row's round state, its whole row's sum of z'
+  // (label smoothing) and teacher top-k mass; a row's gradient until it is
+  // done (gradient_ready_: its pass wrote one, bounded by gradient_bound_);
+  // the top-k merge's place in each process's list.
+  std::vector<ShardRow> shard_rows_;
+  std::vector<double> mean_sum_, teacher_mass_;
+  std::vector<W> gradient_;
+  double gradient_bound_ = 0;
+  bool gradient_ready_ = false;
+  std::vector<int32_t> merge_heads_;
 };
 
 }  // namespace
@@ -1123,9 +1601,10 @@ absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options) {
   DFLASH_RETURN_IF_ERROR(
       ValidateChunkLossOptions(options, /*vocab_parallel=*/true));
-  if (options.vocab_shard != nullptr) {
-    return absl::UnimplementedError(
-        "vocab_shard: the CPU loss does not run vocab-parallel yet");
+  if (options.vocab_shard != nullptr && params.family == LossFamily::kDomino) {
+    return absl::InvalidArgumentError(
+        "vocab_shard: loss.domino does not run vocab-parallel yet (its base "
+        "and correction logits are two tensors)");
   }
   return CpuChunkLoss(params, options);
 }
@@ -1150,11 +1629,58 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   return loss.Run(inputs, outputs);
 }
 
+namespace {
+
+// Before a vocab-parallel chunk: one gather of every process's check of
+// its inputs and of the chunk's shape, which must agree (ShardRecords).
+absl::Status ShardHandshake(const ChunkLossOptions& options,
+                            const absl::Status& valid, int64_t width,
+                            int64_t rows, int32_t k, bool teacher) {
+  const VocabShard& shard = *options.vocab_shard;
+  enum {
+    kOffset = kRecordHead,
+    kWidth,
+    kVocab,
+    kRows,
+    kK,
+    kMetricK,
+    kTeacher,
+    kSize
+  };
+  std::vector<double> record(kSize), gathered;
+  record[kOffset] = static_cast<double>(shard.offset);
+  record[kWidth] = static_cast<double>(width);
+  record[kVocab] = static_cast<double>(shard.vocab);
+  record[kRows] = static_cast<double>(rows);
+  record[kK] = k;
+  record[kMetricK] = options.metric_top_k;
+  record[kTeacher] = teacher;
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, valid,
+                                       absl::MakeSpan(record), gathered));
+  const AgreedField agreed[] = {{kRows, "the chunk's number of rows"},
+                                {kK, "outputs.k (0: no top_k)"},
+                                {kMetricK, "options.metric_top_k"},
+                                {kTeacher, "whether teacher logits are given"}};
+  absl::Status tiles =
+      CheckShardRecords(gathered, kSize, kOffset, kWidth, kVocab, agreed);
+  if (tiles.ok()) return tiles;
+  return absl::InvalidArgumentError(
+      absl::StrCat("chunk loss: ", tiles.message()));
+}
+
+}  // namespace
+
 template <typename T>
 absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs) const {
-  DFLASH_RETURN_IF_ERROR(
-      ValidateChunkLossInputs(params_, options_, inputs, outputs));
+  const absl::Status valid =
+      ValidateChunkLossInputs(params_, options_, inputs, outputs);
+  if (options_.vocab_shard != nullptr) {
+    DFLASH_RETURN_IF_ERROR(ShardHandshake(
+        options_, valid, inputs.vocab, static_cast<int64_t>(inputs.rows.size()),
+        outputs.top_k.empty() ? 0 : outputs.k, !inputs.teacher_logits.empty()));
+  }
+  DFLASH_RETURN_IF_ERROR(valid);
   ResetRowOutputs(static_cast<int64_t>(inputs.rows.size()), outputs);
   if (params_.family == LossFamily::kDomino) {
     return DominoChunk<T>(params_, options_, inputs, outputs);

@@ -92,7 +92,7 @@ struct LossParams {
 // loss vocab-parallel: the logits' width (ChunkLossInputs::vocab) is this
 // process's classes [offset, offset + width) of vocab_shard->vocab, and
 // every process of the exchange's group runs the same chunks in the same
-// order (docs/semantics.md, "Vocab-parallel loss"). Target ids, argmax and
+// order (docs/semantics.md section 8.2). Target ids, argmax and
 // top-k ids are global; metric_top_k and outputs.k are bounded by the
 // whole vocabulary. The CUDA loss refuses a shard.
 struct ChunkLossOptions {

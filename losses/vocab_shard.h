@@ -11,6 +11,7 @@
 // PyTorch binding runs it on torch.distributed).
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -41,6 +42,39 @@ struct VocabShard {
   int64_t vocab = 0;
   VocabExchange* exchange = nullptr;  // Borrowed.
 };
+
+// The first values of every record GatherRecords exchanges: the sender's
+// status code and the row its error names (-1: none).
+inline constexpr int kRecordHead = 2;
+
+// One AllGather of every process's `record` (its first kRecordHead values
+// set here from `local_error`), then the group's first error: `local_error`
+// where this process failed, else one naming the first process that did
+// (a RowError with that process's row where its error had one). Every
+// process makes the same calls whatever failed, so an error anywhere is an
+// error everywhere, never a hang. `gathered` gets size() * record.size().
+absl::Status GatherRecords(VocabExchange& exchange,
+                           const absl::Status& local_error,
+                           absl::Span<double> record,
+                           std::vector<double>& gathered);
+
+// A record's field that every process must give alike: its index in the
+// record and what it is (named in the error).
+struct AgreedField {
+  int index;
+  const char* name;
+};
+
+// Over GatherRecords' `gathered` records of `record_size` values: each
+// `agreed` field equals process 0's, and the processes' ranges [offset,
+// offset + width) (the record's values at offset_at and width_at) are one
+// class at least each and tile [0, vocab) (at vocab_at, agreed) in rank
+// order; else an InvalidArgument naming the field, the process and the
+// values, the same on every process.
+absl::Status CheckShardRecords(absl::Span<const double> gathered,
+                               int record_size, int offset_at, int width_at,
+                               int vocab_at,
+                               absl::Span<const AgreedField> agreed);
 
 }  // namespace dflash
 
