@@ -15,6 +15,13 @@ default; dspark and domino are its other conventions).
 
 With --world 1 --shards 2 one process trains on both shards' data at once:
 in dflash mode the same steps as two ranks, up to rounding.
+
+With --vocab_ranks R the ranks form groups of R that split the lm_head's
+vocabulary (FusedHead(..., vocab_group=), each rank holding its rows:
+dflash.torch.distributed.shard_linear) and share a data replica; the
+world / R replicas are data-parallel (DDP and GlobalNormalizer over the
+ranks holding the same shard). --world 2 --vocab_ranks 2 --shards 2 takes
+the same steps as --world 1 --shards 2.
 """
 
 import argparse
@@ -29,7 +36,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash.torch import FusedHead
-from dflash.torch.distributed import GlobalNormalizer
+from dflash.torch.distributed import GlobalNormalizer, shard_linear
 
 
 def parse_args(argv=None):
@@ -37,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="ranks to spawn")
     p.add_argument("--shards", type=int, default=0,
                    help="data shards (default: one per rank)")
+    p.add_argument("--vocab_ranks", type=int, default=1,
+                   help="ranks per vocab-parallel group (divides --world)")
     p.add_argument("--mode", default="dflash",
                    choices=("dflash", "dspark", "domino"))
     p.add_argument("--steps", type=int, default=40)
@@ -83,15 +92,31 @@ def run(rank, world, args, rendezvous):
     lm_head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
     lm_head.weight.data = torch.randn(args.vocab, args.hidden,
                                       generator=g) / args.hidden**0.5
-    head = FusedHead(lm_head, loss_type="dflash", gamma=7, threads=1)
+    # Ranks [d R, (d + 1) R) share data replica d and split the vocabulary;
+    # the ranks holding the same rows are data-parallel. Every rank makes
+    # every group, in the same order.
+    vocab_ranks = args.vocab_ranks
+    replicas = world // vocab_ranks
+    replica, part = divmod(rank, vocab_ranks)
+    vocab_group = data_group = None
+    if vocab_ranks > 1:
+        vocab_groups = [dist.new_group(list(range(d * vocab_ranks,
+                                                  (d + 1) * vocab_ranks)))
+                        for d in range(replicas)]
+        data_groups = [dist.new_group(list(range(v, world, vocab_ranks)))
+                       for v in range(vocab_ranks)]
+        vocab_group, data_group = vocab_groups[replica], data_groups[part]
+        lm_head = shard_linear(lm_head, vocab_group)  # This rank's rows.
+    head = FusedHead(lm_head, loss_type="dflash", gamma=7, threads=1,
+                     vocab_group=vocab_group)
     torch.manual_seed(1)
     draft = torch.nn.Sequential(
         torch.nn.Linear(args.hidden, 64), torch.nn.GELU(),
         torch.nn.Linear(64, args.block * args.hidden))
-    model = DistributedDataParallel(draft)
+    model = DistributedDataParallel(draft, process_group=data_group)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    norm = GlobalNormalizer(mode=args.mode)
-    shards = range(rank, args.shards or world, world)
+    norm = GlobalNormalizer(data_group, mode=args.mode)
+    shards = range(replica, args.shards or replicas, replicas)
     report = {"loss": [], "accuracy": []}
     for step in range(args.steps):
         for micro in range(args.accumulation):
@@ -114,7 +139,9 @@ def run(rank, world, args, rendezvous):
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step + 1:3d}  loss {result.loss:.4f}  accuracy "
                   f"{report['accuracy'][-1]:.3f}  rows "
-                  f"{int(result.sums['accuracy'][1])} over {world} ranks",
+                  f"{int(result.sums['accuracy'][1])} over {world} ranks"
+                  + (f" ({vocab_ranks} vocab shards)" if vocab_ranks > 1
+                     else ""),
                   flush=True)
     report["parameters"] = [p.detach().flatten().tolist()
                             for p in draft.parameters()]
@@ -126,6 +153,10 @@ def run(rank, world, args, rendezvous):
 
 def main(argv=None):
     args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", args.world))
+    if args.vocab_ranks < 1 or world % args.vocab_ranks:
+        raise SystemExit(f"--vocab_ranks {args.vocab_ranks} must divide the "
+                         f"world size {world}")
     if "RANK" in os.environ:  # Started by torchrun.
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args,
             None)

@@ -58,5 +58,28 @@ class TrainDataParallelTest(unittest.TestCase):
             self.assertAlmostEqual(a, b, delta=1e-5 * abs(b))
 
 
+class VocabParallelTest(unittest.TestCase):
+    def test_two_vocab_shards_train_as_one_process(self):
+        # One data replica of both shards' data, its lm_head split over two
+        # ranks (FusedHead(..., vocab_group=)): the same steps as one
+        # process holding the whole head.
+        directory = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        ranks, stdout = train(os.path.join(directory, "vocab"), "--world",
+                              "2", "--vocab_ranks", "2", "--shards", "2")
+        (one,), _ = train(os.path.join(directory, "one"), "--world", "1",
+                          "--shards", "2")
+        self.assertRegex(stdout, r"step  20  loss \d+\.\d{4}  accuracy "
+                         r"\d\.\d{3}  rows 168 over 2 ranks \(2 vocab "
+                         r"shards\)")
+        self.assertEqual(flat(ranks[0]), flat(ranks[1]))
+        self.assertEqual(ranks[0]["loss"], ranks[1]["loss"])
+        two, single = flat(ranks[0]), flat(one)
+        scale = max(abs(v) for v in single)
+        error = max(abs(a - b) for a, b in zip(two, single))
+        self.assertLess(error, 1e-5 * scale)
+        for a, b in zip(ranks[0]["loss"], one["loss"]):
+            self.assertAlmostEqual(a, b, delta=1e-5 * abs(b))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -1,0 +1,163 @@
+"""What the vocab-parallel head exchanges and costs on gloo ranks of this
+machine, against one process holding the whole weight.
+
+Per call it prints, for each loss family and top_k: the values the loss's
+all-gathers send per row (each rank sends them once; gloo's ring moves
+(W - 1) times that into each rank), the all-gather rounds per chunk, the
+all-reduce of the gradient of hidden (H values a row, once per call), and
+the time of one training call (forward and backward, FUSED) on W ranks and
+on one process, as the median of --repeat calls.
+
+    python3 examples/pytorch/distributed/vocab_parallel_benchmark.py \
+        --world 2 --vocab 32768 --hidden 1024 --rows 1024
+
+Each rank and the single process run the head on --threads threads, so
+the time ratio is against the ideal 1 / W of a vocabulary split W ways
+(the machine needs W x --threads free cores for the ranks). The metric
+top-k (head.metric_top_k, default 16: SpecForge's top-k recall and mass)
+is most of the forward record; --metric_top_k 0 leaves it out.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash.torch import _vocab_parallel, dflash_objective
+from dflash.torch.distributed import shard_rows
+
+FAMILIES = {
+    "dflash": "loss { dflash { gamma: 7 } }",
+    "dspark": "loss { dspark { gamma: 7 confidence_weight: 0 } }",
+    "jsd": "loss { distillation { divergence: JSD } }",
+}
+TEACHER = {"dspark", "jsd"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--rows", type=int, default=1024,
+                   help="rows per call (B N K, K = 16)")
+    p.add_argument("--chunk_blocks", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="head threads per rank")
+    p.add_argument("--families", default="dflash,dspark,jsd")
+    p.add_argument("--top_k", default="0,16")
+    p.add_argument("--metric_top_k", type=int, default=16)
+    return p.parse_args(argv)
+
+
+def batch(args):
+    g = torch.Generator().manual_seed(0)
+    k = 16
+    blocks = max(1, args.rows // k)
+    hidden = torch.randn(blocks, 1, k, args.hidden, generator=g)
+    return {
+        "hidden": hidden,
+        "teacher": torch.randn(blocks, 1, k, args.hidden, generator=g),
+        "weight": torch.randn(args.vocab, args.hidden, generator=g)
+        / args.hidden**0.5,
+        "target_ids": torch.randint(0, args.vocab, (blocks, 1, k),
+                                    generator=g),
+        "weight_mask": torch.ones(blocks, 1, k),
+    }
+
+
+def timed_call(x, weight, family, top_k, args, group):
+    hidden = x["hidden"].clone().requires_grad_()
+    extra = {"teacher_hidden": x["teacher"]} if family in TEACHER else {}
+    start = time.perf_counter()
+    terms = dflash_objective(hidden, weight, x["target_ids"],
+                             x["weight_mask"],
+                             config=FAMILIES[family]
+                             + f" head {{ metric_top_k: {args.metric_top_k} }}",
+                             top_k=top_k, threads=args.threads,
+                             chunk_blocks=args.chunk_blocks,
+                             vocab_group=group, **extra)
+    terms.loss_num.backward()
+    return time.perf_counter() - start, terms.diagnostics.stats["chunks"]
+
+
+def cases(args):
+    return [(f, int(k)) for f in args.families.split(",")
+            for k in args.top_k.split(",")]
+
+
+def rank_main(rank, world, args, directory):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo", init_method="file://" + os.path.join(directory, "r"),
+        rank=rank, world_size=world)
+    x = batch(args)
+    group = dist.group.WORLD
+    weight = shard_rows(x["weight"], group)
+    counts = {"calls": 0, "values": 0}
+    original = _vocab_parallel._all_gather_into
+
+    def counting(group, world):
+        gather = original(group, world)
+
+        def all_gather(local, out):
+            counts["calls"] += 1
+            counts["values"] += local.nbytes // 8
+            gather(local, out)
+        return all_gather
+
+    _vocab_parallel._all_gather_into = counting
+    rows = x["target_ids"].numel()
+    for family, top_k in cases(args):
+        timed_call(x, weight, family, top_k, args, group)  # Warm-up.
+        counts.update(calls=0, values=0)
+        seconds = []
+        for _ in range(args.repeat):
+            elapsed, chunks = timed_call(x, weight, family, top_k, args,
+                                         group)
+            seconds.append(elapsed)
+        calls = counts["calls"] / args.repeat
+        values = counts["values"] / args.repeat
+        if rank == 0:
+            torch.save({"seconds": seconds, "chunks": chunks,
+                        "rounds": calls, "values": values, "rows": rows},
+                       os.path.join(directory, f"{family}_{top_k}.pt"))
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    directory = tempfile.mkdtemp()
+    mp.spawn(rank_main, args=(args.world, args, directory),
+             nprocs=args.world)
+    torch.set_num_threads(args.threads)
+    x = batch(args)
+    print(f"V {args.vocab}, H {args.hidden}, {x['target_ids'].numel()} rows "
+          f"a call, chunks of {args.chunk_blocks * 16} rows; {args.world} "
+          f"gloo ranks against one process, {args.threads} thread(s) "
+          f"each; metric_top_k {args.metric_top_k}; medians of "
+          f"{args.repeat}")
+    print("| family | top_k | all-gathers / chunk | sent B / row "
+          "(all-gathers) | all-reduce B / row (d hidden) | ranks ms | one "
+          f"process ms | ratio (ideal {1 / args.world:.2f}) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for family, top_k in cases(args):
+        timed_call(x, x["weight"], family, top_k, args, None)
+        single = [timed_call(x, x["weight"], family, top_k, args, None)[0]
+                  for _ in range(args.repeat)]
+        r = torch.load(os.path.join(directory, f"{family}_{top_k}.pt"))
+        ranks_ms = 1e3 * statistics.median(r["seconds"])
+        one_ms = 1e3 * statistics.median(single)
+        print(f"| {family} | {top_k} | {r['rounds'] / r['chunks']:.1f} | "
+              f"{8 * r['values'] / r['rows']:.0f} | {4 * args.hidden} | "
+              f"{ranks_ms:.1f} | {one_ms:.1f} | {ranks_ms / one_ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

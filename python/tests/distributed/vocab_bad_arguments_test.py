@@ -1,0 +1,244 @@
+"""The vocab-parallel head's refusals: each is a clear exception on every
+rank of the group, never a hang (the harness's join times out otherwise).
+Non-CPU tensors, shards that are not the balanced split of the
+vocabulary, ranks whose shapes, targets or configs differ, a rank whose
+own arguments are refused (the others raise too), top_k beyond the whole
+vocabulary, the families and options the vocab-parallel loss refuses
+(Domino; a checkpoint memory budget that would not keep every chunk), a
+vocab_group that is no process group, and a Python exception inside the
+exchange.
+"""
+
+import os
+import sys
+import tempfile
+import unittest
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ranks  # noqa: E402
+from dflash import _core  # noqa: E402
+from dflash.torch import FusedHead, dflash_objective  # noqa: E402
+from dflash.torch import _vocab_parallel  # noqa: E402
+from dflash.torch.distributed import (shard_linear, shard_rows,  # noqa: E402
+                                      vocab_shard_range)
+
+V, H = 11, 4
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - recorded for the parent
+        return type(error).__name__, str(error)
+    return None
+
+
+def _batch(b=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, 2, 3, H, dtype=torch.float64, generator=g),
+            torch.randint(0, V, (b, 2, 3), generator=g),
+            torch.ones(b, 2, 3, dtype=torch.float64))
+
+
+def _weight():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(V, H, dtype=torch.float64, generator=g)
+
+
+def refusals_rank(rank, world):
+    group = dist.group.WORLD
+    weight = shard_rows(_weight(), group)
+    hidden, targets, mask = _batch()
+    out = {}
+
+    def call(h=hidden, w=weight, t=targets, m=mask, **kw):
+        return lambda: dflash_objective(h, w, t, m, vocab_group=group,
+                                        threads=1, **kw)
+
+    # Rows that are not the balanced split (rank 0 one row short, the last
+    # rank one row more): every rank raises.
+    cuts = (0, 3, 7, 11)  # 3, 4, 4 rows: not 4, 4, 3.
+    shifted = _weight()[cuts[rank]:cuts[rank + 1]]
+    out["not_balanced"] = _raised(call(w=shifted.contiguous()))
+    # Other shapes on one rank.
+    other = _batch(b=2 if rank == 1 else 1)
+    out["other_shapes"] = _raised(call(h=other[0], t=other[1], m=other[2]))
+    # Other targets on one rank.
+    out["other_targets"] = _raised(
+        call(t=(targets + (rank == 1)) % V))
+    # Other configs.
+    out["other_config"] = _raised(call(gamma=7.0 + rank))
+    # A rank whose own arguments are refused (a meta tensor: not on the
+    # CPU; a CUDA tensor is refused alike): it names them, the others say
+    # which rank refused.
+    out["non_cpu"] = _raised(call(
+        h=torch.empty(1, 2, 3, H, dtype=torch.float64, device="meta")
+        if rank == 1 else hidden))
+    out["bad_type"] = _raised(call(h="hidden" if rank == 0 else hidden))
+    # top_k beyond the whole vocabulary (11 < 12 <= 64).
+    out["top_k"] = _raised(call(top_k=V + 1))
+    # What the vocab-parallel loss refuses.
+    out["domino"] = _raised(call(
+        config="loss { domino { gamma: 4 } }"))
+    out["memory_budget"] = _raised(call(
+        h=hidden.clone().requires_grad_(),  # A training call keeps chunks.
+        config=("loss { dflash { gamma: 7 } } "
+                "checkpoint { memory_budget_bytes: 8 }"),
+        mode="checkpoint"))
+    # A Python exception inside the exchange: an exception on every rank.
+    original = _vocab_parallel._all_gather_into
+
+    def failing(group, world):
+        def all_gather(local, out):
+            raise KeyError("the transport failed")
+        return all_gather
+
+    _vocab_parallel._all_gather_into = failing
+    try:
+        out["exchange_raises"] = _raised(call())
+    finally:
+        _vocab_parallel._all_gather_into = original
+    # And the call after it works.
+    out["after"] = _raised(call())
+    return out
+
+
+class RefusalsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.results = ranks.run_ranks(refusals_rank, 3, timeout=240)
+
+    def assertEveryRank(self, scenario, pattern, kind="ValueError"):
+        for rank, result in enumerate(self.results):
+            with self.subTest(scenario=scenario, rank=rank):
+                self.assertIsNotNone(result[scenario], scenario)
+                got_kind, message = result[scenario]
+                self.assertEqual(got_kind, kind, message)
+                self.assertRegex(message, pattern)
+
+    def test_shards_that_are_not_the_balanced_split(self):
+        self.assertEveryRank(
+            "not_balanced", r"vocab_group: the ranks' lm_head_weight rows "
+            r"\(rank 0: 3, rank 1: 4, rank 2: 4\) are not the balanced "
+            r"split of their sum V = 11 \(4, 4, 3")
+
+    def test_other_shapes_on_one_rank(self):
+        self.assertEveryRank("other_shapes", r"vocab_group: the ranks' B "
+                             r"differs \(rank 0: 1; rank 1: 2; rank 2: 1\)")
+
+    def test_other_targets_on_one_rank(self):
+        self.assertEveryRank("other_targets",
+                             r"vocab_group: the ranks' target_ids differ")
+
+    def test_other_configs(self):
+        self.assertEveryRank("other_config",
+                             r"vocab_group: the ranks' config differ")
+
+    def test_a_rank_refusing_its_arguments(self):
+        for scenario, bad, pattern, kind in (
+                ("non_cpu", 1, r"hidden: vocab_group runs on CPU tensors "
+                 r"only \(the CUDA head does not run vocab-parallel yet\), "
+                 r"got a tensor on meta", "ValueError"),
+                ("bad_type", 0, r"hidden: must be a torch.Tensor, got str",
+                 "TypeError")):
+            for rank, result in enumerate(self.results):
+                with self.subTest(scenario=scenario, rank=rank):
+                    got_kind, message = result[scenario]
+                    if rank == bad:
+                        self.assertEqual(got_kind, kind)
+                        self.assertRegex(message, pattern)
+                    else:
+                        self.assertEqual(got_kind, "ValueError")
+                        self.assertRegex(
+                            message, rf"vocab_group: rank\(s\) {bad} of the "
+                            r"group refused their arguments")
+
+    def test_top_k_beyond_the_whole_vocabulary(self):
+        self.assertEveryRank("top_k", r"top_k: must be an int in \[0, "
+                             r"min\(64, V = 11\)\], got 12")
+
+    def test_families_the_vocab_parallel_loss_refuses(self):
+        self.assertEveryRank("domino", r"[Dd]omino")
+        self.assertEveryRank("memory_budget", r"memory_budget_bytes")
+
+    def test_an_exception_inside_the_exchange(self):
+        self.assertEveryRank(
+            "exchange_raises", r"vocab_group: the all-gather of the "
+            r"vocab-parallel head raised KeyError: 'the transport failed'",
+            kind="RuntimeError")
+        for result in self.results:
+            self.assertIsNone(result["after"])
+
+
+class OneRankTest(unittest.TestCase):
+    """Local checks, on a process group of one rank in this process."""
+
+    def setUp(self):
+        directory = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        dist.init_process_group(
+            "gloo", init_method="file://" + os.path.join(directory, "r"),
+            rank=0, world_size=1)
+
+    def tearDown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def test_vocab_group_of_the_wrong_type(self):
+        hidden, targets, mask = _batch()
+        for group in ("world", 0):
+            with self.subTest(group=group):
+                with self.assertRaisesRegex(
+                        TypeError, r"vocab_group: must be a torch."
+                        r"distributed.ProcessGroup"):
+                    dflash_objective(hidden, _weight(), targets, mask,
+                                     vocab_group=group)
+        with self.assertRaisesRegex(TypeError, r"vocab_group: must be"):
+            FusedHead(torch.nn.Linear(H, V), vocab_group="world")
+
+    def test_one_rank_is_the_whole_vocabulary(self):
+        hidden, targets, mask = _batch()
+        got = dflash_objective(hidden, _weight(), targets, mask,
+                               vocab_group=dist.group.WORLD, top_k=3)
+        want = dflash_objective(hidden, _weight(), targets, mask, top_k=3)
+        self.assertEqual(float(got.loss_num), float(want.loss_num))
+        self.assertTrue(torch.equal(got.diagnostics.top_k,
+                                    want.diagnostics.top_k))
+
+    def test_shard_helpers(self):
+        self.assertEqual(vocab_shard_range(11), (0, 11))
+        linear = torch.nn.Linear(H, V)
+        shard = shard_linear(linear)
+        self.assertTrue(torch.equal(shard.weight, linear.weight))
+        with self.assertRaisesRegex(TypeError, r"vocab: must be an int"):
+            vocab_shard_range(11.0)
+        with self.assertRaisesRegex(TypeError, r"linear: must be a torch"):
+            shard_linear(torch.zeros(3))
+
+    def test_balanced_split(self):
+        for vocab, world in ((37, 2), (37, 3), (7, 4), (16, 4), (5, 5)):
+            sizes = [b - a for a, b in (
+                _vocab_parallel.shard_range(vocab, world, r)
+                for r in range(world))]
+            self.assertEqual(sum(sizes), vocab)
+            self.assertLessEqual(max(sizes) - min(sizes), 1)
+            self.assertEqual(sizes, sorted(sizes, reverse=True))
+
+    def test_vocab_shard_arguments(self):
+        with self.assertRaisesRegex(ValueError, r"rank, size: must satisfy "
+                                    r"0 <= rank < size, got rank 2 of size "
+                                    r"2"):
+            _core.VocabShard(0, 10, 2, 2, lambda a, b: None)
+        with self.assertRaisesRegex(ValueError, r"offset: must lie in "
+                                    r"\[0, vocab = 10\), got 10"):
+            _core.VocabShard(10, 10, 0, 2, lambda a, b: None)
+        with self.assertRaisesRegex(TypeError, r"all_gather: must be "
+                                    r"callable"):
+            _core.VocabShard(0, 10, 0, 2, 3)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
