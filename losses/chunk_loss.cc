@@ -1233,30 +1233,42 @@ class ChunkPasses {
     return absl::OkStatus();
   }
 
-  // A stats record's values per row, then top_k_ (value, global id,
-  // teacher value) triples.
-  enum StatsField {
-    kMax,
-    kSumExp,  // Of z' - kMax over this range.
-    kHasTarget,
-    kTargetLogit,
-    kArgmax,     // Global.
-    kSumLogits,  // Label smoothing's mean.
-    kTeacherMax,
-    kTeacherSumExp,
-    kTeacherArgmax,
-    kTopK
+  // A row's stats record: always kMax, kSumExp (of z' - max over this
+  // range), kTargetLogit (-inf where the target is not in this range) and
+  // kArgmax (global); then, as the chunk needs them (StatsLayout), the sum
+  // of z' (label smoothing's mean), the teacher's max, sum of exp and
+  // argmax, and top_k_ entries of (value, global id) and, for the teacher
+  // diagnostics' mass, the teacher's logit there.
+  enum StatsField { kMax, kSumExp, kTargetLogit, kArgmax, kStatsBase };
+  struct StatsLayout {
+    int sum = -1, teacher = -1;  // -1: not in the record.
+    int top_k = 0, entry = 2, width = 0;
   };
+  StatsLayout Layout() const {
+    StatsLayout layout;
+    int next = kStatsBase;
+    if (p_.label_smoothing > 0) layout.sum = next++;
+    if (!teacher_stats_.empty()) {
+      layout.teacher = next;
+      next += 3;
+    }
+    layout.top_k = next;
+    layout.entry = teacher_metrics_ ? 3 : 2;
+    layout.width = next + layout.entry * top_k_;
+    return layout;
+  }
 
   // Every row's stats over this range, one gather, merged in rank order.
   absl::Status ShardStats() {
-    const int64_t per_row = kTopK + 3 * top_k_;
+    const StatsLayout layout = Layout();
+    const int64_t per_row = layout.width;
     std::vector<double> record(kRecordHead + num_rows_ * per_row, 0.0),
         gathered;
     absl::Status local;
     for (int64_t r = 0; r < num_rows_ && local.ok(); ++r) {
       if (mask_[r] == 0) continue;
-      local = AnalyseRange(r, record.data() + kRecordHead + r * per_row);
+      local =
+          AnalyseRange(r, layout, record.data() + kRecordHead + r * per_row);
     }
     DFLASH_RETURN_IF_ERROR(GatherRecords(*shard_->exchange, local,
                                          absl::MakeSpan(record), gathered));
@@ -1268,13 +1280,14 @@ class ChunkPasses {
         records[q] =
             gathered.data() + q * record.size() + kRecordHead + r * per_row;
       }
-      MergeStats(r, records);
+      MergeStats(r, layout, records);
     }
     return absl::OkStatus();
   }
 
   // Row r's record over this range (StatsField).
-  absl::Status AnalyseRange(int64_t r, double* out) {
+  absl::Status AnalyseRange(int64_t r, const StatsLayout& layout,
+                            double* out) {
     const int32_t target = inputs_.rows[r].target;
     if (HasTarget(target) ? target >= classes_ : target != p_.ignore_index) {
       return RowError(r, absl::StrCat("target id ", target,
@@ -1288,29 +1301,29 @@ class ChunkPasses {
     if (!s.ok()) return RangeError(s.status());
     out[kMax] = s->max_logit;
     out[kSumExp] = std::exp(s->logsumexp - s->max_logit);
-    out[kHasTarget] = here;
-    out[kTargetLogit] = here ? s->target_logit : 0.0;
+    out[kTargetLogit] =
+        here ? s->target_logit : -std::numeric_limits<double>::infinity();
     out[kArgmax] = static_cast<double>(offset_ + s->argmax);
-    if (p_.label_smoothing > 0) {
+    if (layout.sum >= 0) {
       double sum = 0;
       for (W x : z) sum += x;
-      out[kSumLogits] = sum;
+      out[layout.sum] = sum;
     }
     absl::Span<const W> t;
-    if (!inputs_.teacher_logits.empty()) {
+    if (layout.teacher >= 0) {
       t = source_.Teacher(r);
       absl::StatusOr<RowStats> ts = ComputeRowStats<W>(t, 0, r);
       if (!ts.ok()) return TeacherError(RangeError(ts.status()));
-      out[kTeacherMax] = ts->max_logit;
-      out[kTeacherSumExp] = std::exp(ts->logsumexp - ts->max_logit);
-      out[kTeacherArgmax] = static_cast<double>(offset_ + ts->argmax);
+      out[layout.teacher] = ts->max_logit;
+      out[layout.teacher + 1] = std::exp(ts->logsumexp - ts->max_logit);
+      out[layout.teacher + 2] = static_cast<double>(offset_ + ts->argmax);
     }
     if (top_k_ > 0) {
       const int32_t local_k =
           static_cast<int32_t>(std::min<int64_t>(top_k_, width));
       DFLASH_RETURN_IF_ERROR(TopK<W>(z, local_k, absl::MakeSpan(ids_)));
       for (int32_t j = 0; j < top_k_; ++j) {
-        double* entry = out + kTopK + 3 * j;
+        double* entry = out + layout.top_k + layout.entry * j;
         if (j >= local_k) {
           entry[0] = -std::numeric_limits<double>::infinity();
           entry[1] = -1;  // None: this range holds fewer than k classes.
@@ -1318,7 +1331,7 @@ class ChunkPasses {
         }
         entry[0] = z[ids_[j]];
         entry[1] = static_cast<double>(offset_ + ids_[j]);
-        entry[2] = t.empty() ? 0.0 : double{t[ids_[j]]};
+        if (layout.entry == 3) entry[2] = t[ids_[j]];
       }
     }
     return absl::OkStatus();
@@ -1349,18 +1362,20 @@ class ChunkPasses {
 
   // Row r's stats, top-k and metrics from every process's record, in rank
   // order.
-  void MergeStats(int64_t r, absl::Span<const double* const> records) {
+  void MergeStats(int64_t r, const StatsLayout& layout,
+                  absl::Span<const double* const> records) {
     const double lowest = -std::numeric_limits<double>::infinity();
     double max = lowest, sum = 0, target_logit = 0, mean_sum = 0;
     double teacher_max = lowest, teacher_sum = 0;
     int32_t argmax = 0, teacher_argmax = 0;
     for (const double* rec : records) {
       MergeRange(rec[kMax], rec[kSumExp], rec[kArgmax], max, sum, argmax);
-      if (rec[kHasTarget] != 0) target_logit = rec[kTargetLogit];
-      mean_sum += rec[kSumLogits];
-      if (!teacher_stats_.empty()) {
-        MergeRange(rec[kTeacherMax], rec[kTeacherSumExp], rec[kTeacherArgmax],
-                   teacher_max, teacher_sum, teacher_argmax);
+      if (rec[kTargetLogit] > lowest) target_logit = rec[kTargetLogit];
+      if (layout.sum >= 0) mean_sum += rec[layout.sum];
+      if (layout.teacher >= 0) {
+        const double* teacher = rec + layout.teacher;
+        MergeRange(teacher[0], teacher[1], teacher[2], teacher_max,
+                   teacher_sum, teacher_argmax);
       }
     }
     const double lse = max + std::log(sum);
@@ -1384,14 +1399,17 @@ class ChunkPasses {
       int best = -1;
       for (int q = 0; q < static_cast<int>(records.size()); ++q) {
         if (merge_heads_[q] >= top_k_) continue;
-        const double* entry = records[q] + kTopK + 3 * merge_heads_[q];
+        const double* entry =
+            records[q] + layout.top_k + layout.entry * merge_heads_[q];
         if (entry[1] < 0) continue;
         if (best < 0 ||
-            entry[0] > records[best][kTopK + 3 * merge_heads_[best]]) {
+            entry[0] >
+                records[best][layout.top_k + layout.entry * merge_heads_[best]]) {
           best = q;
         }
       }
-      const double* entry = records[best] + kTopK + 3 * merge_heads_[best]++;
+      const double* entry = records[best] + layout.top_k +
+                            layout.entry * merge_heads_[best]++;
       const int32_t id = static_cast<int32_t>(entry[1]);
       if (j < caller_k_) {
         outputs_.top_k[r * caller_k_ + j] = id;

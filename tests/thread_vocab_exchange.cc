@@ -27,7 +27,11 @@ class RankExchange final : public VocabExchange {
 }  // namespace
 
 ThreadGroup::ThreadGroup(int size, std::chrono::milliseconds timeout)
-    : size_(size), timeout_(timeout), data_(size), calls_(size, 0) {
+    : size_(size),
+      timeout_(timeout),
+      data_(size),
+      calls_(size, 0),
+      bytes_(size, 0) {
   for (int q = 0; q < size; ++q) {
     exchanges_.push_back(std::make_unique<RankExchange>(*this, q));
   }
@@ -37,6 +41,7 @@ absl::Status ThreadGroup::AllGather(int rank, absl::Span<const double> local,
                                     absl::Span<double> out) {
   std::unique_lock<std::mutex> lock(mu_);
   ++calls_[rank];
+  bytes_[rank] += static_cast<int64_t>(local.size() * sizeof(double));
   // The previous call's readers leave before this one's writers arrive.
   if (!cv_.wait_for(lock, timeout_, [&] { return departing_ == 0; })) {
     return absl::DeadlineExceededError("AllGather: the previous call hangs");

@@ -30,8 +30,9 @@ class ThreadGroup {
   // Process `rank`'s exchange, owned by the group.
   VocabExchange& exchange(int rank) { return *exchanges_[rank]; }
   int size() const { return size_; }
-  // AllGather calls made by each rank so far.
+  // AllGather calls made by each rank so far, and the bytes it sent.
   int64_t calls(int rank) const { return calls_[rank]; }
+  int64_t bytes(int rank) const { return bytes_[rank]; }
 
   absl::Status AllGather(int rank, absl::Span<const double> local,
                          absl::Span<double> out);
@@ -44,7 +45,7 @@ class ThreadGroup {
   int arrived_ = 0, departing_ = 0;
   int64_t generation_ = 0;
   std::vector<std::vector<double>> data_;
-  std::vector<int64_t> calls_;
+  std::vector<int64_t> calls_, bytes_;
   std::vector<std::unique_ptr<VocabExchange>> exchanges_;
 };
 

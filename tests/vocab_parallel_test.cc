@@ -372,6 +372,55 @@ TEST(VocabParallelLossTest, TiesAcrossRangesGoToTheLowerId) {
             (std::vector<int32_t>{2, 5, 6, 8, 9}));
 }
 
+// The exchanges a chunk of kRows rows makes, and the bytes each process
+// sends: a handshake, the stats (with top-k entries of (value, id) and, for
+// the teacher diagnostics, the teacher's logit), then one gather per round
+// of row sums (a waiting flag and a 2-value partial per row).
+TEST(VocabParallelLossTest, GathersPerChunk) {
+  struct Expected {
+    const char* loss;
+    bool teacher;
+    int64_t gathers, bytes;
+  };
+  constexpr int64_t kHandshake = 8 * (2 + 7);
+  auto stats = [](int64_t fields, int64_t entry) {
+    return 8 * (2 + kRows * (fields + entry * kTopK));
+  };
+  constexpr int64_t kRound = 8 * (2 + kRows * 3);
+  const Expected cases[] = {
+      // One round: no row sum inside the pass.
+      {"dflash {}", false, 3, kHandshake + stats(4, 2) + kRound},
+      // The teacher diagnostics' L1: two rounds.
+      {"dflash {}", true, 4, kHandshake + stats(7, 3) + 2 * kRound},
+      {"dflash {} cross_entropy { label_smoothing: 0.1 }", false, 3,
+       kHandshake + stats(5, 2) + kRound},
+      {"dspark { l1_weight: 0.5 confidence_weight: 0.3 }", true, 4,
+       kHandshake + stats(7, 2) + 2 * kRound},
+      // Acceptance before the block weights, then the Renyi logsumexp.
+      {"dspark { objective: DPARD ce_weight: 0 l1_weight: 0 }", true, 6,
+       kHandshake + stats(7, 2) + 4 * kRound},
+      // The tempered logsumexps, then the divergence's sum.
+      {"distillation { divergence: JSD }", true, 5,
+       kHandshake + stats(7, 2) + 3 * kRound},
+  };
+  for (const Expected& e : cases) {
+    absl::StatusOr<LossParams> params = ResolveChunkLoss(Parse(e.loss));
+    ASSERT_TRUE(params.ok());
+    const LossCase c{"", e.loss, e.teacher};
+    const Chunk chunk = MakeChunk(9, false);
+    const Ranges ranges = SplitVocab(kV, 2);
+    ThreadGroup group(2, kTimeout);
+    RunRanks(2, [&](int q) {
+      const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+      EXPECT_TRUE(RunChunk<double>(*params, c, chunk, ranges.offsets[q],
+                                   ranges.widths[q], &shard)
+                      .status.ok());
+    });
+    EXPECT_EQ(group.calls(0), e.gathers) << e.loss;
+    EXPECT_EQ(group.bytes(0), e.bytes) << e.loss;
+  }
+}
+
 // Runs a 2- or 3-process chunk where `setup` edits each process's shard
 // and chunk; returns every process's status.
 std::vector<absl::Status> RunWith(
