@@ -603,8 +603,27 @@ HeadBatch MakeHeadBatch() {
   return h;
 }
 
-HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
-                     int64_t offset, int64_t width, const VocabShard* shard) {
+template <typename T>
+std::vector<T> As(const std::vector<double>& x);
+template <>
+std::vector<double> As(const std::vector<double>& x) {
+  return x;
+}
+template <>
+std::vector<float> As(const std::vector<double>& x) {
+  return std::vector<float>(x.begin(), x.end());
+}
+template <typename T>
+std::vector<double> Widened(const std::vector<T>& x) {
+  return std::vector<double>(x.begin(), x.end());
+}
+
+// Process `shard`'s run (the whole head without one) in the config's
+// dtype, FLOAT64 or FLOAT32; its gradients read back in double.
+template <typename T>
+HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
+                       int64_t offset, int64_t width, const VocabShard* shard,
+                       bool forward_only) {
   const Batch& b = h.b;
   v1::ObjectiveConfig config = whole;
   config.mutable_head()->set_vocab_size(width);
@@ -612,15 +631,17 @@ HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   const int64_t rows = b.num_rows(), rank = head.correction_rank();
   HeadRun out;
   auto rows_of = [&](const std::vector<double>& all, int64_t columns) {
-    return std::vector<double>(all.begin() + offset * columns,
-                               all.begin() + (offset + width) * columns);
+    return As<T>(std::vector<double>(all.begin() + offset * columns,
+                                     all.begin() + (offset + width) * columns));
   };
-  const std::vector<double> weight = rows_of(b.weight, kH);
-  const std::vector<double> bias = rows_of(b.bias, 1);
-  const std::vector<double> m = rank > 0 ? rows_of(h.m, rank) : std::vector<double>();
-  HeadInputs<double> inputs;
-  inputs.hidden = b.hidden;
-  inputs.teacher_hidden = b.teacher;
+  const std::vector<T> weight = rows_of(b.weight, kH);
+  const std::vector<T> bias = rows_of(b.bias, 1);
+  const std::vector<T> m = rank > 0 ? rows_of(h.m, rank) : std::vector<T>();
+  const std::vector<T> hidden = As<T>(b.hidden), teacher = As<T>(b.teacher),
+                       z = As<T>(h.z);
+  HeadInputs<T> inputs;
+  inputs.hidden = hidden;
+  inputs.teacher_hidden = teacher;
   const std::vector<float> confidence(b.confidence.begin(),
                                       b.confidence.end());
   inputs.confidence_logits = confidence;
@@ -628,27 +649,30 @@ HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   inputs.weight = weight;
   if (head.bias()) inputs.bias = bias;
   if (rank > 0) {
-    inputs.correction_inputs = h.z;
+    inputs.correction_inputs = z;
     inputs.correction_weight = m;
   }
-  out.grad_hidden.resize(rows * kH);
+  std::vector<T> grad_hidden, grad_weight, grad_bias, grad_z, grad_m;
   out.grad_confidence.resize(rows);
-  HeadGradients<double> gradients;
-  gradients.hidden = absl::MakeSpan(out.grad_hidden);
+  HeadGradients<T> gradients;
   gradients.confidence = absl::MakeSpan(out.grad_confidence);
-  if (head.trainable()) {
-    out.grad_weight.resize(width * kH);
-    gradients.weight = absl::MakeSpan(out.grad_weight);
-    if (head.bias()) {
-      out.grad_bias.resize(width);
-      gradients.bias = absl::MakeSpan(out.grad_bias);
+  if (!forward_only) {
+    grad_hidden.resize(rows * kH);
+    gradients.hidden = absl::MakeSpan(grad_hidden);
+    if (head.trainable()) {
+      grad_weight.resize(width * kH);
+      gradients.weight = absl::MakeSpan(grad_weight);
+      if (head.bias()) {
+        grad_bias.resize(width);
+        gradients.bias = absl::MakeSpan(grad_bias);
+      }
     }
-  }
-  if (rank > 0) {
-    out.grad_z.resize(rows * rank);
-    out.grad_m.resize(width * rank);
-    gradients.correction_inputs = absl::MakeSpan(out.grad_z);
-    gradients.correction_weight = absl::MakeSpan(out.grad_m);
+    if (rank > 0) {
+      grad_z.resize(rows * rank);
+      grad_m.resize(width * rank);
+      gradients.correction_inputs = absl::MakeSpan(grad_z);
+      gradients.correction_weight = absl::MakeSpan(grad_m);
+    }
   }
   out.neg_log_q.resize(rows);
   out.loss_weight.resize(rows);
@@ -663,13 +687,27 @@ HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   HeadOptions options;
   options.upstream_gradient = 0.75;
   options.vocab_shard = shard;
+  options.forward_only = forward_only;
   TrackingAllocator allocator;
   absl::StatusOr<HeadResult> result =
-      RunHead<double>(config, inputs, gradients, allocator, row_outputs,
-                      options);
+      RunHead<T>(config, inputs, gradients, allocator, row_outputs, options);
   out.status = result.status();
   if (result.ok()) out.result = *std::move(result);
+  out.grad_hidden = Widened(grad_hidden);
+  out.grad_weight = Widened(grad_weight);
+  out.grad_bias = Widened(grad_bias);
+  out.grad_z = Widened(grad_z);
+  out.grad_m = Widened(grad_m);
   return out;
+}
+
+HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
+                     int64_t offset, int64_t width, const VocabShard* shard,
+                     bool forward_only = false) {
+  if (whole.head().dtype() == v1::HeadConfig::FLOAT32) {
+    return RunHeadRangeAs<float>(whole, h, offset, width, shard, forward_only);
+  }
+  return RunHeadRangeAs<double>(whole, h, offset, width, shard, forward_only);
 }
 
 // max |a - b| / max |b| over the whole tensor.
@@ -703,10 +741,14 @@ std::vector<double> Summed(const std::vector<HeadRun>& runs,
   return sum;
 }
 
-void CheckHead(const v1::ObjectiveConfig& config, const std::string& name) {
-  constexpr double kTolerance = 1e-12;
+// float64 within 1e-12, float32 1e-6 (relative; gradients normwise).
+void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
+               bool forward_only = false) {
+  const double kTolerance =
+      config.head().dtype() == v1::HeadConfig::FLOAT32 ? 1e-6 : 1e-12;
   const HeadBatch h = MakeHeadBatch();
-  const HeadRun single = RunHeadRange(config, h, 0, kHeadV, nullptr);
+  const HeadRun single =
+      RunHeadRange(config, h, 0, kHeadV, nullptr, forward_only);
   ASSERT_TRUE(single.status.ok()) << name << " " << single.status;
   for (int size : {2, 3}) {
     const std::string where = absl::StrCat(name, " W=", size);
@@ -716,7 +758,7 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name) {
     RunRanks(size, [&](int q) {
       const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
       runs[q] = RunHeadRange(config, h, ranges.offsets[q], ranges.widths[q],
-                             &shard);
+                             &shard, forward_only);
     });
     for (int q = 0; q < size; ++q) {
       ASSERT_TRUE(runs[q].status.ok()) << where << " " << runs[q].status;
@@ -791,6 +833,25 @@ TEST(VocabParallelHeadTest, EveryModeEqualsTheSingleProcessHead) {
               .ExtraHead("metric_top_k: 4")
               .Build();
       CheckHead(config, absl::StrCat(loss, " ", mode));
+    }
+  }
+}
+
+TEST(VocabParallelHeadTest, Float32AndForwardOnly) {
+  for (const char* loss :
+       {"dflash { gamma: 7 }", "dpace { alpha: 0.3 }",
+        "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
+        "distillation { divergence: JSD beta: 0.3 }"}) {
+    for (const char* mode : {"FUSED", "CHECKPOINT"}) {
+      v1::ObjectiveConfig config = ConfigBuilder(loss)
+                                       .Mode(mode)
+                                       .Trainable(head_test::TrainsWith(loss))
+                                       .ExtraHead("metric_top_k: 4")
+                                       .Build();
+      CheckHead(config, absl::StrCat(loss, " ", mode, " forward only"),
+                /*forward_only=*/true);
+      config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+      CheckHead(config, absl::StrCat(loss, " ", mode, " float32"));
     }
   }
 }
