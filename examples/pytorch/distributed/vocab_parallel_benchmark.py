@@ -1,12 +1,13 @@
 """What the vocab-parallel head exchanges and costs on gloo ranks of this
 machine, against one process holding the whole weight.
 
-Per call it prints, for each loss family and top_k: the values the loss's
-all-gathers send per row (each rank sends them once; gloo's ring moves
-(W - 1) times that into each rank), the all-gather rounds per chunk, the
-all-reduce of the gradient of hidden (H values a row, once per call), and
-the time of one training call (forward and backward, FUSED) on W ranks and
-on one process, as the median of --repeat calls.
+Per chunk it prints, for each loss family and top_k: the loss's
+all-gathers and the bytes they send per row (each rank sends them once;
+each rank receives (W - 1) times that), the all-reduce of the gradient of
+hidden (H float32 values a row, once per call), rank 0's time inside the
+exchanges and the all-reduce (waiting for the slowest rank included), and
+the time of a training call (forward and backward, FUSED) on W ranks and
+on one process (the median of --repeat calls).
 
     python3 examples/pytorch/distributed/vocab_parallel_benchmark.py \
         --world 2 --vocab 32768 --hidden 1024 --rows 1024
@@ -100,23 +101,32 @@ def rank_main(rank, world, args, directory):
     x = batch(args)
     group = dist.group.WORLD
     weight = shard_rows(x["weight"], group)
-    counts = {"calls": 0, "values": 0}
+    counts = {"calls": 0, "values": 0, "seconds": 0.0}
     original = _vocab_parallel._all_gather_into
+    summing = _vocab_parallel.sum_over
 
     def counting(group, world):
         gather = original(group, world)
 
         def all_gather(local, out):
+            start = time.perf_counter()
+            gather(local, out)
+            counts["seconds"] += time.perf_counter() - start
             counts["calls"] += 1
             counts["values"] += local.nbytes // 8
-            gather(local, out)
         return all_gather
 
+    def timed_sum(group, tensors):
+        start = time.perf_counter()
+        summing(group, tensors)
+        counts["seconds"] += time.perf_counter() - start
+
     _vocab_parallel._all_gather_into = counting
+    _vocab_parallel.sum_over = timed_sum
     rows = x["target_ids"].numel()
     for family, top_k in cases(args):
         timed_call(x, weight, family, top_k, args, group)  # Warm-up.
-        counts.update(calls=0, values=0)
+        counts.update(calls=0, values=0, seconds=0.0)
         seconds = []
         for _ in range(args.repeat):
             elapsed, chunks = timed_call(x, weight, family, top_k, args,
@@ -126,6 +136,7 @@ def rank_main(rank, world, args, directory):
         values = counts["values"] / args.repeat
         if rank == 0:
             torch.save({"seconds": seconds, "chunks": chunks,
+                        "exchange": counts["seconds"] / args.repeat,
                         "rounds": calls, "values": values, "rows": rows},
                        os.path.join(directory, f"{family}_{top_k}.pt"))
     dist.destroy_process_group()
@@ -144,19 +155,22 @@ def main(argv=None):
           f"each; metric_top_k {args.metric_top_k}; medians of "
           f"{args.repeat}")
     print("| family | top_k | all-gathers / chunk | sent B / row "
-          "(all-gathers) | all-reduce B / row (d hidden) | ranks ms | one "
-          f"process ms | ratio (ideal {1 / args.world:.2f}) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(all-gathers) | all-reduce B / row (d hidden) | exchange ms / "
+          "chunk | ranks ms / chunk | one process ms / chunk | ratio (ideal "
+          f"{1 / args.world:.2f}) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for family, top_k in cases(args):
         timed_call(x, x["weight"], family, top_k, args, None)
         single = [timed_call(x, x["weight"], family, top_k, args, None)[0]
                   for _ in range(args.repeat)]
         r = torch.load(os.path.join(directory, f"{family}_{top_k}.pt"))
-        ranks_ms = 1e3 * statistics.median(r["seconds"])
-        one_ms = 1e3 * statistics.median(single)
-        print(f"| {family} | {top_k} | {r['rounds'] / r['chunks']:.1f} | "
+        chunks = r["chunks"]
+        ranks_ms = 1e3 * statistics.median(r["seconds"]) / chunks
+        one_ms = 1e3 * statistics.median(single) / chunks
+        print(f"| {family} | {top_k} | {r['rounds'] / chunks:.1f} | "
               f"{8 * r['values'] / r['rows']:.0f} | {4 * args.hidden} | "
-              f"{ranks_ms:.1f} | {one_ms:.1f} | {ranks_ms / one_ms:.2f} |")
+              f"{1e3 * r['exchange'] / chunks:.1f} | {ranks_ms:.1f} | "
+              f"{one_ms:.1f} | {ranks_ms / one_ms:.2f} |")
 
 
 if __name__ == "__main__":
