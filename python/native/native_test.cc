@@ -3,6 +3,7 @@
 // computes are checked from Python against an independent reference.
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -250,6 +251,74 @@ TEST(RunObjectiveTest, RunsOnTheCpu) {
   // Two weighted rows at k = 1 (no decay), uniform logits: loss log(5).
   EXPECT_DOUBLE_EQ(result->terms.loss_den, 2);
   EXPECT_NEAR(result->terms.loss_num, 2 * std::log(5.0), 1e-5);
+}
+
+// The exchange of a group of one process: its own values.
+class SelfExchange final : public VocabExchange {
+ public:
+  explicit SelfExchange(int rank = 0, int size = 1)
+      : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  absl::Status AllGather(absl::Span<const double> local,
+                         absl::Span<double> out) override {
+    std::copy(local.begin(), local.end(), out.begin());
+    return absl::OkStatus();
+  }
+
+ private:
+  int rank_, size_;
+};
+
+// A vocab shard passes to the head (one process holding the whole
+// vocabulary: the plain run's terms); its range, exchange and rank are
+// checked first, naming the field.
+TEST(RunObjectiveTest, VocabShard) {
+  Tiny tiny;
+  absl::StatusOr<HeadResult> plain =
+      RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(), {});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  SelfExchange exchange;
+  VocabShard shard{0, 5, &exchange};
+  ObjectiveOptions options;
+  options.vocab_shard = &shard;
+  absl::StatusOr<HeadResult> sharded =
+      RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(), options);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  EXPECT_EQ(sharded->terms.loss_num, plain->terms.loss_num);
+  EXPECT_EQ(sharded->terms.loss_den, plain->terms.loss_den);
+
+  shard.offset = 1;
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(),
+                         options)
+                .status()
+                .message(),
+            "vocab_shard: rows [offset, offset + V) = [1, 6) of "
+            "lm_head_weight must lie in the whole vocabulary [0, 5)");
+  shard.offset = 0;
+  shard.exchange = nullptr;
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(),
+                         options)
+                .status()
+                .message(),
+            "vocab_shard.exchange: required, got none");
+  SelfExchange outside(/*rank=*/1, /*size=*/1);
+  shard.exchange = &outside;
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tiny.Tensors(), tiny.Outputs(),
+                         options)
+                .status()
+                .message(),
+            "vocab_shard.exchange: rank must lie in [0, size) with size >= "
+            "1, got rank 1 of 1");
+  // Targets are checked against the whole vocabulary.
+  std::vector<int64_t> ids = {0, 1, 2, 7};
+  std::vector<float> mask = {0, 1, 0, 1};
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      RowsOf(Arg("target_ids", ids, "int64", {1, 2, 2}),
+             Arg("weight_mask", mask, "float32", {1, 2, 2}), /*vocab=*/8,
+             /*ignore_index=*/-100);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ((*rows)[3].target, 7);
 }
 
 // forward_only: the training run's terms with no gradient buffer; a
