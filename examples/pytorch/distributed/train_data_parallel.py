@@ -21,7 +21,9 @@ vocabulary (FusedHead(..., vocab_group=), each rank holding its rows:
 dflash.torch.distributed.shard_linear) and share a data replica; the
 world / R replicas are data-parallel (DDP and GlobalNormalizer over the
 ranks holding the same shard). --world 2 --vocab_ranks 2 --shards 2 takes
-the same steps as --world 1 --shards 2.
+the same steps as --world 1 --shards 2 (tested), and --world 4
+--vocab_ranks 2 (2 x 2 data x vocab) those of --world 2, up to float32
+rounding.
 """
 
 import argparse
