@@ -1,0 +1,40 @@
+"""vocab_parallel_benchmark.py runs on two gloo ranks at a small size and
+prints its table: a row per family and top_k, the all-gathers per chunk
+the loss makes (3 for dflash, 4 for dspark, plus the run's handshake) and
+the all-reduce's 4H bytes a row."""
+
+import os
+import re
+import subprocess
+import sys
+import unittest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "vocab_parallel_benchmark.py")
+
+
+class VocabParallelBenchmarkTest(unittest.TestCase):
+    def test_prints_the_table(self):
+        result = subprocess.run(
+            [sys.executable, SCRIPT, "--world", "2", "--vocab", "257",
+             "--hidden", "16", "--rows", "64", "--chunk_blocks", "2",
+             "--repeat", "1", "--families", "dflash,dspark",
+             "--top_k", "0,4"],
+            capture_output=True, text=True, timeout=300)
+        self.assertEqual(result.returncode, 0,
+                         result.stdout + result.stderr)
+        rows = re.findall(r"^\| (dflash|dspark) \| (\d+) \| ([\d.]+) \| "
+                          r"(\d+) \| (\d+) \|", result.stdout, re.M)
+        self.assertEqual([(f, k) for f, k, *_ in rows],
+                         [("dflash", "0"), ("dflash", "4"), ("dspark", "0"),
+                          ("dspark", "4")], result.stdout)
+        # 64 rows in chunks of 32: two chunks, the run's handshake halved.
+        for family, _, gathers, sent, reduced in rows:
+            self.assertEqual(float(gathers),
+                             {"dflash": 3.5, "dspark": 4.5}[family])
+            self.assertGreater(int(sent), 0)
+            self.assertEqual(int(reduced), 4 * 16)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
