@@ -386,7 +386,10 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         confidence, correction_inputs=correction_inputs,
         correction_weight=correction_weight, prepared=prepared,
         trainable=trainable, cuda_stream=stream,
-        interruptible=_interruptible(), forward_only=not gradients,
+        # Vocab-parallel, a rank stopping between two exchanges would leave
+        # the others waiting in the next: Ctrl-C is taken after the call.
+        interruptible=_interruptible() and shard is None,
+        forward_only=not gradients,
         vocab_shard=None if shard is None else shard.core, **grads,
         **outputs)
     if shard is not None:
@@ -708,7 +711,8 @@ def dflash_objective(
         rank; the gradients of hidden and correction_inputs are summed over
         the group (one all-reduce per call), the weight's, bias's and
         correction_weight's are this rank's rows. Runs through the
-        autograd.Function path on every torch (not torch.compile).
+        autograd.Function path on every torch (not torch.compile); Ctrl-C
+        is taken when the call returns.
 
     Returns ObjectiveTerms: the core terms, the rest in its diagnostics. Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
