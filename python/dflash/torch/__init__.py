@@ -14,6 +14,10 @@
 - accepted_prefix_lengths, walk_accepted_length_terms,
   hard_label_prefix_counts (PrefixCounts): SpecForge main's accepted-length
   metrics from the head's per-row outputs (argmax, target_is_candidate).
+- selector_terms (SelectorTerms), selector_position_terms
+  (SelectorPositionTerms), selector_greedy_terms (SelectorGreedyTerms):
+  SpecForge main's DFlash2 selector terms from the head's top-k outputs and
+  the caller's selector scores.
 """
 
 from dflash.torch.acceptance import (PrefixCounts, accepted_prefix_lengths,
@@ -27,6 +31,9 @@ from dflash.torch.head import FusedHead
 from dflash.torch.objective import (FamilyTerms, HeadStats,
                                     ObjectiveDiagnostics, ObjectiveTerms,
                                     dflash_objective)
+from dflash.torch.selector import (SelectorGreedyTerms, SelectorPositionTerms,
+                                   SelectorTerms, selector_greedy_terms,
+                                   selector_position_terms, selector_terms)
 from dflash.torch.term_numerators import separate_numerators
 
 __all__ = [
@@ -37,12 +44,18 @@ __all__ = [
     "ObjectiveDiagnostics",
     "ObjectiveTerms",
     "PrefixCounts",
+    "SelectorGreedyTerms",
+    "SelectorPositionTerms",
+    "SelectorTerms",
     "accepted_prefix_lengths",
     "checkpoint_options",
     "chunked_reduce",
     "dflash_objective",
     "hard_label_prefix_counts",
     "selective_checkpoint_context_fn",
+    "selector_greedy_terms",
+    "selector_position_terms",
+    "selector_terms",
     "separate_numerators",
     "walk_accepted_length_terms",
 ]

@@ -33,7 +33,7 @@ main's, but a greedy path that walks through such a slot inside a block
 picks differently from main's after it.
 """
 
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +117,7 @@ def _shape(name: str, tensor: torch.Tensor, shape: torch.Size,
                          f"got {tuple(tensor.shape)}")
 
 
-def _devices(tensors: dict) -> None:
+def _devices(tensors: Dict[str, torch.Tensor]) -> None:
     reference = next(iter(tensors.items()))
     for name, tensor in tensors.items():
         if tensor.device != reference[1].device:
@@ -126,8 +126,12 @@ def _devices(tensors: dict) -> None:
                              "all must be on one device")
 
 
-def _checked(selector_logits, candidate_ids, target_ids, loss_weights,
-             weight_mask, rows_dims=None):
+def _checked(
+    selector_logits: object, candidate_ids: object, target_ids: object,
+    loss_weights: object, weight_mask: object,
+    rows_dims: Optional[int] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
     logits = _floats("selector_logits", selector_logits)
     if logits.dim() < 2 or logits.shape[-1] < 1:
         raise ValueError("selector_logits: must be [..., k] with k >= 1 (one "
@@ -151,7 +155,9 @@ def _checked(selector_logits, candidate_ids, target_ids, loss_weights,
     return logits, candidates, targets, weights, mask
 
 
-def _selector_rows(logits, candidates, targets):
+def _selector_rows(
+    logits: torch.Tensor, candidates: torch.Tensor, targets: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' CE over the candidates (in at least float32, as main's
     `.float()`; float64 kept), whether the target is a candidate (float32,
     as main's), and the selector's argmax pick."""
@@ -268,7 +274,7 @@ def selector_greedy_terms(
     hit = greedy == targets[:, :, 1:]
     zero = slots.new_zeros(1)
 
-    def per_position(events):
+    def per_position(events: torch.Tensor) -> torch.Tensor:
         return torch.cat((zero, (events.to(torch.float32) * slots).sum(
             dim=(0, 1))))
 
