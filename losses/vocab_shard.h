@@ -50,9 +50,11 @@ inline constexpr int kRecordHead = 2;
 // One AllGather of every process's `record` (its first kRecordHead values
 // set here from `local_error`), then the group's first error: `local_error`
 // where this process failed, else one naming the first process that did
-// (a RowError with that process's row where its error had one). Every
-// process makes the same calls whatever failed, so an error anywhere is an
-// error everywhere, never a hang. `gathered` gets size() * record.size().
+// (a RowError with that process's row where its error had one). An error
+// the loss finds on one process thus reaches every process at the same
+// gather. A failing AllGather returns at once: a transport that fails on
+// some processes only leaves the others to the transport's own timeout.
+// `gathered` gets size() * record.size().
 absl::Status GatherRecords(VocabExchange& exchange,
                            const absl::Status& local_error,
                            absl::Span<double> record,

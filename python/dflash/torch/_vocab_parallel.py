@@ -83,7 +83,8 @@ class Shard(NamedTuple):
 _FIELDS = ("refused", "rows", "B", "N", "K", "H", "dtype", "top_k",
            "return_rows", "gradients", "trainable", "bias", "teacher_hidden",
            "confidence_logits", "correction rank", "config", "target_ids",
-           "weight_mask")
+           "weight_mask", "lm_head_weight's columns", "inputs' dtypes, "
+           "shapes and requires_grad")
 _DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
@@ -115,8 +116,21 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
               trainable, bias is not None, teacher is not None,
               confidence is not None, rank,
               zlib.crc32(config_text.encode()),
-              _crc(target_ids, torch.int64), _crc(weight_mask, torch.float64)]
+              _crc(target_ids, torch.int64), _crc(weight_mask, torch.float64),
+              weight.shape[1], _inputs_crc(
+                  (hidden, weight, bias, teacher, confidence,
+                   correction_inputs))]
     return [float(v) for v in values]
+
+
+def _inputs_crc(tensors: Sequence[Optional[torch.Tensor]]) -> int:
+    """What the ranks' inputs must share beyond the fields above: dtypes,
+    shapes past the first dimension (a shard's rows differ) and which
+    require a gradient (the backward's sums run where one does)."""
+    described = [None if t is None else
+                 (str(t.dtype), tuple(t.shape[1:]), t.requires_grad)
+                 for t in tensors]
+    return zlib.crc32(repr(described).encode())
 
 
 def agree(group: Any, rank: int, world: int,
@@ -148,14 +162,20 @@ def agree(group: Any, rank: int, world: int,
         values = [row[index] for row in table]
         if any(v != values[0] for v in values):
             shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            what = ("differ" if name in ("config", "target_ids",
-                                         "weight_mask") else "differs")
+            what = ("differ" if name in (
+                "config", "target_ids", "weight_mask",
+                "inputs' dtypes, shapes and requires_grad") else "differs")
             raise ValueError(
                 f"vocab_group: the ranks' {name} {what} ({shown}); every "
                 "rank of a vocab group runs the same rows, config and call "
                 "on its own shard of the weight")
     rows = [row[1] for row in table]
     vocab = sum(rows)
+    if vocab < world:
+        raise ValueError(
+            f"vocab_group: the whole vocabulary (V = {vocab}, the sum of the "
+            f"ranks' lm_head_weight rows) is smaller than the group ({world} "
+            "ranks); every rank must hold at least one class")
     want = [shard_range(vocab, world, r) for r in range(world)]
     if any(stop - start != got
            for (start, stop), got in zip(want, rows)):
@@ -181,8 +201,6 @@ def _all_gather_into(group: Any, world: int
 
     def all_gather(local: memoryview, out: memoryview) -> None:
         n = local.nbytes // 8
-        if n == 0:
-            return  # Every rank sends nothing alike.
         source = torch.frombuffer(local, dtype=torch.float64)
         target = torch.frombuffer(out, dtype=torch.float64)
         dist.all_gather([target[q * n:(q + 1) * n] for q in range(world)],

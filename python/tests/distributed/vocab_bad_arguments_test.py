@@ -1,9 +1,10 @@
 """The vocab-parallel head's refusals: each is a clear exception on every
 rank of the group, never a hang (the harness's join times out otherwise).
 Non-CPU tensors, shards that are not the balanced split of the
-vocabulary, ranks whose shapes, targets or configs differ, a rank whose
-own arguments are refused (the others raise too), top_k beyond the whole
-vocabulary, the families and options the vocab-parallel loss refuses
+vocabulary, ranks whose shapes, dtypes, targets, configs or inputs
+requiring a gradient differ, a vocabulary smaller than the group, a rank
+whose own arguments are refused (the others raise too), top_k beyond the
+whole vocabulary, the families and options the vocab-parallel loss refuses
 (Domino; a checkpoint memory budget that would not keep every chunk), a
 vocab_group that is no process group, and a Python exception inside the
 exchange.
@@ -79,6 +80,18 @@ def refusals_rank(rank, world):
         h=torch.empty(1, 2, 3, H, dtype=torch.float64, device="meta")
         if rank == 1 else hidden))
     out["bad_type"] = _raised(call(h="hidden" if rank == 0 else hidden))
+    # What only the C++ head would see on one rank: its shard in another
+    # dtype, or hidden requiring a gradient there alone.
+    out["weight_dtype"] = _raised(call(
+        w=weight.float() if rank == 1 else weight))
+    out["requires_grad"] = _raised(call(
+        h=hidden.clone().requires_grad_(rank == 2),
+        w=weight.clone().requires_grad_()))  # A gradient on every rank.
+    # A vocabulary smaller than the group: the last rank holds no class.
+    tiny = _weight()[:2]
+    start, stop = min(rank, 2), min(rank + 1, 2)
+    out["vocab_below_world"] = _raised(call(
+        w=tiny[start:stop].contiguous(), t=targets % 2))
     # top_k beyond the whole vocabulary (11 < 12 <= 64).
     out["top_k"] = _raised(call(top_k=V + 1))
     # What the vocab-parallel loss refuses.
@@ -156,6 +169,20 @@ class RefusalsTest(unittest.TestCase):
                         self.assertRegex(
                             message, rf"vocab_group: rank\(s\) {bad} of the "
                             r"group refused their arguments")
+
+    def test_inputs_that_differ_only_inside_the_head(self):
+        self.assertEveryRank("weight_dtype", r"vocab_group: the ranks' "
+                             r"inputs' dtypes, shapes and requires_grad "
+                             r"differ")
+        self.assertEveryRank("requires_grad", r"vocab_group: the ranks' "
+                             r"inputs' dtypes, shapes and requires_grad "
+                             r"differ")
+
+    def test_a_vocabulary_smaller_than_the_group(self):
+        self.assertEveryRank(
+            "vocab_below_world", r"vocab_group: the whole vocabulary "
+            r"\(V = 2, the sum of the ranks' lm_head_weight rows\) is "
+            r"smaller than the group \(3 ranks\)")
 
     def test_top_k_beyond_the_whole_vocabulary(self):
         self.assertEveryRank("top_k", r"top_k: must be an int in \[0, "
