@@ -151,6 +151,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const HeadRowOutputs& o = *spec.row_outputs;
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
+    std::fill(o.base_argmax.begin(), o.base_argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
     std::fill(o.top_k_values.begin(), o.top_k_values.end(), 0.0f);
     std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0f);
@@ -193,8 +194,11 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
     std::vector<int32_t> argmax(
         record && (!o.argmax.empty() || !row_argmax_.empty()) ? m : 0);
-    std::vector<int32_t> base_argmax(record && !row_base_argmax_.empty() ? m
-                                                                       : 0);
+    // -1 where the family has no base logits (all but domino).
+    std::vector<int32_t> base_argmax(
+        record && (!o.base_argmax.empty() || !row_base_argmax_.empty()) ? m
+                                                                        : 0,
+        -1);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
                                                                       : 0);
@@ -239,6 +243,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
       const int64_t r = rows[i];
       if (!neg_log_q.empty()) o.neg_log_q[r] = neg_log_q[i];
       if (!o.argmax.empty()) o.argmax[r] = argmax[i];
+      if (!o.base_argmax.empty()) o.base_argmax[r] = base_argmax[i];
       if (!row_argmax_.empty()) {
         row_argmax_[r] = argmax[i];
         row_base_argmax_[r] = base_argmax[i];

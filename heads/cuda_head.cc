@@ -120,6 +120,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
                           stream_.stream());
+    cuda::LaunchFillInt32(o.base_argmax.data(), o.base_argmax.size(), -1,
+                          stream_.stream());
     cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
     const int64_t rows = static_cast<int64_t>(spec.inputs->rows.size());
     DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> q,
@@ -253,11 +255,19 @@ class CudaHeadBackend final : public HeadBackend<T> {
       AddGreedyAcceptedLengths(spec_.inputs->rows, argmax, base_argmax,
                                config_.layout().block_size(),
                                terms.accepted_length);
-      // The caller's argmax output, where asked, is the final logits'.
+      // The caller's argmax outputs, where asked: the final and the base
+      // logits'.
       const HeadRowOutputs& o = *spec_.row_outputs;
       if (!o.argmax.empty()) {
         DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
             o.argmax.data(), argmax.data(), row_argmax_.bytes()));
+      }
+      if (!o.base_argmax.empty()) {
+        DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
+            o.base_argmax.data(), base_argmax.data(),
+            row_base_argmax_.bytes()));
+      }
+      if (!o.argmax.empty() || !o.base_argmax.empty()) {
         DFLASH_RETURN_IF_ERROR(stream_.Synchronize());
       }
     }

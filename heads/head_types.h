@@ -67,6 +67,9 @@ struct HeadRowOutputs {
   // AddTopKValueGradients, heads/top_k_gradient.h).
   absl::Span<float> top_k_values;
   absl::Span<float> loss_weight;  // [rows]: w, SpecForge's loss_weights.
+  // [rows], domino: the base logits' argmax (SpecForge main's base-head
+  // greedy ids); -1 for the other families and rows without a mask.
+  absl::Span<int32_t> base_argmax;
 };
 
 struct HeadStats {

@@ -111,7 +111,8 @@ struct HeadRunResult {
 
 template <typename T>
 HeadRunResult<T> RunHeadWith(const v1::ObjectiveConfig& config, const Batch& b,
-                   const Correction& c, TrackingAllocator& allocator) {
+                   const Correction& c, TrackingAllocator& allocator,
+                   const HeadRowOutputs& row_outputs = {}) {
   auto as = [](const std::vector<double>& v) {
     return std::vector<T>(v.begin(), v.end());
   };
@@ -143,7 +144,7 @@ HeadRunResult<T> RunHeadWith(const v1::ObjectiveConfig& config, const Batch& b,
                                    absl::MakeSpan(grad_z),
                                    absl::MakeSpan(grad_m)};
   HeadRunResult<T> run;
-  run.result = RunHead<T>(config, inputs, gradients, allocator);
+  run.result = RunHead<T>(config, inputs, gradients, allocator, row_outputs);
   run.gradients.hidden.assign(grad_hidden.begin(), grad_hidden.end());
   run.gradients.z.assign(grad_z.begin(), grad_z.end());
   run.gradients.m.assign(grad_m.begin(), grad_m.end());
@@ -221,6 +222,75 @@ TEST(HeadCorrectionTest, DominoIgnoresZBeforeTheSuffix) {
       EXPECT_EQ(first.gradients.z[r * kRank + j], 0) << "row " << r;
     }
   }
+}
+
+// Domino's per-row argmaxes through the head: of the final logits (the
+// correction added from suffix_start) and of the base logits (without it),
+// against naive float64 logits; -1 where a row has no mask. Ties are
+// absent from these random logits.
+TEST(HeadCorrectionTest, DominoRowArgmaxesMatchMaterialisedLogits) {
+  const Batch b = MakeBatch(31);
+  const Correction c = MakeCorrection(32, b.num_rows());
+  const int64_t n = b.num_rows();
+  for (const char* loss :
+       {"domino { lambda_base: 0.3 }",
+        "domino { shift_label: true pure_draft_prefix_len: 1 }"}) {
+    const v1::ObjectiveConfig base_config = WithCorrection(ConfigBuilder(loss));
+    const int64_t suffix_start =
+        LossParamsOf(base_config.loss()).suffix_start;
+    std::vector<int32_t> want_final(n, -1), want_base(n, -1);
+    for (int64_t r = 0; r < n; ++r) {
+      if (b.rows[r].mask <= 0) continue;
+      double best_final = -INFINITY, best_base = -INFINITY;
+      for (int64_t v = 0; v < kV; ++v) {
+        double base = b.bias[v], extra = 0;
+        for (int64_t h = 0; h < kH; ++h) {
+          base += b.hidden[r * kH + h] * b.weight[v * kH + h];
+        }
+        for (int64_t j = 0; j < kRank; ++j) {
+          extra += c.z[r * kRank + j] * c.m[v * kRank + j];
+        }
+        const double final_logit =
+            b.rows[r].position >= suffix_start ? base + extra : base;
+        if (base > best_base) best_base = base, want_base[r] = v;
+        if (final_logit > best_final) best_final = final_logit, want_final[r] = v;
+      }
+    }
+    for (const char* mode : head_test::kModes) {
+      SCOPED_TRACE(absl::StrCat(loss, " ", mode));
+      const v1::ObjectiveConfig config = WithCorrection(
+          ConfigBuilder(loss).Mode(mode).BlocksPerChunk(2).Threads(2));
+      std::vector<int32_t> argmax(n, 7), base_argmax(n, 7);
+      HeadRowOutputs row_outputs;
+      row_outputs.argmax = absl::MakeSpan(argmax);
+      row_outputs.base_argmax = absl::MakeSpan(base_argmax);
+      TrackingAllocator allocator;
+      const HeadRunResult<double> run =
+          RunHeadWith<double>(config, b, c, allocator, row_outputs);
+      ASSERT_TRUE(run.result.ok()) << run.result.status();
+      EXPECT_EQ(argmax, want_final);
+      EXPECT_EQ(base_argmax, want_base);
+    }
+  }
+  // Other families have no base logits: -1 on every row.
+  std::vector<int32_t> base_argmax(n, 7);
+  HeadRowOutputs row_outputs;
+  row_outputs.base_argmax = absl::MakeSpan(base_argmax);
+  TrackingAllocator allocator;
+  const HeadRunResult<double> run = RunHeadWith<double>(
+      WithCorrection(ConfigBuilder("dflash {}")), b, c, allocator,
+      row_outputs);
+  ASSERT_TRUE(run.result.ok()) << run.result.status();
+  EXPECT_EQ(base_argmax, std::vector<int32_t>(n, -1));
+  // A buffer of the wrong size is an error naming it.
+  std::vector<int32_t> short_buffer(n - 1);
+  row_outputs.base_argmax = absl::MakeSpan(short_buffer);
+  EXPECT_EQ(RunHeadWith<double>(WithCorrection(ConfigBuilder("domino {}")), b,
+                                c, allocator, row_outputs)
+                .result.status()
+                .message(),
+            absl::StrCat("row_outputs.base_argmax: must hold ", n,
+                         " values (one per row), got ", n - 1));
 }
 
 // FUSED keeps its two projection passes; the correction adds three of

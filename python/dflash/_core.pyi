@@ -68,7 +68,8 @@ def run_objective(
     prepared: Optional[PreparedProjection], trainable: bool,
     cuda_stream: int, interruptible: bool = ...,
     forward_only: bool = ...,
-    vocab_shard: Optional[VocabShard] = ...) -> Dict[str, Any]: ...
+    vocab_shard: Optional[VocabShard] = ...,
+    base_argmax: Optional[object] = ...) -> Dict[str, Any]: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,
     bias: Optional[object], top_k: object, top_k_values: object,

@@ -337,7 +337,7 @@ py::dict RunObjectiveFromPython(
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
     bool interruptible, bool forward_only,
-    const VocabShardHandle* vocab_shard) {
+    const VocabShardHandle* vocab_shard, py::handle base_argmax) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -353,6 +353,7 @@ py::dict RunObjectiveFromPython(
                            ArgOf("grad_confidence", grad_confidence),
                            ArgOf("neg_log_q", neg_log_q),
                            ArgOf("argmax", argmax),
+                           ArgOf("base_argmax", base_argmax),
                            ArgOf("top_k", top_k),
                            ArgOf("top_k_values", top_k_values),
                            ArgOf("loss_weight", loss_weight),
@@ -550,6 +551,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("cuda_stream"), py::arg("interruptible") = false,
         py::arg("forward_only") = false,
         py::arg("vocab_shard").none(true) = py::none(),
+        py::arg("base_argmax").none(true) = py::none(),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. With forward_only the "
         "forward pass alone: no gradient buffer (every grad_* None), no "

@@ -52,6 +52,8 @@ struct ObjectiveOutputs {
   std::optional<TensorArg> grad_confidence;  // [B, N, K] float32.
   std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
   std::optional<TensorArg> argmax;           // [B, N, K] int32.
+  // [B, N, K] int32: domino's base logits' argmax, -1 for other families.
+  std::optional<TensorArg> base_argmax;
   std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
   // [B, N, K, k] with top_k: float64 for float64 hidden (the head writes
   // float32 values, so a float64 run computes them again in float64 at its

@@ -106,6 +106,12 @@ class ObjectiveDiagnostics:
         neg_log_q: [B, N, K] float32, with return_rows; else None.
         argmax: [B, N, K] int64, -1 where a row has no weight, with
             return_rows; else None.
+        base_argmax: [B, N, K] int64, domino's base logits' argmax
+            (hidden @ W^T + bias, transformed, without the correction:
+            SpecForge main's base-head greedy ids, which
+            accepted_prefix_lengths and walk_accepted_length_terms take),
+            -1 where a row has no weight and for the other families, with
+            return_rows; else None.
         top_k, top_k_values: with top_k = k, the strict top-k of the loss's
             logits (ties to the lower id; -1 where the row has no mask) as
             ids [B, N, K, k] int64 and values [B, N, K, k] in hidden's dtype
@@ -139,6 +145,7 @@ class ObjectiveDiagnostics:
     target_is_candidate: Optional[torch.Tensor] = None
     target_candidate_index: Optional[torch.Tensor] = None
     loss_weight: Optional[torch.Tensor] = None
+    base_argmax: Optional[torch.Tensor] = None
 
     @property
     def accuracy_per_position(self) -> torch.Tensor:
@@ -310,8 +317,8 @@ class _RunInfo:
 class _HeadCall(NamedTuple):
     """One run of the head: its report, gradient buffers (None where not
     computed), terms (the nine scalar and [K] tensors) and per-row outputs
-    (neg_log_q, argmax, top_k, top_k_values, loss_weight; None where not
-    asked for)."""
+    (neg_log_q, argmax, top_k, top_k_values, loss_weight, base_argmax; None
+    where not asked for)."""
 
     result: Dict[str, Any]
     grads: Dict[str, Optional[torch.Tensor]]
@@ -368,6 +375,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
                              hidden.dtype)) if top_k else None),
         "loss_weight": ((rows, torch.float32)
                         if return_rows or top_k else None),
+        "base_argmax": (rows, torch.int32) if return_rows else None,
     }
     if not gradients:
         wanted.update(dict.fromkeys(_GRADIENTS))
@@ -432,6 +440,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         None if outputs["top_k_values"] is None
         else outputs["top_k_values"].to(hidden.dtype),
         outputs["loss_weight"],
+        None if outputs["base_argmax"] is None
+        else outputs["base_argmax"].long(),
     ]
     return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"])
 
@@ -962,10 +972,10 @@ def _objective_terms(
     loss_num, loss_den, correct_num, accuracy_den = results[:4]
     position_correct, position_den, probability, ce_num, tv_num = results[4:9]
     extras = iter(results[9:])
-    neg_log_q, argmax, ids, values, loss_weight = [
+    neg_log_q, argmax, ids, values, loss_weight, base_argmax = [
         next(extras) if wanted else None
         for wanted in (return_rows, return_rows, top_k > 0, top_k > 0,
-                       return_rows or top_k > 0)]
+                       return_rows or top_k > 0, return_rows)]
     is_candidate = index = None
     if ids is not None:
         # As SpecForge: whether the target is among the candidates, and the
@@ -980,7 +990,8 @@ def _objective_terms(
         metrics=metrics, family_terms=family_terms,
         stats=stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
         top_k_values=values, target_is_candidate=is_candidate,
-        target_candidate_index=index, loss_weight=loss_weight)
+        target_candidate_index=index, loss_weight=loss_weight,
+        base_argmax=base_argmax)
     return ObjectiveTerms(loss_num, loss_den, correct_num, accuracy_den,
                           loss_den_offset=loss_den_offset,
                           diagnostics=diagnostics)
@@ -1012,7 +1023,8 @@ def _through_operator(
     results = list(outputs[:at("neg_log_q")])
     for name, wanted in (("neg_log_q", return_rows), ("argmax", return_rows),
                          ("top_k", top_k > 0), ("top_k_values", top_k > 0),
-                         ("loss_weight", return_rows or top_k > 0)):
+                         ("loss_weight", return_rows or top_k > 0),
+                         ("base_argmax", return_rows)):
         if wanted:
             results.append(outputs[at(name)])
     info = outputs[at("info")]
