@@ -82,7 +82,8 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
                               Part(out.top_k_values, b * out.k, n * out.k),
                               Part(out.loss_weight, b, n),
                               Part(out.teacher_acceptance, b, n),
-                              Part(out.base_argmax, b, n)};
+                              Part(out.base_argmax, b, n),
+                              Part(out.teacher_argmax, b, n)};
     results[g] = loss.Run(part, part_out);
     // Rows of a group's errors count from the group's first row.
     if (std::optional<RowErrorInfo> row = GetRowError(results[g].status())) {
@@ -152,6 +153,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
     std::fill(o.base_argmax.begin(), o.base_argmax.end(), -1);
+    std::fill(o.teacher_argmax.begin(), o.teacher_argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
     std::fill(o.top_k_values.begin(), o.top_k_values.end(), 0.0f);
     std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0f);
@@ -199,6 +201,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
         record && (!o.base_argmax.empty() || !row_base_argmax_.empty()) ? m
                                                                         : 0,
         -1);
+    std::vector<int32_t> teacher_argmax(
+        record && !o.teacher_argmax.empty() ? m : 0);
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
                                                                       : 0);
@@ -218,7 +222,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
                                    absl::MakeSpan(top_k_values),
                                    absl::MakeSpan(loss_weight),
                                    absl::MakeSpan(teacher_acceptance),
-                                   absl::MakeSpan(base_argmax)};
+                                   absl::MakeSpan(base_argmax),
+                                   absl::MakeSpan(teacher_argmax)};
     const Clock::time_point start = Clock::now();
     absl::StatusOr<ChunkTerms> terms = ThreadedChunkLoss<T>(
         *loss_,
@@ -244,6 +249,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
       if (!neg_log_q.empty()) o.neg_log_q[r] = neg_log_q[i];
       if (!o.argmax.empty()) o.argmax[r] = argmax[i];
       if (!o.base_argmax.empty()) o.base_argmax[r] = base_argmax[i];
+      if (!teacher_argmax.empty()) o.teacher_argmax[r] = teacher_argmax[i];
       if (!row_argmax_.empty()) {
         row_argmax_[r] = argmax[i];
         row_base_argmax_[r] = base_argmax[i];

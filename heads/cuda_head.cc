@@ -122,6 +122,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
                           stream_.stream());
     cuda::LaunchFillInt32(o.base_argmax.data(), o.base_argmax.size(), -1,
                           stream_.stream());
+    cuda::LaunchFillInt32(o.teacher_argmax.data(), o.teacher_argmax.size(), -1,
+                          stream_.stream());
     cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
     const int64_t rows = static_cast<int64_t>(spec.inputs->rows.size());
     DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> q,
@@ -211,7 +213,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
         absl::MakeSpan(row_rank_.data(), row_rank_.size()),
         if_recorded(o.top_k_values), if_recorded(o.loss_weight),
         absl::MakeSpan(row_teacher_.data(), row_teacher_.size()),
-        absl::MakeSpan(row_base_argmax_.data(), row_base_argmax_.size())};
+        absl::MakeSpan(row_base_argmax_.data(), row_base_argmax_.size()),
+        if_recorded(o.teacher_argmax)};
     absl::Status done =
         loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {

@@ -298,6 +298,7 @@ absl::Status HeadRun<T>::Validate() const {
                                        row_outputs_.neg_log_q.size()},
         {"row_outputs.argmax", row_outputs_.argmax.size()},
         {"row_outputs.base_argmax", row_outputs_.base_argmax.size()},
+        {"row_outputs.teacher_argmax", row_outputs_.teacher_argmax.size()},
         {"row_outputs.loss_weight", row_outputs_.loss_weight.size()}}) {
     if (size != 0 && static_cast<int64_t>(size) != rows) {
       return SizeError(name, size, rows, "one per row");

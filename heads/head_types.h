@@ -70,6 +70,10 @@ struct HeadRowOutputs {
   // [rows], domino: the base logits' argmax (SpecForge main's base-head
   // greedy ids); -1 for the other families and rows without a mask.
   absl::Span<int32_t> base_argmax;
+  // [rows], with teacher_hidden: the teacher's logits' argmax (the loss's
+  // TeacherAgrees compares it with argmax); -1 without a teacher and for
+  // rows without a mask.
+  absl::Span<int32_t> teacher_argmax;
 };
 
 struct HeadStats {

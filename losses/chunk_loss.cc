@@ -303,7 +303,8 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
         {"outputs.target_rank", outputs.target_rank.size()},
         {"outputs.loss_weight", outputs.loss_weight.size()},
         {"outputs.teacher_acceptance", outputs.teacher_acceptance.size()},
-        {"outputs.base_argmax", outputs.base_argmax.size()}}) {
+        {"outputs.base_argmax", outputs.base_argmax.size()},
+        {"outputs.teacher_argmax", outputs.teacher_argmax.size()}}) {
     if (size != 0) {
       absl::Status status = CheckSize(name, size, num_rows, "one per row");
       if (!status.ok()) return status;
@@ -562,6 +563,7 @@ void ResetRowOutputs(int64_t num_rows, const ChunkLossOutputs& outputs) {
     if (!outputs.loss_weight.empty()) outputs.loss_weight[r] = 0;
     if (!outputs.teacher_acceptance.empty()) outputs.teacher_acceptance[r] = 0;
     if (!outputs.base_argmax.empty()) outputs.base_argmax[r] = -1;
+    if (!outputs.teacher_argmax.empty()) outputs.teacher_argmax[r] = -1;
     if (!outputs.top_k_values.empty()) {
       std::fill_n(outputs.top_k_values.begin() + r * outputs.k, outputs.k,
                   0.0f);
@@ -993,6 +995,15 @@ class ChunkPasses {
     absl::Span<W> z = source_.Draft(r);
     if (!have_stats_[r]) DFLASH_RETURN_IF_ERROR(Analyse(r, z));
     RowMetrics(r, stats_[r], terms);
+    if (!outputs_.teacher_argmax.empty() && !teacher_stats_.empty()) {
+      // Every row with a mask, weighted or not (the loss analyses the
+      // teacher of weighted rows alone). Vocab-parallel, ShardStats merged
+      // every such row's.
+      if (shard_ == nullptr) {
+        DFLASH_RETURN_IF_ERROR(AnalyseTeacher(r, source_.Teacher(r)));
+      }
+      outputs_.teacher_argmax[r] = teacher_stats_[r].argmax;
+    }
     if (teacher_metrics_) {
       DFLASH_RETURN_IF_ERROR(TeacherDiagnostics(r, z, terms));
       if (Pending(r)) return absl::OkStatus();

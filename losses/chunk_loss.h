@@ -98,6 +98,11 @@ struct ChunkLossOutputs {
   absl::Span<double> teacher_acceptance;
   // [rows], domino: the base logits' argmax (-1 where the row has no mask).
   absl::Span<int32_t> base_argmax;
+  // [rows], with teacher logits: the argmax of the teacher's logits
+  // (transformed as the draft's; TeacherAgrees compares it with argmax),
+  // global with a vocab shard; -1 where the row has no mask or there are
+  // no teacher logits.
+  absl::Span<int32_t> teacher_argmax;
 };
 
 // The loss terms of one chunk for any loss family (docs/semantics.md

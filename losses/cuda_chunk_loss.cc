@@ -118,6 +118,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.loss_weight = share(outputs.loss_weight, 1);
     check_outputs.teacher_acceptance = share(outputs.teacher_acceptance, 1);
     check_outputs.base_argmax = share(outputs.base_argmax, 1);
+    check_outputs.teacher_argmax = share(outputs.teacher_argmax, 1);
   }
   const LossParams& loss = s.params.loss;
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
@@ -196,6 +197,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
                         : inputs.correction_logits.data();
   args.base_argmax =
       outputs.base_argmax.empty() ? nullptr : outputs.base_argmax.data();
+  args.teacher_argmax =
+      outputs.teacher_argmax.empty() ? nullptr : outputs.teacher_argmax.data();
   args.rows = n;
   args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
   args.out_rows = out_rows;

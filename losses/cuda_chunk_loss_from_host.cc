@@ -56,13 +56,14 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
   auto teacher_acceptance = Upload<double>(outputs.teacher_acceptance, stream);
   auto correction = Upload<T>(inputs.correction_logits, stream);
   auto base_argmax = Upload<int32_t>(outputs.base_argmax, stream);
+  auto teacher_argmax = Upload<int32_t>(outputs.teacher_argmax, stream);
   for (const absl::Status& status :
        {logits.status(), teacher.status(), confidence.status(),
         confidence_grad.status(), neg_log_q.status(), argmax.status(),
         top_k.status(), target_probability.status(), target_rank.status(),
         top_k_values.status(), loss_weight.status(),
         teacher_acceptance.status(), correction.status(),
-        base_argmax.status()}) {
+        base_argmax.status(), teacher_argmax.status()}) {
     if (!status.ok()) return status;
   }
   DFLASH_ASSIGN_OR_RETURN(LossParams params, ResolveChunkLoss(config));
@@ -82,7 +83,8 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
                                         View(*top_k_values),
                                         View(*loss_weight),
                                         View(*teacher_acceptance),
-                                        View(*base_argmax)};
+                                        View(*base_argmax),
+                                        View(*teacher_argmax)};
   DFLASH_RETURN_IF_ERROR(loss->Run(device_inputs, device_outputs,
                                      /*out_rows=*/nullptr, /*record=*/true));
   DFLASH_ASSIGN_OR_RETURN(ChunkTerms terms, loss->Terms());
@@ -111,7 +113,9 @@ absl::StatusOr<ChunkTerms> CudaChunkLossFromHost(
         Back{inputs.correction_logits.data(), correction->data(),
              correction->bytes()},
         Back{outputs.base_argmax.data(), base_argmax->data(),
-             base_argmax->bytes()}}) {
+             base_argmax->bytes()},
+        Back{outputs.teacher_argmax.data(), teacher_argmax->data(),
+             teacher_argmax->bytes()}}) {
     if (back.bytes == 0) continue;
     DFLASH_RETURN_IF_ERROR(
         stream.CopyToHost(back.host, back.device, back.bytes));

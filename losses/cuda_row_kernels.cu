@@ -304,7 +304,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   // distillation and DSpark skip rows without weight.
   const bool teacher =
       a.teacher != nullptr &&
-      (p.loss.dpard || TeacherMetrics(p, a) || meta.weight != 0);
+      (p.loss.dpard || TeacherMetrics(p, a) || meta.weight != 0 ||
+       a.teacher_argmax != nullptr);
   const float teacher_inv_t = distill ? inv_t : 1.0f;
   const bool teacher_tempered = teacher_inv_t != 1.0f;
   Online t;
@@ -674,6 +675,7 @@ __device__ __forceinline__ void MaskedRow(const KernelParams& p,
   if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
   if (a.teacher_acceptance != nullptr) a.teacher_acceptance[out] = 0;
   if (a.argmax != nullptr) a.argmax[out] = -1;
+  if (a.teacher_argmax != nullptr) a.teacher_argmax[out] = -1;
   if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
 }
 
@@ -711,6 +713,10 @@ __device__ __forceinline__ void RowMetrics(const ChunkArgs<T>& a,
     a.neg_log_q[out] = static_cast<float>(row.neg_log_q());
   }
   if (a.argmax != nullptr) a.argmax[out] = s.argmax;
+  // StatsKernel analysed every row's teacher where this is asked for.
+  if (a.teacher_argmax != nullptr) {
+    a.teacher_argmax[out] = a.teacher != nullptr ? s.t_argmax : -1;
+  }
   if (a.confidence_grad != nullptr) a.confidence_grad[out] = 0;
 }
 
@@ -810,6 +816,7 @@ class CudaDominoRow {
     }
     if (a_.argmax != nullptr) a_.argmax[out_] = s.argmax;
     if (a_.base_argmax != nullptr) a_.base_argmax[out_] = s.base_argmax;
+    if (a_.teacher_argmax != nullptr) a_.teacher_argmax[out_] = -1;
   }
 
   __device__ __forceinline__ void WriteDominoGradient(double g_final,
@@ -874,6 +881,7 @@ __global__ void __launch_bounds__(kThreads)
       if (a.loss_weight != nullptr) a.loss_weight[out] = 0;
       if (a.argmax != nullptr) a.argmax[out] = -1;
       if (a.base_argmax != nullptr) a.base_argmax[out] = -1;
+      if (a.teacher_argmax != nullptr) a.teacher_argmax[out] = -1;
     }
     return;
   }

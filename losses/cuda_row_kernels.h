@@ -136,6 +136,7 @@ struct ChunkArgs {
   // each row's teacher acceptance, by out row.
   double* teacher_acceptance = nullptr;
   int32_t* base_argmax = nullptr;  // Domino: the base logits', by out row.
+  int32_t* teacher_argmax = nullptr;  // The teacher logits', by out row.
   // Scratch, [rows] each (row_terms [rows, kTermSlots]).
   RowStats* stats = nullptr;
   double* weight = nullptr;

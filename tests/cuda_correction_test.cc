@@ -46,6 +46,7 @@ struct Case {
 struct Result {
   absl::StatusOr<HeadResult> head;
   std::vector<double> grad_hidden, grad_z, grad_m, grad_confidence;
+  std::vector<int32_t> argmax, base_argmax, teacher_argmax;  // Row outputs.
 };
 
 Case MakeCase(uint32_t seed) {
@@ -89,8 +90,15 @@ Result OnCpu(const v1::ObjectiveConfig& config, const Case& c) {
                                         absl::MakeSpan(grad_confidence),
                                         absl::MakeSpan(r.grad_z),
                                         absl::MakeSpan(r.grad_m)};
+  r.argmax.assign(b.num_rows(), 7);
+  r.base_argmax.assign(b.num_rows(), 7);
+  r.teacher_argmax.assign(b.num_rows(), 7);
+  HeadRowOutputs row_outputs;
+  row_outputs.argmax = absl::MakeSpan(r.argmax);
+  row_outputs.base_argmax = absl::MakeSpan(r.base_argmax);
+  row_outputs.teacher_argmax = absl::MakeSpan(r.teacher_argmax);
   TrackingAllocator allocator;
-  r.head = RunHead<double>(config, inputs, gradients, allocator);
+  r.head = RunHead<double>(config, inputs, gradients, allocator, row_outputs);
   r.grad_confidence.assign(grad_confidence.begin(), grad_confidence.end());
   return r;
 }
@@ -116,6 +124,24 @@ std::vector<double> Download(const TrackedBuffer<T>& buffer,
   std::vector<double> out;
   for (const T& x : host) out.push_back(AsDouble(x));
   return out;
+}
+
+// [rows] ids, 7 each: the head must overwrite every one.
+TrackedBuffer<int32_t> UploadIds(int64_t rows, CudaStream& stream) {
+  const std::vector<int32_t> values(rows, 7);
+  auto buffer = TrackedBuffer<int32_t>::Create(stream.allocator(), rows);
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_TRUE(
+      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
+  return *std::move(buffer);
+}
+
+std::vector<int32_t> DownloadIds(const TrackedBuffer<int32_t>& buffer,
+                                 CudaStream& stream) {
+  std::vector<int32_t> host(buffer.size());
+  EXPECT_TRUE(
+      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
+  return host;
 }
 
 template <typename T>
@@ -158,7 +184,17 @@ Result OnGpu(v1::ObjectiveConfig config, const Case& c, Gpu& gpu) {
     const HeadGradients<T> gradients{Span(grad_hidden), {},
                                      {},                Span(grad_confidence),
                                      Span(grad_z),      Span(grad_m)};
-    r.head = RunCudaHead<T>(config, inputs, gradients, *gpu.blas);
+    TrackedBuffer<int32_t> argmax = UploadIds(b.num_rows(), stream);
+    TrackedBuffer<int32_t> base_argmax = UploadIds(b.num_rows(), stream);
+    TrackedBuffer<int32_t> teacher_argmax = UploadIds(b.num_rows(), stream);
+    HeadRowOutputs row_outputs;
+    row_outputs.argmax = Span(argmax);
+    row_outputs.base_argmax = Span(base_argmax);
+    row_outputs.teacher_argmax = Span(teacher_argmax);
+    r.head = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, row_outputs);
+    r.argmax = DownloadIds(argmax, stream);
+    r.base_argmax = DownloadIds(base_argmax, stream);
+    r.teacher_argmax = DownloadIds(teacher_argmax, stream);
     r.grad_hidden = Download(grad_hidden, stream);
     r.grad_z = Download(grad_z, stream);
     r.grad_m = Download(grad_m, stream);
@@ -234,7 +270,14 @@ TEST(CudaCorrectionTest, EveryFamilyAndModeMatchesTheCpuHead) {
       const v1::ObjectiveConfig config =
           WithCorrection(ConfigBuilder(loss).Mode(mode));
       const Result want = OnCpu(config, c);
-      ExpectClose(OnGpu<float>(config, c, *gpu), want, 1e-5);
+      const Result fp32 = OnGpu<float>(config, c, *gpu);
+      ExpectClose(fp32, want, 1e-5);
+      // The argmaxes in FP32 (no near-ties in this batch): domino's base
+      // logits' (-1 for the other families) and the teacher's (-1 without
+      // one).
+      EXPECT_EQ(fp32.argmax, want.argmax);
+      EXPECT_EQ(fp32.base_argmax, want.base_argmax);
+      EXPECT_EQ(fp32.teacher_argmax, want.teacher_argmax);
       ExpectClose(OnGpu<BFloat16>(config, c, *gpu), want, 3e-2);
     }
   }

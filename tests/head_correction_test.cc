@@ -293,6 +293,71 @@ TEST(HeadCorrectionTest, DominoRowArgmaxesMatchMaterialisedLogits) {
                          " values (one per row), got ", n - 1));
 }
 
+// The teacher's per-row argmax through the head, against naive float64
+// teacher logits: every family that reads a teacher and a loss with the
+// teacher diagnostics, every mode; -1 where a row has no mask and, without
+// teacher_hidden, on every row.
+TEST(HeadCorrectionTest, TeacherArgmaxMatchesMaterialisedTeacherLogits) {
+  const Batch b = MakeBatch(33);
+  const int64_t n = b.num_rows();
+  std::vector<int32_t> want(n, -1);
+  for (int64_t r = 0; r < n; ++r) {
+    if (!(b.rows[r].mask > 0)) continue;
+    double best = -INFINITY;
+    for (int64_t v = 0; v < kV; ++v) {
+      double logit = b.bias[v];
+      for (int64_t h = 0; h < kH; ++h) {
+        logit += b.teacher[r * kH + h] * b.weight[v * kH + h];
+      }
+      if (logit > best) best = logit, want[r] = static_cast<int32_t>(v);
+    }
+  }
+  struct Case {
+    const char* loss;
+    const char* head;
+  };
+  for (const Case& c :
+       {Case{"dspark { gamma: 7 }", ""},
+        Case{"distillation { divergence: FORWARD_KL temperature: 2 }", ""},
+        Case{"dflash { gamma: 7 }", "teacher_diagnostics: true"},
+        Case{"dflash { gamma: 7 }", ""}}) {
+    for (const char* mode : head_test::kModes) {
+      SCOPED_TRACE(absl::StrCat(c.loss, " ", c.head, " ", mode));
+      ConfigBuilder builder =
+          ConfigBuilder(c.loss).Mode(mode).BlocksPerChunk(2).Threads(2);
+      if (*c.head != 0) builder.ExtraHead(c.head);
+      const v1::ObjectiveConfig config = builder.Build();
+      const bool teacher = ProjectsTeacher(config);
+      const std::vector<float> confidence(b.confidence.begin(),
+                                          b.confidence.end());
+      const bool needs_confidence =
+          LossTraitsOf(config.loss()).needs_confidence;
+      const HeadInputs<double> inputs{
+          b.hidden,
+          teacher ? absl::MakeConstSpan(b.teacher) : absl::Span<const double>(),
+          needs_confidence ? absl::MakeConstSpan(confidence)
+                           : absl::Span<const float>(),
+          b.rows,
+          b.weight,
+          b.bias};
+      std::vector<double> grad_hidden(b.hidden.size());
+      std::vector<float> grad_confidence(needs_confidence ? n : 0);
+      HeadGradients<double> gradients;
+      gradients.hidden = absl::MakeSpan(grad_hidden);
+      gradients.confidence = absl::MakeSpan(grad_confidence);
+      std::vector<int32_t> teacher_argmax(n, 7);
+      HeadRowOutputs row_outputs;
+      row_outputs.teacher_argmax = absl::MakeSpan(teacher_argmax);
+      TrackingAllocator allocator;
+      const absl::StatusOr<HeadResult> result = RunHead<double>(
+          config, inputs, gradients, allocator, row_outputs);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_EQ(teacher_argmax,
+                teacher ? want : std::vector<int32_t>(n, -1));
+    }
+  }
+}
+
 // FUSED keeps its two projection passes; the correction adds three of
 // rank r (forward, d/dz, d/dM): 3 r / H more passes.
 TEST(HeadCorrectionTest, FusedCostsTwoPassesPlusTheCorrections) {

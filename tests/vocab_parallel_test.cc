@@ -577,7 +577,7 @@ struct HeadRun {
   HeadResult result;
   std::vector<double> grad_hidden, grad_weight, grad_bias, grad_z, grad_m;
   std::vector<float> grad_confidence, neg_log_q, loss_weight;
-  std::vector<int32_t> argmax, base_argmax, top_k;
+  std::vector<int32_t> argmax, base_argmax, teacher_argmax, top_k;
 };
 
 // The batch with a fully masked chunk (blocks 2 and 3: chunk 1 of 3) and a
@@ -678,11 +678,13 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   out.loss_weight.resize(rows);
   out.argmax.resize(rows);
   out.base_argmax.resize(rows);
+  out.teacher_argmax.resize(rows);
   out.top_k.resize(rows * kHeadTopK);
   HeadRowOutputs row_outputs;
   row_outputs.neg_log_q = absl::MakeSpan(out.neg_log_q);
   row_outputs.argmax = absl::MakeSpan(out.argmax);
   row_outputs.base_argmax = absl::MakeSpan(out.base_argmax);
+  row_outputs.teacher_argmax = absl::MakeSpan(out.teacher_argmax);
   row_outputs.top_k = absl::MakeSpan(out.top_k);
   row_outputs.k = kHeadTopK;
   row_outputs.loss_weight = absl::MakeSpan(out.loss_weight);
@@ -775,6 +777,7 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
     EXPECT_EQ(first.base_argmax,
               std::vector<int32_t>(single.base_argmax.size(), -1))
         << where;
+    EXPECT_EQ(first.teacher_argmax, single.teacher_argmax) << where;
     EXPECT_EQ(first.top_k, single.top_k) << where;
     for (size_t r = 0; r < single.neg_log_q.size(); ++r) {
       // Float outputs: their double values rounded once.
@@ -807,6 +810,7 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
       ExpectTermsEqual(runs[q].result.terms, first.result.terms, other);
       EXPECT_EQ(runs[q].argmax, first.argmax) << other;
       EXPECT_EQ(runs[q].base_argmax, first.base_argmax) << other;
+      EXPECT_EQ(runs[q].teacher_argmax, first.teacher_argmax) << other;
       EXPECT_EQ(runs[q].top_k, first.top_k) << other;
       EXPECT_EQ(runs[q].neg_log_q, first.neg_log_q) << other;
       EXPECT_EQ(runs[q].loss_weight, first.loss_weight) << other;

@@ -69,7 +69,8 @@ def run_objective(
     cuda_stream: int, interruptible: bool = ...,
     forward_only: bool = ...,
     vocab_shard: Optional[VocabShard] = ...,
-    base_argmax: Optional[object] = ...) -> Dict[str, Any]: ...
+    base_argmax: Optional[object] = ...,
+    teacher_argmax: Optional[object] = ...) -> Dict[str, Any]: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,
     bias: Optional[object], top_k: object, top_k_values: object,

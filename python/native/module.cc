@@ -337,7 +337,8 @@ py::dict RunObjectiveFromPython(
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
     bool interruptible, bool forward_only,
-    const VocabShardHandle* vocab_shard, py::handle base_argmax) {
+    const VocabShardHandle* vocab_shard, py::handle base_argmax,
+    py::handle teacher_argmax) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
                            RequiredArgOf("target_ids", target_ids),
@@ -354,6 +355,7 @@ py::dict RunObjectiveFromPython(
                            ArgOf("neg_log_q", neg_log_q),
                            ArgOf("argmax", argmax),
                            ArgOf("base_argmax", base_argmax),
+                           ArgOf("teacher_argmax", teacher_argmax),
                            ArgOf("top_k", top_k),
                            ArgOf("top_k_values", top_k_values),
                            ArgOf("loss_weight", loss_weight),
@@ -552,6 +554,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("forward_only") = false,
         py::arg("vocab_shard").none(true) = py::none(),
         py::arg("base_argmax").none(true) = py::none(),
+        py::arg("teacher_argmax").none(true) = py::none(),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. With forward_only the "
         "forward pass alone: no gradient buffer (every grad_* None), no "

@@ -175,6 +175,7 @@ HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o, bool float64) {
   row_outputs.neg_log_q = MutableSpanOf<float>(o.neg_log_q);
   row_outputs.argmax = MutableSpanOf<int32_t>(o.argmax);
   row_outputs.base_argmax = MutableSpanOf<int32_t>(o.base_argmax);
+  row_outputs.teacher_argmax = MutableSpanOf<int32_t>(o.teacher_argmax);
   row_outputs.top_k = MutableSpanOf<int32_t>(o.top_k);
   row_outputs.k =
       o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;

@@ -54,6 +54,9 @@ struct ObjectiveOutputs {
   std::optional<TensorArg> argmax;           // [B, N, K] int32.
   // [B, N, K] int32: domino's base logits' argmax, -1 for other families.
   std::optional<TensorArg> base_argmax;
+  // [B, N, K] int32: the teacher's logits' argmax (with teacher_hidden),
+  // -1 without a teacher.
+  std::optional<TensorArg> teacher_argmax;
   std::optional<TensorArg> top_k;            // [B, N, K, k] int32.
   // [B, N, K, k] with top_k: float64 for float64 hidden (the head writes
   // float32 values, so a float64 run computes them again in float64 at its

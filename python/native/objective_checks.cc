@@ -189,7 +189,8 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
       "[B, N, K]", "float32"));
   for (const auto& [buffer, dtype] :
        {std::pair{&o.neg_log_q, "float32"}, std::pair{&o.argmax, "int32"},
-        std::pair{&o.base_argmax, "int32"}}) {
+        std::pair{&o.base_argmax, "int32"},
+        std::pair{&o.teacher_argmax, "int32"}}) {
     if (buffer->has_value()) {
       DFLASH_RETURN_IF_ERROR(
           CheckBeside(**buffer, t.hidden, bnk, "[B, N, K]", dtype));

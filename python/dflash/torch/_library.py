@@ -37,8 +37,9 @@ SUPPORTED = all(hasattr(getattr(torch, "library", None), name)
 OUTPUTS = ("loss_num", "loss_den", "correct_num", "accuracy_den",
            "position_correct", "position_den", "target_probability_num",
            "ce_loss_num", "tv_loss_num", "neg_log_q", "argmax", "top_k",
-           "top_k_values", "loss_weight", "base_argmax", "info", "scale_den",
-           "grad_hidden", "grad_weight", "grad_bias", "grad_confidence",
+           "top_k_values", "loss_weight", "base_argmax", "teacher_argmax",
+           "info", "scale_den", "grad_hidden", "grad_weight", "grad_bias",
+           "grad_confidence",
            "grad_correction_inputs", "grad_correction_weight")
 _AT = {name: i for i, name in enumerate(OUTPUTS)}
 _GRAD_OUTPUTS = OUTPUTS[_AT["grad_hidden"]:]
@@ -307,6 +308,7 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         (rows + (top_k,) if top_k else none, hidden.dtype, device),
         (rows if return_rows or top_k else none, torch.float32, device),
         (rows if return_rows else none, torch.int64, device),
+        (rows if return_rows else none, torch.int64, device),
         ((info_size(k),), torch.float64, cpu),
         ((), scalar, device),
     ]
@@ -373,7 +375,8 @@ def _register() -> Tuple[Any, Any]:
         device = hidden.device
         k = hidden.shape[2]
         extras = dict(zip(("neg_log_q", "argmax", "top_k", "top_k_values",
-                           "loss_weight", "base_argmax"), run.extras))
+                           "loss_weight", "base_argmax", "teacher_argmax"),
+                          run.extras))
         outputs: List[torch.Tensor] = list(run.terms)
         for name, (_, dtype, where) in zip(
                 OUTPUTS[len(outputs):_AT["info"]],

@@ -112,6 +112,13 @@ class ObjectiveDiagnostics:
             accepted_prefix_lengths and walk_accepted_length_terms take),
             -1 where a row has no weight and for the other families, with
             return_rows; else None.
+        teacher_argmax: [B, N, K] int64, the argmax of the teacher's logits
+            (teacher_hidden @ W^T + bias, transformed as the draft's: the
+            target model's greedy ids, which selector_greedy_terms'
+            teacher_ids takes; the draft's argmax agrees with it where
+            teacher_agreement_per_position counts), -1 where a row has no
+            weight or there is no teacher_hidden, with return_rows; else
+            None. Global ids vocab-parallel.
         top_k, top_k_values: with top_k = k, the strict top-k of the loss's
             logits (ties to the lower id; -1 where the row has no mask) as
             ids [B, N, K, k] int64 and values [B, N, K, k] in hidden's dtype
@@ -146,6 +153,7 @@ class ObjectiveDiagnostics:
     target_candidate_index: Optional[torch.Tensor] = None
     loss_weight: Optional[torch.Tensor] = None
     base_argmax: Optional[torch.Tensor] = None
+    teacher_argmax: Optional[torch.Tensor] = None
 
     @property
     def accuracy_per_position(self) -> torch.Tensor:
@@ -317,8 +325,8 @@ class _RunInfo:
 class _HeadCall(NamedTuple):
     """One run of the head: its report, gradient buffers (None where not
     computed), terms (the nine scalar and [K] tensors) and per-row outputs
-    (neg_log_q, argmax, top_k, top_k_values, loss_weight, base_argmax; None
-    where not asked for)."""
+    (neg_log_q, argmax, top_k, top_k_values, loss_weight, base_argmax,
+    teacher_argmax; None where not asked for)."""
 
     result: Dict[str, Any]
     grads: Dict[str, Optional[torch.Tensor]]
@@ -376,6 +384,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "loss_weight": ((rows, torch.float32)
                         if return_rows or top_k else None),
         "base_argmax": (rows, torch.int32) if return_rows else None,
+        "teacher_argmax": (rows, torch.int32) if return_rows else None,
     }
     if not gradients:
         wanted.update(dict.fromkeys(_GRADIENTS))
@@ -442,6 +451,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         outputs["loss_weight"],
         None if outputs["base_argmax"] is None
         else outputs["base_argmax"].long(),
+        None if outputs["teacher_argmax"] is None
+        else outputs["teacher_argmax"].long(),
     ]
     return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"])
 
@@ -972,10 +983,11 @@ def _objective_terms(
     loss_num, loss_den, correct_num, accuracy_den = results[:4]
     position_correct, position_den, probability, ce_num, tv_num = results[4:9]
     extras = iter(results[9:])
-    neg_log_q, argmax, ids, values, loss_weight, base_argmax = [
+    (neg_log_q, argmax, ids, values, loss_weight, base_argmax,
+     teacher_argmax) = [
         next(extras) if wanted else None
         for wanted in (return_rows, return_rows, top_k > 0, top_k > 0,
-                       return_rows or top_k > 0, return_rows)]
+                       return_rows or top_k > 0, return_rows, return_rows)]
     is_candidate = index = None
     if ids is not None:
         # As SpecForge: whether the target is among the candidates, and the
@@ -991,7 +1003,7 @@ def _objective_terms(
         stats=stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
         top_k_values=values, target_is_candidate=is_candidate,
         target_candidate_index=index, loss_weight=loss_weight,
-        base_argmax=base_argmax)
+        base_argmax=base_argmax, teacher_argmax=teacher_argmax)
     return ObjectiveTerms(loss_num, loss_den, correct_num, accuracy_den,
                           loss_den_offset=loss_den_offset,
                           diagnostics=diagnostics)
@@ -1024,7 +1036,8 @@ def _through_operator(
     for name, wanted in (("neg_log_q", return_rows), ("argmax", return_rows),
                          ("top_k", top_k > 0), ("top_k_values", top_k > 0),
                          ("loss_weight", return_rows or top_k > 0),
-                         ("base_argmax", return_rows)):
+                         ("base_argmax", return_rows),
+                         ("teacher_argmax", return_rows)):
         if wanted:
             results.append(outputs[at(name)])
     info = outputs[at("info")]

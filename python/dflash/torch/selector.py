@@ -249,9 +249,9 @@ def selector_greedy_terms(
         slots 1..K-1 (slot 0 is the anchor).
     target_ids: [B, N, K] integer; weight_mask: [B, N, K] floating.
     teacher_ids: [B, N, K] integer, the target model's argmax per row, or
-        None. The head returns no teacher argmax: a forward-only
-        `dflash_objective(teacher_hidden, ..., return_rows=True)` gives it
-        (`diagnostics.argmax`, -1 where unweighted) at one more projection.
+        None: the head's `diagnostics.teacher_argmax` from the same
+        `dflash_objective(..., teacher_hidden=..., return_rows=True)` call
+        (-1 where unweighted), no second projection.
     """
     greedy = _ids("greedy_ids", greedy_ids)
     targets = _ids("target_ids", target_ids)

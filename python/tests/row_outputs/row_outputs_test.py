@@ -2,7 +2,7 @@
 references written here with plain loops over materialised logits:
 domino's base argmax (and the accepted lengths SpecForge main's base head
 gets from it through accepted_prefix_lengths and
-walk_accepted_length_terms).
+walk_accepted_length_terms), and the teacher's argmax.
 """
 
 import unittest
@@ -116,6 +116,46 @@ class DominoBaseArgmaxTest(unittest.TestCase):
                                  positions)
         self.assertEqual((float(got[0]), float(got[1])), want)
         self.assertGreater(want[1], 0)
+
+
+class TeacherArgmaxTest(unittest.TestCase):
+    def test_teacher_argmax_of_the_materialised_teacher_logits(self):
+        hidden, weight, bias, _, _, ids, mask = batch(5)
+        teacher = torch.randn(B, N, K, H, dtype=torch.float64,
+                              generator=torch.Generator().manual_seed(6))
+        confidence = torch.randn(B, N, K,
+                                 generator=torch.Generator().manual_seed(7))
+        logits = teacher @ weight.T + bias
+        want = naive_argmax(lambda b, n, k: logits[b, n, k].tolist(), mask)
+        self.assertGreater(int((want >= 0).sum()), 0)
+        for name, kw in (
+                ("dflash diagnostics", {}),
+                ("dspark", dict(loss_type="dspark",
+                                confidence_logits=confidence)),
+                ("distillation", dict(
+                    config="loss { distillation { divergence: FORWARD_KL "
+                           "temperature: 2 } }")),
+                ("softcap", dict(
+                    config="head { logit_softcap: 3 } loss { dflash {} }"))):
+            for mode in ("fused", "checkpoint"):
+                with self.subTest(name=name, mode=mode):
+                    d = dflash_objective(
+                        hidden, weight, ids, mask, lm_head_bias=bias,
+                        teacher_hidden=teacher, return_rows=True,
+                        mode=mode, chunk_blocks=2, **kw).diagnostics
+                    self.assertEqual(d.teacher_argmax.dtype, torch.int64)
+                    self.assertEqual(d.teacher_argmax.tolist(),
+                                     want.tolist())
+
+    def test_without_a_teacher(self):
+        hidden, weight, bias, _, _, ids, mask = batch(8)
+        d = dflash_objective(hidden, weight, ids, mask, lm_head_bias=bias,
+                             return_rows=True).diagnostics
+        self.assertEqual(d.teacher_argmax.tolist(),
+                         torch.full((B, N, K), -1).tolist())
+        self.assertIsNone(dflash_objective(
+            hidden, weight, ids, mask,
+            lm_head_bias=bias).diagnostics.teacher_argmax)
 
 
 if __name__ == "__main__":

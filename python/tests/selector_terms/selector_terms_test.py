@@ -171,14 +171,12 @@ class GoldenTest(unittest.TestCase):
             self.assertLess(relative(getattr(position, field),
                                      g["metric_" + array]), tol, field)
         # The greedy path over slots 1..K-1 of the weighted blocks, and the
-        # target model's argmax from a forward-only call on its states.
+        # target model's argmax from the same head call.
         with torch.no_grad():
             greedy = selector.greedy_path(
                 ids[:, :, 1:].clamp(min=0), d.top_k_values[:, :, 1:],
                 hidden[:, :, 1:], target[:, :, 0])
-            teacher_ids = dflash_objective(
-                teacher, weight, target, mask, config=config,
-                return_rows=True).diagnostics.argmax
+        teacher_ids = d.teacher_argmax
         # Equal on the weighted slots (the head's ids are -1 on the others;
         # the goldens have no unweighted slot before a weighted one).
         slots = mask[..., 1:] > 0
