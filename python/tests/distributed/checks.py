@@ -23,6 +23,15 @@ from dflash.torch.distributed import MODES, GlobalNormalizer
 TOLERANCE = 1e-12
 
 
+def metric_ratio(num, den):
+    """A metric's value from its summed (numerator, denominator): 0 where
+    the denominator is."""
+    num = torch.as_tensor(num, dtype=torch.float64)
+    den = torch.as_tensor(den, dtype=torch.float64)
+    return torch.where(den != 0, num / den.clamp_min(1e-300),
+                       torch.zeros_like(num))
+
+
 def train_rank(rank, world, plans, grad_sync):
     """Each window of `plans` ([window][rank] = [(blocks, masked)] per
     micro-batch) in every mode: the gradients after synchronisation and
@@ -133,13 +142,10 @@ class NormalizerTestCase(unittest.TestCase):
                             self.assertLess(ranks.relative_error(
                                 p, want["grads"][name]), TOLERANCE, name)
                         for name, (num, den) in want["pairs"].items():
-                            num = torch.as_tensor(num, dtype=torch.float64)
-                            den = torch.as_tensor(den, dtype=torch.float64)
-                            ratio = torch.where(
-                                den != 0, num / den.clamp_min(1e-300),
-                                torch.zeros_like(num))
                             self.assertLess(ranks.relative_error(
-                                step["metrics"][name], ratio), TOLERANCE,
-                                name)
+                                step["metrics"][name],
+                                metric_ratio(num, den)), TOLERANCE, name)
                             self.assertLess(ranks.relative_error(
-                                step["sums"][name][1], den), TOLERANCE, name)
+                                step["sums"][name][1],
+                                torch.as_tensor(den, dtype=torch.float64)),
+                                TOLERANCE, name)
