@@ -143,14 +143,19 @@ CASES = {
 }
 
 
-def load_objective(path, module_names=MODULE_NAMES, method_names=METHODS,
-                   globals_=None):
-    """SpecForge's objective definitions from `path`, executed alone: a
-    class OnlineDFlashModel(nn.Module) holding `method_names`, and
+def parse(path):
+    """The syntax tree of the file at `path`; parsed once, every definition
+    taken from the file comes from it."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
+def load_objective(tree, path, module_names=MODULE_NAMES,
+                   method_names=METHODS, globals_=None):
+    """SpecForge's objective definitions from `tree` (parse(path)), executed
+    alone: a class OnlineDFlashModel(nn.Module) holding `method_names`, and
     `module_names`; `globals_` adds names they read (main's metric
     functions)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
     found, methods = {}, {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "OnlineDFlashModel":
@@ -231,10 +236,9 @@ ACCEPTANCE_CASES = {
 }
 
 
-def load_definitions(path, names):
-    """The module-level definitions `names` of `path`, executed alone."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
+def load_definitions(tree, path, names):
+    """The module-level definitions `names` of `tree` (parse(path)),
+    executed alone."""
     found = {node.name: node for node in tree.body
              if isinstance(node, (ast.ClassDef, ast.FunctionDef))
              and node.name in names}
@@ -626,7 +630,8 @@ def main():
                         "the acceptance cases too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model_class = load_objective(args.specforge_file)
+    tree = parse(args.specforge_file)
+    model_class = load_objective(tree, args.specforge_file)
     for name, case in CASES.items():
         loss_type, lk, alpha, kl_scale, kl_decay, ignored, _, loss = case
         write_case(
@@ -636,8 +641,9 @@ def main():
             f"{kl_scale}, kl_decay={kl_decay}); ignored targets: {ignored}",
             N, loss)
     if args.specforge_metrics_file:
-        walk = load_definitions(args.specforge_file, WALK_NAMES)
-        walk.update(load_definitions(args.specforge_metrics_file,
+        walk = load_definitions(tree, args.specforge_file, WALK_NAMES)
+        walk.update(load_definitions(parse(args.specforge_metrics_file),
+                                     args.specforge_metrics_file,
                                      PREFIX_NAMES))
         for name, case in ACCEPTANCE_CASES.items():
             write_case(
@@ -647,8 +653,8 @@ def main():
                 "walk/prefix accepted-length metrics (acceptance case)",
                 len(case[1][0]), "dflash {}")
         selector_class = load_objective(
-            args.specforge_file, SELECTOR_MODULE_NAMES, SELECTOR_METHODS,
-            globals_=walk)
+            tree, args.specforge_file, SELECTOR_MODULE_NAMES,
+            SELECTOR_METHODS, globals_=walk)
         for name, case in SELECTOR_CASES.items():
             write_case(
                 os.path.join(args.out, name),
