@@ -179,7 +179,8 @@ class GlobalNormalizer:
     the packed pairs per step() (and, at the first step and whenever the
     pairs change, one all-gather of each rank's layout, 2 values, which
     turns ranks that add different pairs into a ValueError on every rank
-    rather than a hang).
+    rather than a hang). step() reads the collectives' results back to the
+    host once each (one read of the device a step with the agreed layout).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
@@ -389,7 +390,9 @@ class GlobalNormalizer:
                             dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(self._world)]
         dist.all_gather(gathered, mine, group=self._group)
-        layouts = [(int(t[0].item()), int(t[1].item())) for t in gathered]
+        # One read of the device for every rank's pair.
+        layouts = [(int(s), int(h))
+                   for s, h in torch.stack(gathered).tolist()]
         if any(layout != layouts[0] for layout in layouts):
             ranks = "; ".join(
                 f"rank {rank}: {s} values (layout {h:08x})"
@@ -452,13 +455,14 @@ class GlobalNormalizer:
             else:
                 buffer[0] = 1.0
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
-            head = buffer[:3].tolist()
+            # The step's one read of the device: the check and the sums.
+            summed = buffer.cpu()
+            head = summed[:3].tolist()
             spread = (int(head[2]) * self._world != int(head[1]) ** 2)
             if head[0] == 0 and not spread:
                 break
             # Some rank's pairs changed: every rank saw it; agree again.
             self._agreed = None
-        summed = buffer.cpu()
         micro = int(round(float(summed[3])))
         objective = float(summed[4])
         sums: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
