@@ -68,7 +68,8 @@ void BM_ChunkLoss(benchmark::State& state, const std::string& loss_text) {
   std::uniform_real_distribution<float> uniform(-4, 4);
   for (T& x : logits) x = From<T>(uniform(rng));
   for (T& x : teacher) x = From<T>(uniform(rng));
-  std::vector<float> confidence(kRows, 0.5f), confidence_grad(kRows);
+  std::vector<ConfidenceOf<T>> confidence(kRows, 0.5f);
+  std::vector<double> confidence_grad(kRows);
   std::vector<RowMeta> rows(kRows);
   for (int64_t r = 0; r < kRows; ++r) {
     rows[r] = {static_cast<int32_t>(r * 997 % vocab),

@@ -109,7 +109,7 @@ absl::StatusOr<HeadJobResult> RunOnce(
                                ? config.head().vocab_size()
                                : 0);
   const bool confidence = NeedsConfidence(config);
-  std::vector<float> grad_confidence(confidence ? rows : 0);
+  std::vector<ConfidenceOf<T>> grad_confidence(confidence ? rows : 0);
   const int64_t rank = config.head().correction_rank();
   std::vector<T>& grad_z = Values<T>(job.grad_correction_inputs);
   std::vector<T>& grad_m = Values<T>(job.grad_correction_weight);

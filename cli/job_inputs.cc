@@ -218,10 +218,13 @@ absl::StatusOr<HeadBatch<T>> LoadInputsFrom(const std::string& dir,
     *out = std::move(values);
   }
   if (const InputSpec* spec = FindSpec(in, "confidence_logits.npy")) {
+    // In ConfidenceOf<T>: float64 for a FLOAT64 head, else float32.
     v1::ObjectiveConfig as_float = config;
-    as_float.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
-    DFLASH_ASSIGN_OR_RETURN(std::vector<float> values,
-                            ReadFloats<float>(dir, *spec, as_float));
+    if (!std::is_same_v<ConfidenceOf<T>, double>) {
+      as_float.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+    }
+    DFLASH_ASSIGN_OR_RETURN(std::vector<ConfidenceOf<T>> values,
+                            ReadFloats<ConfidenceOf<T>>(dir, *spec, as_float));
     batch.confidence_logits = std::move(values);
   }
   return batch;
@@ -254,7 +257,7 @@ absl::Status SaveInputs(const HeadBatch<T>& batch,
       {"teacher_hidden.npy",
        MakeNpy<T>(batch.teacher_hidden, {batch_size, n, k, h})},
       {"confidence_logits.npy",
-       MakeNpy<float>(batch.confidence_logits, {batch_size, n, k})},
+       MakeNpy<ConfidenceOf<T>>(batch.confidence_logits, {batch_size, n, k})},
       {"correction_inputs.npy",
        MakeNpy<T>(batch.correction_inputs,
                   {batch_size, n, k, config.head().correction_rank()})},

@@ -101,13 +101,15 @@ Outcome Run(const Problem& p) {
   std::vector<T> logits = FromDoubles<T>(p.logits);
   const std::vector<T> teacher = FromDoubles<T>(p.teacher);
   const size_t n = p.rows.size();
-  std::vector<float> confidence_grad(n), neg_log_q(n);
+  const std::vector<ConfidenceOf<T>> confidence(p.confidence.begin(),
+                                                p.confidence.end());
+  std::vector<double> confidence_grad(n), neg_log_q(n);
   std::vector<int32_t> argmax(n),
       top_k(p.k > 0 ? n * static_cast<size_t>(p.k) : 0);
   Outcome out;
   out.terms = ChunkLoss<T>(
       p.config, p.options,
-      {absl::MakeSpan(logits), teacher, p.confidence, p.rows, p.vocab},
+      {absl::MakeSpan(logits), teacher, confidence, p.rows, p.vocab},
       {absl::MakeSpan(confidence_grad), absl::MakeSpan(neg_log_q),
        absl::MakeSpan(argmax), absl::MakeSpan(top_k), p.k});
   out.grad = AsDoubles(logits);

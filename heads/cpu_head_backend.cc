@@ -146,17 +146,17 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(g.hidden.begin(), g.hidden.end(), T(0));
     std::fill(g.weight.begin(), g.weight.end(), T(0));
     std::fill(g.bias.begin(), g.bias.end(), T(0));
-    std::fill(g.confidence.begin(), g.confidence.end(), 0.0f);
+    std::fill(g.confidence.begin(), g.confidence.end(), 0);
     std::fill(g.correction_inputs.begin(), g.correction_inputs.end(), T(0));
     std::fill(g.correction_weight.begin(), g.correction_weight.end(), T(0));
     const HeadRowOutputs& o = *spec.row_outputs;
-    std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0f);
+    std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
     std::fill(o.base_argmax.begin(), o.base_argmax.end(), -1);
     std::fill(o.teacher_argmax.begin(), o.teacher_argmax.end(), -1);
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
     std::fill(o.top_k_values.begin(), o.top_k_values.end(), 0.0f);
-    std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0f);
+    std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0);
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
@@ -186,14 +186,14 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const HeadInputs<T>& in = *spec_.inputs;
     const int64_t vocab = config_.head().vocab_size();
     std::vector<RowMeta> meta(m);
-    std::vector<float> confidence(confidence_ ? m : 0);
+    std::vector<ConfidenceOf<T>> confidence(confidence_ ? m : 0);
     for (int64_t i = 0; i < m; ++i) {
       meta[i] = in.rows[rows[i]];
       if (confidence_) confidence[i] = in.confidence_logits[rows[i]];
     }
     // Per-row results of the chunk, scattered to the rows' positions after.
     const HeadRowOutputs& o = *spec_.row_outputs;
-    std::vector<float> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
+    std::vector<double> neg_log_q(record && !o.neg_log_q.empty() ? m : 0);
     std::vector<int32_t> argmax(
         record && (!o.argmax.empty() || !row_argmax_.empty()) ? m : 0);
     // -1 where the family has no base logits (all but domino).
@@ -206,8 +206,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<int32_t> top_k(record && !o.top_k.empty() ? m * o.k : 0);
     std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
                                                                       : 0);
-    std::vector<float> loss_weight(record && !o.loss_weight.empty() ? m : 0);
-    std::vector<float> confidence_grad(record && confidence_ ? m : 0);
+    std::vector<double> loss_weight(record && !o.loss_weight.empty() ? m : 0);
+    std::vector<double> confidence_grad(record && confidence_ ? m : 0);
     // A recomputation writes the same q and rank again.
     std::vector<double> q(m);
     std::vector<int32_t> rank(row_rank_.empty() ? 0 : m);
@@ -263,7 +263,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
       }
       if (!loss_weight.empty()) o.loss_weight[r] = loss_weight[i];
       if (!confidence_grad.empty()) {
-        spec_.gradients->confidence[r] = confidence_grad[i];
+        spec_.gradients->confidence[r] =
+            static_cast<ConfidenceOf<T>>(confidence_grad[i]);
       }
       row_q_[r] = q[i];
       if (!rank.empty()) row_rank_[r] = rank[i];
@@ -293,8 +294,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const int64_t hidden = config_.head().hidden_size();
     const double scale = upstream * finished.gradient_scale;
     const std::optional<double>& kl_weight = finished.lk_kl_weight;
-    const float confidence_scale =
-        static_cast<float>(upstream * finished.confidence_scale);
+    const auto confidence_scale = static_cast<ConfidenceOf<T>>(
+        upstream * finished.confidence_scale);
     for (int64_t r : spec_.active) {
       const T row_scale = static_cast<T>(
           kl_weight ? scale * LkDeferredFactor(*kl_weight, row_q_[r]) : scale);

@@ -143,7 +143,7 @@ TEST(CpuHeadTest, AForwardOnlyRunGivesTheTrainingRunsValues) {
       const bool confidence = !inputs.confidence_logits.empty();
       struct Run {
         absl::StatusOr<HeadResult> result;
-        std::vector<float> neg_log_q, loss_weight;
+        std::vector<double> neg_log_q, loss_weight;
         std::vector<int32_t> argmax;
       };
       auto run = [&](bool forward_only) {

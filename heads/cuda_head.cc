@@ -110,12 +110,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
                                    g.hidden.size() * sizeof(T)},
           {g.weight.data(), g.weight.size() * sizeof(T)},
           {g.bias.data(), g.bias.size() * sizeof(T)},
-          {g.confidence.data(), g.confidence.size() * sizeof(float)},
+          {g.confidence.data(),
+           g.confidence.size() * sizeof(ConfidenceOf<T>)},
           {g.correction_inputs.data(), g.correction_inputs.size() * sizeof(T)},
           {g.correction_weight.data(), g.correction_weight.size() * sizeof(T)},
-          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(float)},
+          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(double)},
           {o.top_k_values.data(), o.top_k_values.size() * sizeof(float)},
-          {o.loss_weight.data(), o.loss_weight.size() * sizeof(float)}}) {
+          {o.loss_weight.data(), o.loss_weight.size() * sizeof(double)}}) {
       DFLASH_RETURN_IF_ERROR(stream_.Zero(data, static_cast<int64_t>(bytes)));
     }
     cuda::LaunchFillInt32(o.argmax.data(), o.argmax.size(), -1,
@@ -130,6 +131,14 @@ class CudaHeadBackend final : public HeadBackend<T> {
                             TrackedBuffer<double>::Create(allocator(), rows));
     row_q_ = std::move(q);
     DFLASH_RETURN_IF_ERROR(stream_.Zero(row_q_.data(), row_q_.bytes()));
+    if (confidence_ && !g.confidence.empty()) {
+      // The loss writes it in double; ScaleGradients rounds it once.
+      DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> confidence,
+                              TrackedBuffer<double>::Create(allocator(), rows));
+      row_confidence_ = std::move(confidence);
+      DFLASH_RETURN_IF_ERROR(
+          stream_.Zero(row_confidence_.data(), row_confidence_.bytes()));
+    }
     if (ChunkLossOptionsOf(config_).metric_top_k > 0) {
       DFLASH_ASSIGN_OR_RETURN(
           TrackedBuffer<int32_t> rank,
@@ -200,8 +209,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
         /*rows_checked=*/true};
     // The confidence gradient only where the loss has one to write.
     const ChunkLossOutputs outputs{
-        confidence_ ? if_recorded(spec_.gradients->confidence)
-                    : absl::Span<float>(),
+        if_recorded(
+            absl::MakeSpan(row_confidence_.data(), row_confidence_.size())),
         if_recorded(o.neg_log_q),
         row_argmax_.size() > 0
             ? absl::MakeSpan(row_argmax_.data(), row_argmax_.size())
@@ -321,8 +330,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
       cuda::LaunchScale<T>(g.correction_weight.data(),
                            g.correction_weight.size(), scale, stream);
     }
-    cuda::LaunchScale<float>(g.confidence.data(), g.confidence.size(),
-                             upstream * finished.confidence_scale, stream);
+    cuda::LaunchScaleDoubleToFloat(row_confidence_.data(),
+                                   row_confidence_.size(),
+                                   upstream * finished.confidence_scale,
+                                   g.confidence.data(), stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
     return stream_.Synchronize();
   }
@@ -354,6 +365,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
   TrackedBuffer<double> row_teacher_;  // The teacher acceptance, when asked.
   // Domino: the final and the base logits' argmax (its greedy lengths).
   TrackedBuffer<int32_t> row_argmax_, row_base_argmax_;
+  // DSpark's confidence gradient by batch row, in double (the loss's), for
+  // ScaleGradients to round into gradients.confidence.
+  TrackedBuffer<double> row_confidence_;
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
 };

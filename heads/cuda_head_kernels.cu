@@ -247,6 +247,21 @@ void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
   (sum, count, static_cast<float>(scale), out);
 }
 
+__global__ void ScaleDoubleToFloatKernel(const double* values, int64_t count,
+                                         double scale, float* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = static_cast<float>(values[i] * scale);
+  }
+}
+
+void LaunchScaleDoubleToFloat(const double* values, int64_t count,
+                              double scale, float* out, CUstream_st* stream) {
+  if (count == 0) return;
+  DFLASH_LAUNCH(ScaleDoubleToFloatKernel, Blocks(count), kThreads, 0, stream)
+  (values, count, scale, out);
+}
+
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream) {
   if (count == 0) return;

@@ -63,6 +63,11 @@ template <typename T>
 void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
                           T* out, CUstream_st* stream);
 
+// out[i] = values[i] * scale rounded to float once, i < count: the
+// confidence gradient, written per row in double by the loss.
+void LaunchScaleDoubleToFloat(const double* values, int64_t count,
+                              double scale, float* out, CUstream_st* stream);
+
 // data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream);

@@ -179,7 +179,7 @@ class HeadRun {
   // What the backend writes to in a forward-only run: no gradient but the
   // confidence's, which the loss writes per row, into confidence_ws_.
   HeadGradients<T> no_gradients_;
-  TrackedBuffer<float> confidence_ws_;
+  TrackedBuffer<ConfidenceOf<T>> confidence_ws_;
 
   const std::atomic<bool>* interrupt_ = nullptr;  // From Run's options.
   std::unique_ptr<CheckpointContext> context_;
@@ -623,8 +623,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   if (forward_only_ && confidence_) {
     // The loss writes the confidence gradient of each row it records.
     DFLASH_ASSIGN_OR_RETURN(
-        TrackedBuffer<float> created,
-        TrackedBuffer<float>::Create(
+        TrackedBuffer<ConfidenceOf<T>> created,
+        TrackedBuffer<ConfidenceOf<T>>::Create(
             allocator_, static_cast<int64_t>(inputs_.rows.size())));
     confidence_ws_ = std::move(created);
     no_gradients_.confidence =

@@ -31,7 +31,9 @@ template <typename T>
 struct HeadInputs {
   absl::Span<const T> hidden;          // [rows, H] draft hidden states.
   absl::Span<const T> teacher_hidden;  // [rows, H]; dspark, distillation.
-  absl::Span<const float> confidence_logits;  // [rows]; dspark.
+  // [rows]; dspark. ConfidenceOf<T> (losses/chunk_loss.h): double beside
+  // double, else float.
+  absl::Span<const ConfidenceOf<T>> confidence_logits;
   absl::Span<const RowMeta> rows;
   absl::Span<const T> weight;  // [V, H]
   absl::Span<const T> bias;    // [V] when head.bias.
@@ -48,7 +50,8 @@ struct HeadGradients {
   absl::Span<T> hidden;          // [rows, H]; required.
   absl::Span<T> weight;          // [V, H] when head.trainable; overwritten.
   absl::Span<T> bias;            // [V] when trainable with a bias.
-  absl::Span<float> confidence;  // [rows] for dspark's confidence term.
+  // [rows] for dspark's confidence term, in ConfidenceOf<T>.
+  absl::Span<ConfidenceOf<T>> confidence;
   // With head.correction_rank: d/dz [rows, r] and d/dM [V, r] (overwritten;
   // summed over chunks in T, float or double on the CPU).
   absl::Span<T> correction_inputs;
@@ -56,9 +59,10 @@ struct HeadGradients {
 };
 
 // Optional per-row results at the rows' original positions (see
-// ChunkLossOutputs; rows without weight get 0 / -1).
+// ChunkLossOutputs; rows without weight get 0 / -1). neg_log_q and
+// loss_weight are double whatever T, as the loss computes them.
 struct HeadRowOutputs {
-  absl::Span<float> neg_log_q;
+  absl::Span<double> neg_log_q;
   absl::Span<int32_t> argmax;
   absl::Span<int32_t> top_k;  // [rows, k]
   int32_t k = 0;
@@ -66,7 +70,7 @@ struct HeadRowOutputs {
   // logits a DFlash2 candidate selector scores (gradients back through
   // AddTopKValueGradients, heads/top_k_gradient.h).
   absl::Span<float> top_k_values;
-  absl::Span<float> loss_weight;  // [rows]: w, SpecForge's loss_weights.
+  absl::Span<double> loss_weight;  // [rows]: w, SpecForge's loss_weights.
   // [rows], domino: the base logits' argmax (SpecForge main's base-head
   // greedy ids); -1 for the other families and rows without a mask.
   absl::Span<int32_t> base_argmax;

@@ -36,7 +36,7 @@ HeadInputs<T> HeadBatch<T>::Inputs(
           teacher ? absl::MakeConstSpan(teacher_hidden)
                   : absl::Span<const T>(),
           confidence ? absl::MakeConstSpan(confidence_logits)
-                     : absl::Span<const float>(),
+                     : absl::Span<const ConfidenceOf<T>>(),
           rows,
           weight,
           config.head().bias() ? absl::MakeConstSpan(bias)
@@ -126,7 +126,7 @@ absl::StatusOr<HeadBatch<T>> MakeSyntheticBatch(
     }
   }
   b.confidence_logits.resize(n);
-  for (float& x : b.confidence_logits) x = normal(rng);
+  for (auto& x : b.confidence_logits) x = normal(rng);
   if (const int64_t rank = config.head().correction_rank(); rank > 0) {
     b.correction_inputs.resize(n * rank);
     for (T& x : b.correction_inputs) x = static_cast<T>(normal(rng));

@@ -51,7 +51,7 @@ struct HeadBatch {
   Anchors anchors;
   std::vector<RowMeta> rows;
   std::vector<T> hidden, teacher_hidden, weight, bias;
-  std::vector<float> confidence_logits;
+  std::vector<ConfidenceOf<T>> confidence_logits;
   // With head.correction_rank r: z [rows, r] and M [V, r].
   std::vector<T> correction_inputs, correction_weight;
 

@@ -470,7 +470,7 @@ class DominoRow {
       outputs_.target_probability[r_] = q;
     }
     if (!outputs_.loss_weight.empty()) {
-      outputs_.loss_weight[r_] = static_cast<float>(weight_);
+      outputs_.loss_weight[r_] = weight_;
     }
   }
 
@@ -849,7 +849,7 @@ class ChunkPasses {
     void SetConfidenceGradient(double gradient) {
       if (c_.Pending(r_)) return;
       if (!c_.outputs_.confidence_grad.empty()) {
-        c_.outputs_.confidence_grad[r_] = static_cast<float>(gradient);
+        c_.outputs_.confidence_grad[r_] = gradient;
       }
     }
     void ConfidenceNotFinite(double c) {
@@ -1015,7 +1015,7 @@ class ChunkPasses {
     }
     Put(terms, r, kLossDen, w);
     if (!outputs_.loss_weight.empty()) {
-      outputs_.loss_weight[r] = static_cast<float>(w);
+      outputs_.loss_weight[r] = w;
     }
     source_.KeepTransformed(z);
     absl::Span<const W> t;

@@ -39,6 +39,21 @@ struct ChunkTerms {
   void Add(const ChunkTerms& other);
 };
 
+// The type of DSpark's confidence logits and of their gradient beside
+// logits of type T: double for double (the exact path: SpecForge's float64
+// run is matched to rounding), float for float and BFloat16 (the
+// confidence head's output in float, as SpecForge's `.float()` reads it).
+template <typename T>
+struct ConfidenceOfT {
+  using type = float;
+};
+template <>
+struct ConfidenceOfT<double> {
+  using type = double;
+};
+template <typename T>
+using ConfidenceOf = typename ConfidenceOfT<T>::type;
+
 // One chunk: `rows.size()` rows of `vocab` logits. T is float, double (the
 // exact reference path) or BFloat16 (computed in float, gradient rounded to
 // bfloat16 once).
@@ -51,7 +66,7 @@ struct ChunkLossInputs {
   // diagnostics.
   absl::Span<const T> teacher_logits;
   // [rows], dspark's confidence head output, when confidence_weight > 0.
-  absl::Span<const float> confidence_logits;
+  absl::Span<const ConfidenceOf<T>> confidence_logits;
   absl::Span<const RowMeta> rows;
   int64_t vocab = 0;
   // [rows x row stride] for a loss that reads the head's correction apart
@@ -72,11 +87,13 @@ struct ChunkLossInputs {
 };
 
 // Optional per-row results; leave a span empty to skip it. Rows without
-// weight get neg_log_q 0, argmax -1 and top-k -1.
+// weight get neg_log_q 0, argmax -1 and top-k -1. The per-row values are
+// double whatever T: the loss computes them in double, and a float64 run's
+// consumers (D-PACE's weights in a selector's loss) need them unrounded.
 struct ChunkLossOutputs {
   // [rows], d(loss_num)/d(confidence) for dspark's confidence term.
-  absl::Span<float> confidence_grad;
-  absl::Span<float> neg_log_q;        // [rows], of the loss's logits z'.
+  absl::Span<double> confidence_grad;
+  absl::Span<double> neg_log_q;       // [rows], of the loss's logits z'.
   absl::Span<int32_t> argmax;         // [rows]
   absl::Span<int32_t> top_k;          // [rows x k], largest first.
   int32_t k = 0;
@@ -92,7 +109,7 @@ struct ChunkLossOutputs {
   // where the row has no mask.
   absl::Span<float> top_k_values;
   // [rows], the row's loss weight w (D-PACE's block weight), 0 where none.
-  absl::Span<float> loss_weight;
+  absl::Span<double> loss_weight;
   // [rows], with the teacher diagnostics: clamp(1 - |p - t|_1 / 2, 0, 1),
   // 0 where the row has no mask.
   absl::Span<double> teacher_acceptance;

@@ -55,10 +55,9 @@ Problem MakeProblem(uint32_t seed, const ChunkLossOptions& options) {
   p.logits.resize(kRows * kV);
   for (double& x : p.logits) x = uniform(rng);
   for (double x : p.logits) p.teacher.push_back(x + noise(rng));
-  // Confidence logits travel as float; keep them float-representable.
-  for (int64_t r = 0; r < kRows; ++r) {
-    p.confidence.push_back(static_cast<float>(uniform(rng)));
-  }
+  // In double, as a float64 chunk takes them (ConfidenceOf<double>); the
+  // float and bfloat16 cases round them first.
+  for (int64_t r = 0; r < kRows; ++r) p.confidence.push_back(uniform(rng));
   return p;
 }
 
@@ -294,16 +293,15 @@ Reference Naive(const v1::LossConfig& c, const Problem& p,
 // Runs ChunkLoss<double> on a copy; `grad` receives d(loss_num)/d(logits).
 absl::StatusOr<ChunkTerms> RunDouble(const v1::LossConfig& c, const Problem& p,
                                      std::vector<double>& grad,
-                                     std::vector<float>& confidence_grad,
+                                     std::vector<double>& confidence_grad,
                                      const ChunkLossOutputs& extra = {}) {
   grad = p.logits;
   confidence_grad.assign(kRows, 0);
-  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
   ChunkLossOutputs outputs = extra;
   outputs.confidence_grad = absl::MakeSpan(confidence_grad);
   return ChunkLoss<double>(c, p.options,
-                           {absl::MakeSpan(grad), p.teacher, confidence, p.rows,
-                            kV},
+                           {absl::MakeSpan(grad), p.teacher, p.confidence,
+                            p.rows, kV},
                            outputs);
 }
 
@@ -429,7 +427,7 @@ TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
   const Problem p = problem(11);
   const Reference ref = Naive(config(), p);
   std::vector<double> grad;
-  std::vector<float> confidence_grad, neg_log_q(kRows);
+  std::vector<double> confidence_grad, neg_log_q(kRows);
   std::vector<int32_t> argmax(kRows);
   ChunkLossOutputs outputs;
   outputs.neg_log_q = absl::MakeSpan(neg_log_q);
@@ -446,7 +444,7 @@ TEST_P(LossCaseTest, MatchesNaiveFloat64ReferenceOnSpecForgeFixture) {
   EXPECT_NEAR(terms->tv_num, ref.tv_num, 1e-10);
   EXPECT_EQ(terms->correct_per_position, ref.correct_per_position);
   for (int64_t r = 0; r < kRows; ++r) {
-    EXPECT_NEAR(neg_log_q[r], ref.neg_log_q[r], 1e-6) << "row " << r;
+    EXPECT_NEAR(neg_log_q[r], ref.neg_log_q[r], 1e-12) << "row " << r;
     EXPECT_EQ(argmax[r], ref.argmax[r]) << "row " << r;
   }
 }
@@ -462,7 +460,7 @@ TEST_P(LossCaseTest, Float64MasksAreKeptExactly) {
   }
   const Reference ref = Naive(config(), p);
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto terms = RunDouble(config(), p, grad, confidence_grad);
   ASSERT_TRUE(terms.ok()) << terms.status();
   ASSERT_GT(ref.den, 0);
@@ -487,7 +485,7 @@ TEST_P(LossCaseTest, GradientMatchesFiniteDifferences) {
   const v1::LossConfig c = config();
   const Detached detached = Naive(c, p).detached;
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   ASSERT_TRUE(RunDouble(c, p, grad, confidence_grad).ok());
   const double h = 1e-6;
   for (int64_t i = 0; i < kRows * kV; ++i) {
@@ -506,8 +504,7 @@ TEST_P(LossCaseTest, GradientMatchesFiniteDifferences) {
     const double numeric =
         (Naive(c, plus, &detached).num - Naive(c, minus, &detached).num) /
         (2 * h);
-    // The confidence gradient is returned in float.
-    EXPECT_NEAR(confidence_grad[r], numeric, 1e-6) << "confidence " << r;
+    EXPECT_NEAR(confidence_grad[r], numeric, 1e-8) << "confidence " << r;
   }
   // Rows without weight get an exactly zero gradient.
   for (int64_t r = 0; r < kRows; ++r) {
@@ -525,7 +522,7 @@ TEST_P(LossCaseTest, Float32WithinOneInTenToTheFiveOfFloat64) {
   p.teacher.assign(teacher.begin(), teacher.end());
   p.confidence.assign(confidence.begin(), confidence.end());
   std::vector<double> grad64;
-  std::vector<float> confidence_grad64, confidence_grad32(kRows);
+  std::vector<double> confidence_grad64, confidence_grad32(kRows);
   auto t64 = RunDouble(config(), p, grad64, confidence_grad64);
   ChunkLossOutputs outputs;
   outputs.confidence_grad = absl::MakeSpan(confidence_grad32);
@@ -559,7 +556,7 @@ TEST_P(LossCaseTest, BFloat16WithinSpecForgeTolerances) {
   std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
   p.confidence.assign(confidence.begin(), confidence.end());
   std::vector<double> grad64;
-  std::vector<float> confidence_grad64, confidence_grad(kRows);
+  std::vector<double> confidence_grad64, confidence_grad(kRows);
   auto t64 = RunDouble(config(), p, grad64, confidence_grad64);
   ChunkLossOutputs outputs;
   outputs.confidence_grad = absl::MakeSpan(confidence_grad);
@@ -584,7 +581,7 @@ TEST_P(LossCaseTest, BFloat16WithinSpecForgeTolerances) {
 TEST_P(LossCaseTest, RowsGradientScaleIsTheFinishedOne) {
   const Problem p = problem(23);
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto terms = RunDouble(config(), p, grad, confidence_grad);
   ASSERT_TRUE(terms.ok()) << terms.status();
   const LossParams params = *ResolveLoss(config());
@@ -606,7 +603,7 @@ TEST(ChunkLossTest, RowsGradientScaleOfDPardCountsSequences) {
   const v1::LossConfig config =
       Parse("dspark { objective: DPARD ce_weight: 0 l1_weight: 0 }");
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto terms = RunDouble(config, p, grad, confidence_grad);
   ASSERT_TRUE(terms.ok()) << terms.status();
   const LossParams params = *ResolveLoss(config);
@@ -620,7 +617,7 @@ TEST(ChunkLossTest, RowsGradientScaleOfDPardCountsSequences) {
 TEST_P(LossCaseTest, PaddedRowsGiveTheSameResult) {
   const Problem p = problem(25);
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto want = RunDouble(config(), p, grad, confidence_grad);
   ASSERT_TRUE(want.ok()) << want.status();
   constexpr int64_t kStride = kV + 3;
@@ -632,11 +629,10 @@ TEST_P(LossCaseTest, PaddedRowsGiveTheSameResult) {
       teacher[r * kStride + v] = p.teacher[r * kV + v];
     }
   }
-  const std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
-  std::vector<float> padded_confidence_grad(kRows, 0);
+  std::vector<double> padded_confidence_grad(kRows, 0);
   ChunkLossOutputs outputs;
   outputs.confidence_grad = absl::MakeSpan(padded_confidence_grad);
-  ChunkLossInputs<double> inputs{absl::MakeSpan(logits), teacher, confidence,
+  ChunkLossInputs<double> inputs{absl::MakeSpan(logits), teacher, p.confidence,
                                  p.rows, kV};
   inputs.row_stride = kStride;
   auto got = ChunkLoss<double>(config(), p.options, inputs, outputs);
@@ -660,12 +656,11 @@ TEST_P(LossCaseTest, PaddedRowsGiveTheSameResult) {
 TEST_P(LossCaseTest, WholeBlockChunksSumToTheUnchunkedTerms) {
   const Problem p = problem(21);
   std::vector<double> whole_grad;
-  std::vector<float> whole_confidence_grad;
+  std::vector<double> whole_confidence_grad;
   auto all = RunDouble(config(), p, whole_grad, whole_confidence_grad);
   ASSERT_TRUE(all.ok());
   std::vector<double> grad = p.logits;
-  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
-  std::vector<float> confidence_grad(kRows);
+  std::vector<double> confidence_grad(kRows);
   ChunkTerms sum;
   for (int64_t block = 0; block < kRows / kK; ++block) {
     const int64_t row = block * kK;
@@ -675,7 +670,7 @@ TEST_P(LossCaseTest, WholeBlockChunksSumToTheUnchunkedTerms) {
         config(), p.options,
         {absl::MakeSpan(grad).subspan(row * kV, kK * kV),
          absl::MakeConstSpan(p.teacher).subspan(row * kV, kK * kV),
-         absl::MakeConstSpan(confidence).subspan(row, kK),
+         absl::MakeConstSpan(p.confidence).subspan(row, kK),
          absl::MakeConstSpan(p.rows).subspan(row, kK), kV},
         outputs);
     ASSERT_TRUE(part.ok());
@@ -694,7 +689,7 @@ TEST_P(LossCaseTest, AllMaskedGivesFiniteZero) {
   Problem p = problem(2);
   for (RowMeta& m : p.rows) m.mask = 0;
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto terms = RunDouble(config(), p, grad, confidence_grad);
   ASSERT_TRUE(terms.ok());
   EXPECT_EQ(terms->loss_num, 0.0);
@@ -818,8 +813,8 @@ TEST(ChunkLossTest, ExtremeLogitsAndLargeVocabularyStayExact) {
 
 absl::Status RunLoss(const std::string& loss, Problem p,
                      ChunkLossOutputs outputs = {}) {
-  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
-  std::vector<float> confidence_grad(kRows);
+  const std::vector<double>& confidence = p.confidence;
+  std::vector<double> confidence_grad(kRows);
   if (outputs.confidence_grad.empty() && loss.find("dspark") == 0) {
     outputs.confidence_grad = absl::MakeSpan(confidence_grad);
   }
@@ -898,7 +893,7 @@ TEST(ChunkLossTest, BadInputsAreClearErrors) {
 
 TEST(ChunkLossTest, BadRowStridesAreClearErrors) {
   Problem p = MakeProblem(1, {kK});
-  const std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  const std::vector<double>& confidence = p.confidence;
   ChunkLossInputs<double> inputs{absl::MakeSpan(p.logits), p.teacher,
                                  confidence, p.rows, kV};
   inputs.row_stride = kV - 1;
@@ -1160,9 +1155,9 @@ TEST(ChunkLossTest, ConfidenceGradientIsOptional) {
       Parse("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }");
   const Problem p = MakeProblem(17, {kK, 1, 0});
   std::vector<double> with_grad, without_grad = p.logits;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto with = RunDouble(c, p, with_grad, confidence_grad);
-  std::vector<float> confidence(p.confidence.begin(), p.confidence.end());
+  const std::vector<double>& confidence = p.confidence;
   auto without = ChunkLoss<double>(
       c, p.options,
       {absl::MakeSpan(without_grad), p.teacher, confidence, p.rows, kV});
@@ -1170,7 +1165,7 @@ TEST(ChunkLossTest, ConfidenceGradientIsOptional) {
   EXPECT_EQ(with->loss_num, without->loss_num);
   EXPECT_EQ(with_grad, without_grad);
   double norm = 0;
-  for (float g : confidence_grad) norm += std::abs(g);
+  for (double g : confidence_grad) norm += std::abs(g);
   EXPECT_GT(norm, 0);
 }
 
@@ -1197,7 +1192,7 @@ TEST(ChunkLossTest, AGradientThatOverflowsIsAnError) {
             std::string::npos)
       << f32;
   std::vector<double> grad;
-  std::vector<float> confidence_grad;
+  std::vector<double> confidence_grad;
   auto f64 = RunDouble(dpace, p, grad, confidence_grad);
   ASSERT_TRUE(f64.ok()) << f64.status();
   for (double g : grad) ASSERT_TRUE(std::isfinite(g));
@@ -1255,7 +1250,7 @@ TEST(ChunkLossTest, RowsCheckedSkipsOnlyThePerRowChecks) {
 TEST_P(LossCaseTest, RowsWithoutWeightCanBeLeftOut) {
   const Problem p = problem(17);
   std::vector<double> full_grad;
-  std::vector<float> full_confidence_grad;
+  std::vector<double> full_confidence_grad;
   auto full = RunDouble(config(), p, full_grad, full_confidence_grad);
   ASSERT_TRUE(full.ok());
   Problem kept = p;
@@ -1275,8 +1270,8 @@ TEST_P(LossCaseTest, RowsWithoutWeightCanBeLeftOut) {
                         p.teacher.begin() + (r + 1) * kV);
   }
   std::vector<double> grad = kept.logits;
-  std::vector<float> confidence(kept.confidence.begin(), kept.confidence.end());
-  std::vector<float> confidence_grad(kept.rows.size());
+  const std::vector<double>& confidence = kept.confidence;
+  std::vector<double> confidence_grad(kept.rows.size());
   ChunkLossOutputs outputs;
   outputs.confidence_grad = absl::MakeSpan(confidence_grad);
   auto compact = ChunkLoss<double>(
@@ -1371,7 +1366,7 @@ TEST(ChunkLossTest, SequenceBalancedDPaceMatchesTheNaiveReference) {
     EXPECT_EQ(p.rows[kN * kK].sequence_share, 1.0) << loss;
     const Reference ref = Naive(config, p);
     std::vector<double> grad;
-    std::vector<float> confidence_grad;
+    std::vector<double> confidence_grad;
     auto terms = RunDouble(config, p, grad, confidence_grad);
     ASSERT_TRUE(terms.ok()) << terms.status();
     EXPECT_NEAR(terms->loss_num, ref.num, 1e-12) << loss;

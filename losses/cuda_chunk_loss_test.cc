@@ -94,7 +94,7 @@ Problem MakeProblem(int64_t vocab, uint32_t seed) {
 struct Outcome {
   absl::StatusOr<ChunkTerms> terms;
   std::vector<double> grad;
-  std::vector<float> confidence_grad, neg_log_q;
+  std::vector<double> confidence_grad, neg_log_q;
   std::vector<int32_t> argmax, top_k;
   std::vector<double> target_probability;
 };
@@ -109,6 +109,8 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
   const std::vector<T> teacher = FromDoubles<T>(p.teacher);
   const bool confidence =
       config.has_dspark() && config.dspark().confidence_weight() > 0;
+  const std::vector<ConfidenceOf<T>> confidence_logits(p.confidence.begin(),
+                                                       p.confidence.end());
   Outcome out;
   out.confidence_grad.assign(confidence ? kRows : 0, 7);
   out.neg_log_q.assign(kRows, 7);
@@ -119,8 +121,8 @@ Outcome RunLoss(const v1::LossConfig& config, const ChunkLossOptions& options,
   const ChunkLossInputs<T> inputs{
       absl::MakeSpan(logits),
       needs_teacher ? absl::MakeConstSpan(teacher) : absl::Span<const T>(),
-      confidence ? absl::MakeConstSpan(p.confidence)
-                 : absl::Span<const float>(),
+      confidence ? absl::MakeConstSpan(confidence_logits)
+                 : absl::Span<const ConfidenceOf<T>>(),
       p.rows, p.vocab};
   const ChunkLossOutputs outputs{absl::MakeSpan(out.confidence_grad),
                                  absl::MakeSpan(out.neg_log_q),
@@ -451,7 +453,7 @@ Outcome RunOnDevice(const v1::LossConfig& config,
     return out;
   };
   auto logits = TrackedBuffer<T>::Create(gpu.allocator(), count + offset);
-  auto neg_log_q = TrackedBuffer<float>::Create(gpu.allocator(), out_size);
+  auto neg_log_q = TrackedBuffer<double>::Create(gpu.allocator(), out_size);
   auto argmax = TrackedBuffer<int32_t>::Create(gpu.allocator(), out_size);
   auto top_k =
       TrackedBuffer<int32_t>::Create(gpu.allocator(), out_size * kTopK);
@@ -621,7 +623,7 @@ TEST(CudaChunkLossLargeTest, ChunkBeyondTwoToThe31Logits) {
   static_assert(kLargeRows * kVocab > (int64_t{1} << 31), "past 2^31 logits");
   const int64_t count = kLargeRows * kVocab;
   auto logits = TrackedBuffer<float>::Create(gpu->allocator(), count);
-  auto neg_log_q = TrackedBuffer<float>::Create(gpu->allocator(), kLargeRows);
+  auto neg_log_q = TrackedBuffer<double>::Create(gpu->allocator(), kLargeRows);
   ASSERT_TRUE(logits.ok() && neg_log_q.ok());
   LaunchFillNormal<float>(logits->data(), count, 2.0f, 71, gpu->stream());
   ASSERT_TRUE(gpu->Synchronize().ok());
@@ -656,7 +658,7 @@ TEST(CudaChunkLossLargeTest, ChunkBeyondTwoToThe31Logits) {
   ASSERT_TRUE((*loss)->Run(inputs, outputs, nullptr, true).ok());
   const absl::StatusOr<ChunkTerms> terms = (*loss)->Terms();
   ASSERT_TRUE(terms.ok()) << terms.status();
-  std::vector<float> got_nlq(kLargeRows);
+  std::vector<double> got_nlq(kLargeRows);
   ASSERT_TRUE(
       gpu->CopyToHost(got_nlq.data(), neg_log_q->data(), neg_log_q->bytes())
           .ok());
@@ -670,7 +672,7 @@ TEST(CudaChunkLossLargeTest, ChunkBeyondTwoToThe31Logits) {
   // are its own (no block coupling in dflash).
   std::vector<RowMeta> cpu_rows;
   for (int64_t r : sampled) cpu_rows.push_back(rows[r]);
-  std::vector<float> cpu_nlq(n);
+  std::vector<double> cpu_nlq(n);
   const ChunkLossInputs<float> cpu_inputs{
       absl::MakeSpan(cpu_logits), {}, {}, cpu_rows, kVocab};
   const ChunkLossOutputs cpu_outputs{{}, absl::MakeSpan(cpu_nlq)};

@@ -577,7 +577,7 @@ class CudaRow {
   }
   __device__ __forceinline__ void SetConfidenceGradient(double g) const {
     if (threadIdx.x == 0 && a_.confidence_grad != nullptr) {
-      a_.confidence_grad[out_] = static_cast<float>(g);
+      a_.confidence_grad[out_] = g;
     }
   }
   __device__ __forceinline__ void ConfidenceNotFinite(double c) const {
@@ -706,12 +706,8 @@ __device__ __forceinline__ void RowMetrics(const ChunkArgs<T>& a,
   terms[kTeacherAgreement] = 0;
   for (int j = kL1Num; j < kTermSlots; ++j) terms[j] = 0;
   if (a.target_probability != nullptr) a.target_probability[out] = q;
-  if (a.loss_weight != nullptr) {
-    a.loss_weight[out] = static_cast<float>(row.weight());
-  }
-  if (a.neg_log_q != nullptr) {
-    a.neg_log_q[out] = static_cast<float>(row.neg_log_q());
-  }
+  if (a.loss_weight != nullptr) a.loss_weight[out] = row.weight();
+  if (a.neg_log_q != nullptr) a.neg_log_q[out] = row.neg_log_q();
   if (a.argmax != nullptr) a.argmax[out] = s.argmax;
   // StatsKernel analysed every row's teacher where this is asked for.
   if (a.teacher_argmax != nullptr) {
@@ -807,13 +803,9 @@ class CudaDominoRow {
   __device__ __forceinline__ void SetDominoOutputs(const DominoRowStats& s,
                                                    double q) const {
     if (threadIdx.x != 0) return;
-    if (a_.neg_log_q != nullptr) {
-      a_.neg_log_q[out_] = static_cast<float>(s.neg_log_q);
-    }
+    if (a_.neg_log_q != nullptr) a_.neg_log_q[out_] = s.neg_log_q;
     if (a_.target_probability != nullptr) a_.target_probability[out_] = q;
-    if (a_.loss_weight != nullptr) {
-      a_.loss_weight[out_] = static_cast<float>(meta_.weight);
-    }
+    if (a_.loss_weight != nullptr) a_.loss_weight[out_] = meta_.weight;
     if (a_.argmax != nullptr) a_.argmax[out_] = s.argmax;
     if (a_.base_argmax != nullptr) a_.base_argmax[out_] = s.base_argmax;
     if (a_.teacher_argmax != nullptr) a_.teacher_argmax[out_] = -1;

@@ -120,9 +120,11 @@ struct ChunkArgs {
   const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
   int32_t blocks = 0;
   const int64_t* out_rows = nullptr;
-  const float* confidence = nullptr;  // By out row, DSpark.
-  float* confidence_grad = nullptr;   // By out row.
-  float* neg_log_q = nullptr;         // By out row.
+  // By out row, DSpark: float, ConfidenceOf<T> for the float and BFloat16
+  // logits the CUDA loss runs.
+  const float* confidence = nullptr;
+  double* confidence_grad = nullptr;  // By out row.
+  double* neg_log_q = nullptr;        // By out row.
   int32_t* argmax = nullptr;          // By out row.
   int32_t* top_k = nullptr;           // [out row, k].
   int32_t k = 0;
@@ -131,7 +133,7 @@ struct ChunkArgs {
   int32_t metric_k = 0;
   int32_t* target_rank = nullptr;
   float* top_k_values = nullptr;  // [out row, k], beside top_k.
-  float* loss_weight = nullptr;   // By out row.
+  double* loss_weight = nullptr;  // By out row.
   // The teacher diagnostics (teacher logits for a loss that reads none):
   // each row's teacher acceptance, by out row.
   double* teacher_acceptance = nullptr;

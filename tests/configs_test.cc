@@ -56,14 +56,12 @@ TEST(ConfigsTest, EveryShippedConfigRunsAndMatchesTheReference) {
     const bool confidence = config.loss().has_dspark() &&
                             config.loss().dspark().confidence_weight() > 0;
     std::vector<double> grad_hidden(b.num_rows() * kH, 7), none;
-    std::vector<float> grad_confidence(confidence ? b.num_rows() : 0, 7);
-    std::vector<float> confidence_logits(b.confidence.begin(),
-                                         b.confidence.end());
+    std::vector<double> grad_confidence(confidence ? b.num_rows() : 0, 7);
     const HeadInputs<double> inputs{
         b.hidden,
         teacher ? absl::MakeConstSpan(b.teacher) : absl::Span<const double>(),
-        confidence ? absl::MakeConstSpan(confidence_logits)
-                   : absl::Span<const float>(),
+        confidence ? absl::MakeConstSpan(b.confidence)
+                   : absl::Span<const double>(),
         b.rows,
         b.weight,
         {}};

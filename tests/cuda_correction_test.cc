@@ -67,18 +67,16 @@ bool Confidence(const v1::ObjectiveConfig& config) {
 Result OnCpu(const v1::ObjectiveConfig& config, const Case& c) {
   const Batch& b = c.batch;
   const bool teacher = ProjectsTeacher(config);
-  const std::vector<float> confidence(b.confidence.begin(),
-                                      b.confidence.end());
   Result r;
   r.grad_hidden.assign(b.hidden.size(), 0);
   r.grad_z.assign(c.z.size(), 0);
   r.grad_m.assign(c.m.size(), 0);
-  std::vector<float> grad_confidence(Confidence(config) ? b.num_rows() : 0);
+  std::vector<double> grad_confidence(Confidence(config) ? b.num_rows() : 0);
   const HeadInputs<double> inputs{
       b.hidden,
       teacher ? absl::MakeConstSpan(b.teacher) : absl::Span<const double>(),
-      Confidence(config) ? absl::MakeConstSpan(confidence)
-                         : absl::Span<const float>(),
+      Confidence(config) ? absl::MakeConstSpan(b.confidence)
+                         : absl::Span<const double>(),
       b.rows,
       b.weight,
       b.bias,

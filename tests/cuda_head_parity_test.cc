@@ -95,8 +95,8 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
         Upload<T>(std::vector<double>(trainable && bias ? kV : 0, 7), stream);
     TrackedBuffer<float> grad_confidence =
         Upload<float>(std::vector<double>(conf ? n : 0, 7), stream);
-    TrackedBuffer<float> neg_log_q =
-        Upload<float>(std::vector<double>(n, 7), stream);
+    TrackedBuffer<double> neg_log_q =
+        Upload<double>(std::vector<double>(n, 7), stream);
     TrackedBuffer<int32_t> argmax =
         Upload<int32_t>(std::vector<int32_t>(n, 7), stream);
     TrackedBuffer<int32_t> top_k =
@@ -114,7 +114,7 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
     o.grad_hidden = AsDoubles(Download(grad_hidden, stream));
     o.grad_weight = AsDoubles(Download(grad_weight, stream));
     o.grad_bias = AsDoubles(Download(grad_bias, stream));
-    o.grad_confidence = Download(grad_confidence, stream);
+    o.grad_confidence = AsDoubles(Download(grad_confidence, stream));
     o.neg_log_q = Download(neg_log_q, stream);
     o.argmax = Download(argmax, stream);
     o.top_k = Download(top_k, stream);
@@ -216,7 +216,8 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
       const std::vector<float> bias(b.bias.begin(), b.bias.end());
       std::vector<float> grad_hidden(n * kH),
           grad_weight(trainable ? kV * kH : 0), grad_bias(trainable ? kV : 0),
-          values(n * kTopK), weights(n);
+          values(n * kTopK);
+      std::vector<double> weights(n);
       std::vector<int32_t> ids(n * kTopK);
       const HeadInputs<float> inputs{hidden, {}, {}, b.rows, weight, bias};
       const HeadGradients<float> gradients{absl::MakeSpan(grad_hidden),
@@ -248,8 +249,8 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
           Upload<int32_t>(std::vector<int32_t>(n * kTopK, 7), stream);
       TrackedBuffer<float> d_values =
           Upload<float>(std::vector<double>(n * kTopK, 7), stream);
-      TrackedBuffer<float> d_weights =
-          Upload<float>(std::vector<double>(n, 7), stream);
+      TrackedBuffer<double> d_weights =
+          Upload<double>(std::vector<double>(n, 7), stream);
       const HeadInputs<float> d_inputs{Span(d_hidden), {},          {}, b.rows,
                                        Span(d_weight), Span(d_bias)};
       const HeadGradients<float> d_gradients{
@@ -265,7 +266,7 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
       ASSERT_TRUE(gpu_run.ok()) << gpu_run.status();
       EXPECT_EQ(Download(d_ids, stream), ids);
       const std::vector<float> got_values = Download(d_values, stream);
-      const std::vector<float> got_weights = Download(d_weights, stream);
+      const std::vector<double> got_weights = Download(d_weights, stream);
       for (int64_t i = 0; i < n * kTopK; ++i) {
         EXPECT_NEAR(got_values[i], values[i], 1e-5 * (1 + std::abs(values[i])));
       }
@@ -532,8 +533,8 @@ TEST(CudaHeadLargeTest, MaterializeBeyondTwoToThe31Logits) {
   TrackedBuffer<float> d_weight = Upload<float>(weight, stream);
   TrackedBuffer<float> grad_hidden =
       Upload<float>(std::vector<double>(kRows * kHidden, 7), stream);
-  TrackedBuffer<float> neg_log_q =
-      Upload<float>(std::vector<double>(kRows, 7), stream);
+  TrackedBuffer<double> neg_log_q =
+      Upload<double>(std::vector<double>(kRows, 7), stream);
   TrackedBuffer<int32_t> argmax =
       Upload<int32_t>(std::vector<int32_t>(kRows, 7), stream);
   const HeadInputs<float> inputs{Span(d_hidden), {}, {}, rows,
@@ -545,7 +546,7 @@ TEST(CudaHeadLargeTest, MaterializeBeyondTwoToThe31Logits) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->loss_denominator, kRows);
   const std::vector<float> got_grad = Download(grad_hidden, stream);
-  const std::vector<float> got_nlq = Download(neg_log_q, stream);
+  const std::vector<double> got_nlq = Download(neg_log_q, stream);
   const std::vector<int32_t> got_argmax = Download(argmax, stream);
   const int64_t past = (int64_t{1} << 31) / kVocab;
   for (int64_t r :

@@ -119,19 +119,19 @@ HeadRunResult<T> RunHeadWith(const v1::ObjectiveConfig& config, const Batch& b,
   const std::vector<T> hidden = as(b.hidden), weight = as(b.weight),
                        bias = as(b.bias), teacher = as(b.teacher),
                        z = as(c.z), m = as(c.m);
-  const std::vector<float> confidence(b.confidence.begin(),
-                                      b.confidence.end());
+  const std::vector<ConfidenceOf<T>> confidence(b.confidence.begin(),
+                                                b.confidence.end());
   const LossTraits traits = LossTraitsOf(config.loss());
   std::vector<T> grad_hidden(hidden.size(), T(5)), grad_z(z.size(), T(5)),
       grad_m(m.size(), T(5));
-  std::vector<float> grad_confidence(traits.needs_confidence ? b.num_rows()
-                                                             : 0);
+  std::vector<ConfidenceOf<T>> grad_confidence(
+      traits.needs_confidence ? b.num_rows() : 0);
   const HeadInputs<T> inputs{
       hidden,
       traits.needs_teacher ? absl::MakeConstSpan(teacher)
                            : absl::Span<const T>(),
       traits.needs_confidence ? absl::MakeConstSpan(confidence)
-                              : absl::Span<const float>(),
+                              : absl::Span<const ConfidenceOf<T>>(),
       b.rows,
       weight,
       bias,
@@ -328,20 +328,18 @@ TEST(HeadCorrectionTest, TeacherArgmaxMatchesMaterialisedTeacherLogits) {
       if (*c.head != 0) builder.ExtraHead(c.head);
       const v1::ObjectiveConfig config = builder.Build();
       const bool teacher = ProjectsTeacher(config);
-      const std::vector<float> confidence(b.confidence.begin(),
-                                          b.confidence.end());
       const bool needs_confidence =
           LossTraitsOf(config.loss()).needs_confidence;
       const HeadInputs<double> inputs{
           b.hidden,
           teacher ? absl::MakeConstSpan(b.teacher) : absl::Span<const double>(),
-          needs_confidence ? absl::MakeConstSpan(confidence)
-                           : absl::Span<const float>(),
+          needs_confidence ? absl::MakeConstSpan(b.confidence)
+                           : absl::Span<const double>(),
           b.rows,
           b.weight,
           b.bias};
       std::vector<double> grad_hidden(b.hidden.size());
-      std::vector<float> grad_confidence(needs_confidence ? n : 0);
+      std::vector<double> grad_confidence(needs_confidence ? n : 0);
       HeadGradients<double> gradients;
       gradients.hidden = absl::MakeSpan(grad_hidden);
       gradients.confidence = absl::MakeSpan(grad_confidence);

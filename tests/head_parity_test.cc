@@ -23,7 +23,8 @@ template <typename T>
 struct HeadRunOutput {
   absl::StatusOr<HeadResult> result;
   std::vector<T> grad_hidden, grad_weight, grad_bias;
-  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<ConfidenceOf<T>> grad_confidence;
+  std::vector<double> neg_log_q;
   std::vector<int32_t> argmax;
 };
 
@@ -41,7 +42,8 @@ HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
   const std::vector<T> teacher(b.teacher.begin(), b.teacher.end());
   const std::vector<T> weight(b.weight.begin(), b.weight.end());
   const std::vector<T> bias_values(b.bias.begin(), b.bias.end());
-  const std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
+  const std::vector<ConfidenceOf<T>> confidence(b.confidence.begin(),
+                                                b.confidence.end());
   const int64_t n = b.num_rows();
   HeadRunOutput<T> run;
   run.grad_hidden.assign(n * kH, T(7));  // Must be overwritten.
@@ -57,7 +59,7 @@ HeadRunOutput<T> RunOn(const v1::ObjectiveConfig& config, const Batch& b,
                        teacher_loss ? absl::MakeConstSpan(teacher)
                                     : absl::Span<const T>(),
                        conf ? absl::MakeConstSpan(confidence)
-                            : absl::Span<const float>(),
+                            : absl::Span<const ConfidenceOf<T>>(),
                        b.rows,
                        weight,
                        bias ? absl::MakeConstSpan(bias_values)
@@ -127,7 +129,7 @@ TEST_P(HeadParityTest, EveryConfigurationMatchesTheReference) {
               *run.result,
               {run.grad_hidden, run.grad_weight, run.grad_bias,
                run.grad_confidence, run.neg_log_q, run.argmax, {}},
-              ref, b, trainable, 1e-10, 1e-6);
+              ref, b, trainable, 1e-10, 1e-10);
           EXPECT_EQ(allocator.current_bytes(), 0);
         }
       }
@@ -402,7 +404,7 @@ TEST(HeadTest, AnUnusedConfidenceGradientIsWholeOrAbsent) {
   const Batch b = MakeBatch(10);
   const v1::ObjectiveConfig config = ConfigBuilder().Bias(false).Build();
   std::vector<double> grad_hidden(b.num_rows() * kH), none;
-  std::vector<float> short_confidence(3);
+  std::vector<double> short_confidence(3);
   const HeadInputs<double> inputs{b.hidden, {}, {}, b.rows, b.weight, {}};
   TrackingAllocator allocator;
   EXPECT_EQ(RunHead<double>(config, inputs,
@@ -414,7 +416,7 @@ TEST(HeadTest, AnUnusedConfidenceGradientIsWholeOrAbsent) {
                 .message(),
             "gradients.confidence: must hold 24 values (none, or one per "
             "row), got 3");
-  std::vector<float> whole(b.num_rows(), 5);
+  std::vector<double> whole(b.num_rows(), 5);
   EXPECT_TRUE(RunHead<double>(config, inputs,
                               {absl::MakeSpan(grad_hidden),
                                absl::MakeSpan(none), absl::MakeSpan(none),

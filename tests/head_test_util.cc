@@ -67,7 +67,6 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
   const int64_t n = b.num_rows();
   std::vector<double> d = NaiveLogits(b.hidden, b, bias);
   const std::vector<double> t = NaiveLogits(b.teacher, b, bias);
-  std::vector<float> confidence(b.confidence.begin(), b.confidence.end());
   Reference ref;
   ref.grad_confidence.assign(n, 0);
   ref.neg_log_q.assign(n, 0);
@@ -81,7 +80,7 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
                            kTopK,
                            absl::MakeSpan(q)};
   auto terms = ChunkLoss<double>(config.loss(), ChunkLossOptionsOf(config),
-                                 {absl::MakeSpan(d), t, confidence, b.rows, kV},
+                                 {absl::MakeSpan(d), t, b.confidence, b.rows, kV},
                                  outputs);
   EXPECT_TRUE(terms.ok()) << terms.status();
   ref.terms = *terms;
@@ -105,7 +104,7 @@ Reference Naive(const v1::ObjectiveConfig& config, const Batch& b) {
         ref.grad_weight[v * kH + h] += g * b.hidden[r * kH + h];
       }
     }
-    ref.grad_confidence[r] = static_cast<float>(ref.grad_confidence[r] * s);
+    ref.grad_confidence[r] *= s;
   }
   return ref;
 }

@@ -40,7 +40,7 @@ struct Reference {
   double loss = 0;
   ChunkTerms terms;
   std::vector<double> grad_hidden, grad_weight, grad_bias;
-  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<double> grad_confidence, neg_log_q;
   std::vector<int32_t> argmax, top_k;  // top_k: kTopK per row.
 };
 
@@ -108,7 +108,7 @@ double RelativeError(const std::vector<T>& a, const std::vector<double>& b) {
 // What a head run left, copied to the host in float64.
 struct RunOutputs {
   std::vector<double> grad_hidden, grad_weight, grad_bias;
-  std::vector<float> grad_confidence, neg_log_q;
+  std::vector<double> grad_confidence, neg_log_q;
   std::vector<int32_t> argmax, top_k;  // top_k: kTopK per row, or none.
 };
 

@@ -113,7 +113,7 @@ std::vector<Golden> LoadAll() {
 struct CaseRun {
   HeadResult result;
   std::vector<double> grad_hidden, grad_z, grad_correction_weight;
-  std::vector<float> grad_confidence;
+  std::vector<double> grad_confidence;
 };
 
 template <typename T>
@@ -133,12 +133,14 @@ absl::StatusOr<CaseRun> RunGolden(const Golden& g,
   const std::vector<T> states = As<T>(g.hidden), weight = As<T>(g.weight),
                        teacher = As<T>(g.teacher_hidden), z = As<T>(g.z),
                        m = As<T>(g.correction_weight);
-  const std::vector<float> confidence(g.confidence.begin(),
-                                      g.confidence.end());
+  // ConfidenceOf<T>: the golden's float64 logits as they are for a float64
+  // head.
+  const std::vector<ConfidenceOf<T>> confidence =
+      As<ConfidenceOf<T>>(g.confidence);
   // Filled with a value the head must overwrite.
   std::vector<T> grad(n * hidden, T(7)), grad_z(n * rank, T(7)),
       grad_m(vocab * rank, T(7));
-  std::vector<float> grad_confidence(confidence.size(), 7.0f);
+  std::vector<ConfidenceOf<T>> grad_confidence(confidence.size(), 7);
   const HeadInputs<T> inputs{states, teacher,   confidence, *rows,
                              weight, {},        z,          m};
   const HeadGradients<T> gradients{absl::MakeSpan(grad),
@@ -156,7 +158,7 @@ absl::StatusOr<CaseRun> RunGolden(const Golden& g,
   run.grad_hidden.assign(grad.begin(), grad.end());
   run.grad_z.assign(grad_z.begin(), grad_z.end());
   run.grad_correction_weight.assign(grad_m.begin(), grad_m.end());
-  run.grad_confidence = grad_confidence;
+  run.grad_confidence.assign(grad_confidence.begin(), grad_confidence.end());
   return run;
 }
 
@@ -172,25 +174,18 @@ void ExpectGradient(const std::vector<double>& got,
 
 // SpecForge divides its accuracy in float32.
 constexpr double kFloat32Ratio = 1e-7;
-// The head takes confidence logits in float32 (HeadInputs), so a term
-// that reads them carries float32's rounding of the golden's float64
-// logits.
-constexpr double kFloat32Confidence = 2e-7;
-
 void CheckDSpark(const Golden& g, const CaseRun& run, double tol) {
   const HeadResult& r = run.result;
   const ChunkTerms& t = r.terms;
-  const double confidence_tol =
-      g.confidence.empty() ? tol : std::max(tol, kFloat32Confidence);
-  ExpectNear(r.loss, g.terms[kDSparkLoss], confidence_tol, "loss");
+  ExpectNear(r.loss, g.terms[kDSparkLoss], tol, "loss");
   ExpectNear(r.accuracy, g.terms[kDSparkAccuracy], kFloat32Ratio, "accuracy");
   ExpectNear(t.loss_den, g.terms[kLocalLossDen], tol, "local_loss_den");
   ExpectNear(t.ce_num, g.terms[kCeNum], tol, "ce_num");
   ExpectNear(t.l1_num, g.terms[kL1Num], tol, "l1_num");
-  ExpectNear(t.confidence_num, g.terms[kConfidenceNum], confidence_tol,
+  ExpectNear(t.confidence_num, g.terms[kConfidenceNum], tol,
              "confidence_num");
-  ExpectNear(t.confidence_error_num, g.terms[kConfidenceErrorNum],
-             confidence_tol, "confidence_error_num");
+  ExpectNear(t.confidence_error_num, g.terms[kConfidenceErrorNum], tol,
+             "confidence_error_num");
   ExpectNear(t.correct, g.terms[kCorrectNum], 0, "correct_num");
   ExpectNear(t.accuracy_den, g.terms[kEvalDen], 0, "eval_den");
   double agreement = 0;
@@ -291,10 +286,8 @@ TEST(SpecForgeCorrectionParityTest, EveryModeAndChunkMatchesSpecForge) {
           ExpectGradient(run->grad_correction_weight, g.grad_correction_weight,
                          tol, "d(loss)/dM");
           if (!g.grad_confidence.empty()) {
-            ExpectGradient(std::vector<double>(run->grad_confidence.begin(),
-                                               run->grad_confidence.end()),
-                           g.grad_confidence, 1e-6,
-                           "d(loss)/d(confidence logits), stored in float");
+            ExpectGradient(run->grad_confidence, g.grad_confidence, tol,
+                           "d(loss)/d(confidence logits)");
           }
         }
       }

@@ -630,6 +630,14 @@ def _plain_linear(module: object, bias: bool) -> bool:
             and _head_reason(module) is None)
 
 
+def _confidence_dtypes(hidden: torch.dtype) -> Tuple[torch.dtype, ...]:
+    """The confidence logits' dtypes the head takes beside hidden of
+    dtype `hidden`."""
+    if hidden == torch.float64:
+        return (torch.float32, torch.float64)
+    return (torch.float32,)
+
+
 def _upcast(dtype: torch.dtype) -> torch.dtype:
     """What SpecForge's `.float()` makes of a tensor of `dtype`."""
     return torch.empty((), dtype=dtype).float().dtype
@@ -812,14 +820,15 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
                 "confidence logits without target_last_hidden_states "
                 "(SpecForge raises)")
         if (not isinstance(confidence, torch.Tensor)
-                or confidence.dtype != torch.float32
+                or confidence.dtype not in _confidence_dtypes(hidden.dtype)
                 or confidence.shape != target_ids.shape
                 or confidence.device != hidden.device):
             return _Fallback(
                 "dspark:confidence",
-                "confidence logits that are not float32 [B, N, K] on "
-                "hidden's device (dflash's head takes float32 confidence "
-                "logits)")
+                "confidence logits that are not [B, N, K] on hidden's "
+                "device in float32 (or float64 beside float64 hidden: "
+                "dflash's head takes float32 confidence logits, float64 "
+                "ones in a float64 run)")
         confidence = confidence.contiguous()
     # The numerators SpecForge makes differentiable, in its order.
     parts = [("ce", ce_alpha)]

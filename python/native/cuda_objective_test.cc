@@ -292,9 +292,12 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
     t.teacher_hidden = place.Tensor("teacher_hidden", batch.teacher, dtype,
                                     states);
   }
+  // Confidence logits and their gradient, the top-k values and their
+  // gradient: float64 on the CPU in float64, else float32.
+  const std::string values = dtype == "float64" ? "float64" : "float32";
   if (family.confidence) {
     t.confidence_logits =
-        place.Tensor("confidence_logits", batch.confidence, "float32", rows);
+        place.Tensor("confidence_logits", batch.confidence, values, rows);
   }
   ObjectiveOutputs o;
   if (!forward_only) {
@@ -302,14 +305,11 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
     o.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
   }
   if (family.confidence && !forward_only) {
-    o.grad_confidence = place.Zeros("grad_confidence", "float32", rows);
+    o.grad_confidence = place.Zeros("grad_confidence", values, rows);
   }
-  o.neg_log_q = place.Zeros("neg_log_q", "float32", rows);
+  o.neg_log_q = place.Zeros("neg_log_q", "float64", rows);
   o.argmax = place.Zeros("argmax", "int32", rows);
   o.top_k = place.Zeros("top_k", "int32", ranked);
-  // The top-k values and their gradient: float64 on the CPU in float64,
-  // else float32.
-  const std::string values = dtype == "float64" ? "float64" : "float32";
   o.top_k_values = place.Zeros("top_k_values", values, ranked);
   ObjectiveOptions options;
   options.trainable = !forward_only;

@@ -147,7 +147,7 @@ HeadInputs<T> InputsOf(const ObjectiveTensors& t,
   HeadInputs<T> inputs;
   inputs.hidden = t.hidden.span<const T>();
   inputs.teacher_hidden = SpanOf<T>(t.teacher_hidden);
-  inputs.confidence_logits = SpanOf<float>(t.confidence_logits);
+  inputs.confidence_logits = SpanOf<ConfidenceOf<T>>(t.confidence_logits);
   inputs.rows = rows;
   inputs.weight = t.weight.span<const T>();
   inputs.bias = SpanOf<T>(t.bias);
@@ -164,7 +164,7 @@ HeadGradients<T> GradientsOf(const ObjectiveOutputs& o) {
   gradients.hidden = MutableSpanOf<T>(o.grad_hidden);
   gradients.weight = MutableSpanOf<T>(o.grad_weight);
   gradients.bias = MutableSpanOf<T>(o.grad_bias);
-  gradients.confidence = MutableSpanOf<float>(o.grad_confidence);
+  gradients.confidence = MutableSpanOf<ConfidenceOf<T>>(o.grad_confidence);
   return gradients;
 }
 
@@ -172,7 +172,7 @@ HeadGradients<T> GradientsOf(const ObjectiveOutputs& o) {
 // computes them afterwards (TopKValuesInFloat64).
 HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o, bool float64) {
   HeadRowOutputs row_outputs;
-  row_outputs.neg_log_q = MutableSpanOf<float>(o.neg_log_q);
+  row_outputs.neg_log_q = MutableSpanOf<double>(o.neg_log_q);
   row_outputs.argmax = MutableSpanOf<int32_t>(o.argmax);
   row_outputs.base_argmax = MutableSpanOf<int32_t>(o.base_argmax);
   row_outputs.teacher_argmax = MutableSpanOf<int32_t>(o.teacher_argmax);
@@ -180,7 +180,7 @@ HeadRowOutputs RowOutputsOf(const ObjectiveOutputs& o, bool float64) {
   row_outputs.k =
       o.top_k.has_value() ? static_cast<int32_t>(o.top_k->shape[3]) : 0;
   if (!float64) row_outputs.top_k_values = MutableSpanOf<float>(o.top_k_values);
-  row_outputs.loss_weight = MutableSpanOf<float>(o.loss_weight);
+  row_outputs.loss_weight = MutableSpanOf<double>(o.loss_weight);
   return row_outputs;
 }
 

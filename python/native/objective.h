@@ -31,9 +31,9 @@ struct ObjectiveTensors {
   TensorArg weight_mask;
   std::optional<TensorArg> bias;               // [V], like weight.
   std::optional<TensorArg> teacher_hidden;     // [B, N, K, H], like hidden.
-  // [B, N, K], contiguous: float32 whatever hidden's dtype (the loss reads
-  // confidence logits and writes their gradient in float32,
-  // ChunkLossInputs::confidence_logits).
+  // [B, N, K], contiguous: float64 for float64 hidden, else float32
+  // (ConfidenceOf, losses/chunk_loss.h: the loss reads confidence logits
+  // and their gradient is written in that dtype).
   std::optional<TensorArg> confidence_logits;
   // A low-rank logit correction z @ M^T: z [B, N, K, r] like hidden, M
   // [V, r] like the weight; both or neither.
@@ -49,8 +49,8 @@ struct ObjectiveTensors {
 struct ObjectiveOutputs {
   std::optional<TensorArg> grad_hidden;  // Like hidden.
   std::optional<TensorArg> grad_weight, grad_bias;
-  std::optional<TensorArg> grad_confidence;  // [B, N, K] float32.
-  std::optional<TensorArg> neg_log_q;        // [B, N, K] float32.
+  std::optional<TensorArg> grad_confidence;  // Like confidence_logits.
+  std::optional<TensorArg> neg_log_q;        // [B, N, K] float64.
   std::optional<TensorArg> argmax;           // [B, N, K] int32.
   // [B, N, K] int32: domino's base logits' argmax, -1 for other families.
   std::optional<TensorArg> base_argmax;
@@ -62,7 +62,7 @@ struct ObjectiveOutputs {
   // float32 values, so a float64 run computes them again in float64 at its
   // ids), else float32.
   std::optional<TensorArg> top_k_values;
-  std::optional<TensorArg> loss_weight;      // [B, N, K] float32.
+  std::optional<TensorArg> loss_weight;      // [B, N, K] float64.
   // With a correction: d/dz and d/dM, like z and M.
   std::optional<TensorArg> grad_correction_inputs, grad_correction_weight;
 };

@@ -22,6 +22,11 @@ string_view TopKValueDType(const TensorArg& hidden) {
   return hidden.dtype == "float64" ? "float64" : "float32";
 }
 
+// ConfidenceOf (losses/chunk_loss.h) of hidden's dtype.
+string_view ConfidenceDType(const TensorArg& hidden) {
+  return hidden.dtype == "float64" ? "float64" : "float32";
+}
+
 absl::Status CheckHidden(const TensorArg& hidden) {
   const bool cuda = hidden.on_cuda();
   if (!cuda && hidden.device != "cpu") {
@@ -130,13 +135,14 @@ absl::Status CheckTensors(const ObjectiveTensors& t) {
         CheckBeside(*t.teacher_hidden, t.hidden, s, "[B, N, K, H]"));
   }
   if (t.confidence_logits.has_value()) {
-    static constexpr string_view kFloat32[] = {"float32"};
+    const string_view dtype[] = {ConfidenceDType(t.hidden)};
     DFLASH_RETURN_IF_ERROR(ExpectDType(
-        *t.confidence_logits, kFloat32,
-        "the loss reads confidence logits in float32, whatever hidden's "
-        "dtype"));
+        *t.confidence_logits, dtype,
+        absl::StrCat("the loss reads confidence logits in float64 beside "
+                     "float64 hidden, else in float32; hidden is ",
+                     t.hidden.dtype)));
     DFLASH_RETURN_IF_ERROR(CheckBeside(*t.confidence_logits, t.hidden, bnk,
-                                       "[B, N, K]", "float32"));
+                                       "[B, N, K]", dtype[0]));
   }
   return CheckCorrection(t.correction_inputs, t.correction_weight, t.hidden,
                          w);
@@ -186,9 +192,9 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
   DFLASH_RETURN_IF_ERROR(CheckOutput(
       o.grad_confidence, grads && t.confidence_logits.has_value(),
       "grad_confidence", why("with confidence logits"), t.hidden, bnk,
-      "[B, N, K]", "float32"));
+      "[B, N, K]", ConfidenceDType(t.hidden)));
   for (const auto& [buffer, dtype] :
-       {std::pair{&o.neg_log_q, "float32"}, std::pair{&o.argmax, "int32"},
+       {std::pair{&o.neg_log_q, "float64"}, std::pair{&o.argmax, "int32"},
         std::pair{&o.base_argmax, "int32"},
         std::pair{&o.teacher_argmax, "int32"}}) {
     if (buffer->has_value()) {
@@ -212,7 +218,7 @@ absl::Status CheckOutputs(const ObjectiveOutputs& o, const ObjectiveTensors& t,
   }
   if (o.loss_weight.has_value()) {
     DFLASH_RETURN_IF_ERROR(
-        CheckBeside(*o.loss_weight, t.hidden, bnk, "[B, N, K]", "float32"));
+        CheckBeside(*o.loss_weight, t.hidden, bnk, "[B, N, K]", "float64"));
   }
   const bool correction = t.correction_inputs.has_value();
   DFLASH_RETURN_IF_ERROR(CheckOutput(

@@ -307,7 +307,8 @@ class BadInputsTest(unittest.TestCase):
         self.assertRaisesMessage(
             ValueError,
             "confidence_logits: must be float32 (the loss reads confidence "
-            "logits in float32, whatever hidden's dtype), got float64",
+            "logits in float64 beside float64 hidden, else in float32; "
+            "hidden is float32), got float64",
             loss_type="dspark", teacher_hidden=self.hidden,
             confidence_logits=torch.zeros(2, 3, 4, dtype=torch.float64))
 

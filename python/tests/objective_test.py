@@ -21,8 +21,10 @@ def run(f, data, mode="FUSED", dtype=torch.float64, trainable=False,
     weight = data["weight"].to(dtype).clone().requires_grad_(trainable)
     bias = (data["bias"].to(dtype).clone().requires_grad_(trainable)
             if use_bias else None)
-    confidence = (data["confidence"].clone().requires_grad_()
-                  if f.confidence else None)
+    # float64 beside float64 hidden (ConfidenceOf), else float32.
+    confidence = (data["confidence"].to(
+        torch.float64 if dtype == torch.float64 else torch.float32)
+                  .clone().requires_grad_() if f.confidence else None)
     teacher = data["teacher"].to(dtype) if f.teacher else None
     terms = dflash_objective(
         hidden, weight, data["target_ids"], data["weight_mask"],
@@ -72,10 +74,10 @@ class ObjectiveParityTest(unittest.TestCase):
             if want_leaf is None or not want_leaf.requires_grad:
                 continue
             # Relative to the gradient's scale, as float32 rounds it; the
-            # confidence gradient is float32 whatever hidden's dtype.
+            # confidence gradient is in the confidence logits' dtype.
+            self.assertEqual(leaf.grad.dtype, leaf.dtype, name)
             scale = want_leaf.grad.abs().max().clamp(min=1e-30)
-            self.assertClose(leaf.grad / scale, want_leaf.grad / scale,
-                             max(rtol, 1e-6) if name == "confidence" else rtol,
+            self.assertClose(leaf.grad / scale, want_leaf.grad / scale, rtol,
                              f"d(loss)/d({name})")
 
     def test_every_family_and_mode_in_float64(self):
@@ -85,6 +87,24 @@ class ObjectiveParityTest(unittest.TestCase):
                 with self.subTest(family=f.name, mode=mode):
                     self.check(f, data, mode, torch.float64, trainable=False,
                                use_bias=False, rtol=1e-10)
+
+    def test_float32_confidence_beside_float64_hidden(self):
+        # Upcast exactly: the float64 logits' terms, and their gradient
+        # back in float32 (the float64 one, rounded once).
+        data = reference.batch(seed=4)
+        f = next(f for f in reference.FAMILIES if f.confidence)
+        want, (_, _, _, c64) = run(f, data)
+        (want.loss_num / want.loss_den).backward()
+        c32 = data["confidence"].float().clone().requires_grad_()
+        got = dflash_objective(
+            data["hidden"].double(), data["weight"].double(),
+            data["target_ids"], data["weight_mask"],
+            config=f.config_text("FUSED", 2, 2),
+            teacher_hidden=data["teacher"].double(), confidence_logits=c32)
+        (got.loss_num / got.loss_den).backward()
+        self.assertEqual(float(got.loss_num), float(want.loss_num))
+        self.assertEqual(c32.grad.dtype, torch.float32)
+        self.assertTrue(torch.equal(c32.grad, c64.grad.float()))
 
     def test_every_family_and_mode_in_float32(self):
         data = reference.batch(seed=2)
@@ -294,8 +314,10 @@ class RowOutputsTest(unittest.TestCase):
         nll = torch.logsumexp(z, -1) - z.gather(
             -1, data["target_ids"].unsqueeze(-1)).squeeze(-1)
         weighted = data["weight_mask"] > 0
+        self.assertEqual(rows.neg_log_q.dtype, torch.float64)
         torch.testing.assert_close(rows.neg_log_q[weighted],
-                                   nll[weighted].float())
+                                   nll[weighted].double(), rtol=1e-12,
+                                   atol=1e-12)
         self.assertTrue(torch.equal(rows.argmax[weighted],
                                     z.argmax(-1)[weighted]))
         self.assertTrue(torch.equal(rows.top_k[weighted],

@@ -106,9 +106,10 @@ class SelectorInputsTest(unittest.TestCase):
                 self.assertTrue(torch.equal(
                     rows.target_candidate_index[mask],
                     matches.long().argmax(-1)[mask]))
-                # Row outputs are float32 (ChunkLossOutputs::loss_weight).
-                torch.testing.assert_close(rows.loss_weight.double(), w,
-                                           rtol=1e-6, atol=1e-7)
+                # float64 row outputs (ChunkLossOutputs::loss_weight).
+                self.assertEqual(rows.loss_weight.dtype, torch.float64)
+                torch.testing.assert_close(rows.loss_weight, w,
+                                           rtol=1e-12, atol=1e-12)
                 for name, got, want in zip(
                         ("hidden", "weight", "bias"), leaves, ref_leaves):
                     if want.grad is None:

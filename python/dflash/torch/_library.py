@@ -283,6 +283,13 @@ def top_k_value_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the head reads confidence logits and writes their
+    gradient in for hidden of `dtype`: float64 for float64 (exact), else
+    float32 (ConfidenceOf, losses/chunk_loss.h)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor],
                  confidence: Optional[torch.Tensor],
@@ -302,11 +309,12 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         ((), scalar, device)] * 4
     specs += [((k,), scalar, device)] * 2 + [((), scalar, device)] * 3
     specs += [
-        (rows if return_rows else none, torch.float32, device),
+        # neg_log_q and loss_weight in float64 whatever hidden's dtype.
+        (rows if return_rows else none, torch.float64, device),
         (rows if return_rows else none, torch.int64, device),
         (rows + (top_k,) if top_k else none, torch.int64, device),
         (rows + (top_k,) if top_k else none, hidden.dtype, device),
-        (rows if return_rows or top_k else none, torch.float32, device),
+        (rows if return_rows or top_k else none, torch.float64, device),
         (rows if return_rows else none, torch.int64, device),
         (rows if return_rows else none, torch.int64, device),
         ((info_size(k),), torch.float64, cpu),
@@ -319,7 +327,7 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         (bias.shape if train and bias is not None else none,
          weight.dtype if bias is None else bias.dtype, device),
         (rows if gradients and confidence is not None else none,
-         torch.float32, device),
+         confidence_dtype(hidden.dtype), device),
         (correction_inputs.shape
          if gradients and correction_inputs is not None else none,
          hidden.dtype if correction_inputs is None

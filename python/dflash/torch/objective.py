@@ -103,7 +103,8 @@ class ObjectiveDiagnostics:
             teacher_expected_accepted_length_num over block_den.
         family_terms: SpecForge's DSpark and Domino terms (FamilyTerms).
         stats: the head's run (HeadStats).
-        neg_log_q: [B, N, K] float32, with return_rows; else None.
+        neg_log_q: [B, N, K] float64 whatever hidden's dtype (the loss's
+            own double), with return_rows; else None.
         argmax: [B, N, K] int64, -1 where a row has no weight, with
             return_rows; else None.
         base_argmax: [B, N, K] int64, domino's base logits' argmax
@@ -131,9 +132,9 @@ class ObjectiveDiagnostics:
         target_is_candidate: [B, N, K] bool, whether the target is among
             top_k; target_candidate_index: [B, N, K] int64, where (0 if not).
             With top_k; else None.
-        loss_weight: [B, N, K] float32, each row's loss weight (SpecForge's
-            loss_weights, D-PACE's block weights), with return_rows or top_k;
-            else None.
+        loss_weight: [B, N, K] float64 whatever hidden's dtype, each row's
+            loss weight (SpecForge's loss_weights, D-PACE's block weights),
+            with return_rows or top_k; else None.
     """
 
     position_correct: torch.Tensor
@@ -368,7 +369,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "grad_weight": (weight.shape, weight.dtype) if trainable else None,
         "grad_bias": ((bias.shape, bias.dtype)
                       if trainable and bias is not None else None),
-        "grad_confidence": ((rows, torch.float32)
+        "grad_confidence": ((rows, _library.confidence_dtype(hidden.dtype))
                             if confidence is not None else None),
         "grad_correction_inputs": (
             (correction_inputs.shape, correction_inputs.dtype)
@@ -376,12 +377,12 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "grad_correction_weight": (
             (correction_weight.shape, correction_weight.dtype)
             if correction_weight is not None else None),
-        "neg_log_q": (rows, torch.float32) if return_rows else None,
+        "neg_log_q": (rows, torch.float64) if return_rows else None,
         "argmax": (rows, torch.int32) if return_rows else None,
         "top_k": (rows + (top_k,), torch.int32) if top_k else None,
         "top_k_values": ((rows + (top_k,), _library.top_k_value_dtype(
                              hidden.dtype)) if top_k else None),
-        "loss_weight": ((rows, torch.float32)
+        "loss_weight": ((rows, torch.float64)
                         if return_rows or top_k else None),
         "base_argmax": (rows, torch.int32) if return_rows else None,
         "teacher_argmax": (rows, torch.int32) if return_rows else None,
@@ -704,8 +705,10 @@ def dflash_objective(
     teacher_hidden: [B, N, K, H] (no gradient), for dspark and distillation;
         with another loss, for the teacher diagnostics (the target model's
         state that predicts each row's label).
-    confidence_logits: [B, N, K] float32 whatever hidden's dtype (the loss
-        reads them in float32), for dspark's confidence term.
+    confidence_logits: [B, N, K] for dspark's confidence term: float64 or
+        float32 with float64 hidden (float32 ones are upcast, exactly; the
+        loss reads them, and their gradient is made, in float64), float32
+        with float32 or bfloat16 hidden.
     correction_inputs, correction_weight: a trainable low-rank logit
         correction, logits = hidden @ W^T + z @ M^T, with z [B, N, K, r]
         (hidden's dtype and device; made by the caller's module, e.g.
@@ -883,6 +886,12 @@ def _checked_local(
             t if t is None or t.dtype == cast else t.to(cast)
             for t in (lm_head_bias, teacher_hidden, correction_inputs,
                       correction_weight)]
+    if (confidence_logits is not None and hidden.dtype == torch.float64
+            and confidence_logits.dtype == torch.float32):
+        # The float64 head reads float64 confidence logits; float32 ones
+        # are upcast exactly (differentiably: their gradient comes back in
+        # float32).
+        confidence_logits = confidence_logits.double()
     return _objective_terms(
         hidden, lm_head_weight, target_ids, weight_mask, config=config,
         overrides=overrides, lm_head_bias=lm_head_bias,

@@ -109,10 +109,9 @@ class GoldenTest(unittest.TestCase):
         main's selector terms, loss with selector_loss_alpha,
         d(loss)/d(hidden),
         the per-position selector metrics, the greedy path's terms and the
-        teacher terms. Within 1e-9 where the head's float32 loss_weight is
-        exact (0/0.5/1 masks, no decay); D-PACE's weights are float32 there,
-        so its selector terms are checked at float32's precision (1e-7).
-        The teacher and unary metrics within 1e-12."""
+        teacher terms, within 1e-9 (the head's loss_weight is float64, so
+        D-PACE's weights are exact too). The teacher and unary metrics
+        within 1e-12."""
         for name, directory, g in golden_cases():
             with self.subTest(case=name):
                 self.check_case(name, directory, g)
@@ -139,15 +138,15 @@ class GoldenTest(unittest.TestCase):
         self.assertLess(relative(
             d.top_k_values.detach()[weighted],
             g["selector_unary_logits"][weighted.numpy()]), 1e-12)
-        # Measured: 4e-16 (dflash), 1.3e-8 (D-PACE, float32 weights).
-        tol = 1e-9 if "dpace" not in name else 1e-7
+        tol = 1e-9
+        self.assertEqual(d.loss_weight.dtype, torch.float64)
         selector = StandIn(g["selector_embed"], g["selector_proj"])
         values, states = d.top_k_values, hidden
         if stop_gradient:
             values, states = values.detach(), states.detach()
         predecessor = torch.cat([target[..., :1], target[..., :-1]], dim=-1)
         logits = selector.score(ids.clamp(min=0), values, states, predecessor)
-        sel = selector_terms(logits, ids, target, d.loss_weight.double(), mask)
+        sel = selector_terms(logits, ids, target, d.loss_weight, mask)
         for field, want in zip(SELECTOR_FIELDS, g["selector_terms"]):
             self.assertLess(relative(getattr(sel, field).detach(), want), tol,
                             field)
@@ -161,7 +160,7 @@ class GoldenTest(unittest.TestCase):
 
         # The metric pass: main's per-position selector terms.
         position = selector_position_terms(
-            logits.detach(), ids, target, d.loss_weight.double(), mask)
+            logits.detach(), ids, target, d.loss_weight, mask)
         self.assertIsInstance(position, SelectorPositionTerms)
         for field, array in (("ce_num", "selector_ce_num"),
                              ("weight_den", "selector_weight_den"),

@@ -826,9 +826,10 @@ class DSparkTest(FamilyCase):
 
     def test_float64_exact_with_float64_upcasts(self):
         # SpecForge's float32 upcasts kept in float64: every term and
-        # gradient within 1e-9 (confidence logits stay out: the head takes
-        # float32 ones). One chunk: SpecForge's checkpoint would recompute
-        # it in backward, outside float64_upcasts.
+        # gradient within 1e-9, the confidence head's too (the float64 head
+        # takes float64 confidence logits). One chunk: SpecForge's
+        # checkpoint would recompute it in backward, outside
+        # float64_upcasts.
         for markov in ("vanilla", "gated", "rnn", None):
             for alphas in ((0.1, 0.9, 0.0), (0.0, 1.0, 0.0)):
                 self.compare_family(
@@ -836,6 +837,14 @@ class DSparkTest(FamilyCase):
                     make_dspark(lambda: dspark_draft(markov,
                                                      confidence=False),
                                 alphas=alphas, chunk=0),
+                    forward_kwargs={"target_last_hidden_states": True},
+                    upcasts=True)
+        for markov in ("vanilla", "gated", "rnn", None):
+            for alphas in ((0.1, 0.9, 1.0), (0.3, 0.5, 0.7), (0.0, 0.0, 1.0)):
+                self.compare_family(
+                    f"dspark {markov} {alphas} float64 confidence",
+                    make_dspark(lambda: dspark_draft(markov), alphas=alphas,
+                                chunk=0),
                     forward_kwargs={"target_last_hidden_states": True},
                     upcasts=True)
         self.compare_family(
