@@ -543,6 +543,8 @@ enum HandshakeField {
   kForwardOnly,
   kSize
 };
+// Handshake-shaped, as a process that failed before it sends its error.
+static_assert(kSize == kHandshakeSize);
 
 // FNV-1a over bytes: the same on every process of a group (unlike
 // absl::Hash, seeded per process).
@@ -805,30 +807,24 @@ absl::Status CheckHeadTarget(const v1::HeadConfig& head,
   return absl::OkStatus();
 }
 
+namespace {
+
+// RunHeadOn's checks and run; vocab-parallel, the run's handshake first.
 template <typename T>
-absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
-                                     const HeadInputs<T>& inputs,
-                                     const HeadGradients<T>& gradients,
-                                     HeadBackend<T>& backend,
-                                     const HeadRowOutputs& row_outputs,
-                                     const HeadOptions& options) {
+absl::StatusOr<HeadResult> RunHeadOnce(const v1::ObjectiveConfig& config,
+                                       const HeadInputs<T>& inputs,
+                                       const HeadGradients<T>& gradients,
+                                       HeadBackend<T>& backend,
+                                       const HeadRowOutputs& row_outputs,
+                                       const HeadOptions& options) {
   const VocabShard* shard = options.vocab_shard;
-  absl::Status valid = ValidateObjectiveConfig(config);
-  if (valid.ok() && !std::isfinite(options.upstream_gradient)) {
-    valid = absl::InvalidArgumentError(
+  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
+  if (!std::isfinite(options.upstream_gradient)) {
+    return absl::InvalidArgumentError(
         absl::StrCat("options.upstream_gradient: must be finite, got ",
                      options.upstream_gradient));
   }
-  if (valid.ok() && shard != nullptr) valid = CheckVocabShard(config, *shard);
-  if (!valid.ok()) {
-    // The others are waiting for this process's record: send the error.
-    if (shard != nullptr && shard->exchange != nullptr) {
-      std::vector<double> record(kSize), gathered;
-      GatherRecords(*shard->exchange, valid, absl::MakeSpan(record), gathered)
-          .IgnoreError();
-    }
-    return valid;
-  }
+  if (shard != nullptr) DFLASH_RETURN_IF_ERROR(CheckVocabShard(config, *shard));
   HeadRun<T> run(config, inputs, gradients, row_outputs, backend,
                  options.forward_only, shard);
   if (shard != nullptr) {
@@ -837,6 +833,32 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
     DFLASH_RETURN_IF_ERROR(run.Validate());
   }
   return run.Run(options);
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
+                                     const HeadInputs<T>& inputs,
+                                     const HeadGradients<T>& gradients,
+                                     HeadBackend<T>& backend,
+                                     const HeadRowOutputs& row_outputs,
+                                     const HeadOptions& options) {
+  const VocabShard* shard = options.vocab_shard;
+  if (shard == nullptr || shard->exchange == nullptr) {
+    return RunHeadOnce(config, inputs, gradients, backend, row_outputs,
+                       options);
+  }
+  // Vocab-parallel: whatever fails on this process, and wherever, every
+  // process stops together (RunExchange::Finish; docs/scaling.md).
+  RunExchange exchange(*shard->exchange);
+  const VocabShard run_shard{shard->offset, shard->vocab, &exchange};
+  HeadOptions run_options = options;
+  run_options.vocab_shard = &run_shard;
+  absl::StatusOr<HeadResult> result = RunHeadOnce(
+      config, inputs, gradients, backend, row_outputs, run_options);
+  DFLASH_RETURN_IF_ERROR(exchange.Finish(result.status()));
+  return result;
 }
 
 #define DFLASH_INSTANTIATE_RUN_HEAD(T)                                 \

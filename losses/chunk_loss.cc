@@ -1676,7 +1676,10 @@ absl::Status ShardHandshake(const ChunkLossOptions& options,
     kTeacher,
     kSize
   };
-  std::vector<double> record(kSize), gathered;
+  // Handshake-shaped (kHandshakeSize), as a process that failed before
+  // this chunk sends its error.
+  static_assert(kSize <= kHandshakeSize);
+  std::vector<double> record(kHandshakeSize), gathered;
   record[kOffset] = static_cast<double>(shard.offset);
   record[kWidth] = static_cast<double>(width);
   record[kVocab] = static_cast<double>(shard.vocab);
@@ -1690,8 +1693,8 @@ absl::Status ShardHandshake(const ChunkLossOptions& options,
                                 {kK, "outputs.k (0: no top_k)"},
                                 {kMetricK, "options.metric_top_k"},
                                 {kTeacher, "whether teacher logits are given"}};
-  absl::Status tiles =
-      CheckShardRecords(gathered, kSize, kOffset, kWidth, kVocab, agreed);
+  absl::Status tiles = CheckShardRecords(gathered, kHandshakeSize, kOffset,
+                                         kWidth, kVocab, agreed);
   if (tiles.ok()) return tiles;
   return absl::InvalidArgumentError(
       absl::StrCat("chunk loss: ", tiles.message()));

@@ -8,35 +8,80 @@
 
 namespace dflash {
 
+void SetRecordHead(const absl::Status& error, absl::Span<double> record) {
+  record[0] = static_cast<double>(error.code());
+  record[1] = -1;
+  if (std::optional<RowErrorInfo> row = GetRowError(error)) {
+    record[1] = static_cast<double>(row->row);
+  }
+}
+
 absl::Status GatherRecords(VocabExchange& exchange,
                            const absl::Status& local_error,
                            absl::Span<double> record,
                            std::vector<double>& gathered) {
-  record[0] = static_cast<double>(local_error.code());
-  record[1] = -1;
-  if (std::optional<RowErrorInfo> row = GetRowError(local_error)) {
-    record[1] = static_cast<double>(row->row);
-  }
+  SetRecordHead(local_error, record);
   const int size = exchange.size();
   gathered.resize(record.size() * size);
-  DFLASH_RETURN_IF_ERROR(
-      exchange.AllGather(record, absl::MakeSpan(gathered)));
+  if (absl::Status sent = exchange.AllGather(record, absl::MakeSpan(gathered));
+      !sent.ok()) {
+    // This record did not go: the others wait for it in this gather.
+    const absl::Status first = local_error.ok() ? sent : local_error;
+    SetRecordHead(first, record);
+    exchange.AllGather(record, absl::MakeSpan(gathered)).IgnoreError();
+    return first;
+  }
   for (int q = 0; q < size; ++q) {
     const double* at = gathered.data() + q * record.size();
     if (at[0] == 0) continue;
     if (!local_error.ok()) return local_error;
-    const auto code = static_cast<absl::StatusCode>(static_cast<int>(at[0]));
+    auto code = static_cast<absl::StatusCode>(static_cast<int>(at[0]));
     if (at[1] >= 0 && code == absl::StatusCode::kInvalidArgument) {
       return RowError(static_cast<int64_t>(at[1]),
                       absl::StrCat("vocab_shard: process ", q, " of ", size,
                                    " failed on this row (its own error says "
                                    "why)"));
     }
+    const std::string what = absl::StatusCodeToString(code);
+    if (code == absl::StatusCode::kCancelled) {
+      code = absl::StatusCode::kAborted;
+    }
     return absl::Status(
         code, absl::StrCat("vocab_shard: process ", q, " of ", size,
-                           " failed (its own error says why)"));
+                           " failed: ", what, " (its own error says why)"));
   }
   return absl::OkStatus();
+}
+
+absl::Status SendError(VocabExchange& exchange, const absl::Status& error) {
+  std::vector<double> record(kHandshakeSize), gathered;
+  GatherRecords(exchange, error, absl::MakeSpan(record), gathered)
+      .IgnoreError();
+  return error;
+}
+
+absl::Status RunExchange::AllGather(absl::Span<const double> local,
+                                    absl::Span<double> out) {
+  ++gathers_;
+  absl::Status sent = inner_.AllGather(local, out);
+  if (!sent.ok()) {
+    // GatherRecords sends the record once more: the group stops there.
+    stopped_ = true;
+    return sent;
+  }
+  for (size_t at = 0; at < out.size(); at += local.size()) {
+    if (out[at] != 0) stopped_ = true;  // Every process's GatherRecords fails.
+  }
+  return sent;
+}
+
+absl::Status RunExchange::Finish(const absl::Status& run) {
+  if (!run.ok()) {
+    if (!stopped_) SendError(*this, run).IgnoreError();
+    return run;
+  }
+  std::vector<double> record(kHandshakeSize), gathered;
+  return GatherRecords(*this, run, absl::MakeSpan(record), gathered);
 }
 
 absl::Status CheckShardRecords(absl::Span<const double> gathered,

@@ -30,7 +30,11 @@ class VocabExchange {
 
   // out[q * local.size() + i] = process q's local[i], for every process q
   // of the group in rank order (out.size() == size() * local.size()).
-  // An error (the transport's) is returned by every process that sees it.
+  // An error means this process's record did not go: the others may still
+  // wait in this gather, and GatherRecords sends it once more, with the
+  // error, to release them. An exchange that fails after its record went
+  // (a KeyboardInterrupt as the transport returns) returns OK and sends
+  // its error in the head of its next record instead (the binding's does).
   virtual absl::Status AllGather(absl::Span<const double> local,
                                  absl::Span<double> out) = 0;
 };
@@ -47,18 +51,64 @@ struct VocabShard {
 // status code and the row its error names (-1: none).
 inline constexpr int kRecordHead = 2;
 
+// Writes `error`'s code and row into `record`'s head (kRecordHead values).
+void SetRecordHead(const absl::Status& error, absl::Span<double> record);
+
+// The size of every record of a vocab-parallel run that is not a chunk's
+// row data: the run's handshake, each chunk's handshake, the run's closing
+// gather, and an error sent in their place (SendError). A process that
+// fails outside the loss's gathers is always next due at one of these
+// (docs/scaling.md, "Stopping together"), so it can answer the others
+// without knowing which.
+inline constexpr int kHandshakeSize = 12;
+
 // One AllGather of every process's `record` (its first kRecordHead values
 // set here from `local_error`), then the group's first error: `local_error`
 // where this process failed, else one naming the first process that did
 // (a RowError with that process's row where its error had one). An error
 // the loss finds on one process thus reaches every process at the same
-// gather. A failing AllGather returns at once: a transport that fails on
-// some processes only leaves the others to the transport's own timeout.
-// `gathered` gets size() * record.size().
+// gather (another process's error keeps its code, but CANCELLED, which is
+// ABORTED there: that process was interrupted, not this one). A failing
+// AllGather is sent once more with its error (see AllGather) and returned;
+// a transport that fails on some processes after delivering leaves the
+// others to the transport's own timeout. `gathered` gets size() *
+// record.size().
 absl::Status GatherRecords(VocabExchange& exchange,
                            const absl::Status& local_error,
                            absl::Span<double> record,
                            std::vector<double>& gathered);
+
+// Sends `error` (not OK) in a handshake-shaped record (kHandshakeSize) and
+// returns it: the others, due at a handshake or closing gather, fail there
+// naming this process.
+absl::Status SendError(VocabExchange& exchange, const absl::Status& error);
+
+// One vocab-parallel run's exchange (RunHeadOn's, the binding's): forwards
+// to the caller's and notes whether the group has stopped, i.e. a gather
+// failed or carried some process's error, where every process's
+// GatherRecords fails alike. Finish then ends the run on every process
+// together.
+class RunExchange final : public VocabExchange {
+ public:
+  explicit RunExchange(VocabExchange& inner) : inner_(inner) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  absl::Status AllGather(absl::Span<const double> local,
+                         absl::Span<double> out) override;
+
+  // The gathers made so far.
+  int64_t gathers() const { return gathers_; }
+  // The run's end: its error, sent (SendError) unless the group already
+  // stopped at a gather; or the closing gather (every process's OK), so
+  // that no process leaves a run another one failed.
+  absl::Status Finish(const absl::Status& run);
+
+ private:
+  VocabExchange& inner_;
+  int64_t gathers_ = 0;
+  bool stopped_ = false;
+};
 
 // A record's field that every process must give alike: its index in the
 // record and what it is (named in the error).

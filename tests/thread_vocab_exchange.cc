@@ -31,7 +31,8 @@ ThreadGroup::ThreadGroup(int size, std::chrono::milliseconds timeout)
       timeout_(timeout),
       data_(size),
       calls_(size, 0),
-      bytes_(size, 0) {
+      bytes_(size, 0),
+      fail_(size, 0) {
   for (int q = 0; q < size; ++q) {
     exchanges_.push_back(std::make_unique<RankExchange>(*this, q));
   }
@@ -42,6 +43,11 @@ absl::Status ThreadGroup::AllGather(int rank, absl::Span<const double> local,
   std::unique_lock<std::mutex> lock(mu_);
   ++calls_[rank];
   bytes_[rank] += static_cast<int64_t>(local.size() * sizeof(double));
+  if (calls_[rank] == fail_[rank]) {
+    return absl::UnavailableError(
+        absl::StrCat("AllGather: call ", calls_[rank], " of rank ", rank,
+                     " fails (injected)"));
+  }
   // The previous call's readers leave before this one's writers arrive.
   if (!cv_.wait_for(lock, timeout_, [&] { return departing_ == 0; })) {
     return absl::DeadlineExceededError("AllGather: the previous call hangs");

@@ -34,6 +34,10 @@ class ThreadGroup {
   int64_t calls(int rank) const { return calls_[rank]; }
   int64_t bytes(int rank) const { return bytes_[rank]; }
 
+  // Rank `rank`'s AllGather number `call` (from 1) fails without sending,
+  // as a transport or callback error on that process alone would.
+  void FailCall(int rank, int64_t call) { fail_[rank] = call; }
+
   absl::Status AllGather(int rank, absl::Span<const double> local,
                          absl::Span<double> out);
 
@@ -45,7 +49,7 @@ class ThreadGroup {
   int arrived_ = 0, departing_ = 0;
   int64_t generation_ = 0;
   std::vector<std::vector<double>> data_;
-  std::vector<int64_t> calls_, bytes_;
+  std::vector<int64_t> calls_, bytes_, fail_;
   std::vector<std::unique_ptr<VocabExchange>> exchanges_;
 };
 

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -158,7 +160,8 @@ struct Result {
   absl::Status status;
   ChunkTerms terms;
   std::vector<T> gradient;  // [rows x width]
-  std::vector<float> neg_log_q, top_k_values, loss_weight, confidence_grad;
+  std::vector<float> top_k_values;
+  std::vector<double> neg_log_q, loss_weight, confidence_grad;
   std::vector<int32_t> argmax, top_k, target_rank;
   std::vector<double> target_probability, teacher_acceptance;
 };
@@ -195,11 +198,14 @@ Result<T> RunChunk(const LossParams& params, const LossCase& c,
     return out;
   }
   const LossTraits traits = LossTraitsOf(params);
+  using Confidence = ConfidenceOf<T>;
+  const std::vector<Confidence> confidence(chunk.confidence.begin(),
+                                           chunk.confidence.end());
   ChunkLossInputs<T> inputs{
       absl::MakeSpan(out.gradient),
       c.teacher ? absl::MakeConstSpan(teacher) : absl::Span<const T>(),
-      traits.needs_confidence ? absl::MakeConstSpan(chunk.confidence)
-                              : absl::Span<const float>(),
+      traits.needs_confidence ? absl::MakeConstSpan(confidence)
+                              : absl::Span<const Confidence>(),
       chunk.rows, width};
   ChunkLossOutputs outputs{absl::MakeSpan(out.confidence_grad),
                            absl::MakeSpan(out.neg_log_q),
@@ -384,7 +390,8 @@ TEST(VocabParallelLossTest, TiesAcrossRangesGoToTheLowerId) {
 }
 
 // The exchanges a chunk of kRows rows makes, and the bytes each process
-// sends: a handshake, the stats (with top-k entries of (value, id) and, for
+// sends: a handshake (kHandshakeSize values, as every gather that is not
+// the rows' is), the stats (with top-k entries of (value, id) and, for
 // the teacher diagnostics, the teacher's logit), then one gather per round
 // of row sums (a waiting flag and a 2-value partial per row).
 TEST(VocabParallelLossTest, GathersPerChunk) {
@@ -393,7 +400,7 @@ TEST(VocabParallelLossTest, GathersPerChunk) {
     bool teacher;
     int64_t gathers, bytes;
   };
-  constexpr int64_t kHandshake = 8 * (2 + 7);
+  constexpr int64_t kHandshake = 8 * kHandshakeSize;
   auto stats = [](int64_t fields, int64_t entry) {
     return 8 * (2 + kRows * (fields + entry * kTopK));
   };
@@ -576,7 +583,7 @@ struct HeadRun {
   absl::Status status;
   HeadResult result;
   std::vector<double> grad_hidden, grad_weight, grad_bias, grad_z, grad_m;
-  std::vector<float> grad_confidence, neg_log_q, loss_weight;
+  std::vector<double> grad_confidence, neg_log_q, loss_weight;
   std::vector<int32_t> argmax, base_argmax, teacher_argmax, top_k;
 };
 
@@ -618,12 +625,18 @@ std::vector<double> Widened(const std::vector<T>& x) {
   return std::vector<double>(x.begin(), x.end());
 }
 
+// What a process's run changes, to make it fail there alone.
+struct RunTweaks {
+  int64_t limit_bytes = std::numeric_limits<int64_t>::max();
+  double upstream_gradient = 0.75;
+};
+
 // Process `shard`'s run (the whole head without one) in the config's
 // dtype, FLOAT64 or FLOAT32; its gradients read back in double.
 template <typename T>
 HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
                        int64_t offset, int64_t width, const VocabShard* shard,
-                       bool forward_only) {
+                       bool forward_only, const RunTweaks& tweaks) {
   const Batch& b = h.b;
   v1::ObjectiveConfig config = whole;
   config.mutable_head()->set_vocab_size(width);
@@ -642,8 +655,8 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   HeadInputs<T> inputs;
   inputs.hidden = hidden;
   inputs.teacher_hidden = teacher;
-  const std::vector<float> confidence(b.confidence.begin(),
-                                      b.confidence.end());
+  const std::vector<ConfidenceOf<T>> confidence(b.confidence.begin(),
+                                                b.confidence.end());
   inputs.confidence_logits = confidence;
   inputs.rows = b.rows;
   inputs.weight = weight;
@@ -653,9 +666,9 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
     inputs.correction_weight = m;
   }
   std::vector<T> grad_hidden, grad_weight, grad_bias, grad_z, grad_m;
-  out.grad_confidence.resize(rows);
+  std::vector<ConfidenceOf<T>> grad_confidence(rows);
   HeadGradients<T> gradients;
-  gradients.confidence = absl::MakeSpan(out.grad_confidence);
+  gradients.confidence = absl::MakeSpan(grad_confidence);
   if (!forward_only) {
     grad_hidden.resize(rows * kH);
     gradients.hidden = absl::MakeSpan(grad_hidden);
@@ -689,14 +702,15 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   row_outputs.k = kHeadTopK;
   row_outputs.loss_weight = absl::MakeSpan(out.loss_weight);
   HeadOptions options;
-  options.upstream_gradient = 0.75;
+  options.upstream_gradient = tweaks.upstream_gradient;
   options.vocab_shard = shard;
   options.forward_only = forward_only;
-  TrackingAllocator allocator;
+  TrackingAllocator allocator(tweaks.limit_bytes);
   absl::StatusOr<HeadResult> result =
       RunHead<T>(config, inputs, gradients, allocator, row_outputs, options);
   out.status = result.status();
   if (result.ok()) out.result = *std::move(result);
+  out.grad_confidence = Widened(grad_confidence);
   out.grad_hidden = Widened(grad_hidden);
   out.grad_weight = Widened(grad_weight);
   out.grad_bias = Widened(grad_bias);
@@ -707,11 +721,14 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
 
 HeadRun RunHeadRange(const v1::ObjectiveConfig& whole, const HeadBatch& h,
                      int64_t offset, int64_t width, const VocabShard* shard,
-                     bool forward_only = false) {
+                     bool forward_only = false,
+                     const RunTweaks& tweaks = RunTweaks()) {
   if (whole.head().dtype() == v1::HeadConfig::FLOAT32) {
-    return RunHeadRangeAs<float>(whole, h, offset, width, shard, forward_only);
+    return RunHeadRangeAs<float>(whole, h, offset, width, shard, forward_only,
+                                 tweaks);
   }
-  return RunHeadRangeAs<double>(whole, h, offset, width, shard, forward_only);
+  return RunHeadRangeAs<double>(whole, h, offset, width, shard, forward_only,
+                                tweaks);
 }
 
 // max |a - b| / max |b| over the whole tensor.
@@ -921,9 +938,121 @@ TEST(VocabParallelHeadTest, AnInvalidInputOnOneProcessIsAnErrorOnEvery) {
   bad.mutable_loss()->mutable_dflash()->set_gamma(-1);  // Invalid.
   const std::vector<absl::Status> statuses = HeadStatuses(config, bad);
   EXPECT_EQ(statuses[0].message(),
-            "vocab_shard: process 1 of 2 failed (its own error says why)");
+            "vocab_shard: process 1 of 2 failed: INVALID_ARGUMENT (its own "
+            "error says why)");
   EXPECT_TRUE(absl::StrContains(statuses[1].message(), "gamma"))
       << statuses[1];
+}
+
+// Two processes, process 1's run changed by `tweaks` (its exchange set up
+// by `fail`); every process's run. A hang would fail at the group's
+// timeout (DeadlineExceeded).
+std::vector<HeadRun> FailOnProcessOne(
+    const v1::ObjectiveConfig& config, const RunTweaks& tweaks,
+    const std::function<void(ThreadGroup&)>& fail = [](ThreadGroup&) {}) {
+  const HeadBatch h = MakeHeadBatch();
+  const Ranges ranges = SplitVocab(kHeadV, 2);
+  ThreadGroup group(2, kHeadTimeout);
+  fail(group);
+  std::vector<HeadRun> runs(2);
+  RunRanks(2, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
+    runs[q] = RunHeadRange(config, h, ranges.offsets[q], ranges.widths[q],
+                           &shard, /*forward_only=*/false,
+                           q == 1 ? tweaks : RunTweaks());
+  });
+  return runs;
+}
+
+// Process 1 failed alone with `code`: process 0 names it (after the chunk
+// it was at, if any).
+void ExpectStoppedTogether(const std::vector<HeadRun>& runs,
+                           absl::StatusCode code, const std::string& where) {
+  EXPECT_EQ(runs[1].status.code(), code) << where << " " << runs[1].status;
+  EXPECT_TRUE(absl::EndsWith(
+      runs[0].status.message(),
+      absl::StrCat("vocab_shard: process 1 of 2 failed: ",
+                   absl::StatusCodeToString(code),
+                   " (its own error says why)")))
+      << where << " " << runs[0].status;
+}
+
+const char* const kStopModes[] = {"FUSED", "CHECKPOINT", "SELECTIVE"};
+
+// An allocation that fails on one process, wherever it is (Start's
+// workspaces, a chunk's, the checkpoints', backward's): a budget of
+// i / 8 of that process's peak.
+TEST(VocabParallelHeadTest, AFailedAllocationOnOneProcessStopsEvery) {
+  for (const char* mode : kStopModes) {
+    const v1::ObjectiveConfig config =
+        ConfigBuilder("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: "
+                      "0.3 }")
+            .Mode(mode)
+            .Trainable()
+            .Build();
+    const std::vector<HeadRun> whole = FailOnProcessOne(config, RunTweaks());
+    ASSERT_TRUE(whole[1].status.ok()) << mode << " " << whole[1].status;
+    const int64_t peak = whole[1].result.stats.peak_bytes;
+    ASSERT_GT(peak, 0) << mode;
+    for (int i = 0; i < 8; ++i) {
+      RunTweaks tweaks;
+      tweaks.limit_bytes = peak * i / 8;
+      ExpectStoppedTogether(FailOnProcessOne(config, tweaks),
+                            absl::StatusCode::kResourceExhausted,
+                            absl::StrCat(mode, " limit ", tweaks.limit_bytes));
+    }
+  }
+}
+
+// Process 1's exchange fails (without sending) at each gather a run makes
+// in turn: the run's handshake, each chunk's handshake, stats and rounds
+// (again for the chunks backward recomputes) and the closing gather.
+TEST(VocabParallelHeadTest, AnExchangeErrorAtEachGatherStopsEvery) {
+  for (const char* mode : kStopModes) {
+    const v1::ObjectiveConfig config =
+        ConfigBuilder("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: "
+                      "0.3 }")
+            .Mode(mode)
+            .Build();
+    int64_t calls = 0;  // The gathers of a run that fails nowhere.
+    {
+      const HeadBatch h = MakeHeadBatch();
+      const Ranges ranges = SplitVocab(kHeadV, 2);
+      ThreadGroup group(2, kHeadTimeout);
+      RunRanks(2, [&](int q) {
+        const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
+        EXPECT_TRUE(RunHeadRange(config, h, ranges.offsets[q],
+                                 ranges.widths[q], &shard)
+                        .status.ok());
+      });
+      calls = group.calls(1);
+    }
+    ASSERT_GE(calls, 6) << mode;
+    for (int64_t call = 1; call <= calls; ++call) {
+      const std::vector<HeadRun> runs =
+          FailOnProcessOne(config, RunTweaks(), [&](ThreadGroup& group) {
+            group.FailCall(1, call);
+          });
+      ExpectStoppedTogether(runs, absl::StatusCode::kUnavailable,
+                            absl::StrCat(mode, " gather ", call));
+      EXPECT_TRUE(absl::EndsWith(
+          runs[1].status.message(),
+          absl::StrCat("AllGather: call ", call, " of rank 1 fails (injected)")))
+          << mode << " " << runs[1].status;
+    }
+  }
+}
+
+// A check of the head's own that process 1 alone fails, before the run's
+// handshake.
+TEST(VocabParallelHeadTest, AHeadCheckOnOneProcessStopsEvery) {
+  RunTweaks tweaks;
+  tweaks.upstream_gradient = std::nan("");
+  const std::vector<HeadRun> runs =
+      FailOnProcessOne(ConfigBuilder("dflash {}").Build(), tweaks);
+  ExpectStoppedTogether(runs, absl::StatusCode::kInvalidArgument, "upstream");
+  EXPECT_EQ(runs[1].status.message(),
+            "options.upstream_gradient: must be finite, got nan");
 }
 
 TEST(VocabParallelHeadTest, ABudgetThatCouldDropChunksIsRefused) {

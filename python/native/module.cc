@@ -5,6 +5,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <string>
@@ -263,9 +265,18 @@ py::dict ResultOf(const HeadResult& r) {
 // size * n values; local is read, not written), and the callable fills out
 // with every process's local in rank order (dflash.torch runs
 // torch.distributed's all_gather on them). The head calls it with the GIL
-// released, from whichever thread runs the loss: it takes the GIL. A Python
-// exception becomes an error Status (the head then fails, and the binding
-// raises it), never an exception through the head's C++ frames.
+// released, from whichever thread runs the loss: it takes the GIL. Whatever
+// the callable raises (a Python exception, KeyboardInterrupt, a C++
+// exception through pybind11) becomes an error Status kept as this
+// process's own error (own_error), never an exception through the head's
+// C++ frames. Whether the record went decides what the head does next:
+// out's record heads are set to NaN before the call, and a transport that
+// delivered has overwritten every one. Not delivered: the error is
+// returned, and GatherRecords sends the record again with it (the others
+// wait in this gather). Delivered (an exception as the transport returned,
+// as a KeyboardInterrupt from Ctrl-C is): the data is good, OK is returned,
+// and the error goes in the head of the next record, where every process
+// stops (a run always has a next gather: its closing one).
 class PythonVocabExchange final : public VocabExchange {
  public:
   PythonVocabExchange(int rank, int size, py::object all_gather)
@@ -276,34 +287,84 @@ class PythonVocabExchange final : public VocabExchange {
 
   absl::Status AllGather(absl::Span<const double> local,
                          absl::Span<double> out) override {
-    if (out.size() != local.size() * static_cast<size_t>(size_)) {
+    const size_t n = local.size();
+    if (out.size() != n * static_cast<size_t>(size_)) {
       return absl::InternalError(absl::StrCat(
           "vocab exchange: out holds ", out.size(), " values, expected ",
-          size_, " x ", local.size()));
+          size_, " x ", n));
     }
-    py::gil_scoped_acquire gil;
-    try {
-      const auto view = [](const double* data, size_t n, bool readonly) {
-        return py::memoryview::from_buffer(
-            const_cast<double*>(data), {static_cast<py::ssize_t>(n)},
-            {static_cast<py::ssize_t>(sizeof(double))}, readonly);
-      };
-      all_gather_(view(local.data(), local.size(), /*readonly=*/false),
-                  view(out.data(), out.size(), /*readonly=*/false));
-    } catch (py::error_already_set& error) {
-      // The exception's type and message (its traceback is the head's
-      // frames, of no use to the caller).
-      return absl::AbortedError(absl::StrCat(
-          "vocab_group: the all-gather of the vocab-parallel head raised ",
-          std::string(py::str(error.type().attr("__name__"))), ": ",
-          std::string(py::str(error.value()))));
+    if (!pending_.ok() && n >= kRecordHead) {
+      sent_.assign(local.begin(), local.end());
+      SetRecordHead(pending_, absl::MakeSpan(sent_));
+      local = sent_;
+      pending_ = absl::OkStatus();
     }
+    for (size_t at = 0; at < out.size(); at += n) {
+      out[at] = std::numeric_limits<double>::quiet_NaN();
+    }
+    absl::Status raised = Call(local, out);
+    if (raised.ok()) return raised;
+    if (own_error_.ok()) own_error_ = raised;
+    bool delivered = n > 0;
+    for (size_t at = 0; at < out.size(); at += n) {
+      delivered = delivered && !std::isnan(out[at]);
+    }
+    if (!delivered) return raised;
+    pending_ = raised;
     return absl::OkStatus();
   }
 
+  // The first error the callable raised in this call (OK: none), and
+  // whether it was a KeyboardInterrupt (CANCELLED).
+  const absl::Status& own_error() const { return own_error_; }
+  // A new call: no error yet.
+  void Reset() {
+    own_error_ = absl::OkStatus();
+    pending_ = absl::OkStatus();
+  }
+
  private:
+  absl::Status Call(absl::Span<const double> local, absl::Span<double> out) {
+    py::gil_scoped_acquire gil;
+    const auto view = [](const double* data, size_t n) {
+      return py::memoryview::from_buffer(
+          const_cast<double*>(data), {static_cast<py::ssize_t>(n)},
+          {static_cast<py::ssize_t>(sizeof(double))}, /*readonly=*/false);
+    };
+    try {
+      all_gather_(view(local.data(), local.size()),
+                  view(out.data(), out.size()));
+      return absl::OkStatus();
+    } catch (py::error_already_set& error) {
+      // The exception's type and message (its traceback is the head's
+      // frames, of no use to the caller).
+      const std::string what =
+          absl::StrCat(std::string(py::str(error.type().attr("__name__"))),
+                       ": ", std::string(py::str(error.value())));
+      if (error.matches(PyExc_KeyboardInterrupt)) {
+        return absl::CancelledError(absl::StrCat(
+            "vocab_group: interrupted in the vocab-parallel head's "
+            "all-gather (",
+            what, ")"));
+      }
+      return absl::AbortedError(absl::StrCat(
+          "vocab_group: the all-gather of the vocab-parallel head raised ",
+          what));
+    } catch (const std::exception& error) {
+      return absl::AbortedError(absl::StrCat(
+          "vocab_group: the all-gather of the vocab-parallel head raised ",
+          error.what()));
+    } catch (...) {
+      return absl::AbortedError(
+          "vocab_group: the all-gather of the vocab-parallel head raised an "
+          "unknown exception");
+    }
+  }
+
   const int rank_, size_;
   py::object all_gather_;
+  absl::Status own_error_, pending_;
+  std::vector<double> sent_;
 };
 
 // _core.VocabShard: a VocabShard and the exchange it borrows, kept alive
@@ -337,7 +398,7 @@ py::dict RunObjectiveFromPython(
     py::handle grad_correction_inputs, py::handle grad_correction_weight,
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
     bool interruptible, bool forward_only,
-    const VocabShardHandle* vocab_shard, py::handle base_argmax,
+    VocabShardHandle* vocab_shard, py::handle base_argmax,
     py::handle teacher_argmax) {
   ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
                            RequiredArgOf("lm_head_weight", weight),
@@ -364,6 +425,17 @@ py::dict RunObjectiveFromPython(
                            ArgOf("grad_correction_weight",
                                  grad_correction_weight)};
   absl::StatusOr<HeadResult> result;
+  // Vocab-parallel: every process of the group stops together, whatever
+  // fails where (docs/scaling.md, "Stopping together").
+  std::optional<RunExchange> exchange;
+  VocabShard shard;
+  if (vocab_shard != nullptr) {
+    PythonVocabExchange& python = vocab_shard->exchange;
+    python.Reset();
+    exchange.emplace(python);
+    shard = {vocab_shard->shard.offset, vocab_shard->shard.vocab,
+             &*exchange};
+  }
   {
     std::optional<ScopedInterrupt> interrupt;
     if (interruptible) interrupt.emplace();
@@ -373,7 +445,23 @@ py::dict RunObjectiveFromPython(
         {trainable, cuda_stream,
          prepared != nullptr ? prepared->projection.get() : nullptr,
          interrupt ? interrupt->flag() : nullptr, forward_only,
-         vocab_shard != nullptr ? &vocab_shard->shard : nullptr});
+         vocab_shard != nullptr ? &shard : nullptr});
+    if (exchange && !result.ok() && exchange->gathers() == 0) {
+      // Refused before the head's first gather (a check of the binding's
+      // the agreement does not cover): the others wait in the run's
+      // handshake for this process's record.
+      SendError(*exchange, result.status()).IgnoreError();
+    }
+  }
+  if (vocab_shard != nullptr) {
+    // This process's own error from the exchange wins over the head's
+    // report of it (which names this process, or any later error).
+    const absl::Status& own = vocab_shard->exchange.own_error();
+    if (own.code() == absl::StatusCode::kCancelled) {
+      PyErr_SetNone(PyExc_KeyboardInterrupt);
+      throw py::error_already_set();
+    }
+    if (!own.ok()) Raise(own);
   }
   if (result.status().code() == absl::StatusCode::kCancelled) {
     // Python's own SIGINT handler raises (KeyboardInterrupt by default).

@@ -7,7 +7,9 @@ whose own arguments are refused (the others raise too), top_k beyond the
 whole vocabulary, the families and options the vocab-parallel loss refuses
 (Domino; a checkpoint memory budget that would not keep every chunk), a
 vocab_group that is no process group, and a Python exception inside the
-exchange.
+exchange. And a rank failing alone after the agreement (a check of the
+binding's, an exception or KeyboardInterrupt in its exchange at each kind
+of gather): every rank raises, the others naming it.
 """
 
 import os
@@ -120,6 +122,85 @@ def refusals_rank(rank, world):
     return out
 
 
+def _raised_any(call):
+    """_raised, KeyboardInterrupt included."""
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - recorded for the parent
+        return type(error).__name__, str(error)
+    return None
+
+
+# The all-gathers a dflash call makes on a rank: the agreement (1), the
+# run's handshake (2), the first chunk's handshake (3) and stats (4), its
+# rounds, and the run's closing gather (last).
+_GATHERS = {"run handshake": 2, "chunk handshake": 3, "stats": 4}
+
+
+def stops_rank(rank, world):
+    """One rank failing after the agreement, each way: every rank raises
+    (the harness's join catches a hang), and the next call works."""
+    group = dist.group.WORLD
+    hidden, targets, mask = _batch()
+    weight = shard_rows(_weight(), group)
+    out = {}
+
+    def call(h=hidden, w=weight, **kw):
+        return lambda: dflash_objective(h, w, targets, mask,
+                                        vocab_group=group, threads=1, **kw)
+
+    # Checks of the binding's that the agreement does not cover.
+    frozen = weight.float()
+    other = frozen + 1 if rank == 1 else frozen
+    out["prepared"] = _raised_any(call(
+        h=hidden.float(), w=frozen,
+        prepared_projection=_core.PreparedProjection(other, None)))
+    bias = torch.zeros(weight.shape[0] + (rank == 1), dtype=torch.float64)
+    out["bias"] = _raised_any(call(lm_head_bias=bias))
+    # An exception in the exchange callback of rank 1 alone, at each kind of
+    # gather: before its record went (a failed call) and after it (as a
+    # Ctrl-C seen when the transport returns is).
+    real = dist.all_gather
+    for name, at in list(_GATHERS.items()) + [("last", -1)]:
+        for kind in ("RuntimeError", "KeyboardInterrupt",
+                     "KeyboardInterrupt after"):
+            if name == "last" and kind == "KeyboardInterrupt after":
+                # Every rank has finished the run: the others would wait
+                # in the call's gradient sum (docs/scaling.md).
+                continue
+            calls = []
+
+            def all_gather(*args, **kwargs):
+                calls.append(1)
+                if rank == 1 and len(calls) == at:
+                    if kind == "RuntimeError":
+                        raise RuntimeError("injected")
+                    if kind == "KeyboardInterrupt":
+                        raise KeyboardInterrupt("injected")
+                    real(*args, **kwargs)
+                    raise KeyboardInterrupt("injected after")
+                return real(*args, **kwargs)
+
+            if at == -1:
+                # The closing gather: counted on a call that fails nowhere.
+                dist.all_gather = all_gather
+                try:
+                    call(h=hidden.clone().requires_grad_())()
+                finally:
+                    dist.all_gather = real
+                at = len(calls)
+                calls.clear()
+                out["gathers"] = at
+            dist.all_gather = all_gather
+            try:
+                out[(name, kind)] = _raised_any(
+                    call(h=hidden.clone().requires_grad_()))
+            finally:
+                dist.all_gather = real
+    out["after"] = _raised_any(call())
+    return out
+
+
 class RefusalsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -197,6 +278,49 @@ class RefusalsTest(unittest.TestCase):
             "exchange_raises", r"vocab_group: the all-gather of the "
             r"vocab-parallel head raised KeyError: 'the transport failed'",
             kind="RuntimeError")
+        for result in self.results:
+            self.assertIsNone(result["after"])
+
+
+class StopsTogetherTest(unittest.TestCase):
+    """Every rank raises where one rank fails after the agreement."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = ranks.run_ranks(stops_rank, 3, timeout=240)
+
+    def assertStopped(self, scenario, kind, pattern, code):
+        for rank, result in enumerate(self.results):
+            with self.subTest(scenario=scenario, rank=rank):
+                self.assertIsNotNone(result[scenario], scenario)
+                got_kind, message = result[scenario]
+                if rank == 1:
+                    self.assertEqual(got_kind, kind, message)
+                    self.assertRegex(message, pattern)
+                else:
+                    self.assertRegex(
+                        message, rf"vocab_shard: process 1 of 3 failed: "
+                        rf"{code} \(its own error says why\)")
+
+    def test_binding_checks_on_one_rank(self):
+        self.assertStopped("prepared", "ValueError",
+                           r"prepared_projection: was made from other "
+                           r"tensors", "INVALID_ARGUMENT")
+        self.assertStopped("bias", "ValueError", r"lm_head_bias",
+                           "INVALID_ARGUMENT")
+
+    def test_an_exception_in_one_ranks_exchange(self):
+        self.assertGreater(self.results[0]["gathers"], 5)
+        for name in list(_GATHERS) + ["last"]:
+            self.assertStopped(
+                (name, "RuntimeError"), "RuntimeError",
+                r"vocab_group: the all-gather of the vocab-parallel head "
+                r"raised RuntimeError: injected", "ABORTED")
+            self.assertStopped((name, "KeyboardInterrupt"),
+                               "KeyboardInterrupt", r"^$", "CANCELLED")
+            if name != "last":
+                self.assertStopped((name, "KeyboardInterrupt after"),
+                                   "KeyboardInterrupt", r"^$", "CANCELLED")
         for result in self.results:
             self.assertIsNone(result["after"])
 

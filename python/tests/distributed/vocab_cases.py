@@ -151,9 +151,9 @@ def run(c: Dict[str, Any], group: Optional[Any]) -> Dict[str, torch.Tensor]:
         out["metrics." + name] = value
     for name, value in d.family_terms.items():
         out["family." + name] = torch.tensor(value, dtype=torch.float64)
-    for name in ("neg_log_q", "argmax", "top_k", "top_k_values",
-                 "target_is_candidate", "target_candidate_index",
-                 "loss_weight"):
+    for name in ("neg_log_q", "argmax", "base_argmax", "teacher_argmax",
+                 "top_k", "top_k_values", "target_is_candidate",
+                 "target_candidate_index", "loss_weight"):
         value = getattr(d, name)
         if value is not None:
             out[name] = value
@@ -184,7 +184,8 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]
 
 # What stays on this rank's shard (the rest is whole on every rank).
 SHARDED = ("grad_weight", "grad_bias", "grad_m")
-IDS = ("argmax", "top_k", "target_is_candidate", "target_candidate_index")
+IDS = ("argmax", "base_argmax", "teacher_argmax", "top_k",
+       "target_is_candidate", "target_candidate_index")
 
 
 class VocabTestCase(unittest.TestCase):
