@@ -841,7 +841,7 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
 
     def run(coefficients: Sequence[float],
             inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[
-                torch.Tensor, List[float], Any]:
+                torch.Tensor, List[Any], Any]:
         weights = dict(zip((name for name, _ in parts), coefficients))
         config = (
             f"loss {{ dspark {{ {gamma_text}ce_weight: "
@@ -859,7 +859,9 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
             confidence_logits=confidence_logits, correction_inputs=z_in,
             correction_weight=m_in)
         family = terms.diagnostics.family_terms
-        values = {"ce": float(terms.diagnostics.ce_loss_num),
+        # CE stays on the device (its tensor); the others are the report's
+        # floats, already on the host.
+        values = {"ce": terms.diagnostics.ce_loss_num,
                   "l1": family["l1_loss_num"],
                   "confidence": family["confidence_loss_num"]}
         return terms.loss_num, [values[name] for name, _ in parts], terms
@@ -894,7 +896,8 @@ def _dspark_run(patch: _Patch, model: Any, hidden: torch.Tensor,
                                device=device) * scale
 
     def scalar(value: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(float(value), dtype=dtype, device=device)
+        # Filled in on the device: no blocking copy from the host.
+        return torch.full((), float(value), dtype=dtype, device=device)
 
     correct_position = diagnostics.position_correct.to(
         device=device, dtype=counts.dtype)
@@ -1034,7 +1037,7 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
 
     def run(coefficients: Sequence[float],
             inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[
-                torch.Tensor, List[float], Any]:
+                torch.Tensor, List[Any], Any]:
         total = coefficients[0] + coefficients[1]
         config = (
             f"loss {{ domino {{ {gamma_text}shift_label: "
@@ -1046,7 +1049,7 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
                            config, chunk_blocks, correction_inputs=z_in,
                            correction_weight=m_in)
         return (terms.loss_num * total,
-                [float(terms.diagnostics.ce_loss_num),
+                [terms.diagnostics.ce_loss_num,
                  terms.diagnostics.family_terms["base_num"]], terms)
 
     num_dtype = torch.promote_types(hidden.dtype, weight_mask.dtype)
@@ -1060,7 +1063,9 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
     family = terms.diagnostics.family_terms
 
     def count(value: Any) -> torch.Tensor:
-        return torch.tensor(float(value), dtype=torch.float32, device=device)
+        # Filled in on the device: no blocking copy from the host.
+        return torch.full((), float(value), dtype=torch.float32,
+                          device=device)
 
     return (final_num, base_num, weight_mask.sum(),
             terms.correct_num.detach().float(),

@@ -18,6 +18,12 @@ tensors whose backward is exact for any incoming gradients g_i:
   runs again, with the positive part of g as coefficients and, if any g_i
   is negative, once more with the negative part, and autograd takes the
   gradient of each run. Never the first call's gradient rescaled.
+
+Beside what the run reads, it waits on the device once: backward reads
+the incoming gradients (one stacked read) to choose between the two. The
+numerators are made on the device (a tensor cast, a float filled in by a
+kernel: no copy from the host that the host waits for), and so is the
+scale.
 """
 
 from __future__ import annotations
@@ -40,15 +46,37 @@ Runs the head once over `inputs` (the tensors the numerators differentiate
 with respect to, None where absent) with loss_num = sum_i coefficients[i] *
 numerators[i], loss_num differentiable with respect to the inputs that
 require grad. The coefficients are >= 0, not all 0; `numerators` are the
-N_i's values (floats or 0-dim tensors, no gradient needed), each its true
-value also where its coefficient is 0 (dflash's DSpark reports L1 and
-confidence only with a positive weight: leave such a numerator out then);
-`extra` is anything else of the run (the caller's telemetry), returned by
-separate_numerators for the first run."""
+N_i's values (floats or one-element tensors, no gradient needed: a tensor
+on the device is not read to the host, so pass it rather than a float read
+from it), each its true value also where its coefficient is 0 (dflash's
+DSpark reports L1 and confidence only with a positive weight: leave such a
+numerator out then); `extra` is anything else of the run (the caller's
+telemetry), returned by separate_numerators for the first run."""
 
 
-def _float(value: Any) -> float:
-    return float(value.item() if isinstance(value, torch.Tensor) else value)
+def _output(value: Any, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A numerator as a new 0-dim tensor of `dtype` on `device`, rounded
+    as torch.tensor(float(value), dtype) rounds it, without a read or a
+    blocking copy: a tensor is cast where it is (a copy, so that autograd's
+    output is not the run's own tensor), a float is filled in by a
+    kernel."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().reshape(())
+        if tensor.device != device:
+            return tensor.to(device=device, dtype=dtype)
+        return tensor.to(dtype=dtype, copy=True)
+    return _filled(float(value), dtype, device)
+
+
+def _filled(value: float, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """torch.tensor(value, dtype=dtype, device=device) without the blocking
+    copy from the host: filled in float64 (which holds any float; a fill
+    in `dtype` refuses a value that overflows it, where torch.tensor gives
+    inf) and cast on the device."""
+    return torch.full((), value, dtype=torch.float64,
+                      device=device).to(dtype)
 
 
 def _check(coefficients: Sequence[float], count: int,
@@ -107,38 +135,43 @@ class _Numerators(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: "_State", loss_num: torch.Tensor,
+                numerators: Sequence[Any],
                 *inputs: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.save_for_backward(*inputs)
         ctx.loss_dtype = loss_num.dtype
-        return tuple(torch.tensor(v, dtype=d, device=state.device)
-                     for v, d in zip(state.values, state.dtypes))
+        ctx.loss_device = loss_num.device
+        return tuple(_output(v, d, state.device)
+                     for v, d in zip(numerators, state.dtypes))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[
             Optional[torch.Tensor], ...]:
         state: _State = ctx.state
-        incoming = [0.0 if g is None else _float(g) for g in grads]
+        # Whether to rescale or rerun is the host's choice: one read of all
+        # the gradients (each exact in float64).
+        given = [g.detach().reshape(()).double() for g in grads
+                 if g is not None]
+        read = iter(torch.stack(given).tolist() if given else [])
+        incoming = [0.0 if g is None else next(read) for g in grads]
         inputs = ctx.saved_tensors
         none: Tuple[None, ...] = (None,) * len(inputs)
         scale = _proportional_scale(incoming, state.coefficients, state.dtypes)
         if scale is not None:
-            return (None, torch.tensor(scale, dtype=ctx.loss_dtype,
-                                       device=state.device)) + none
-        return (None, None) + state.exact_gradients(
-            incoming, inputs, ctx.needs_input_grad[2:])
+            return (None, _filled(scale, ctx.loss_dtype, ctx.loss_device),
+                    None) + none
+        return (None, None, None) + state.exact_gradients(
+            incoming, inputs, ctx.needs_input_grad[3:])
 
 
 class _State:
     """What backward needs beside the saved inputs."""
 
     def __init__(self, run: NumeratorRun[Any], coefficients: List[float],
-                 values: List[float], dtypes: Sequence[torch.dtype],
-                 device: torch.device) -> None:
+                 dtypes: Sequence[torch.dtype], device: torch.device) -> None:
         self.run = run
         self.coefficients = coefficients
-        self.values = values
         self.dtypes = list(dtypes)
         self.device = device
 
@@ -207,15 +240,19 @@ def separate_numerators(
     # numerators get no gradient.
     run_weights = weights if any(weights) else [1.0] + weights[1:]
     loss_num, numerators, extra = run(run_weights, list(inputs))
-    values = [_float(v) for v in numerators]
-    if len(values) != len(dtypes):
-        raise ValueError(f"run returned {len(values)} numerators for "
+    numerators = list(numerators)
+    if len(numerators) != len(dtypes):
+        raise ValueError(f"run returned {len(numerators)} numerators for "
                          f"{len(dtypes)} dtypes")
+    for i, v in enumerate(numerators):
+        if isinstance(v, torch.Tensor) and v.numel() != 1:
+            raise ValueError(f"run's numerators[{i}]: must be a float or a "
+                             f"one-element tensor, got shape "
+                             f"{list(v.shape)}")
     device = present[0].device
     if not (torch.is_grad_enabled() and loss_num.requires_grad):
-        return tuple(torch.tensor(v, dtype=d, device=device)
-                     for v, d in zip(values, dtypes)), extra
-    state = _State(cast(NumeratorRun[Any], run), weights, values, dtypes,
-                   device)
-    outputs = _Numerators.apply(state, loss_num, *inputs)
+        return tuple(_output(v, d, device)
+                     for v, d in zip(numerators, dtypes)), extra
+    state = _State(cast(NumeratorRun[Any], run), weights, dtypes, device)
+    outputs = _Numerators.apply(state, loss_num, numerators, *inputs)
     return tuple(outputs), extra
