@@ -769,17 +769,8 @@ absl::Status NameChunkLossError(const absl::Status& error,
 
 absl::Status CheckVocabShard(const v1::ObjectiveConfig& config,
                              const VocabShard& shard) {
-  if (shard.exchange == nullptr) {
-    return absl::InvalidArgumentError(
-        "options.vocab_shard.exchange: must be set, got none");
-  }
-  if (shard.offset < 0 || shard.offset + config.head().vocab_size() >
-                              shard.vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "options.vocab_shard: classes [offset, offset + head.vocab_size) = [",
-        shard.offset, ", ", shard.offset + config.head().vocab_size(),
-        ") must lie in [0, vocab = ", shard.vocab, ")"));
-  }
+  DFLASH_RETURN_IF_ERROR(CheckShardFields(
+      shard, config.head().vocab_size(), "options.vocab_shard"));
   if (config.loss().has_domino() || SplitsCorrection(config)) {
     return absl::InvalidArgumentError(
         "options.vocab_shard: loss.domino (a correction read apart from the "

@@ -197,20 +197,7 @@ absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options,
           "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
           "none, or run the CPU loss)");
     }
-    if (shard->exchange == nullptr) {
-      return absl::InvalidArgumentError(
-          "vocab_shard.exchange: must be set, got none");
-    }
-    if (shard->vocab <= 0 ||
-        shard->vocab > std::numeric_limits<int32_t>::max()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "vocab_shard.vocab: must lie in [1, 2^31), got ", shard->vocab));
-    }
-    if (shard->offset < 0 || shard->offset >= shard->vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("vocab_shard.offset: must lie in [0, vocab = ",
-                       shard->vocab, "), got ", shard->offset));
-    }
+    DFLASH_RETURN_IF_ERROR(CheckShardFields(*shard, 0, "vocab_shard"));
   }
   if (options.block_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -324,11 +311,9 @@ absl::Status ValidateChunkLossInputs(const LossParams& params,
   // Ids are of the whole vocabulary, whatever a process holds of it.
   const VocabShard* shard = options.vocab_shard;
   const int64_t classes = shard != nullptr ? shard->vocab : vocab;
-  if (shard != nullptr && shard->offset + vocab > classes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk loss: vocab_shard.offset + vocab (the logits' width) must be "
-        "<= vocab_shard.vocab = ",
-        classes, ", got ", shard->offset, " + ", vocab));
+  if (shard != nullptr) {
+    DFLASH_RETURN_IF_ERROR(
+        CheckShardFields(*shard, vocab, "chunk loss: vocab_shard"));
   }
   if (!outputs.top_k.empty()) {
     if (outputs.k < 1 || outputs.k > 64 || outputs.k > classes) {

@@ -1,5 +1,7 @@
 #include "losses/vocab_shard.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -7,6 +9,31 @@
 #include "losses/row_error.h"
 
 namespace dflash {
+
+absl::Status CheckShardFields(const VocabShard& shard, int64_t width,
+                              absl::string_view name) {
+  if (shard.exchange == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".exchange: must be set, got none"));
+  }
+  if (shard.vocab <= 0 ||
+      shard.vocab > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ".vocab: must lie in [1, 2^31), got ", shard.vocab));
+  }
+  if (shard.offset < 0 || shard.offset >= shard.vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".offset: must lie in [0, vocab = ", shard.vocab,
+                     "), got ", shard.offset));
+  }
+  if (shard.offset + width > shard.vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": classes [offset, offset + width) = [", shard.offset, ", ",
+        shard.offset + width, ") must lie in [0, vocab = ", shard.vocab,
+        ") (width: the logits')"));
+  }
+  return absl::OkStatus();
+}
 
 void SetRecordHead(const absl::Status& error, absl::Span<double> record) {
   record[0] = static_cast<double>(error.code());

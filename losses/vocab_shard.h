@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace dflash {
@@ -46,6 +47,13 @@ struct VocabShard {
   int64_t vocab = 0;
   VocabExchange* exchange = nullptr;  // Borrowed.
 };
+
+// A shard's own fields, for a range of `width` classes (the logits'; 0
+// where not known yet): an exchange, vocab in [1, 2^31) (ids are int32),
+// offset in [0, vocab) and [offset, offset + width) inside [0, vocab).
+// Errors name the field under `name` (the caller's: "options.vocab_shard").
+absl::Status CheckShardFields(const VocabShard& shard, int64_t width,
+                              absl::string_view name);
 
 // The first values of every record GatherRecords exchanges: the sender's
 // status code and the row its error names (-1: none).

@@ -554,10 +554,45 @@ TEST(VocabParallelLossTest, DominoAndTheCudaLossRefuseAShard) {
   EXPECT_EQ(ValidateChunkLossOptions(options).message(),
             "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
             "none, or run the CPU loss)");
-  const VocabShard no_exchange{0, kV, nullptr};
-  EXPECT_EQ(ValidateChunkLossOptions({kK, 1, 0, 0, &no_exchange}, true)
-                .message(),
-            "vocab_shard.exchange: must be set, got none");
+}
+
+// A shard's own fields (CheckShardFields): the loss's options, its inputs'
+// width, and the head's.
+TEST(VocabParallelLossTest, AShardsFieldsAreChecked) {
+  ThreadGroup group(1, kTimeout);
+  VocabExchange* exchange = &group.exchange(0);
+  const struct {
+    VocabShard shard;
+    std::string error;  // After the name of the shard.
+  } cases[] = {
+      {{0, kV, nullptr}, ".exchange: must be set, got none"},
+      {{0, 0, exchange}, ".vocab: must lie in [1, 2^31), got 0"},
+      {{0, int64_t{1} << 31, exchange},
+       ".vocab: must lie in [1, 2^31), got 2147483648"},
+      {{-1, kV, exchange},
+       absl::StrCat(".offset: must lie in [0, vocab = ", kV, "), got -1")},
+      {{kV, kV, exchange},
+       absl::StrCat(".offset: must lie in [0, vocab = ", kV, "), got ", kV)},
+      {{1, kV, exchange},
+       absl::StrCat(": classes [offset, offset + width) = [1, ", kV + 1,
+                    ") must lie in [0, vocab = ", kV,
+                    ") (width: the logits')")},
+  };
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(Parse("dflash {}"));
+  ASSERT_TRUE(params.ok());
+  for (const auto& c : cases) {
+    // The loss's options (the width not known yet), else its inputs.
+    const absl::Status options =
+        ValidateChunkLossOptions({kK, 1, 0, 0, &c.shard}, true);
+    if (!options.ok()) {
+      EXPECT_EQ(options.message(), absl::StrCat("vocab_shard", c.error));
+    } else {
+      EXPECT_EQ(RunChunk<double>(*params, {"", "dflash {}", false},
+                                 MakeChunk(3, false), 0, kV, &c.shard)
+                    .status.message(),
+                absl::StrCat("chunk loss: vocab_shard", c.error));
+    }
+  }
 }
 
 }  // namespace
@@ -1053,6 +1088,34 @@ TEST(VocabParallelHeadTest, AHeadCheckOnOneProcessStopsEvery) {
   ExpectStoppedTogether(runs, absl::StatusCode::kInvalidArgument, "upstream");
   EXPECT_EQ(runs[1].status.message(),
             "options.upstream_gradient: must be finite, got nan");
+}
+
+TEST(VocabParallelHeadTest, AShardsFieldsAreChecked) {
+  const HeadBatch h = MakeHeadBatch();
+  const v1::ObjectiveConfig config = ConfigBuilder("dflash {}").Build();
+  ThreadGroup group(1, kHeadTimeout);
+  VocabExchange* exchange = &group.exchange(0);
+  const struct {
+    VocabShard shard;
+    std::string error;
+  } cases[] = {
+      {{0, kHeadV, nullptr},
+       "options.vocab_shard.exchange: must be set, got none"},
+      {{0, 0, exchange},
+       "options.vocab_shard.vocab: must lie in [1, 2^31), got 0"},
+      {{-1, kHeadV, exchange},
+       absl::StrCat("options.vocab_shard.offset: must lie in [0, vocab = ",
+                    kHeadV, "), got -1")},
+      {{1, kHeadV, exchange},
+       absl::StrCat("options.vocab_shard: classes [offset, offset + width) "
+                    "= [1, ",
+                    kHeadV + 1, ") must lie in [0, vocab = ", kHeadV,
+                    ") (width: the logits')")},
+  };
+  for (const auto& c : cases) {
+    EXPECT_EQ(RunHeadRange(config, h, 0, kHeadV, &c.shard).status.message(),
+              c.error);
+  }
 }
 
 TEST(VocabParallelHeadTest, ABudgetThatCouldDropChunksIsRefused) {
