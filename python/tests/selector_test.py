@@ -25,6 +25,22 @@ def paths():
     return found
 
 
+@contextlib.contextmanager
+def counting_values_backward():
+    """Counts the top-k values' backward runs in [0] (both torch paths run
+    objective._top_k_value_backward)."""
+    from dflash.torch import objective
+    calls = [0]
+    original = objective._top_k_value_backward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    with mock.patch.object(objective, "_top_k_value_backward", counted):
+        yield calls
+
+
 def batch(seed):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(B, N, K, H, generator=gen, dtype=torch.float64)
@@ -186,6 +202,43 @@ class SelectorInputsTest(unittest.TestCase):
                     values[mask].double(),
                     logits.topk(TOP_K, dim=-1).values[mask],
                     rtol=1e-5, atol=1e-5)
+
+    def test_unused_values_skip_their_backward(self):
+        # A loss without the top-k values runs no values backward and gets
+        # the gradient of a call without top_k; values alone get theirs
+        # (as with a loss_num weighed 0).
+        hidden, weight, bias, target_ids, weight_mask = batch(6)
+        for path, context in paths():
+            with self.subTest(path=path), context:
+                def grads(top_k, use):
+                    leaves = [t.clone().requires_grad_()
+                              for t in (hidden, weight, bias)]
+                    with counting_values_backward() as calls:
+                        terms = dflash_objective(
+                            leaves[0], leaves[1], target_ids, weight_mask,
+                            lm_head_bias=leaves[2], top_k=top_k)
+                        use(terms).backward()
+                    return [t.grad for t in leaves], calls[0]
+
+                def loss(terms):
+                    return terms.loss_num
+
+                def values(terms):
+                    return terms.diagnostics.top_k_values.sum()
+
+                def zero_loss_and_values(terms):
+                    return 0 * terms.loss_num + values(terms)
+
+                got, calls = grads(TOP_K, loss)
+                self.assertEqual(calls, 0)
+                want, _ = grads(0, loss)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=0, atol=0)
+                got, calls = grads(TOP_K, values)
+                self.assertEqual(calls, 1)
+                want, _ = grads(TOP_K, zero_loss_and_values)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=1e-15, atol=0)
 
     def test_bad_top_k_backward_inputs_raise(self):
         hidden, weight, _, target_ids, weight_mask = batch(4)

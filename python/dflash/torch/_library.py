@@ -495,8 +495,11 @@ def _register() -> Tuple[Any, Any]:
         ctx.mark_non_differentiable(
             *[t for i, t in enumerate(output)
               if i != 0 and not (top_k and i == _AT["top_k_values"])])
+        # Unused top-k values come to backward as None, not as zeros whose
+        # sparse backward would be work for nothing.
+        ctx.set_materialize_grads(False)
 
-    def backward(ctx: Any, *grad_outputs: torch.Tensor
+    def backward(ctx: Any, *grad_outputs: Optional[torch.Tensor]
                  ) -> Tuple[Optional[torch.Tensor], ...]:
         with torch.no_grad():
             grads = _gradients(ctx, grad_outputs)
@@ -510,7 +513,7 @@ def _register() -> Tuple[Any, Any]:
             [hidden, weight, bias, confidence, z, m], grad_outputs, grads)
         return tied
 
-    def _gradients(ctx: Any, grad_outputs: Sequence[torch.Tensor]
+    def _gradients(ctx: Any, grad_outputs: Sequence[Optional[torch.Tensor]]
                    ) -> Tuple[Optional[torch.Tensor], ...]:
         saved = ctx.saved_tensors
         g = dict(zip(_GRAD_OUTPUTS, saved))
@@ -524,10 +527,14 @@ def _register() -> Tuple[Any, Any]:
                 "torch.no_grad() or with no input requiring grad), so it has "
                 "no gradients to give")
         # The head's gradients are of loss_num / loss_den; loss_num's are
-        # loss_den times those, scaled by what autograd brings.
-        scale: torch.Tensor = grad_outputs[0] * den
+        # loss_den times those, scaled by what autograd brings (None: only
+        # the top-k values carry a gradient).
+        scale: Optional[torch.Tensor] = (
+            None if grad_outputs[0] is None else grad_outputs[0] * den)
 
-        def scaled(grad: torch.Tensor) -> torch.Tensor:
+        def scaled(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            if scale is None:
+                return None
             if grad.dtype == torch.bfloat16:
                 return (grad.float() * scale.float()).to(grad.dtype)
             return grad * scale.to(grad.dtype)

@@ -573,13 +573,16 @@ class _Objective(torch.autograd.Function):
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
               if i != 0 and i != ctx.values_at])
+        # An output no gradient flows to (the top-k values of a loss that
+        # does not use them) comes to backward as None, not as zeros whose
+        # sparse backward would be work for nothing.
+        ctx.set_materialize_grads(False)
         return tuple(returned)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor
+    def backward(ctx: Any, *grad_outputs: Optional[torch.Tensor]
                  ) -> Tuple[Optional[torch.Tensor], ...]:
-        # grad_outputs are tensors: autograd materialises the gradient of
-        # an output none flows to as zeros.
+        # None where no gradient flows to an output (set_materialize_grads).
         with torch.no_grad():
             grads = _Objective._gradients(ctx, *grad_outputs)
         if not torch.is_grad_enabled():
@@ -588,18 +591,22 @@ class _Objective(torch.autograd.Function):
         return _tie_to_error(saved[:3] + saved[5:], grad_outputs, grads)
 
     @staticmethod
-    def _gradients(ctx: Any, grad_num: torch.Tensor,
-                   *unused: torch.Tensor
+    def _gradients(ctx: Any, grad_num: Optional[torch.Tensor],
+                   *unused: Optional[torch.Tensor]
                    ) -> Tuple[Optional[torch.Tensor], ...]:
         # The head's gradients are of loss_num / loss_den; loss_num's are
         # loss_den times those, scaled by what autograd brings (1 / a global
-        # denominator, an accumulation factor, ...).
+        # denominator, an accumulation factor, ...). Without one (only the
+        # top-k values carry a gradient) they add nothing.
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
         hidden, weight, bias, values, ids, _, z, m = saved[len(_GRADIENTS):]
-        scale: torch.Tensor = grad_num * ctx.den
+        scale: Optional[torch.Tensor] = (
+            None if grad_num is None else grad_num * ctx.den)
 
-        def scaled(grad: torch.Tensor) -> torch.Tensor:
+        def scaled(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            if scale is None:
+                return None
             if grad.dtype == torch.bfloat16:
                 # A bfloat16 scale would round it: scale in float32.
                 return (grad.float() * scale.float()).to(grad.dtype)
@@ -618,6 +625,11 @@ class _Objective(torch.autograd.Function):
                   else None)
         grad_values = (None if ctx.values_at is None
                        else unused[ctx.values_at - 1])
+        if grad_values is None and values is not None and (
+                ctx.shard is not None):
+            # Vocab-parallel, every rank runs the values' backward and its
+            # sum over the group, whether its own gradient is None or not.
+            grad_values = torch.zeros_like(values)
         if grad_values is not None and any(
                 needs[i] for i in (5, 6, 7, 12, 13)):
             if grad_hidden is None:
