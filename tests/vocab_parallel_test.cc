@@ -832,11 +832,13 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
     EXPECT_EQ(first.teacher_argmax, single.teacher_argmax) << where;
     EXPECT_EQ(first.top_k, single.top_k) << where;
     for (size_t r = 0; r < single.neg_log_q.size(); ++r) {
-      // Float outputs: their double values rounded once.
-      ExpectNear(first.neg_log_q[r], single.neg_log_q[r], 1e-6,
+      // Double outputs (the confidence gradient in the head's dtype).
+      ExpectNear(first.neg_log_q[r], single.neg_log_q[r], kTolerance,
                  absl::StrCat(where, " neg_log_q ", r));
-      ExpectNear(first.grad_confidence[r], single.grad_confidence[r], 1e-6,
-                 absl::StrCat(where, " confidence gradient ", r));
+      ExpectNear(first.loss_weight[r], single.loss_weight[r], kTolerance,
+                 absl::StrCat(where, " loss_weight ", r));
+      ExpectNear(first.grad_confidence[r], single.grad_confidence[r],
+                 kTolerance, absl::StrCat(where, " confidence gradient ", r));
     }
     EXPECT_LE(NormwiseError(Summed(runs, &HeadRun::grad_hidden),
                             single.grad_hidden),
