@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -216,6 +217,50 @@ TEST(BindConfigTest, TeacherMustMatchTheLoss) {
   EXPECT_EQ(BindConfig(config, tiny.Tensors(), false).status().message(),
             "teacher_hidden: loss.distillation reads the teacher's hidden "
             "states [B, N, K, H], got None");
+}
+
+// neg_log_q and loss_weight are float64 whatever hidden's dtype; the
+// confidence logits and their gradient float64 beside float64 hidden, else
+// float32 (ConfidenceOf).
+TEST(RunObjectiveTest, RowOutputAndConfidenceDTypes) {
+  Tiny tiny;
+  std::vector<float> rows32(4);
+  std::vector<double> rows64(4);
+  for (const char* name : {"neg_log_q", "loss_weight"}) {
+    ObjectiveOutputs outputs = tiny.Outputs();
+    (std::string(name) == "neg_log_q" ? outputs.neg_log_q
+                                      : outputs.loss_weight) =
+        Arg(name, rows32, "float32", {1, 2, 2});
+    EXPECT_EQ(RunObjective(*DefaultConfig(), tiny.Tensors(), outputs, {})
+                  .status()
+                  .message(),
+              std::string(name) + ": must be float64, got float32");
+  }
+  std::vector<double> hidden(12, 0.5), weight(15, 0.25), grad(12);
+  std::vector<double> mask = {0, 1, 0, 1};
+  ObjectiveTensors t{Arg("hidden", hidden, "float64", {1, 2, 2, 3}),
+                     Arg("lm_head_weight", weight, "float64", {5, 3}),
+                     Arg("target_ids", tiny.ids, "int64", {1, 2, 2}),
+                     Arg("weight_mask", mask, "float64", {1, 2, 2})};
+  t.teacher_hidden = Arg("teacher_hidden", hidden, "float64", {1, 2, 2, 3});
+  t.confidence_logits = Arg("confidence_logits", rows32, "float32", {1, 2, 2});
+  ObjectiveOutputs o;
+  o.grad_hidden = Arg("grad_hidden", grad, "float64", {1, 2, 2, 3});
+  o.grad_confidence = Arg("grad_confidence", rows32, "float32", {1, 2, 2});
+  absl::StatusOr<v1::ObjectiveConfig> config =
+      ParseObjectiveConfig("loss { dspark { } }", "test");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(RunObjective(*config, t, o, {}).status().message(),
+            "confidence_logits: must be float64 (the loss reads confidence "
+            "logits in float64 beside float64 hidden, else in float32; hidden "
+            "is float64), got float32");
+  t.confidence_logits = Arg("confidence_logits", rows64, "float64", {1, 2, 2});
+  EXPECT_EQ(RunObjective(*config, t, o, {}).status().message(),
+            "grad_confidence: must be float64, got float32");
+  std::vector<double> grad_confidence(4, 7);
+  o.grad_confidence =
+      Arg("grad_confidence", grad_confidence, "float64", {1, 2, 2});
+  EXPECT_TRUE(RunObjective(*config, t, o, {}).ok());
 }
 
 TEST(RunObjectiveTest, ChecksEveryTensorBeforeWork) {
