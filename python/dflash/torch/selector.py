@@ -12,7 +12,9 @@ and the teacher terms) reduces the same quantities per block position.
 Nothing here is V-wide: the head gives the top-k
 (`dflash_objective(..., top_k=selector.top_k)`: `diagnostics.top_k` ids and
 `diagnostics.top_k_values`, in hidden's dtype with a gradient) and the rows'
-`diagnostics.loss_weight`. The selector network stays with the caller:
+`diagnostics.loss_weight` (float64 whatever hidden's dtype: the sums below
+are then float64; `.float()` it for main's float32 ones in a float32 run).
+The selector network stays with the caller:
 
     terms = dflash_objective(hidden, weight, target_ids, weight_mask,
                              config=..., top_k=selector.top_k)
