@@ -379,6 +379,10 @@ struct VocabShardHandle {
   }
   PythonVocabExchange exchange;
   VocabShard shard;
+  // The runs this shard entered (run_objective): a Python failure between
+  // the agreement and the run, on a count that has not moved, must send a
+  // refusal (refuse) where the others wait in the run's handshake.
+  int64_t runs = 0;
 };
 
 // A PreparedProjection and the tensors it reads, kept alive with it.
@@ -430,6 +434,7 @@ py::dict RunObjectiveFromPython(
   std::optional<RunExchange> exchange;
   VocabShard shard;
   if (vocab_shard != nullptr) {
+    ++vocab_shard->runs;
     PythonVocabExchange& python = vocab_shard->exchange;
     python.Reset();
     exchange.emplace(python);
@@ -764,7 +769,35 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local"),
            "The exchange as the head calls it (for tests): every process's "
            "local values in rank order; a failure of the callable is a "
-           "RuntimeError.");
+           "RuntimeError.")
+      .def_property_readonly(
+          "runs", [](const dp::VocabShardHandle& h) { return h.runs; },
+          "How many runs (run_objective calls) this shard entered.")
+      .def(
+          "refuse",
+          [](dp::VocabShardHandle& h, py::handle error) {
+            // Named by its kind, as the others will see its code.
+            const std::string what = absl::StrCat(
+                std::string(py::str(error.get_type().attr("__name__"))),
+                ": ", std::string(py::str(error)));
+            absl::Status refusal;
+            if (PyErr_GivenExceptionMatches(error.ptr(), PyExc_MemoryError)) {
+              refusal = absl::ResourceExhaustedError(what);
+            } else if (PyErr_GivenExceptionMatches(
+                           error.ptr(), PyExc_KeyboardInterrupt)) {
+              refusal = absl::CancelledError(what);
+            } else {
+              refusal = absl::InvalidArgumentError(what);
+            }
+            h.exchange.Reset();
+            py::gil_scoped_release release;
+            dflash::SendError(h.exchange, refusal).IgnoreError();
+          },
+          py::arg("error"),
+          "Sends this process's refusal of a call (the exception `error` "
+          "raised after the group's agreement, before run_objective) in a "
+          "record shaped like the run's handshake, where the others wait: "
+          "they raise naming this process. The caller then raises `error`.");
   m.def("set_cuda_library_dirs", &dp::SetCudaLibraryDirs, py::arg("dirs"),
         "Folders where the CUDA head looks for cuBLAS first, before the "
         "system's library path and the build's toolkit.");

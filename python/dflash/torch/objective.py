@@ -838,14 +838,24 @@ def _checked_objective(
     if top_k > shard.vocab:
         raise ValueError(f"top_k: must be an int in [0, min(64, V = "
                          f"{shard.vocab})], got {top_k!r}")
-    return _checked_local(
-        hidden, lm_head_weight, target_ids, weight_mask, config=resolved,
-        overrides={}, lm_head_bias=lm_head_bias,
-        teacher_hidden=teacher_hidden, confidence_logits=confidence_logits,
-        correction_inputs=correction_inputs,
-        correction_weight=correction_weight,
-        prepared_projection=prepared_projection, prepare=False,
-        return_rows=return_rows, top_k=top_k, shard=shard)
+    runs = shard.core.runs
+    try:
+        return _checked_local(
+            hidden, lm_head_weight, target_ids, weight_mask, config=resolved,
+            overrides={}, lm_head_bias=lm_head_bias,
+            teacher_hidden=teacher_hidden,
+            confidence_logits=confidence_logits,
+            correction_inputs=correction_inputs,
+            correction_weight=correction_weight,
+            prepared_projection=prepared_projection, prepare=False,
+            return_rows=return_rows, top_k=top_k, shard=shard)
+    except BaseException as error:
+        # Failed on this rank before its run (a check the agreement does
+        # not cover, a MemoryError, Ctrl-C): the others wait in the run's
+        # handshake for its record, so it sends its refusal there.
+        if shard.core.runs == runs:
+            shard.core.refuse(error)
+        raise
 
 
 def _checked_local(
