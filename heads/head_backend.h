@@ -123,8 +123,7 @@ absl::Status NameChunkLossError(const absl::Status& error,
                                 absl::Span<const int64_t> chunk_rows);
 
 // A vocab-parallel head's own checks of options.vocab_shard against the
-// config: an exchange, this process's classes within the vocabulary, no
-// Domino or split correction.
+// config: an exchange, this process's classes within the vocabulary.
 absl::Status CheckVocabShard(const v1::ObjectiveConfig& config,
                              const VocabShard& shard);
 

@@ -769,14 +769,8 @@ absl::Status NameChunkLossError(const absl::Status& error,
 
 absl::Status CheckVocabShard(const v1::ObjectiveConfig& config,
                              const VocabShard& shard) {
-  DFLASH_RETURN_IF_ERROR(CheckShardFields(
-      shard, config.head().vocab_size(), "options.vocab_shard"));
-  if (config.loss().has_domino() || SplitsCorrection(config)) {
-    return absl::InvalidArgumentError(
-        "options.vocab_shard: loss.domino (a correction read apart from the "
-        "logits) does not run vocab-parallel yet");
-  }
-  return absl::OkStatus();
+  return CheckShardFields(shard, config.head().vocab_size(),
+                          "options.vocab_shard");
 }
 
 absl::Status CheckHeadTarget(const v1::HeadConfig& head,

@@ -387,9 +387,51 @@ absl::StatusOr<RowStats> StatsForTarget(const LossParams& p, int32_t target,
   return stats;
 }
 
+// A vocab-parallel row's stats record, every process's merged in rank
+// order: this range's max, sum of exp(z' - max), target logit (-inf where
+// the target lies in another range) and argmax (a global id). ChunkPasses
+// adds a family's fields after these; Domino its base logits' four.
+enum ShardStatsField { kMax, kSumExp, kTargetLogit, kArgmax, kStatsBase };
+
+// `s`, the stats of a range starting at class `offset` (its target logit
+// read where `here`), as a record's first kStatsBase fields at `out`.
+void PutRangeStats(const RowStats& s, bool here, int64_t offset,
+                   double* out) {
+  out[kMax] = s.max_logit;
+  out[kSumExp] = std::exp(s.logsumexp - s.max_logit);
+  out[kTargetLogit] =
+      here ? s.target_logit : -std::numeric_limits<double>::infinity();
+  out[kArgmax] = static_cast<double>(offset + s.argmax);
+}
+
+// Online softmax's merge of one more range's (max, sum of exp(x - max))
+// and its argmax: on ties the earlier range's, the lower id.
+void MergeRange(double max, double sum, double argmax, double& merged_max,
+                double& merged_sum, int32_t& merged_argmax) {
+  if (max > merged_max) {
+    merged_sum = merged_sum * std::exp(merged_max - max) + sum;
+    merged_max = max;
+    merged_argmax = static_cast<int32_t>(argmax);
+  } else {
+    merged_sum += sum * std::exp(max - merged_max);
+  }
+}
+
+// A row error about a range's logit v, with where the range starts.
+absl::Status RangeError(const absl::Status& status, int64_t offset) {
+  std::optional<RowErrorInfo> row = GetRowError(status);
+  if (!row) return status;
+  return RowError(row->row,
+                  absl::StrCat(row->detail, " (counted from class ", offset,
+                               ", this process's first)"));
+}
+
 // Domino's row on the CPU (family_passes.h's DominoPass): each row's base
 // logits and, at positions >= suffix_start, final = base + correction, both
-// transformed into scratch in the working type.
+// transformed into scratch in the working type. Vocab-parallel, the row's
+// logits are classes [offset, offset + vocab) of the whole vocabulary and
+// its whole row's stats (final, then base) are `merged`'s, which every
+// process of the group merged alike (DominoShardStats).
 template <typename T>
 class DominoRow {
  public:
@@ -398,7 +440,8 @@ class DominoRow {
   DominoRow(const LossParams& p, const LogitTransform& transform,
             const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs,
             int64_t r, double mask, std::vector<W>& base,
-            std::vector<W>& final, ChunkTerms& terms)
+            std::vector<W>& final, ChunkTerms& terms, int64_t offset = 0,
+            const RowStats* merged = nullptr)
       : p_(p),
         transform_(transform),
         outputs_(outputs),
@@ -411,35 +454,51 @@ class DominoRow {
         correction_row_(inputs.correction_logits.data() + r * inputs.stride()),
         base_(base),
         final_(final),
-        terms_(terms) {}
+        terms_(terms),
+        offset_(offset),
+        merged_(merged) {}
 
   const LossParams& loss() const { return p_; }
   int32_t target() const { return meta_.target; }
   double mask() const { return mask_; }
   double weight() const { return weight_; }
 
-  bool DominoStats(DominoRowStats& out) {
-    const bool corrected = meta_.position >= p_.suffix_start;
-    for (int64_t v = 0; v < vocab_; ++v) {
-      const W b = static_cast<W>(AsDouble(base_row_[v]));
-      // The sum rounded to the logits' own type, as SpecForge adds them.
-      const W sum = corrected ? static_cast<W>(AsDouble(FromDouble<T>(
-                                    b + static_cast<W>(
-                                            AsDouble(correction_row_[v])))))
-                              : b;
-      base_[v] = static_cast<W>(transform_(b));
-      final_[v] = static_cast<W>(transform_(sum));
-    }
+  // Vocab-parallel: this range's record of the row (ShardStatsField of the
+  // final logits, then of the base logits at kStatsBase); its target is
+  // in [0, vocab) of the whole vocabulary.
+  absl::Status RangeStats(double* out) {
+    Transform();
+    const int64_t local = meta_.target - offset_;
+    const bool here = local >= 0 && local < vocab_;
+    const int32_t target = here ? static_cast<int32_t>(local) : 0;
     absl::StatusOr<RowStats> s =
-        ComputeRowStats<W>(absl::MakeConstSpan(final_), meta_.target, r_);
-    if (s.ok()) {
-      sb_ = ComputeRowStats<W>(absl::MakeConstSpan(base_), meta_.target, r_);
+        ComputeRowStats<W>(absl::MakeConstSpan(final_), target, r_);
+    if (!s.ok()) return RangeError(s.status(), offset_);
+    absl::StatusOr<RowStats> b =
+        ComputeRowStats<W>(absl::MakeConstSpan(base_), target, r_);
+    if (!b.ok()) return RangeError(b.status(), offset_);
+    PutRangeStats(*s, here, offset_, out);
+    PutRangeStats(*b, here, offset_, out + kStatsBase);
+    return absl::OkStatus();
+  }
+
+  bool DominoStats(DominoRowStats& out) {
+    Transform();
+    if (merged_ != nullptr) {
+      s_ = merged_[0];
+      sb_ = merged_[1];
+    } else {
+      absl::StatusOr<RowStats> s =
+          ComputeRowStats<W>(absl::MakeConstSpan(final_), meta_.target, r_);
+      if (s.ok()) {
+        sb_ = ComputeRowStats<W>(absl::MakeConstSpan(base_), meta_.target, r_);
+      }
+      if (!s.ok() || !sb_.ok()) {
+        status_ = s.ok() ? sb_.status() : s.status();
+        return false;
+      }
+      s_ = *s;
     }
-    if (!s.ok() || !sb_.ok()) {
-      status_ = s.ok() ? sb_.status() : s.status();
-      return false;
-    }
-    s_ = *s;
     out.neg_log_q = s_.logsumexp - s_.target_logit;
     out.base_neg_log_q = sb_->logsumexp - sb_->target_logit;
     out.argmax = s_.argmax;
@@ -463,7 +522,7 @@ class DominoRow {
     const bool corrected = meta_.position >= p_.suffix_start;
     bool finite = true;
     for (int64_t v = 0; v < vocab_; ++v) {
-      const double onehot = v == meta_.target;
+      const double onehot = offset_ + v == meta_.target;
       const double d_final = transform_.Chain(
           g_final * (std::exp(final_[v] - s_.logsumexp) - onehot), final_[v]);
       const double d_base = transform_.Chain(
@@ -489,6 +548,21 @@ class DominoRow {
   const absl::Status& status() const { return status_; }
 
  private:
+  // The row's base and final logits, transformed, into base_ and final_.
+  void Transform() {
+    const bool corrected = meta_.position >= p_.suffix_start;
+    for (int64_t v = 0; v < vocab_; ++v) {
+      const W b = static_cast<W>(AsDouble(base_row_[v]));
+      // The sum rounded to the logits' own type, as SpecForge adds them.
+      const W sum = corrected ? static_cast<W>(AsDouble(FromDouble<T>(
+                                    b + static_cast<W>(
+                                            AsDouble(correction_row_[v])))))
+                              : b;
+      base_[v] = static_cast<W>(transform_(b));
+      final_[v] = static_cast<W>(transform_(sum));
+    }
+  }
+
   const LossParams& p_;
   const LogitTransform& transform_;
   const ChunkLossOutputs& outputs_;
@@ -501,10 +575,71 @@ class DominoRow {
   std::vector<W>& base_;
   std::vector<W>& final_;
   ChunkTerms& terms_;
+  const int64_t offset_;
+  const RowStats* const merged_;
   RowStats s_;
   absl::StatusOr<RowStats> sb_;
   absl::Status status_;
 };
+
+// The whole row's stats from every process's record fields from `field`
+// on (ShardStatsField), in rank order; the target logit its owner's.
+RowStats MergeRangeStats(absl::Span<const double* const> records,
+                         int field) {
+  const double lowest = -std::numeric_limits<double>::infinity();
+  double max = lowest, sum = 0, target_logit = 0;
+  int32_t argmax = 0;
+  for (const double* rec : records) {
+    const double* at = rec + field;
+    MergeRange(at[kMax], at[kSumExp], at[kArgmax], max, sum, argmax);
+    if (at[kTargetLogit] > lowest) target_logit = at[kTargetLogit];
+  }
+  return {max, max + std::log(sum), target_logit, argmax};
+}
+
+// Vocab-parallel Domino: every row's final and base stats over this range
+// in one gather (2 * kStatsBase values a row), merged in rank order into
+// two RowStats a row (final, base), the same on every process.
+template <typename T>
+absl::StatusOr<std::vector<RowStats>> DominoShardStats(
+    const LossParams& p, const LogitTransform& transform,
+    const VocabShard& shard, const ChunkLossInputs<T>& inputs,
+    const ChunkLossOutputs& outputs, std::vector<Work<T>>& base,
+    std::vector<Work<T>>& final, ChunkTerms& terms) {
+  constexpr int kPerRow = 2 * kStatsBase;
+  const int64_t num_rows = static_cast<int64_t>(inputs.rows.size());
+  std::vector<double> record(kRecordHead + num_rows * kPerRow, 0.0), gathered;
+  std::vector<double> mask(num_rows);
+  absl::Status local;
+  for (int64_t r = 0; r < num_rows && local.ok(); ++r) {
+    const RowMeta& meta = inputs.rows[r];
+    mask[r] = EffectiveMask(p, meta.target, meta.mask);
+    if (mask[r] == 0) continue;
+    if (meta.target < 0 || meta.target >= shard.vocab) {
+      local = RowError(r, absl::StrCat("target id ", meta.target,
+                                       " is outside [0, ", shard.vocab, ")"));
+      break;
+    }
+    DominoRow<T> row(p, transform, inputs, outputs, r, mask[r], base, final,
+                     terms, shard.offset);
+    local = row.RangeStats(record.data() + kRecordHead + r * kPerRow);
+  }
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
+                                       absl::MakeSpan(record), gathered));
+  const int size = shard.exchange->size();
+  std::vector<RowStats> merged(2 * num_rows);
+  std::vector<const double*> records(size);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (mask[r] == 0) continue;
+    for (int q = 0; q < size; ++q) {
+      records[q] =
+          gathered.data() + q * record.size() + kRecordHead + r * kPerRow;
+    }
+    merged[2 * r] = MergeRangeStats(records, 0);
+    merged[2 * r + 1] = MergeRangeStats(records, kStatsBase);
+  }
+  return merged;
+}
 
 // Domino's chunk: DominoPass over each row with a mask.
 template <typename T>
@@ -517,6 +652,14 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
   const LogitTransform transform(options.logit_scale, options.logit_softcap);
   std::vector<W> base(vocab), final(vocab);
   ChunkTerms terms = ChunkTerms::Zero(options.block_size);
+  const VocabShard* shard = options.vocab_shard;
+  std::vector<RowStats> merged;
+  if (shard != nullptr) {
+    DFLASH_ASSIGN_OR_RETURN(merged,
+                            DominoShardStats<T>(p, transform, *shard, inputs,
+                                                outputs, base, final, terms));
+  }
+  absl::Status local;
   for (int64_t r = 0; r < static_cast<int64_t>(inputs.rows.size()); ++r) {
     const RowMeta& meta = inputs.rows[r];
     const double m = EffectiveMask(p, meta.target, meta.mask);
@@ -526,10 +669,22 @@ absl::StatusOr<ChunkTerms> DominoChunk(const LossParams& p,
                   T{});
       continue;
     }
-    DominoRow<T> row(p, transform, inputs, outputs, r, m, base, final, terms);
+    DominoRow<T> row(p, transform, inputs, outputs, r, m, base, final, terms,
+                     shard != nullptr ? shard->offset : 0,
+                     shard != nullptr ? &merged[2 * r] : nullptr);
     DominoPass(row);
-    DFLASH_RETURN_IF_ERROR(row.status());
+    local = row.status();
+    if (!local.ok()) break;
   }
+  if (shard == nullptr) {
+    DFLASH_RETURN_IF_ERROR(local);
+    return terms;
+  }
+  // Vocab-parallel, a gradient may overflow in one range alone: the
+  // chunk's closing gather (a record head) stops every process here.
+  std::vector<double> record(kRecordHead), gathered;
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard->exchange, local,
+                                       absl::MakeSpan(record), gathered));
   return terms;
 }
 
@@ -1235,7 +1390,6 @@ class ChunkPasses {
   // of z' (label smoothing's mean), the teacher's max, sum of exp and
   // argmax, and top_k_ entries of (value, global id) and, for the teacher
   // diagnostics' mass, the teacher's logit there.
-  enum StatsField { kMax, kSumExp, kTargetLogit, kArgmax, kStatsBase };
   struct StatsLayout {
     int sum = -1, teacher = -1;  // -1: not in the record.
     int top_k = 0, entry = 2, width = 0;
@@ -1281,7 +1435,7 @@ class ChunkPasses {
     return absl::OkStatus();
   }
 
-  // Row r's record over this range (StatsField).
+  // Row r's record over this range (ShardStatsField).
   absl::Status AnalyseRange(int64_t r, const StatsLayout& layout,
                             double* out) {
     const int32_t target = inputs_.rows[r].target;
@@ -1294,12 +1448,8 @@ class ChunkPasses {
     absl::Span<W> z = source_.Draft(r);
     absl::StatusOr<RowStats> s =
         ComputeRowStats<W>(z, here ? static_cast<int32_t>(local) : 0, r);
-    if (!s.ok()) return RangeError(s.status());
-    out[kMax] = s->max_logit;
-    out[kSumExp] = std::exp(s->logsumexp - s->max_logit);
-    out[kTargetLogit] =
-        here ? s->target_logit : -std::numeric_limits<double>::infinity();
-    out[kArgmax] = static_cast<double>(offset_ + s->argmax);
+    if (!s.ok()) return RangeError(s.status(), offset_);
+    PutRangeStats(*s, here, offset_, out);
     if (layout.sum >= 0) {
       double sum = 0;
       for (W x : z) sum += x;
@@ -1309,7 +1459,7 @@ class ChunkPasses {
     if (layout.teacher >= 0) {
       t = source_.Teacher(r);
       absl::StatusOr<RowStats> ts = ComputeRowStats<W>(t, 0, r);
-      if (!ts.ok()) return TeacherError(RangeError(ts.status()));
+      if (!ts.ok()) return TeacherError(RangeError(ts.status(), offset_));
       out[layout.teacher] = ts->max_logit;
       out[layout.teacher + 1] = std::exp(ts->logsumexp - ts->max_logit);
       out[layout.teacher + 2] = static_cast<double>(offset_ + ts->argmax);
@@ -1331,29 +1481,6 @@ class ChunkPasses {
       }
     }
     return absl::OkStatus();
-  }
-
-  // A row error about this range's logit v, with where the range starts.
-  absl::Status RangeError(const absl::Status& status) const {
-    std::optional<RowErrorInfo> row = GetRowError(status);
-    if (!row) return status;
-    return RowError(row->row,
-                    absl::StrCat(row->detail, " (counted from class ", offset_,
-                                 ", this process's first)"));
-  }
-
-  // Online softmax's merge of one more range's (max, sum of exp(x - max))
-  // and its argmax: on ties the earlier range's, the lower id.
-  static void MergeRange(double max, double sum, double argmax,
-                         double& merged_max, double& merged_sum,
-                         int32_t& merged_argmax) {
-    if (max > merged_max) {
-      merged_sum = merged_sum * std::exp(merged_max - max) + sum;
-      merged_max = max;
-      merged_argmax = static_cast<int32_t>(argmax);
-    } else {
-      merged_sum += sum * std::exp(max - merged_max);
-    }
   }
 
   // Row r's stats, top-k and metrics from every process's record, in rank
@@ -1615,11 +1742,6 @@ absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options) {
   DFLASH_RETURN_IF_ERROR(
       ValidateChunkLossOptions(options, /*vocab_parallel=*/true));
-  if (options.vocab_shard != nullptr && params.family == LossFamily::kDomino) {
-    return absl::InvalidArgumentError(
-        "vocab_shard: loss.domino does not run vocab-parallel yet (its base "
-        "and correction logits are two tensors)");
-  }
   return CpuChunkLoss(params, options);
 }
 

@@ -176,8 +176,9 @@ struct ChunkLossOutputs {
 // class at least each, with agreeing vocab and chunk shapes: else an
 // InvalidArgument on every process. An error on one process (a non-finite
 // logit, ...) is an error on every process (the others' names the process
-// and, where it has one, the row), never a hang. Domino (two logit tensors)
-// is refused.
+// and, where it has one, the row), never a hang. Domino's correction
+// logits are the same range's (its final and base logits' stats travel in
+// one record).
 template <typename T>
 class CpuChunkLoss {
  public:

@@ -540,20 +540,291 @@ TEST(VocabParallelLossTest, AConfidenceErrorAfterARowSumIsAnErrorOnEvery) {
   }
 }
 
-TEST(VocabParallelLossTest, DominoAndTheCudaLossRefuseAShard) {
+TEST(VocabParallelLossTest, TheCudaLossRefusesAShard) {
   ThreadGroup group(1, kTimeout);
   const VocabShard shard{0, kV, &group.exchange(0)};
-  absl::StatusOr<LossParams> domino =
-      ResolveChunkLoss(Parse("domino { lambda_base: 0.3 }"));
-  ASSERT_TRUE(domino.ok()) << domino.status();
   const ChunkLossOptions options{kK, 1, 0, 0, &shard};
-  EXPECT_EQ(CpuChunkLoss<double>::Create(*domino, options).status().message(),
-            "vocab_shard: loss.domino does not run vocab-parallel yet (its "
-            "base and correction logits are two tensors)");
   // CudaChunkLoss::Create checks its options with this.
   EXPECT_EQ(ValidateChunkLossOptions(options).message(),
             "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
             "none, or run the CPU loss)");
+}
+
+// Domino: the base logits (Chunk::logits) and a correction's logits
+// (Chunk::teacher stands in for them), both this range's; its final and
+// base logits' stats merged from one gather.
+struct DominoCase {
+  std::string name;
+  std::string loss;
+  double scale = 1, softcap = 0;
+  bool masked = false;  // Every row without a mask.
+};
+
+std::vector<DominoCase> DominoCases() {
+  return {
+      {"Domino", "domino { lambda_base: 0.3 pure_draft_prefix_len: 1 "
+                 "gamma: 4 }"},
+      {"DominoShift", "domino { lambda_base: 0.3 shift_label: true gamma: 4 }"},
+      {"DominoFinalOnly", "domino { shift_label: true pure_draft_prefix_len: "
+                          "1 }"},
+      {"DominoSoftcapScale", "domino { lambda_base: 0.5 }", 0.7, 5},
+      {"DominoMaskedChunk", "domino { lambda_base: 0.3 }", 1, 0, true},
+  };
+}
+
+template <typename T>
+struct DominoResult {
+  absl::Status status;
+  ChunkTerms terms;
+  std::vector<T> base, correction;  // Gradients, [rows x width].
+  std::vector<double> neg_log_q, target_probability, loss_weight;
+  std::vector<int32_t> argmax, base_argmax;
+};
+
+template <typename T>
+DominoResult<T> RunDomino(const LossParams& params, const DominoCase& c,
+                          const Chunk& chunk, int64_t offset, int64_t width,
+                          const VocabShard* shard) {
+  DominoResult<T> out;
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t v = 0; v < width; ++v) {
+      out.base.push_back(FromDouble<T>(chunk.logits[r * kV + offset + v]));
+      out.correction.push_back(
+          FromDouble<T>(chunk.teacher[r * kV + offset + v]));
+    }
+  }
+  out.neg_log_q.resize(kRows);
+  out.target_probability.resize(kRows);
+  out.loss_weight.resize(kRows);
+  out.argmax.resize(kRows);
+  out.base_argmax.resize(kRows);
+  const ChunkLossOptions options{kK, c.scale, c.softcap, 0, shard};
+  absl::StatusOr<CpuChunkLoss<T>> loss =
+      CpuChunkLoss<T>::Create(params, options);
+  if (!loss.ok()) {
+    out.status = loss.status();
+    return out;
+  }
+  std::vector<RowMeta> rows = chunk.rows;
+  if (c.masked) {
+    for (RowMeta& row : rows) row.mask = 0;
+  }
+  ChunkLossInputs<T> inputs{absl::MakeSpan(out.base), {}, {}, rows, width,
+                            absl::MakeSpan(out.correction)};
+  ChunkLossOutputs outputs;
+  outputs.neg_log_q = absl::MakeSpan(out.neg_log_q);
+  outputs.argmax = absl::MakeSpan(out.argmax);
+  outputs.target_probability = absl::MakeSpan(out.target_probability);
+  outputs.loss_weight = absl::MakeSpan(out.loss_weight);
+  outputs.base_argmax = absl::MakeSpan(out.base_argmax);
+  absl::StatusOr<ChunkTerms> terms = loss->Run(inputs, outputs);
+  out.status = terms.status();
+  if (terms.ok()) out.terms = *terms;
+  return out;
+}
+
+// The ranges' gradients stacked against the single run's, normwise.
+template <typename T>
+double DominoGradientError(const std::vector<DominoResult<T>>& results,
+                           const Ranges& ranges,
+                           const std::vector<T>& single,
+                           std::vector<T> DominoResult<T>::*field) {
+  double max_error = 0, max_value = 0;
+  for (size_t q = 0; q < results.size(); ++q) {
+    const int64_t width = ranges.widths[q];
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t v = 0; v < width; ++v) {
+        const double a = AsDouble((results[q].*field)[r * width + v]);
+        const double b = AsDouble(single[r * kV + ranges.offsets[q] + v]);
+        max_error = std::max(max_error, std::abs(a - b));
+        max_value = std::max(max_value, std::abs(b));
+      }
+    }
+  }
+  return max_value > 0 ? max_error / max_value : max_error;
+}
+
+template <typename T>
+void CheckDomino(const DominoCase& c) {
+  const double tolerance = std::is_same_v<T, double> ? 1e-12 : 1e-6;
+  const double gradient_tolerance =
+      std::is_same_v<T, BFloat16> ? 1.0 / 256 : tolerance;
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(Parse(c.loss));
+  ASSERT_TRUE(params.ok()) << params.status();
+  const Chunk chunk = MakeChunk(29, false);
+  const DominoResult<T> single = RunDomino<T>(*params, c, chunk, 0, kV, nullptr);
+  ASSERT_TRUE(single.status.ok()) << single.status;
+  for (int size : {2, 3, 4}) {
+    const std::string where = absl::StrCat(c.name, " W=", size);
+    const Ranges ranges = SplitVocab(kV, size);
+    ThreadGroup group(size, kTimeout);
+    std::vector<DominoResult<T>> results(size);
+    RunRanks(size, [&](int q) {
+      const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+      results[q] = RunDomino<T>(*params, c, chunk, ranges.offsets[q],
+                                ranges.widths[q], &shard);
+    });
+    for (int q = 0; q < size; ++q) {
+      ASSERT_TRUE(results[q].status.ok()) << where << " " << results[q].status;
+    }
+    const DominoResult<T>& first = results[0];
+    ExpectTermsNear(first.terms, single.terms, tolerance, where);
+    EXPECT_EQ(first.argmax, single.argmax) << where;
+    EXPECT_EQ(first.base_argmax, single.base_argmax) << where;
+    for (int64_t r = 0; r < kRows; ++r) {
+      const std::string row = absl::StrCat(where, " row ", r);
+      ExpectNear(first.neg_log_q[r], single.neg_log_q[r], tolerance, row);
+      ExpectNear(first.target_probability[r], single.target_probability[r],
+                 tolerance, row + " q");
+      ExpectNear(first.loss_weight[r], single.loss_weight[r], tolerance,
+                 row + " w");
+    }
+    EXPECT_LE(DominoGradientError(results, ranges, single.base,
+                                  &DominoResult<T>::base),
+              gradient_tolerance)
+        << where << " d/d(base logits)";
+    EXPECT_LE(DominoGradientError(results, ranges, single.correction,
+                                  &DominoResult<T>::correction),
+              gradient_tolerance)
+        << where << " d/d(correction logits)";
+    for (int q = 1; q < size; ++q) {
+      const std::string other = absl::StrCat(where, " process ", q);
+      ExpectTermsEqual(results[q].terms, first.terms, other);
+      EXPECT_EQ(results[q].argmax, first.argmax) << other;
+      EXPECT_EQ(results[q].base_argmax, first.base_argmax) << other;
+      EXPECT_EQ(results[q].neg_log_q, first.neg_log_q) << other;
+      EXPECT_EQ(results[q].target_probability, first.target_probability)
+          << other;
+      EXPECT_EQ(results[q].loss_weight, first.loss_weight) << other;
+    }
+  }
+}
+
+class VocabParallelDominoTest : public ::testing::TestWithParam<DominoCase> {};
+
+TEST_P(VocabParallelDominoTest, Float64EqualsSingleProcess) {
+  CheckDomino<double>(GetParam());
+}
+
+TEST_P(VocabParallelDominoTest, Float32EqualsSingleProcess) {
+  CheckDomino<float>(GetParam());
+}
+
+TEST_P(VocabParallelDominoTest, BFloat16EqualsSingleProcess) {
+  CheckDomino<BFloat16>(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Domino, VocabParallelDominoTest, ::testing::ValuesIn(DominoCases()),
+    [](const ::testing::TestParamInfo<DominoCase>& info) {
+      return info.param.name;
+    });
+
+TEST(VocabParallelDominoTest, TiesAcrossRangesGoToTheLowerId) {
+  const DominoCase c{"Ties", "domino { lambda_base: 0.3 }"};
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(Parse(c.loss));
+  ASSERT_TRUE(params.ok());
+  const Chunk chunk = MakeChunk(5, false);
+  const Ranges ranges = SplitVocab(kV, 4);
+  ThreadGroup group(4, kTimeout);
+  std::vector<DominoResult<double>> results(4);
+  RunRanks(4, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+    results[q] = RunDomino<double>(*params, c, chunk, ranges.offsets[q],
+                                   ranges.widths[q], &shard);
+  });
+  ASSERT_TRUE(results[0].status.ok()) << results[0].status;
+  // Rows 0 and 5 have their base and correction maxima at ids 2, 5, 6, 8,
+  // 9 (ranges [0, 3) [3, 6) [6, 9) [9, 11)); row 5 is past suffix_start 1.
+  EXPECT_EQ(results[0].base_argmax[0], 2);
+  EXPECT_EQ(results[0].base_argmax[5], 2);
+  EXPECT_EQ(results[0].argmax[0], 2);
+  EXPECT_EQ(results[0].argmax[5], 2);
+}
+
+// A handshake, the stats (the final and the base logits' four fields a
+// row) and the chunk's closing gather (a record head).
+TEST(VocabParallelDominoTest, GathersPerChunk) {
+  absl::StatusOr<LossParams> params =
+      ResolveChunkLoss(Parse("domino { lambda_base: 0.3 }"));
+  ASSERT_TRUE(params.ok());
+  const DominoCase c{"", "domino { lambda_base: 0.3 }"};
+  const Chunk chunk = MakeChunk(9, false);
+  const Ranges ranges = SplitVocab(kV, 2);
+  ThreadGroup group(2, kTimeout);
+  RunRanks(2, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+    EXPECT_TRUE(RunDomino<double>(*params, c, chunk, ranges.offsets[q],
+                                  ranges.widths[q], &shard)
+                    .status.ok());
+  });
+  EXPECT_EQ(group.calls(0), 3);
+  EXPECT_EQ(group.bytes(0), 8 * kHandshakeSize + 8 * (2 + kRows * 8) + 8 * 2);
+}
+
+TEST(VocabParallelDominoTest, AnErrorOnOneProcessIsAnErrorOnEvery) {
+  absl::StatusOr<LossParams> params =
+      ResolveChunkLoss(Parse("domino { lambda_base: 0.3 }"));
+  ASSERT_TRUE(params.ok());
+  const DominoCase c{"", "domino { lambda_base: 0.3 }"};
+  const Ranges ranges = SplitVocab(kV, 3);
+  ThreadGroup group(3, kTimeout);
+  std::vector<absl::Status> statuses(3);
+  RunRanks(3, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+    Chunk chunk = MakeChunk(3, false);
+    // Row 5 (position 1) is past suffix_start 1: its final logit at class
+    // 5 is nan.
+    if (q == 1) chunk.teacher[5 * kV + 5] = std::nan("");
+    statuses[q] = RunDomino<double>(*params, c, chunk, ranges.offsets[q],
+                                    ranges.widths[q], &shard)
+                      .status;
+  });
+  EXPECT_EQ(statuses[1].message(),
+            "row 5: logit 1 is not finite (nan) (counted from class 4, this "
+            "process's first)");
+  for (int q : {0, 2}) {
+    EXPECT_EQ(statuses[q].message(),
+              "row 5: vocab_shard: process 1 of 3 failed on this row (its own "
+              "error says why)");
+  }
+}
+
+// A float gradient that overflows in the target's range alone (row 6's
+// mask of 1e39): the chunk's closing gather stops every process.
+TEST(VocabParallelDominoTest, AnOverflowInOneRangeIsAnErrorOnEvery) {
+  absl::StatusOr<LossParams> params =
+      ResolveChunkLoss(Parse("domino { lambda_base: 0.3 }"));
+  ASSERT_TRUE(params.ok());
+  const DominoCase c{"", "domino { lambda_base: 0.3 }"};
+  Chunk chunk = MakeChunk(3, false);
+  chunk.rows[6].mask = 1e39;
+  const DominoResult<float> single =
+      RunDomino<float>(*params, c, chunk, 0, kV, nullptr);
+  ASSERT_TRUE(absl::StrContains(single.status.message(), "overflows"))
+      << single.status;
+  const Ranges ranges = SplitVocab(kV, 3);
+  ThreadGroup group(3, kTimeout);
+  std::vector<absl::Status> statuses(3);
+  RunRanks(3, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
+    statuses[q] = RunDomino<float>(*params, c, chunk, ranges.offsets[q],
+                                   ranges.widths[q], &shard)
+                      .status;
+  });
+  int overflowed = 0;
+  for (int q = 0; q < 3; ++q) {
+    ASSERT_FALSE(statuses[q].ok()) << q;
+    if (statuses[q].message() == single.status.message()) {
+      ++overflowed;
+    } else {
+      EXPECT_TRUE(absl::StartsWith(statuses[q].message(),
+                                   "row 6: vocab_shard: process "))
+          << statuses[q];
+    }
+  }
+  EXPECT_GE(overflowed, 1);
+  EXPECT_LT(overflowed, 3);
 }
 
 // A shard's own fields (CheckShardFields): the loss's options, its inputs'
@@ -727,14 +998,16 @@ HeadRun RunHeadRangeAs(const v1::ObjectiveConfig& whole, const HeadBatch& h,
   out.argmax.resize(rows);
   out.base_argmax.resize(rows);
   out.teacher_argmax.resize(rows);
-  out.top_k.resize(rows * kHeadTopK);
+  // Domino takes no top-k.
+  const bool top_k = !config.loss().has_domino();
+  out.top_k.resize(top_k ? rows * kHeadTopK : 0);
   HeadRowOutputs row_outputs;
   row_outputs.neg_log_q = absl::MakeSpan(out.neg_log_q);
   row_outputs.argmax = absl::MakeSpan(out.argmax);
   row_outputs.base_argmax = absl::MakeSpan(out.base_argmax);
   row_outputs.teacher_argmax = absl::MakeSpan(out.teacher_argmax);
   row_outputs.top_k = absl::MakeSpan(out.top_k);
-  row_outputs.k = kHeadTopK;
+  row_outputs.k = top_k ? kHeadTopK : 0;
   row_outputs.loss_weight = absl::MakeSpan(out.loss_weight);
   HeadOptions options;
   options.upstream_gradient = tweaks.upstream_gradient;
@@ -825,10 +1098,7 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
     ExpectTermsNear(first.result.terms, single.result.terms, kTolerance,
                     where);
     EXPECT_EQ(first.argmax, single.argmax) << where;
-    // Domino (the one family with base logits) refuses a shard.
-    EXPECT_EQ(first.base_argmax,
-              std::vector<int32_t>(single.base_argmax.size(), -1))
-        << where;
+    EXPECT_EQ(first.base_argmax, single.base_argmax) << where;
     EXPECT_EQ(first.teacher_argmax, single.teacher_argmax) << where;
     EXPECT_EQ(first.top_k, single.top_k) << where;
     for (size_t r = 0; r < single.neg_log_q.size(); ++r) {
@@ -1137,16 +1407,42 @@ TEST(VocabParallelHeadTest, ABudgetThatCouldDropChunksIsRefused) {
   }
 }
 
-TEST(VocabParallelHeadTest, DominoIsRefused) {
-  const v1::ObjectiveConfig config =
-      ConfigBuilder("domino { lambda_base: 0.3 }")
-          .ExtraHead("correction_rank: 2")
-          .Build();
-  const std::vector<absl::Status> statuses = HeadStatuses(config, config);
-  for (const absl::Status& status : statuses) {
-    EXPECT_EQ(status.message(),
-              "options.vocab_shard: loss.domino (a correction read apart "
-              "from the logits) does not run vocab-parallel yet");
+const char* const kDominoLosses[] = {
+    "domino { lambda_base: 0.3 pure_draft_prefix_len: 1 gamma: 4 }",
+    "domino { lambda_base: 0.3 shift_label: true }",
+};
+
+// The split correction's weight rows sharded as the head's, trained in
+// every mode; its inputs' gradient summed over the processes.
+TEST(VocabParallelHeadTest, DominoEveryModeEqualsTheSingleProcessHead) {
+  for (const char* loss : kDominoLosses) {
+    for (const char* mode : head_test::kModes) {
+      for (bool trainable : {false, true}) {
+        CheckHead(ConfigBuilder(loss)
+                      .Mode(mode)
+                      .Trainable(trainable)
+                      .ExtraHead("correction_rank: 2")
+                      .Build(),
+                  absl::StrCat(loss, " ", mode, trainable ? " trainable" : ""));
+      }
+    }
+  }
+}
+
+TEST(VocabParallelHeadTest, DominoFloat32SoftcapAndForwardOnly) {
+  for (const char* loss : kDominoLosses) {
+    for (const char* mode : {"FUSED", "CHECKPOINT"}) {
+      v1::ObjectiveConfig config =
+          ConfigBuilder(loss)
+              .Mode(mode)
+              .Trainable()
+              .ExtraHead("correction_rank: 2 logit_softcap: 6")
+              .Build();
+      CheckHead(config, absl::StrCat(loss, " ", mode, " forward only"),
+                /*forward_only=*/true);
+      config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
+      CheckHead(config, absl::StrCat(loss, " ", mode, " float32"));
+    }
   }
 }
 

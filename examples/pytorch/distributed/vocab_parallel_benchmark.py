@@ -7,7 +7,10 @@ each rank receives (W - 1) times that), the all-reduce of the gradient of
 hidden (H float32 values a row, once per call), rank 0's time inside the
 exchanges and the all-reduce (waiting for the slowest rank included), and
 the time of a training call (forward and backward, FUSED) on W ranks and
-on one process (the median of --repeat calls).
+on one process (the median of --repeat calls). Domino runs with a
+correction of rank --correction_rank (its weight [V, R] sharded as the
+head's; the all-reduce then carries the correction inputs' gradient too,
+H + R float32 values a row) and without top_k (it takes none).
 
     python3 examples/pytorch/distributed/vocab_parallel_benchmark.py \
         --world 2 --vocab 32768 --hidden 1024 --rows 1024
@@ -36,8 +39,11 @@ FAMILIES = {
     "dflash": "loss { dflash { gamma: 7 } }",
     "dspark": "loss { dspark { gamma: 7 confidence_weight: 0 } }",
     "jsd": "loss { distillation { divergence: JSD } }",
+    "domino": "loss { domino { lambda_base: 0.3 } }",
 }
 TEACHER = {"dspark", "jsd"}
+# Families that read a correction apart from the logits.
+SPLIT = {"domino"}
 
 
 def parse_args(argv=None):
@@ -54,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--families", default="dflash,dspark,jsd")
     p.add_argument("--top_k", default="0,16")
     p.add_argument("--metric_top_k", type=int, default=16)
+    p.add_argument("--correction_rank", type=int, default=16,
+                   help="Domino's correction rank R")
     return p.parse_args(argv)
 
 
@@ -70,12 +78,18 @@ def batch(args):
         "target_ids": torch.randint(0, args.vocab, (blocks, 1, k),
                                     generator=g),
         "weight_mask": torch.ones(blocks, 1, k),
+        "z": torch.randn(blocks, 1, k, args.correction_rank, generator=g),
+        "m": torch.randn(args.vocab, args.correction_rank, generator=g)
+        / args.correction_rank**0.5,
     }
 
 
-def timed_call(x, weight, family, top_k, args, group):
+def timed_call(x, weight, m, family, top_k, args, group):
     hidden = x["hidden"].clone().requires_grad_()
     extra = {"teacher_hidden": x["teacher"]} if family in TEACHER else {}
+    if family in SPLIT:
+        extra["correction_inputs"] = x["z"].clone().requires_grad_()
+        extra["correction_weight"] = m
     start = time.perf_counter()
     terms = dflash_objective(hidden, weight, x["target_ids"],
                              x["weight_mask"],
@@ -90,7 +104,7 @@ def timed_call(x, weight, family, top_k, args, group):
 
 def cases(args):
     return [(f, int(k)) for f in args.families.split(",")
-            for k in args.top_k.split(",")]
+            for k in args.top_k.split(",") if f not in SPLIT or int(k) == 0]
 
 
 def rank_main(rank, world, args, directory):
@@ -101,6 +115,7 @@ def rank_main(rank, world, args, directory):
     x = batch(args)
     group = dist.group.WORLD
     weight = shard_rows(x["weight"], group)
+    m = shard_rows(x["m"], group)
     counts = {"calls": 0, "values": 0, "seconds": 0.0}
     original = _vocab_parallel._all_gather_into
     summing = _vocab_parallel.sum_over
@@ -125,11 +140,11 @@ def rank_main(rank, world, args, directory):
     _vocab_parallel.sum_over = timed_sum
     rows = x["target_ids"].numel()
     for family, top_k in cases(args):
-        timed_call(x, weight, family, top_k, args, group)  # Warm-up.
+        timed_call(x, weight, m, family, top_k, args, group)  # Warm-up.
         counts.update(calls=0, values=0, seconds=0.0)
         seconds = []
         for _ in range(args.repeat):
-            elapsed, chunks = timed_call(x, weight, family, top_k, args,
+            elapsed, chunks = timed_call(x, weight, m, family, top_k, args,
                                          group)
             seconds.append(elapsed)
         calls = counts["calls"] / args.repeat
@@ -155,20 +170,23 @@ def main(argv=None):
           f"each; metric_top_k {args.metric_top_k}; medians of "
           f"{args.repeat}")
     print("| family | top_k | all-gathers / chunk | sent B / row "
-          "(all-gathers) | all-reduce B / row (d hidden) | exchange ms / "
-          "chunk | ranks ms / chunk | one process ms / chunk | ratio (ideal "
+          "(all-gathers) | all-reduce B / row (d hidden, Domino's d z) | "
+          "exchange ms / chunk | ranks ms / chunk | one process ms / chunk | "
+          "ratio (ideal "
           f"{1 / args.world:.2f}) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for family, top_k in cases(args):
-        timed_call(x, x["weight"], family, top_k, args, None)
-        single = [timed_call(x, x["weight"], family, top_k, args, None)[0]
-                  for _ in range(args.repeat)]
+        whole = (x, x["weight"], x["m"], family, top_k, args, None)
+        timed_call(*whole)
+        single = [timed_call(*whole)[0] for _ in range(args.repeat)]
         r = torch.load(os.path.join(directory, f"{family}_{top_k}.pt"))
         chunks = r["chunks"]
         ranks_ms = 1e3 * statistics.median(r["seconds"]) / chunks
         one_ms = 1e3 * statistics.median(single) / chunks
+        reduced = 4 * (args.hidden
+                       + (args.correction_rank if family in SPLIT else 0))
         print(f"| {family} | {top_k} | {r['rounds'] / chunks:.1f} | "
-              f"{8 * r['values'] / r['rows']:.0f} | {4 * args.hidden} | "
+              f"{8 * r['values'] / r['rows']:.0f} | {reduced} | "
               f"{1e3 * r['exchange'] / chunks:.1f} | {ranks_ms:.1f} | "
               f"{one_ms:.1f} | {ranks_ms / one_ms:.2f} |")
 

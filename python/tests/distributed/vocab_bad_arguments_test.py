@@ -4,8 +4,8 @@ Non-CPU tensors, shards that are not the balanced split of the
 vocabulary, ranks whose shapes, dtypes, targets, configs or inputs
 requiring a gradient differ, a vocabulary smaller than the group, a rank
 whose own arguments are refused (the others raise too), top_k beyond the
-whole vocabulary, the families and options the vocab-parallel loss refuses
-(Domino; a checkpoint memory budget that would not keep every chunk), a
+whole vocabulary, the options the vocab-parallel head refuses (a
+checkpoint memory budget that would not keep every chunk), a
 vocab_group that is no process group, and a Python exception inside the
 exchange. And a rank failing alone after the agreement (a check of the
 binding's, an exception or KeyboardInterrupt in its exchange at each kind
@@ -96,9 +96,7 @@ def refusals_rank(rank, world):
         w=tiny[start:stop].contiguous(), t=targets % 2))
     # top_k beyond the whole vocabulary (11 < 12 <= 64).
     out["top_k"] = _raised(call(top_k=V + 1))
-    # What the vocab-parallel loss refuses.
-    out["domino"] = _raised(call(
-        config="loss { domino { gamma: 4 } }"))
+    # What the vocab-parallel head refuses.
     out["memory_budget"] = _raised(call(
         h=hidden.clone().requires_grad_(),  # A training call keeps chunks.
         config=("loss { dflash { gamma: 7 } } "
@@ -269,8 +267,7 @@ class RefusalsTest(unittest.TestCase):
         self.assertEveryRank("top_k", r"top_k: must be an int in \[0, "
                              r"min\(64, V = 11\)\], got 12")
 
-    def test_families_the_vocab_parallel_loss_refuses(self):
-        self.assertEveryRank("domino", r"[Dd]omino")
+    def test_options_the_vocab_parallel_head_refuses(self):
         self.assertEveryRank("memory_budget", r"memory_budget_bytes")
 
     def test_an_exception_inside_the_exchange(self):

@@ -20,8 +20,7 @@ from dflash.torch.distributed import shard_rows, vocab_shard_range
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6}
 
-# Loss families by config text (SpecForge's and dflash's; Domino is refused
-# vocab-parallel and tested as a refusal).
+# Loss families by config text (SpecForge's and dflash's), Domino apart.
 FAMILIES = {
     "dflash": "loss { dflash { gamma: 7 } }",
     "label_smoothing": ("loss { dflash { gamma: 7 } cross_entropy { "
@@ -42,6 +41,16 @@ FAMILIES = {
     "reverse_kl": "loss { distillation { divergence: REVERSE_KL } }",
     "jsd": "loss { distillation { divergence: JSD beta: 0.3 } }",
 }
+# Domino, with and without its label shift: families that read a
+# correction apart from the logits (a case gives it "correction" > 0), and
+# take no top-k.
+SPLIT_FAMILIES = {
+    "domino": ("loss { domino { lambda_base: 0.3 pure_draft_prefix_len: 1 "
+               "gamma: 4 } }"),
+    "domino_shift": ("loss { domino { lambda_base: 0.3 shift_label: true } "
+                     "}"),
+}
+CONFIGS = {**FAMILIES, **SPLIT_FAMILIES}
 NEEDS_TEACHER = {"dspark", "dpard", "forward_kl", "reverse_kl", "jsd"}
 NEEDS_CONFIDENCE = {"dspark", "dpard"}
 
@@ -128,7 +137,7 @@ def run(c: Dict[str, Any], group: Optional[Any]) -> Dict[str, torch.Tensor]:
         extra["correction_weight"] = m
     terms = dflash_objective(
         hidden, weight, x["target_ids"], x["weight_mask"],
-        config=FAMILIES[family], lm_head_bias=bias,
+        config=CONFIGS[family], lm_head_bias=bias,
         return_rows=c["return_rows"], top_k=c["top_k"], threads=1,
         vocab_group=group, **extra)
     d = terms.diagnostics
@@ -237,5 +246,5 @@ def _range(vocab: int, world: int, rank: int):
     return start, start + base + (1 if rank < extra else 0)
 
 
-__all__ = ["FAMILIES", "VocabTestCase", "case", "inputs", "run",
+__all__ = ["FAMILIES", "SPLIT_FAMILIES", "VocabTestCase", "case", "inputs", "run",
            "run_cases", "vocab_shard_range"]

@@ -1,8 +1,8 @@
 """The vocab-parallel head on four gloo ranks (two cores):
 
 - four vocab shards of V = 7 (2, 2, 2, 1 rows: smaller than top_k = 5 and
-  than the metric's top-16, capped at 7) and of V = 37, against one process
-  (vocab_cases.py);
+  than the metric's top-16, capped at 7; Domino's correction sharded
+  alike) and of V = 37, against one process (vocab_cases.py);
 - 2 x 2 data x vocab: two vocab groups of two ranks ({0, 1}, {2, 3}), each
   a data-parallel replica with micro-batches of its own (2 unequal
   micro-batches per window, one of them without weight), the draft's
@@ -36,6 +36,8 @@ FOUR = [
     case("reverse_kl", "reverse_kl", V=13),
     case("masked_chunk", masked_chunk=True, top_k=2,
          overrides={"chunk_blocks": 3}),
+    case("domino_shards_of_one_row", "domino", V=7, correction=2,
+         trainable=True, ties=True),
 ]
 
 # [replica][micro-batch] = (sequences, without weight); a second window

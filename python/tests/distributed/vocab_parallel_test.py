@@ -2,7 +2,9 @@
 three gloo ranks against one process holding the whole weight
 (vocab_cases.py): every loss family it runs (dflash CE, label smoothing
 and z-loss, the D-PACE variants, LK, TV, DSpark with its teacher and
-confidence, D-PARD, distillation), float64 (1e-12) and float32 (1e-6), the
+confidence, D-PARD, distillation; Domino with and without its label shift,
+its correction's weight sharded as lm_head's), float64 (1e-12) and float32
+(1e-6), the
 head's execution modes, top-k values and their gradient, a trainable
 weight and bias, a logit correction, the teacher diagnostics, ties across
 shard boundaries, every target in one shard and an all-masked chunk; a
@@ -38,6 +40,23 @@ TWO += [
     case("mode_" + mode, top_k=3, trainable=True,
          overrides={"mode": mode, "chunk_blocks": 2})
     for mode in ("materialize", "save", "checkpoint", "selective", "fused")
+] + [
+    case(family, family, correction=2)
+    for family in vocab_cases.SPLIT_FAMILIES
+] + [
+    case("domino_trainable_bias", "domino", correction=3, trainable=True,
+         bias=True),
+    case("domino_float32", "domino", dtype=torch.float32, correction=2,
+         trainable=True),
+    case("domino_ties", "domino_shift", V=36, correction=2, ties=True),
+    case("domino_targets_in_one_shard", "domino", correction=2,
+         targets="last_shard"),
+    case("domino_masked_chunk", "domino", correction=2, masked_chunk=True,
+         overrides={"chunk_blocks": 3}),
+] + [
+    case("domino_mode_" + mode, "domino", correction=2, trainable=True,
+         overrides={"mode": mode, "chunk_blocks": 2})
+    for mode in ("materialize", "save", "checkpoint", "selective", "fused")
 ]
 
 THREE = [
@@ -48,6 +67,10 @@ THREE = [
     case("ties", V=37, top_k=6, ties=True),
     case("float32", dtype=torch.float32, top_k=4, trainable=True),
     case("masked_chunk", masked_chunk=True, overrides={"chunk_blocks": 3}),
+    case("domino", "domino", correction=2, trainable=True),
+    case("domino_shift_ties", "domino_shift", V=37, correction=2, ties=True),
+    case("domino_float32", "domino_shift", dtype=torch.float32,
+         correction=2),
 ]
 
 
