@@ -1289,63 +1289,73 @@ const char* const kStopModes[] = {"FUSED", "CHECKPOINT", "SELECTIVE"};
 // An allocation that fails on one process, wherever it is (Start's
 // workspaces, a chunk's, the checkpoints', backward's): a budget of
 // i / 8 of that process's peak.
+// DSpark (rounds) and Domino (a split correction, a chunk's closing
+// gather).
+std::vector<v1::ObjectiveConfig> StopConfigs(const char* mode, bool trainable) {
+  return {ConfigBuilder("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: "
+                        "0.3 }")
+              .Mode(mode)
+              .Trainable(trainable)
+              .Build(),
+          ConfigBuilder("domino { lambda_base: 0.3 pure_draft_prefix_len: 1 }")
+              .Mode(mode)
+              .Trainable(trainable)
+              .ExtraHead("correction_rank: 2")
+              .Build()};
+}
+
 TEST(VocabParallelHeadTest, AFailedAllocationOnOneProcessStopsEvery) {
   for (const char* mode : kStopModes) {
-    const v1::ObjectiveConfig config =
-        ConfigBuilder("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: "
-                      "0.3 }")
-            .Mode(mode)
-            .Trainable()
-            .Build();
-    const std::vector<HeadRun> whole = FailOnProcessOne(config, RunTweaks());
-    ASSERT_TRUE(whole[1].status.ok()) << mode << " " << whole[1].status;
-    const int64_t peak = whole[1].result.stats.peak_bytes;
-    ASSERT_GT(peak, 0) << mode;
-    for (int i = 0; i < 8; ++i) {
-      RunTweaks tweaks;
-      tweaks.limit_bytes = peak * i / 8;
-      ExpectStoppedTogether(FailOnProcessOne(config, tweaks),
-                            absl::StatusCode::kResourceExhausted,
-                            absl::StrCat(mode, " limit ", tweaks.limit_bytes));
+    for (const v1::ObjectiveConfig& config : StopConfigs(mode, true)) {
+      const std::vector<HeadRun> whole = FailOnProcessOne(config, RunTweaks());
+      ASSERT_TRUE(whole[1].status.ok()) << mode << " " << whole[1].status;
+      const int64_t peak = whole[1].result.stats.peak_bytes;
+      ASSERT_GT(peak, 0) << mode;
+      for (int i = 0; i < 8; ++i) {
+        RunTweaks tweaks;
+        tweaks.limit_bytes = peak * i / 8;
+        ExpectStoppedTogether(
+            FailOnProcessOne(config, tweaks),
+            absl::StatusCode::kResourceExhausted,
+            absl::StrCat(config.loss().ShortDebugString(), " ", mode, " limit ",
+                         tweaks.limit_bytes));
+      }
     }
   }
 }
 
 // Process 1's exchange fails (without sending) at each gather a run makes
 // in turn: the run's handshake, each chunk's handshake, stats and rounds
-// (again for the chunks backward recomputes) and the closing gather.
+// (Domino: its closing gather; again for the chunks backward recomputes)
+// and the closing gather.
 TEST(VocabParallelHeadTest, AnExchangeErrorAtEachGatherStopsEvery) {
   for (const char* mode : kStopModes) {
-    const v1::ObjectiveConfig config =
-        ConfigBuilder("dspark { gamma: 7 l1_weight: 0.5 confidence_weight: "
-                      "0.3 }")
-            .Mode(mode)
-            .Build();
-    int64_t calls = 0;  // The gathers of a run that fails nowhere.
-    {
-      const HeadBatch h = MakeHeadBatch();
-      const Ranges ranges = SplitVocab(kHeadV, 2);
-      ThreadGroup group(2, kHeadTimeout);
-      RunRanks(2, [&](int q) {
-        const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
-        EXPECT_TRUE(RunHeadRange(config, h, ranges.offsets[q],
-                                 ranges.widths[q], &shard)
-                        .status.ok());
-      });
-      calls = group.calls(1);
-    }
-    ASSERT_GE(calls, 6) << mode;
-    for (int64_t call = 1; call <= calls; ++call) {
-      const std::vector<HeadRun> runs =
-          FailOnProcessOne(config, RunTweaks(), [&](ThreadGroup& group) {
-            group.FailCall(1, call);
-          });
-      ExpectStoppedTogether(runs, absl::StatusCode::kUnavailable,
-                            absl::StrCat(mode, " gather ", call));
-      EXPECT_TRUE(absl::EndsWith(
-          runs[1].status.message(),
-          absl::StrCat("AllGather: call ", call, " of rank 1 fails (injected)")))
-          << mode << " " << runs[1].status;
+    for (const v1::ObjectiveConfig& config : StopConfigs(mode, false)) {
+      int64_t calls = 0;  // The gathers of a run that fails nowhere.
+      {
+        const HeadBatch h = MakeHeadBatch();
+        const Ranges ranges = SplitVocab(kHeadV, 2);
+        ThreadGroup group(2, kHeadTimeout);
+        RunRanks(2, [&](int q) {
+          const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
+          EXPECT_TRUE(RunHeadRange(config, h, ranges.offsets[q],
+                                   ranges.widths[q], &shard)
+                          .status.ok());
+        });
+        calls = group.calls(1);
+      }
+      ASSERT_GE(calls, 6) << mode;
+      for (int64_t call = 1; call <= calls; ++call) {
+        const std::vector<HeadRun> runs = FailOnProcessOne(
+            config, RunTweaks(),
+            [&](ThreadGroup& group) { group.FailCall(1, call); });
+        ExpectStoppedTogether(runs, absl::StatusCode::kUnavailable,
+                              absl::StrCat(mode, " gather ", call));
+        EXPECT_TRUE(absl::EndsWith(runs[1].status.message(),
+                                   absl::StrCat("AllGather: call ", call,
+                                                " of rank 1 fails (injected)")))
+            << mode << " " << runs[1].status;
+      }
     }
   }
 }
