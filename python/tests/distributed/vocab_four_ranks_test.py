@@ -7,7 +7,8 @@
   a data-parallel replica with micro-batches of its own (2 unequal
   micro-batches per window, one of them without weight), the draft's
   gradients summed over the data groups ({0, 2}, {1, 3}) and normalised by
-  GlobalNormalizer: the loss, metrics and gradients equal one process
+  GlobalNormalizer (dflash, dspark and domino conventions; Domino's
+  correction weight sharded as lm_head, each rank training its rows): the loss, metrics and gradients equal one process
   holding all the data and the whole weight (checks.reference, float64
   1e-12), on every rank the same bits.
 """
@@ -25,6 +26,7 @@ import checks  # noqa: E402
 import ranks  # noqa: E402
 import vocab_cases  # noqa: E402
 from dflash.torch import dflash_objective  # noqa: E402
+from dflash.torch._vocab_parallel import shard_range  # noqa: E402
 from dflash.torch.distributed import GlobalNormalizer, shard_rows  # noqa: E402
 from vocab_cases import case  # noqa: E402
 
@@ -46,7 +48,7 @@ PLANS = [
     [[(3, False), (1, False)], [(1, False), (2, True)]],
     [[(1, False), (2, False)], [(2, False), (1, False)]],
 ]
-MODES = ("dflash", "dspark")
+MODES = ("dflash", "dspark", "domino")
 
 
 def data_by_vocab_rank(rank, world):
@@ -59,6 +61,11 @@ def data_by_vocab_rank(rank, world):
     out = {}
     for mode in MODES:
         params = ranks.parameters(mode)
+        if mode == "domino":
+            # The correction's weight rows sharded as lm_head's: this
+            # rank's rows are the parameter it trains.
+            params["corr_m"] = shard_rows(
+                params["corr_m"], vocab_group).requires_grad_()
         norm = GlobalNormalizer(data_group, mode=mode, grad_sync="sum")
         windows = []
         for window, plan in enumerate(PLANS):
@@ -72,6 +79,10 @@ def data_by_vocab_rank(rank, world):
                 extra = {}
                 if mode == "dspark":
                     extra["teacher_hidden"] = batch["teacher"]
+                if mode == "domino":
+                    extra["correction_inputs"] = torch.tanh(
+                        batch["x"] @ params["corr_w"].t())
+                    extra["correction_weight"] = params["corr_m"]
                 terms = dflash_objective(
                     hidden, weight, batch["target_ids"],
                     batch["weight_mask"], config=ranks.CONFIGS[mode],
@@ -116,12 +127,23 @@ class FourRanksTest(vocab_cases.VocabTestCase):
                         self.assertEqual(step["micro_batches"],
                                          want["micro_batches"])
                         for name, p in got["grads"].items():
-                            # The same bits on every rank.
-                            self.assertTrue(torch.equal(
-                                p, first["grads"][name]), name)
+                            whole = want["grads"][name]
+                            if name == "corr_m":
+                                # Domino's sharded correction weight: this
+                                # rank's rows, the same bits as the other
+                                # replica's.
+                                start, stop = shard_range(
+                                    whole.shape[0], 2, rank % 2)
+                                whole = whole[start:stop]
+                                self.assertTrue(torch.equal(
+                                    p, self.data[rank ^ 2][mode][window]
+                                    ["grads"][name]), name)
+                            else:
+                                # The same bits on every rank.
+                                self.assertTrue(torch.equal(
+                                    p, first["grads"][name]), name)
                             self.assertLess(ranks.relative_error(
-                                p, want["grads"][name]), checks.TOLERANCE,
-                                name)
+                                p, whole), checks.TOLERANCE, name)
                         for name, (num, den) in want["pairs"].items():
                             self.assertLess(ranks.relative_error(
                                 step["metrics"][name],
