@@ -90,12 +90,20 @@ absl::StatusOr<ChunkTerms> ThreadedChunkLoss(const CpuChunkLoss<T>& loss,
       results[g] = RowError(b + row->row, row->detail);
     }
   };
-  // On OpenMP's threads, the ones oneDNN's GEMMs just ran on, taking groups
-  // as they come: a thread that idles spin-waits, which on this machine
-  // costs the busy one (measured: 1.8x the loss pass with one group per
-  // thread).
+  if (groups == 1) {
+    // On the calling thread: a vocab-parallel exchange then calls back into
+    // Python on the thread that called the head, the main thread where
+    // Python raises Ctrl-C's KeyboardInterrupt (an OpenMP worker would
+    // leave it pending until the call returns).
+    run(0);
+  } else {
+    // On OpenMP's threads, the ones oneDNN's GEMMs just ran on, taking
+    // groups as they come: a thread that idles spin-waits, which on this
+    // machine costs the busy one (measured: 1.8x the loss pass with one
+    // group per thread).
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int g = 0; g < groups; ++g) run(g);
+    for (int g = 0; g < groups; ++g) run(g);
+  }
   ChunkTerms terms = ChunkTerms::Zero(loss.options().block_size);
   for (absl::StatusOr<ChunkTerms>& result : results) {
     if (!result.ok()) return result.status();
@@ -159,6 +167,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0);
     const size_t rows = spec.inputs->rows.size();
     row_q_.assign(rows, 0.0);
+    row_confidence_grad_.assign(confidence_ && !g.confidence.empty() ? rows : 0,
+                                0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
     row_teacher_.assign(RecordsTeacherAcceptance(config_) ? rows : 0, 0.0);
     const bool greedy = params_.family == LossFamily::kDomino;
@@ -207,7 +217,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::vector<float> top_k_values(record && !o.top_k_values.empty() ? m * o.k
                                                                       : 0);
     std::vector<double> loss_weight(record && !o.loss_weight.empty() ? m : 0);
-    std::vector<double> confidence_grad(record && confidence_ ? m : 0);
+    std::vector<double> confidence_grad(
+        record && !row_confidence_grad_.empty() ? m : 0);
     // A recomputation writes the same q and rank again.
     std::vector<double> q(m);
     std::vector<int32_t> rank(row_rank_.empty() ? 0 : m);
@@ -262,10 +273,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
                     o.top_k_values.begin() + r * o.k);
       }
       if (!loss_weight.empty()) o.loss_weight[r] = loss_weight[i];
-      if (!confidence_grad.empty()) {
-        spec_.gradients->confidence[r] =
-            static_cast<ConfidenceOf<T>>(confidence_grad[i]);
-      }
+      if (!confidence_grad.empty()) row_confidence_grad_[r] = confidence_grad[i];
       row_q_[r] = q[i];
       if (!rank.empty()) row_rank_[r] = rank[i];
       if (!teacher_acceptance.empty()) row_teacher_[r] = teacher_acceptance[i];
@@ -294,14 +302,16 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const int64_t hidden = config_.head().hidden_size();
     const double scale = upstream * finished.gradient_scale;
     const std::optional<double>& kl_weight = finished.lk_kl_weight;
-    const auto confidence_scale = static_cast<ConfidenceOf<T>>(
-        upstream * finished.confidence_scale);
+    const double confidence_scale = upstream * finished.confidence_scale;
     for (int64_t r : spec_.active) {
       const T row_scale = static_cast<T>(
           kl_weight ? scale * LkDeferredFactor(*kl_weight, row_q_[r]) : scale);
       T* row = g.hidden.data() + r * hidden;
       for (int64_t h = 0; h < hidden; ++h) row[h] *= row_scale;
-      if (confidence_) g.confidence[r] *= confidence_scale;
+      if (!row_confidence_grad_.empty()) {
+        g.confidence[r] = static_cast<ConfidenceOf<T>>(
+            row_confidence_grad_[r] * confidence_scale);
+      }
     }
     const T all = static_cast<T>(scale);
     for (absl::Span<T> span : {g.weight, g.bias, g.correction_inputs,
@@ -386,6 +396,9 @@ class CpuHeadBackend final : public HeadBackend<T> {
   // By batch row: q (the batch-level LK lambda's factor, the accepted
   // lengths) and the target's top-k rank.
   std::vector<double> row_q_;
+  // The confidence gradient in double until ScaleGradients rounds it once
+  // into gradients.confidence (ConfidenceOf<T>), as the CUDA head does.
+  std::vector<double> row_confidence_grad_;
   std::vector<int32_t> row_rank_;
   std::vector<double> row_teacher_;  // The teacher acceptance, when asked.
   // Domino: the final and the base logits' argmax (its greedy lengths).

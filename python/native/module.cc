@@ -337,10 +337,16 @@ class PythonVocabExchange final : public VocabExchange {
       return absl::OkStatus();
     } catch (py::error_already_set& error) {
       // The exception's type and message (its traceback is the head's
-      // frames, of no use to the caller).
-      const std::string what =
-          absl::StrCat(std::string(py::str(error.type().attr("__name__"))),
-                       ": ", std::string(py::str(error.value())));
+      // frames, of no use to the caller); a __str__ that raises must not
+      // send an exception through the head's frames.
+      std::string what = "an exception whose message cannot be read";
+      try {
+        what =
+            absl::StrCat(std::string(py::str(error.type().attr("__name__"))),
+                         ": ", std::string(py::str(error.value())));
+      } catch (...) {
+        PyErr_Clear();
+      }
       if (error.matches(PyExc_KeyboardInterrupt)) {
         return absl::CancelledError(absl::StrCat(
             "vocab_group: interrupted in the vocab-parallel head's "

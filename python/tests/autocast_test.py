@@ -70,6 +70,40 @@ class CpuAutocastTest(unittest.TestCase):
         torch.testing.assert_close(hidden.grad, reference.grad.bfloat16(),
                                    rtol=0, atol=0)
 
+    def test_float64_confidence_logits_follow_the_cast_hidden(self):
+        # DSpark with float64 states, teacher and confidence logits under
+        # CPU autocast: the head takes float32 states and so float32
+        # confidence logits (ConfidenceOf); the confidence logits'
+        # gradient comes back in float64. The reference casts explicitly.
+        x, weight, ids, mask = batch(3)
+        g = torch.Generator().manual_seed(4)
+        teacher = torch.randn(B, N, K, H, generator=g, dtype=torch.float64)
+        confidence = torch.randn(B, N, K, generator=g, dtype=torch.float64)
+
+        def run(cast):
+            hidden = x.double().requires_grad_()
+            conf = confidence.clone().requires_grad_()
+            if cast:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    terms = dflash_objective(
+                        hidden, weight.double(), ids, mask,
+                        loss_type="dspark", teacher_hidden=teacher,
+                        confidence_logits=conf)
+            else:
+                terms = dflash_objective(
+                    hidden.float(), weight, ids, mask, loss_type="dspark",
+                    teacher_hidden=teacher.float(),
+                    confidence_logits=conf.float())
+            terms.loss.backward()
+            return terms, hidden.grad, conf.grad
+
+        got, got_hidden, got_conf = run(True)
+        want, want_hidden, want_conf = run(False)
+        self.assertEqual(got_conf.dtype, torch.float64)
+        torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
+        torch.testing.assert_close(got_conf, want_conf, rtol=0, atol=0)
+
     def test_fused_head_keeps_its_frozen_float32_layout(self):
         x, weight, ids, mask = batch(2)
         linear = torch.nn.Linear(H, V)

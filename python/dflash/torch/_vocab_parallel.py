@@ -99,7 +99,8 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
               teacher: Optional[torch.Tensor],
               confidence: Optional[torch.Tensor],
               correction_inputs: Optional[torch.Tensor], top_k: int,
-              return_rows: bool, gradients: bool, trainable: bool
+              return_rows: bool, gradients: bool, trainable: bool,
+              correction_weight: Optional[torch.Tensor] = None
               ) -> List[float]:
     """This rank's _FIELDS for one call (its arguments checked already)."""
     if hidden.dim() != 4:
@@ -119,7 +120,7 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
               _crc(target_ids, torch.int64), _crc(weight_mask, torch.float64),
               weight.shape[1], _inputs_crc(
                   (hidden, weight, bias, teacher, confidence,
-                   correction_inputs))]
+                   correction_inputs, correction_weight))]
     return [float(v) for v in values]
 
 

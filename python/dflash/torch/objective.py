@@ -830,7 +830,7 @@ def _checked_objective(
             hidden, lm_head_weight, target_ids, weight_mask, resolved.text,
             lm_head_bias, teacher_hidden, confidence_logits,
             correction_inputs, top_k, bool(return_rows), gradients,
-            trainable)
+            trainable, correction_weight=correction_weight)
     except Exception:
         parallel.agree(group, rank, world, None)
         raise
@@ -908,6 +908,11 @@ def _checked_local(
             t if t is None or t.dtype == cast else t.to(cast)
             for t in (lm_head_bias, teacher_hidden, correction_inputs,
                       correction_weight)]
+        if confidence_logits is not None:
+            # In the dtype the head takes beside the cast hidden.
+            wanted = _library.confidence_dtype(cast)
+            if confidence_logits.dtype != wanted:
+                confidence_logits = confidence_logits.to(wanted)
     if (confidence_logits is not None and hidden.dtype == torch.float64
             and confidence_logits.dtype == torch.float32):
         # The float64 head reads float64 confidence logits; float32 ones

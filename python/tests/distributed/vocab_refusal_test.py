@@ -2,11 +2,17 @@
 its run (a check the agreement does not cover, a MemoryError allocating
 the head's buffers): it sends its refusal where the others wait, so every
 rank raises (the others naming it and its error's kind) instead of the
-others waiting for the group's timeout; the next call runs on every rank.
+others waiting for the group's timeout. And a real SIGINT on one rank
+during its run: it raises in that rank's exchange, and every rank stops
+there; an exception whose message cannot be read, raised in one rank's
+exchange. And the agreement covering the correction weight's
+requires_grad. The next call runs on every rank.
 """
 
 import os
+import signal
 import sys
+import threading
 import unittest
 
 import torch
@@ -27,6 +33,14 @@ def _raised(call):
     try:
         call()
     except Exception as error:  # noqa: BLE001 - recorded for the parent
+        return type(error).__name__, str(error)
+    return None
+
+
+def _raised_any(call):
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - KeyboardInterrupt too
         return type(error).__name__, str(error)
     return None
 
@@ -60,7 +74,64 @@ def refusal_rank(rank, world):
         out["no_memory"] = _raised(call())
     finally:
         objective_module._empty = real_empty
-    # The group goes on: a call after both runs on every rank and gives
+    # A real Ctrl-C (SIGINT to this process, from another thread as a
+    # terminal's comes) on one rank as its head's exchange starts a chunk's
+    # gather, with head.threads 2: that rank raises KeyboardInterrupt there
+    # and the others an error naming it, not after the call returns (where
+    # the others would wait in the gradient sum).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_all_gather = dist.all_gather
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if rank == FAILING and len(calls) == 3:
+            # From another thread, as a terminal's Ctrl-C comes: Python
+            # runs the handler on its main thread.
+            sender = threading.Thread(
+                target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()
+        return real_all_gather(*args, **kwargs)
+
+    dist.all_gather = interrupted
+    try:
+        out["sigint"] = _raised_any(lambda: dflash_objective(
+            hidden, weight, targets, mask, vocab_group=group, threads=2))
+    finally:
+        dist.all_gather = real_all_gather
+    # An exception whose message cannot be read, raised in one rank's
+    # exchange: an error naming that, never an exception through the
+    # head's C++ frames.
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    seen = []
+
+    def unprintable(*args, **kwargs):
+        seen.append(1)
+        if rank == FAILING and len(seen) == 2:  # The run's handshake.
+            raise Unprintable()
+        return real_all_gather(*args, **kwargs)
+
+    dist.all_gather = unprintable
+    try:
+        out["unprintable"] = _raised_any(call())
+    finally:
+        dist.all_gather = real_all_gather
+    # Domino's correction weight requiring a gradient on one rank alone
+    # (it decides whether a collective runs in backward): refused by the
+    # agreement on every rank.
+    z = torch.randn(1, 2, 3, 2, dtype=torch.float64, generator=g)
+    correction = shard_rows(
+        torch.randn(V, 2, dtype=torch.float64, generator=g), group)
+    out["correction_grad"] = _raised(lambda: dflash_objective(
+        hidden, weight, targets, mask, vocab_group=group, threads=1,
+        config="loss { domino { lambda_base: 0.3 } }",
+        correction_inputs=z,
+        correction_weight=correction.clone().requires_grad_(rank == FAILING)))
+    # The group goes on: a call after these runs on every rank and gives
     # the single process's loss (the whole weight here).
     terms = dflash_objective(hidden, weight, targets, mask,
                              vocab_group=group, threads=1)
@@ -98,6 +169,25 @@ class RefusalAfterTheAgreementTest(unittest.TestCase):
     def test_a_memory_error_before_the_run(self):
         self.assertStopped("no_memory", "MemoryError", r"injected",
                            "RESOURCE_EXHAUSTED", "MemoryError")
+
+    def test_a_real_ctrl_c_in_one_ranks_exchange(self):
+        self.assertStopped("sigint", "KeyboardInterrupt", r"^$", "CANCELLED",
+                           "RuntimeError")
+
+    def test_an_exception_without_a_readable_message(self):
+        self.assertStopped("unprintable", "RuntimeError",
+                           r"vocab_group: the all-gather of the "
+                           r"vocab-parallel head raised an exception whose "
+                           r"message cannot be read", "ABORTED",
+                           "RuntimeError")
+
+    def test_a_correction_weight_requiring_grad_on_one_rank(self):
+        for rank, result in enumerate(self.results):
+            with self.subTest(rank=rank):
+                kind, message = result["correction_grad"]
+                self.assertEqual(kind, "ValueError", message)
+                self.assertRegex(message, r"vocab_group: the ranks' inputs' "
+                                 r"dtypes, shapes and requires_grad differ")
 
     def test_the_next_call_runs(self):
         for rank, result in enumerate(self.results):
