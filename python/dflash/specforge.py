@@ -5,8 +5,8 @@ Domino objectives through dflash's fused head; `revert()` undoes it.
     dflash.specforge.apply()      # once, before or after building the model
     loss, accuracy, metrics = online_dflash_model(input_ids, hidden, mask)
 
-What is patched (specforge 0.2.0, `specforge.algorithms.common.
-dflash_family_model`), nothing else:
+What is patched (specforge 0.2.0 or SpecForge main at MAIN_COMMIT,
+`specforge.algorithms.common.dflash_family_model`), nothing else:
 
 - The chunk-term functions `OnlineDFlashModel._dflash_objective_chunk_terms`,
   `OnlineDSparkModel._dspark_objective_chunk_terms` and
@@ -24,6 +24,12 @@ dflash_family_model`), nothing else:
   recomputed in backward); every other call goes to SpecForge's function.
 - `OnlineDominoModel.forward`, wrapped to hand its lambda_base to the chunk
   terms.
+
+SpecForge main: its DFlash chunk terms (eleven, ce_loss_num and
+tv_loss_num each differentiable for the LK composition main applies after
+the reduction; the D-PACE variants with its sequence-balanced
+denominator) from one head call per batch; its DSpark and Domino
+objectives run SpecForge's own code (their draft modules are not known).
 
 The DFlash loss (any `loss_decay_gamma`), the three D-PACE variants, DSpark
 with SpecForge's DSparkDraftModel (no Markov head, or its vanilla, gated or
@@ -59,6 +65,7 @@ from dflash.torch.term_numerators import separate_numerators
 
 __all__ = [
     "FALLBACKS",
+    "MAIN_COMMIT",
     "SUPPORTED_VERSIONS",
     "SpecForgeFallbackWarning",
     "SpecForgeVersionError",
@@ -76,8 +83,13 @@ _DRAFT_MODULES = {
     "domino": "specforge.modeling.draft.domino",
 }
 
+MAIN_COMMIT = "c1625dc7"
+"""The commit of SpecForge's main (not released) whose seam `apply()`
+knows beside SUPPORTED_VERSIONS."""
+MAIN = f"main-{MAIN_COMMIT}"
+
 # The sha256 of the source (inspect.getsource) of each function the patch
-# replaces or depends on, per released SpecForge version. A key is
+# replaces or depends on, per SpecForge version. A key is
 # "Class.function" in the model module, or "<draft module>.Class.function";
 # a property's source is its getter's.
 _SEAMS: Dict[str, Dict[str, str]] = {
@@ -119,10 +131,39 @@ _SEAMS: Dict[str, Dict[str, str]] = {
         "domino.DominoDraftModel.suffix_start":
             "633ab4a67fb7c8f1c2d11f5ad6ab29119d8f37cc4041db8f20a2a5297cb0f270",
     },
+    # SpecForge main as of c1625dc7 (its dflash_family_model.py with PR
+    # #848's sequence-balanced D-PACE denominator; not on PyPI). Its draft
+    # modules are not known (their logits corrections changed after 0.2.0
+    # and no matching version could be read), so none is keyed: main's
+    # DSpark and Domino run SpecForge's own objective (FALLBACKS).
+    MAIN: {
+        "OnlineDFlashModel._dflash_objective_chunk_terms":
+            "c7618cb3b928e172909111e8d9ecbe3051198594c0292fab2a597ceacc660124",
+        "OnlineDFlashModel._dpace_weight":
+            "798cc6975ec13590dfc71b62662393582c27f23cb87b8cba75523a8b593d448f",
+        "OnlineDFlashModel._sequence_anchor_scale":
+            "512c1e5ba16a8cdce373e54f7425075cfb342e7b076da420705bd972a15bf7fc",
+        "OnlineDFlashModel._lk_kl_weight":
+            "257fe3c6888a9c5ce3d383f03c646b3f0e44f67f5590d7c2e80e3d84120a0ea6",
+        "OnlineDFlashModel._compose_token_objective":
+            "bb62dd3758af2fad0ba7ed89de21750e5e9a47383a01fe1d82e5fc6989665ffe",
+        "OnlineDFlashModel.forward":
+            "bf66d864127b95d529b72eb428acdeb85081646729c759668fc93e267f89a02f",
+        "checkpointed_chunk_reduce":
+            "5b980cf2108d611a3aede8ce199d215d531509d63d3fded26858c7ee4b55e356",
+        "OnlineDSparkModel._dspark_objective_chunk_terms":
+            "d36f38e83cfbc1d201a3175b9d4920ca17374a8f76a2f69f6e2de6312cc74ca7",
+        "OnlineDominoModel._domino_objective_chunk_terms":
+            "1e90fe5830346c4fe151e2d091b91b2f89f7850aaea577a839f47263c59f602c",
+        "OnlineDominoModel.forward":
+            "983b2bd84d927cddec56799bbe3e2267a087b08f544cdc65896f2d0002a2404a",
+    },
 }
 
-SUPPORTED_VERSIONS: Tuple[str, ...] = tuple(sorted(_SEAMS))
-"""The SpecForge versions whose seam `apply()` knows."""
+SUPPORTED_VERSIONS: Tuple[str, ...] = tuple(
+    sorted(version for version in _SEAMS if version != MAIN))
+"""The released SpecForge versions whose seam `apply()` knows (and
+SpecForge main at MAIN_COMMIT)."""
 
 FALLBACKS: Tuple[str, ...] = (
     "the lm_head is not a plain torch.nn.Linear (another module, a subclass "
@@ -152,6 +193,12 @@ FALLBACKS: Tuple[str, ...] = (
     "with embed_proj a plain Sequential ending in a bias-free Linear; a "
     "model that overrides _apply_domino_head; the draft's shift_label "
     "differing from the model's; an empty corrected suffix",
+    "SpecForge main: a DFlash2 draft (candidate_selector), fused_head=True; "
+    "a D-PACE sequence_anchor_scale that is not 1 / the anchor count of "
+    "the call's own sequences (a direct call on a chunk of longer ones); "
+    "lk_loss_type='lambda' with a trainable lm_head (the head refuses); "
+    "main's DSpark and Domino objectives (their draft modules' logits "
+    "corrections are not known)",
 )
 """What makes a call fall back to SpecForge's own objective."""
 
@@ -208,8 +255,9 @@ class _Patch:
         self.original_domino_forward: Any = vars(self.domino_cls)["forward"]
         self.domino_forward_signature = inspect.signature(
             self.original_domino_forward)
+        # None in main (its Domino draft computes the correction).
         self.original_apply_domino_head: Any = vars(
-            self.domino_cls)["_apply_domino_head"]
+            self.domino_cls).get("_apply_domino_head")
         self.overrides = overrides
         self.warned: Set[str] = set()
 
@@ -322,20 +370,27 @@ def apply(*, mode: Optional[str] = None,
                 pass  # Its seam keys then differ: refused below.
         installed = _installed_version()
         prints = _fingerprint(module, drafts)
+        # A version's seam is its own keys (main keys no draft function).
         known = [version for version, seam in _SEAMS.items()
-                 if seam == prints]
+                 if all(prints[name] == value
+                        for name, value in seam.items())]
         if not known:
+            # Named against the nearest known version.
+            nearest = min(_SEAMS, key=lambda version: sum(
+                prints[name] != value
+                for name, value in _SEAMS[version].items()))
             differing = sorted(
-                name for name in prints
-                if all(seam[name] != prints[name] for seam in _SEAMS.values()))
+                name for name, value in _SEAMS[nearest].items()
+                if prints[name] != value)
             raise SpecForgeVersionError(
                 f"dflash.specforge.apply: the installed SpecForge "
                 f"({installed}) is not a version whose seam dflash knows "
                 f"(known: {', '.join(SUPPORTED_VERSIONS)}): "
                 f"{', '.join(differing)} (in {_MODULE} or the draft modules "
                 f"{', '.join(sorted(_DRAFT_MODULES.values()))}) differ from "
-                "every known version's (or are already patched by something "
-                "else); nothing was patched")
+                f"the nearest known version's ({nearest}; SpecForge main is "
+                f"known at commit {MAIN_COMMIT}), or are already patched by "
+                "something else; nothing was patched")
         patch = _Patch(module, drafts, known[0], overrides)
         for (cls, name), _ in patch.originals.items():
             setattr(cls, name, _REPLACEMENTS[name])
@@ -597,6 +652,148 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
         correct_num = terms.correct_num
     return (loss_num, loss_den, correct_num.detach().float(),
             weight_mask.sum())
+
+
+_LK_TYPES = (None, "alpha", "lambda", "tv")
+
+
+def _run_main(patch: _Patch, model: Any, hidden: torch.Tensor,
+              target_ids: torch.Tensor, weight_mask: torch.Tensor,
+              scale: Optional[torch.Tensor], fused_head: bool,
+              chunk_blocks: int
+              ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
+    """SpecForge main's eleven DFlash chunk terms over `hidden` from one
+    head call: ce_loss_num and tv_loss_num each differentiable (main
+    composes its LK objective from them after the reduction), or a
+    _Fallback."""
+    if fused_head:
+        return _Fallback(
+            "main:fused_head",
+            "fused_head=True (SpecForge main's own Triton DFlash2 head, whose "
+            "inputs omit block slot 0)")
+    if getattr(model.draft_model, "candidate_selector", None) is not None:
+        return _Fallback(
+            "main:selector",
+            "a DFlash2 draft (candidate_selector): its "
+            "transform_unary_logits and selector terms are SpecForge's")
+    loss_type = getattr(model, "loss_type", None)
+    lk = getattr(model, "lk_loss_type", None)
+    if (loss_type != "dflash" and loss_type not in _DPACE_VARIANTS) or (
+            lk not in _LK_TYPES):
+        return _Fallback(
+            f"loss_type:{loss_type}:{lk}",
+            f"loss_type={loss_type!r} with lk_loss_type={lk!r}, which "
+            f"dflash.specforge does not know for SpecForge {patch.version}")
+    if (loss_type != "dflash" and type(model)._dpace_weight
+            is not patch.original_dpace_weight):
+        return _Fallback(
+            "dpace_weight", f"{type(model).__name__} overrides _dpace_weight")
+    reason = _common_reason(model, hidden, target_ids, weight_mask,
+                            counts_ignored=True)
+    if reason is not None:
+        return reason
+
+    counted = "cross_entropy { ignored_target_weight: COUNT }"
+    decayed = False
+    mask = weight_mask
+    loss_den: Optional[torch.Tensor] = None
+    if loss_type == "dflash":
+        loss = "dflash {{ {lk} }}"
+        gamma = model.loss_decay_gamma
+        if gamma is not None and gamma > 0:
+            # SpecForge's float32 decay as row weights, as for 0.2.0.
+            positions = torch.arange(model.block_size,
+                                     device=hidden.device).view(1, 1, -1)
+            decay = torch.exp(
+                -(positions - 1).clamp(min=0).float() / gamma)
+            if bool((decay == 0).any()):
+                return _Fallback(
+                    "decay",
+                    f"loss_decay_gamma={gamma!r} underflows a decay weight "
+                    "to 0 (dflash skips rows without weight; SpecForge "
+                    "still counts their accuracy)")
+            mask = weight_mask * decay
+            decayed = True
+        loss_den = mask.sum()
+    else:
+        # The head balances each sequence (a row of N blocks) by its own
+        # anchor count: the scale must be this chunk's own, as it is for
+        # the whole batch forward passes.
+        if (not isinstance(scale, torch.Tensor)
+                or scale.dtype != weight_mask.dtype
+                or scale.shape != weight_mask.shape[:2] + (1,)
+                or not torch.equal(scale,
+                                   model._sequence_anchor_scale(weight_mask))):
+            return _Fallback(
+                "main:sequence_anchor_scale",
+                "a sequence_anchor_scale that is not 1 / the anchor count "
+                "of this call's own sequences (a chunk of longer ones, or "
+                "none: SpecForge raises)")
+        loss = (f"dpace {{{{ alpha: {float(model.dpace_alpha)!r} variant: "
+                f"{_DPACE_VARIANTS[loss_type]} {{lk}} "
+                "denominator: SEQUENCE_BALANCED }}")
+    num_dtype = torch.promote_types(hidden.dtype, mask.dtype)
+    # The numerators main differentiates, with the weights its
+    # composition most likely gives them (LK lambda's CE weight is the
+    # batch's, known after the call: backward runs the head again).
+    if lk in (None, "alpha"):
+        parts: List[Tuple[str, float]] = [("ce", 1.0)]
+    elif lk == "tv":
+        parts = [("ce", 0.0), ("tv", 1.0)]
+    else:
+        parts = [("ce", 0.5), ("tv", 0.5)]
+
+    def run(coefficients: Sequence[float],
+            inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[
+                torch.Tensor, List[Any], Any]:
+        total = float(sum(coefficients))
+        if len(parts) == 1:
+            composition = ""
+        elif coefficients[0] == 0:
+            composition = "lk { type: TV }"
+        else:
+            # c_ce * ce + c_tv * tv as total * (w * ce + (1 - w) * tv);
+            # the head takes it with a frozen lm_head only.
+            composition = (f"lk {{ type: LAMBDA kl_scale: "
+                           f"{coefficients[0] / total!r} kl_decay: 0 }}")
+        config = (f"loss {{ {loss.format(lk=composition)} {counted} }}")
+        h = inputs[0]
+        assert h is not None
+        terms = _head_call(patch, h, model.lm_head, target_ids, mask,
+                           config, chunk_blocks,
+                           return_rows=decayed)
+        values = [terms.diagnostics.ce_loss_num,
+                  terms.diagnostics.tv_loss_num][:len(parts)]
+        return terms.loss_num * total, values, terms
+
+    try:
+        numerators, terms = separate_numerators(
+            run, [c for _, c in parts], [hidden], [num_dtype] * len(parts))
+    except ValueError as error:
+        return _Fallback("refused", f"dflash refused the batch ({error})")
+    ce_num = numerators[0]
+    tv_num = numerators[1] if len(parts) > 1 else ce_num.new_zeros(())
+    if loss_den is None:
+        loss_den = terms.loss_den.to(weight_mask.dtype)
+    probability_num = terms.diagnostics.target_probability_num
+    if decayed:
+        # The head's counts are over the decayed mask; SpecForge's over
+        # weight_mask: from the rows.
+        argmax, neg_log_q = terms.diagnostics.argmax, terms.diagnostics.neg_log_q
+        assert argmax is not None and neg_log_q is not None
+        correct_num = ((argmax == target_ids) & (weight_mask > 0.5)).sum()
+        weighted = weight_mask > 0
+        probability_num = torch.where(
+            weighted, torch.exp(-neg_log_q) * weight_mask.double(),
+            torch.zeros((), dtype=torch.float64, device=hidden.device)).sum()
+    else:
+        correct_num = terms.correct_num
+    zero = ce_num.new_zeros(())
+    values = (ce_num, tv_num, loss_den, probability_num.to(num_dtype),
+              correct_num.detach().float(), weight_mask.sum(),
+              zero, zero, zero, zero, zero)
+    made = getattr(patch.module, "DFlashObjectiveTerms", None)
+    return values if made is None else made(*values)
 
 
 class _Deferred:
@@ -1074,40 +1271,31 @@ def _domino_run(patch: _Patch, model: Any, hidden: torch.Tensor,
             count(family["base_accept_num"]), count(family["accept_den"]))
 
 
-def _chunk_terms(self: Any, hidden: torch.Tensor, target_ids: torch.Tensor,
-                 weight_mask: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def _chunk_terms(self: Any, hidden: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Tuple[torch.Tensor, ...]:
     """OnlineDFlashModel._dflash_objective_chunk_terms through dflash's
-    fused head: (loss_num, loss_den, correct_num, accuracy_den) as
-    SpecForge's."""
+    fused head: 0.2.0's (loss_num, loss_den, correct_num, accuracy_den), or
+    main's eleven DFlashObjectiveTerms, as SpecForge's."""
     return _through_head(self, "_dflash_objective_chunk_terms",
-                         (hidden, target_ids, weight_mask))
+                         (hidden, *args), kwargs)
 
 
-def _dspark_chunk_terms(self: Any, hidden: torch.Tensor,
-                        prev_token_ids: torch.Tensor,
-                        target_ids: torch.Tensor, loss_weights: torch.Tensor,
-                        eval_mask: torch.Tensor,
-                        aligned_target_hidden: Optional[torch.Tensor]
-                        ) -> Tuple[torch.Tensor, ...]:
+def _dspark_chunk_terms(self: Any, hidden: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> Tuple[torch.Tensor, ...]:
     """OnlineDSparkModel._dspark_objective_chunk_terms through dflash's
-    fused head: SpecForge's 14 terms, the CE, L1 and confidence numerators
-    each differentiable (dflash.torch.separate_numerators)."""
+    fused head (0.2.0): SpecForge's 14 terms, the CE, L1 and confidence
+    numerators each differentiable (dflash.torch.separate_numerators)."""
     return _through_head(self, "_dspark_objective_chunk_terms",
-                         (hidden, prev_token_ids, target_ids, loss_weights,
-                          eval_mask, aligned_target_hidden))
+                         (hidden, *args), kwargs)
 
 
-def _domino_chunk_terms(self: Any, hidden: torch.Tensor,
-                        prev_ids: torch.Tensor, target_ids: torch.Tensor,
-                        weight_mask: torch.Tensor,
-                        eval_weight_mask: torch.Tensor
-                        ) -> Tuple[torch.Tensor, ...]:
+def _domino_chunk_terms(self: Any, hidden: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> Tuple[torch.Tensor, ...]:
     """OnlineDominoModel._domino_objective_chunk_terms through dflash's
-    fused head: SpecForge's nine terms, the final and base numerators each
-    differentiable (dflash.torch.separate_numerators)."""
+    fused head (0.2.0): SpecForge's nine terms, the final and base
+    numerators each differentiable (dflash.torch.separate_numerators)."""
     return _through_head(self, "_domino_objective_chunk_terms",
-                         (hidden, prev_ids, target_ids, weight_mask,
-                          eval_weight_mask))
+                         (hidden, *args), kwargs)
 
 
 _REPLACEMENTS: Dict[str, Callable[..., Tuple[torch.Tensor, ...]]] = {
@@ -1118,16 +1306,42 @@ _REPLACEMENTS: Dict[str, Callable[..., Tuple[torch.Tensor, ...]]] = {
 _BY_REPLACEMENT = {function: name for name, function in _REPLACEMENTS.items()}
 
 
-def _run_any(patch: _Patch, model: Any, name: str,
-             args: Sequence[Any], chunk_blocks: int
+def _run_any(patch: _Patch, model: Any, name: str, args: Sequence[Any],
+             kwargs: Dict[str, Any], chunk_blocks: int
              ) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
+    """The chunk terms of SpecForge's `name` called with args and kwargs,
+    or a _Fallback (a call SpecForge's function refuses falls back, so
+    that SpecForge raises its own error)."""
+    try:
+        bound = inspect.signature(_original(patch, model, name)).bind(
+            model, *args, **kwargs)
+    except TypeError:
+        return _Fallback(f"call:{name}",
+                         f"a call of {name} with arguments SpecForge's "
+                         "function does not take")
+    bound.apply_defaults()
+    a = bound.arguments
+    if patch.version == MAIN:
+        if name == "_dflash_objective_chunk_terms":
+            return _run_main(patch, model, a["hidden"], a["target_ids"],
+                             a["weight_mask"], a["sequence_anchor_scale"],
+                             bool(a["fused_head"]), chunk_blocks)
+        family = "DSpark" if "dspark" in name else "Domino"
+        return _Fallback(
+            f"main:{name}",
+            f"SpecForge main's {family} objective: its draft modules' "
+            "logits corrections are not ones dflash.specforge knows")
     if name == "_dflash_objective_chunk_terms":
-        return _run(patch, model, args[0], args[1], args[2], chunk_blocks)
+        return _run(patch, model, a["hidden"], a["target_ids"],
+                    a["weight_mask"], chunk_blocks)
     if name == "_dspark_objective_chunk_terms":
-        return _dspark_run(patch, model, args[0], args[1], args[2], args[3],
-                           args[4], args[5], chunk_blocks)
-    return _domino_run(patch, model, args[0], args[1], args[2], args[3],
-                       args[4], chunk_blocks)
+        return _dspark_run(patch, model, a["hidden"], a["prev_token_ids"],
+                           a["target_ids"], a["loss_weights"],
+                           a["eval_mask"], a["aligned_target_hidden"],
+                           chunk_blocks)
+    return _domino_run(patch, model, a["hidden"], a["prev_ids"],
+                       a["target_ids"], a["weight_mask"],
+                       a["eval_weight_mask"], chunk_blocks)
 
 
 def _original(patch: _Patch, model: Any, name: str) -> Any:
@@ -1139,8 +1353,8 @@ def _original(patch: _Patch, model: Any, name: str) -> Any:
     raise AttributeError(name)  # Only the patched classes get here.
 
 
-def _through_head(model: Any, name: str,
-                  args: Tuple[Any, ...]) -> Tuple[torch.Tensor, ...]:
+def _through_head(model: Any, name: str, args: Tuple[Any, ...],
+                  kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, ...]:
     """A replaced chunk function called directly: one head call over the
     chunk, or SpecForge's function."""
     patch = _patch
@@ -1149,13 +1363,14 @@ def _through_head(model: Any, name: str,
         patch = _last
     else:
         hidden = args[0]
-        result = _run_any(patch, model, name, args,
-                          hidden.shape[1] if hidden.dim() == 4 else 0)
+        blocks = (hidden.shape[1] if isinstance(hidden, torch.Tensor)
+                  and hidden.dim() == 4 else 0)
+        result = _run_any(patch, model, name, args, kwargs, blocks)
         if not isinstance(result, _Fallback):
             return result
         _warn(patch, result)
     terms: Tuple[torch.Tensor, ...] = _original(patch, model, name)(
-        model, *args)
+        model, *args, **kwargs)
     return terms
 
 
@@ -1182,14 +1397,16 @@ def _domino_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _chunk_reduce(function: Callable[..., Tuple[torch.Tensor, ...]],
                   *aligned_tensors: Optional[torch.Tensor], chunk_size: int,
-                  dim: int = 0) -> Tuple[torch.Tensor, ...]:
+                  dim: int = 0, **options: Any) -> Tuple[torch.Tensor, ...]:
     """SpecForge's checkpointed_chunk_reduce; for a patched chunk function
-    over a whole batch, one head call chunked inside the head."""
+    over a whole batch, one head call chunked inside the head. options:
+    the version's other arguments (main's checkpoint), SpecForge's."""
     patch = _patch
     if patch is None:  # Reverted, and called through an old reference.
         assert _last is not None
         return _last.original_reduce(function, *aligned_tensors,
-                                     chunk_size=chunk_size, dim=dim)
+                                     chunk_size=chunk_size, dim=dim,
+                                     **options)
     model = getattr(function, "__self__", None)
     method: Any = getattr(function, "__func__", None)
     name = _BY_REPLACEMENT.get(method)
@@ -1208,12 +1425,13 @@ def _chunk_reduce(function: Callable[..., Tuple[torch.Tensor, ...]],
                    for t in aligned_tensors)
     if not ours:
         return patch.original_reduce(function, *aligned_tensors,
-                                     chunk_size=chunk_size, dim=dim)
+                                     chunk_size=chunk_size, dim=dim,
+                                     **options)
     assert name is not None
-    result = _run_any(patch, model, name, aligned_tensors, chunk_size)
+    result = _run_any(patch, model, name, aligned_tensors, {}, chunk_size)
     if isinstance(result, _Fallback):
         _warn(patch, result)
         return patch.original_reduce(
             _original(patch, model, name).__get__(model), *aligned_tensors,
-            chunk_size=chunk_size, dim=dim)
+            chunk_size=chunk_size, dim=dim, **options)
     return result
