@@ -15,6 +15,14 @@ H + R float32 values a row) and without top_k (it takes none).
     python3 examples/pytorch/distributed/vocab_parallel_benchmark.py \
         --world 2 --vocab 32768 --hidden 1024 --rows 1024
 
+With --local_rows the vocab group is also the data-parallel group
+(dflash_objective's rows="local"): each rank brings 1 / W of the --rows
+and they are gathered; the table adds the bytes each rank sends in that
+gather per row of its own, and the gradient exchange is one reduce-scatter
+(an all-reduce of every rank's parts under torch 1.13, whose gloo has no
+reduce_scatter) of H (+ R) float32 values a row; the per-chunk figures are
+per chunk of all W ranks' rows, as the single process's.
+
 Each rank and the single process run the head on --threads threads, so
 the time ratio is against the ideal 1 / W of a vocabulary split W ways
 (the machine needs W x --threads free cores for the ranks). The metric
@@ -62,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--metric_top_k", type=int, default=16)
     p.add_argument("--correction_rank", type=int, default=16,
                    help="Domino's correction rank R")
+    p.add_argument("--local_rows", action="store_true",
+                   help='rows="local": each rank its own 1 / W of the rows')
     return p.parse_args(argv)
 
 
@@ -84,7 +94,24 @@ def batch(args):
     }
 
 
+def own_rows(x, rank, world):
+    """Rank `rank`'s 1 / W of the batch's sequences (--local_rows)."""
+    blocks = x["hidden"].shape[0]
+    if blocks % world:
+        raise SystemExit(f"--local_rows: {blocks} sequences of 16 rows do "
+                         f"not split evenly over {world} ranks")
+    each = blocks // world
+    mine = dict(x)
+    for name in ("hidden", "teacher", "target_ids", "weight_mask", "z"):
+        mine[name] = x[name][rank * each:(rank + 1) * each]
+    return mine
+
+
 def timed_call(x, weight, m, family, top_k, args, group):
+    if group is not None and args.local_rows:
+        extra_rows = {"rows": "local"}
+    else:
+        extra_rows = {}
     hidden = x["hidden"].clone().requires_grad_()
     extra = {"teacher_hidden": x["teacher"]} if family in TEACHER else {}
     if family in SPLIT:
@@ -97,7 +124,7 @@ def timed_call(x, weight, m, family, top_k, args, group):
                              + f" head {{ metric_top_k: {args.metric_top_k} }}",
                              top_k=top_k, threads=args.threads,
                              chunk_blocks=args.chunk_blocks,
-                             vocab_group=group, **extra)
+                             vocab_group=group, **extra, **extra_rows)
     terms.loss_num.backward()
     return time.perf_counter() - start, terms.diagnostics.stats["chunks"]
 
@@ -113,10 +140,12 @@ def rank_main(rank, world, args, directory):
         "gloo", init_method="file://" + os.path.join(directory, "r"),
         rank=rank, world_size=world)
     x = batch(args)
+    if args.local_rows:
+        x = own_rows(x, rank, world)
     group = dist.group.WORLD
     weight = shard_rows(x["weight"], group)
     m = shard_rows(x["m"], group)
-    counts = {"calls": 0, "values": 0, "seconds": 0.0}
+    counts = {"calls": 0, "values": 0, "seconds": 0.0, "row_bytes": 0}
     original = _vocab_parallel._all_gather_into
     summing = _vocab_parallel.sum_over
 
@@ -136,12 +165,35 @@ def rank_main(rank, world, args, directory):
         summing(group, tensors)
         counts["seconds"] += time.perf_counter() - start
 
+    gathering = _vocab_parallel.gather_rows
+    scattering = _vocab_parallel.reduce_scatter_rows
+
+    def timed_gather(shard, tensor, wire=None):
+        start = time.perf_counter()
+        out = gathering(shard, tensor, wire)
+        counts["seconds"] += time.perf_counter() - start
+        if tensor is not None:
+            size = (torch.empty(0, dtype=wire).element_size() if wire
+                    else tensor.element_size())
+            counts["row_bytes"] += tensor.numel() * size
+        return out
+
+    def timed_scatter(shard, parts):
+        start = time.perf_counter()
+        out = scattering(shard, parts)
+        counts["seconds"] += time.perf_counter() - start
+        return out
+
     _vocab_parallel._all_gather_into = counting
     _vocab_parallel.sum_over = timed_sum
-    rows = x["target_ids"].numel()
+    _vocab_parallel.gather_rows = timed_gather
+    _vocab_parallel.reduce_scatter_rows = timed_scatter
+    own = x["target_ids"].numel()
+    # The loss's exchanges run over every rank's rows.
+    rows = own * (world if args.local_rows else 1)
     for family, top_k in cases(args):
         timed_call(x, weight, m, family, top_k, args, group)  # Warm-up.
-        counts.update(calls=0, values=0, seconds=0.0)
+        counts.update(calls=0, values=0, seconds=0.0, row_bytes=0)
         seconds = []
         for _ in range(args.repeat):
             elapsed, chunks = timed_call(x, weight, m, family, top_k, args,
@@ -150,7 +202,11 @@ def rank_main(rank, world, args, directory):
         calls = counts["calls"] / args.repeat
         values = counts["values"] / args.repeat
         if rank == 0:
+            if args.local_rows:
+                # Every rank's rows in chunks (equal shares).
+                chunks *= world
             torch.save({"seconds": seconds, "chunks": chunks,
+                        "row_bytes": counts["row_bytes"] / args.repeat / own,
                         "exchange": counts["seconds"] / args.repeat,
                         "rounds": calls, "values": values, "rows": rows},
                        os.path.join(directory, f"{family}_{top_k}.pt"))
@@ -168,13 +224,19 @@ def main(argv=None):
           f"a call, chunks of {args.chunk_blocks * 16} rows; {args.world} "
           f"gloo ranks against one process, {args.threads} thread(s) "
           f"each; metric_top_k {args.metric_top_k}; medians of "
-          f"{args.repeat}")
+          f"{args.repeat}"
+          + ("; rows='local' (each rank 1 / W of the rows)"
+             if args.local_rows else ""))
     print("| family | top_k | all-gathers / chunk | sent B / row "
-          "(all-gathers) | all-reduce B / row (d hidden, Domino's d z) | "
+          "(all-gathers) | "
+          + ("reduce-scatter" if args.local_rows else "all-reduce")
+          + " B / row (d hidden, Domino's d z) | "
           "exchange ms / chunk | ranks ms / chunk | one process ms / chunk | "
           "ratio (ideal "
-          f"{1 / args.world:.2f}) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{1 / args.world:.2f}) |"
+          + (" row gather B / own row |" if args.local_rows else ""))
+    print("|---|---|---|---|---|---|---|---|---|"
+          + ("---|" if args.local_rows else ""))
     for family, top_k in cases(args):
         whole = (x, x["weight"], x["m"], family, top_k, args, None)
         timed_call(*whole)
@@ -188,7 +250,8 @@ def main(argv=None):
         print(f"| {family} | {top_k} | {r['rounds'] / chunks:.1f} | "
               f"{8 * r['values'] / r['rows']:.0f} | {reduced} | "
               f"{1e3 * r['exchange'] / chunks:.1f} | {ranks_ms:.1f} | "
-              f"{one_ms:.1f} | {ranks_ms / one_ms:.2f} |")
+              f"{one_ms:.1f} | {ranks_ms / one_ms:.2f} |"
+              + (f" {r['row_bytes']:.0f} |" if args.local_rows else ""))
 
 
 if __name__ == "__main__":

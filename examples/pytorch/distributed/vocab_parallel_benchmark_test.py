@@ -37,6 +37,31 @@ class VocabParallelBenchmarkTest(unittest.TestCase):
             self.assertGreater(int(sent), 0)
             self.assertEqual(int(reduced), 4 * 16)
 
+    def test_local_rows(self):
+        # rows="local": each rank 32 of the 64 rows, one chunk a run, a run
+        # (handshake, closing gather) per rank's rows.
+        result = subprocess.run(
+            [sys.executable, SCRIPT, "--world", "2", "--vocab", "257",
+             "--hidden", "16", "--rows", "64", "--chunk_blocks", "2",
+             "--repeat", "1", "--families", "dflash,domino", "--top_k", "0",
+             "--correction_rank", "4", "--local_rows"],
+            capture_output=True, text=True, timeout=300)
+        self.assertEqual(result.returncode, 0,
+                         result.stdout + result.stderr)
+        self.assertIn("reduce-scatter B / row", result.stdout)
+        rows = re.findall(r"^\| (dflash|domino) \| 0 \| ([\d.]+) \| "
+                          r"(\d+) \| (\d+) \|.* (\d+) \|$", result.stdout,
+                          re.M)
+        self.assertEqual([r[0] for r in rows], ["dflash", "domino"],
+                         result.stdout)
+        for family, gathers, _, reduced, gathered in rows:
+            self.assertEqual(float(gathers), 5.0)
+            r = 4 if family == "domino" else 0
+            self.assertEqual(int(reduced), 4 * (16 + r))
+            # hidden (16 float32), the target id (int64), the mask
+            # (float64 on the wire), Domino's z (4 float32).
+            self.assertEqual(int(gathered), 4 * 16 + 8 + 8 + 4 * r)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

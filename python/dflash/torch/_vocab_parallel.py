@@ -4,7 +4,11 @@ call (one small all-gather), the exchange the C++ loss merges its row
 records through (torch.distributed's list-form all_gather of float64 CPU
 tensors, which Debian's torch 1.13 gloo has), and the sums over the group
 (one SUM all-reduce per call of the gradient of hidden and of the
-correction's inputs). docs/scaling.md has the design.
+correction's inputs). With rows="local" (the vocab group is also the
+data-parallel group) each rank brings its own rows: they are gathered in
+rank order, the head runs once over each rank's rows, and the gradient of
+each rank's hidden (and correction inputs) comes back to it by one
+reduce-scatter. docs/scaling.md has the design.
 """
 
 from __future__ import annotations
@@ -75,12 +79,20 @@ class Shard(NamedTuple):
     rows: int  # This rank's rows (lm_head_weight.shape[0]).
     vocab: int  # The whole vocabulary: the sum of the ranks' rows.
     core: _core.VocabShard
+    # rows="local": every rank's batch size B_q in rank order (its own rows
+    # gathered to every rank); () when every rank brings the same rows.
+    batches: Tuple[int, ...] = ()
+
+    @property
+    def local(self) -> bool:
+        return bool(self.batches)
 
 
 # The call's description every rank sends (float64, exact integers): a
-# refusal flag, then the fields below. Rows may differ between ranks;
+# refusal flag, then the fields below. Rows may differ between ranks, and
+# with rows="local" B, target_ids and weight_mask too (each rank's own rows);
 # everything else must not.
-_FIELDS = ("refused", "rows", "B", "N", "K", "H", "dtype", "top_k",
+_FIELDS = ("refused", "rows", "rows option", "B", "N", "K", "H", "dtype", "top_k",
            "return_rows", "gradients", "trainable", "bias", "teacher_hidden",
            "confidence_logits", "correction rank", "config", "target_ids",
            "weight_mask", "lm_head_weight's columns", "inputs' dtypes, "
@@ -100,8 +112,8 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
               confidence: Optional[torch.Tensor],
               correction_inputs: Optional[torch.Tensor], top_k: int,
               return_rows: bool, gradients: bool, trainable: bool,
-              correction_weight: Optional[torch.Tensor] = None
-              ) -> List[float]:
+              correction_weight: Optional[torch.Tensor] = None,
+              local_rows: bool = False) -> List[float]:
     """This rank's _FIELDS for one call (its arguments checked already)."""
     if hidden.dim() != 4:
         raise ValueError("hidden: must have 4 dimensions [B, N, K, H], got "
@@ -112,7 +124,7 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
     b, n, k, h = hidden.shape
     rank = (0 if correction_inputs is None or correction_inputs.dim() != 4
             else correction_inputs.shape[3])
-    values = [0, weight.shape[0], b, n, k, h,
+    values = [0, weight.shape[0], local_rows, b, n, k, h,
               _DTYPES.get(hidden.dtype, 3), top_k, return_rows, gradients,
               trainable, bias is not None, teacher is not None,
               confidence is not None, rank,
@@ -157,8 +169,12 @@ def agree(group: Any, rank: int, world: int,
             "vocab_group: rank(s) " + ", ".join(map(str, refused))
             + " of the group refused their arguments (their errors name "
             "them); every rank of the group raises")
+    # The rows option is compared first: with rows="local" the ranks' own
+    # rows (their B, targets and masks) differ.
+    local_rows = bool(table[0][2])
     for index, name in enumerate(_FIELDS):
-        if index in (0, 1):
+        if index in (0, 1) or (local_rows and name in (
+                "B", "target_ids", "weight_mask")):
             continue
         values = [row[index] for row in table]
         if any(v != values[0] for v in values):
@@ -168,8 +184,11 @@ def agree(group: Any, rank: int, world: int,
                 "inputs' dtypes, shapes and requires_grad") else "differs")
             raise ValueError(
                 f"vocab_group: the ranks' {name} {what} ({shown}); every "
-                "rank of a vocab group runs the same rows, config and call "
-                "on its own shard of the weight")
+                "rank of a vocab group runs the same "
+                + ("call (on its own rows: rows='local')" if local_rows
+                   else "rows, config and call")
+                + " on its own shard of the weight (rows='shared' or "
+                "'local' alike on every rank)")
     rows = [row[1] for row in table]
     vocab = sum(rows)
     if vocab < world:
@@ -191,7 +210,9 @@ def agree(group: Any, rank: int, world: int,
     offset = want[rank][0]
     core = _core.VocabShard(offset, vocab, rank, world,
                             _all_gather_into(group, world))
-    return Shard(group, rank, world, offset, rows[rank], vocab, core)
+    batches = tuple(row[3] for row in table) if local_rows else ()
+    return Shard(group, rank, world, offset, rows[rank], vocab, core,
+                 batches)
 
 
 def _all_gather_into(group: Any, world: int
@@ -236,3 +257,73 @@ def local_ids(ids: torch.Tensor, shard: Shard) -> torch.Tensor:
     mine = (ids >= shard.offset) & (ids < shard.offset + shard.rows)
     return torch.where(mine, ids - shard.offset,
                        torch.full_like(ids, -1)).int()
+
+
+def gather_rows(shard: Shard, tensor: Optional[torch.Tensor],
+                wire: Optional[torch.dtype] = None
+                ) -> List[Optional[torch.Tensor]]:
+    """rows="local": every rank's `tensor` (its own rows along dimension 0,
+    the other dimensions agreed) in rank order, by one list-form all_gather
+    of tensors padded to the largest B (ranks' B may differ); this rank's
+    entry is `tensor` itself, the others' in `wire` (default: tensor's
+    dtype, which the agreement compared). Targets travel as int64 and masks
+    as float64, whose dtypes the ranks need not share (exact for any
+    allowed one). None for every rank where `tensor` is None (agreed)."""
+    if tensor is None:
+        return [None] * shard.world
+    sent = tensor.detach().to(wire or tensor.dtype)
+    padded = sent.new_zeros((max(shard.batches),) + tuple(sent.shape[1:]))
+    padded[:sent.shape[0]] = sent
+    gathered = [torch.empty_like(padded) for _ in range(shard.world)]
+    dist.all_gather(gathered, padded, group=shard.group)
+    return [tensor if q == shard.rank else got[:b]
+            for q, (got, b) in enumerate(zip(gathered, shard.batches))]
+
+
+def reduce_scatter_rows(shard: Shard,
+                        parts: Sequence[Sequence[Optional[torch.Tensor]]]
+                        ) -> List[Optional[torch.Tensor]]:
+    """rows="local": parts[q] holds this rank's (its vocabulary's) part of
+    the gradients of rank q's row tensors (hidden's, the correction
+    inputs'; one dtype); returns this rank's own tensors summed over the
+    group. One reduce_scatter of the ranks' parts packed and padded to one
+    length; where gloo has none (torch 1.13) one SUM all_reduce of them all,
+    this rank's slice kept."""
+    mine = parts[shard.rank]
+    present = [i for i, t in enumerate(mine) if t is not None]
+    if not present:
+        return list(mine)
+    # The same tensors are present in every rank's parts (agreed).
+    packed = [torch.cat([t.reshape(-1) for t in parts[q] if t is not None])
+              for q in range(shard.world)]
+    length = max(p.numel() for p in packed)
+    padded = [torch.nn.functional.pad(p, (0, length - p.numel()))
+              for p in packed]
+    out = padded[0].new_empty(length)
+    try:
+        dist.reduce_scatter(out, padded, op=dist.ReduceOp.SUM,
+                            group=shard.group)
+    except RuntimeError as error:
+        if "does not support reduce_scatter" not in str(error):
+            raise
+        whole = torch.cat(padded)
+        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=shard.group)
+        out = whole[shard.rank * length:(shard.rank + 1) * length]
+    result: List[Optional[torch.Tensor]] = list(mine)
+    at = 0
+    for i in present:
+        t = mine[i]
+        assert t is not None
+        result[i] = out[at:at + t.numel()].view(t.shape).clone()
+        at += t.numel()
+    return result
+
+
+def gather_scales(shard: Shard, scale: float) -> List[float]:
+    """rows="local", backward: every rank's factor on its own rows'
+    gradients (d loss / d loss_num times the head's denominator), in rank
+    order, by one list-form all_gather."""
+    local = torch.tensor([scale], dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(shard.world)]
+    dist.all_gather(gathered, local, group=shard.group)
+    return [float(t) for t in gathered]

@@ -38,12 +38,13 @@ class FusedHead(torch.nn.Module):
     gloo ProcessGroup, CPU tensors): lm_head holds this rank's rows of the
     vocabulary (dflash.torch.distributed.shard_linear cuts them from the
     whole nn.Linear), and every rank of the group calls the head with the
-    same hidden states.
+    same hidden states; with rows="local" each rank calls it with its own
+    rows (dflash_objective's rows).
     """
 
     def __init__(self, lm_head: torch.nn.Linear, config: ConfigSource = None,
                  *, freeze: bool = True, vocab_group: Optional[Any] = None,
-                 **overrides: Override) -> None:
+                 rows: str = "shared", **overrides: Override) -> None:
         super().__init__()
         if not isinstance(lm_head, torch.nn.Linear):
             raise TypeError("lm_head: must be a torch.nn.Linear, got "
@@ -55,7 +56,12 @@ class FusedHead(torch.nn.Module):
         if vocab_group is not None:
             from dflash.torch import _vocab_parallel
             _vocab_parallel.checked_group(vocab_group)
+        if not isinstance(rows, str) or rows not in ("shared", "local"):
+            raise ValueError(f"rows: must be 'shared' or 'local', got {rows!r}")
+        if rows == "local" and vocab_group is None:
+            raise ValueError("rows: 'local' needs a vocab_group")
         self.vocab_group = vocab_group
+        self.rows = rows
         self._prepared: Optional[_core.PreparedProjection] = None
         self._prepared_from: Optional[_LayoutKey] = None
 
@@ -96,4 +102,4 @@ class FusedHead(torch.nn.Module):
             prepared_projection=(None if compiling
                                  else self._prepared_projection()),
             prepare=compiling, return_rows=return_rows, top_k=top_k,
-            vocab_group=self.vocab_group)
+            vocab_group=self.vocab_group, rows=self.rows)

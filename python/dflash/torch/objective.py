@@ -346,13 +346,14 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               correction_inputs: Optional[torch.Tensor],
               correction_weight: Optional[torch.Tensor],
               prepared: Optional[_core.PreparedProjection],
-              shard: Optional[Any] = None) -> _HeadCall:
+              shard: Optional[Any] = None, summed: bool = True) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
     the host). `gradients` false: the forward pass alone, no gradient
     computed and no gradient buffer (every grads value None). `shard`
     (_vocab_parallel.Shard): this rank's rows of a vocab-parallel head; the
     gradient of hidden and of the correction's inputs (and float64 top-k
-    values, computed by their owners) are then summed over its group."""
+    values, computed by their owners) are then summed over its group, unless
+    not `summed` (rows="local": _LocalRows reduce-scatters them)."""
     # The head reads hidden and the per-row tensors beside it as whole
     # rows, one after the other: a view that is not laid out so (a slice of
     # a longer batch along N, as SpecForge's chunks are) is copied here.
@@ -410,7 +411,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         forward_only=not gradients,
         vocab_shard=None if shard is None else shard.core, **grads,
         **outputs)
-    if shard is not None:
+    if shard is not None and summed:
         # The head's gradient of hidden (and z) is this rank's vocabulary's
         # part; float64 top-k values are 0 at the ids other ranks own.
         float64_values = (outputs["top_k_values"]
@@ -680,6 +681,142 @@ class _Objective(torch.autograd.Function):
                 None, None)
 
 
+class _LocalRows(torch.autograd.Function):
+    """The vocab-parallel head with rows="local" (the vocab group is also
+    the data-parallel group), in _Objective's arguments and results: every
+    rank's rows gathered in rank order, the head run once over each rank's
+    rows on every rank (each on its shard of the weight), this rank's terms
+    and row outputs those of the run over its own rows. The gradients of
+    its hidden and correction inputs are the runs' parts summed over the
+    group by one reduce-scatter (in forward, as _run_head's all-reduce);
+    those of its shards of the weight, bias and correction weight are every
+    run's, each scaled by its rank's factor (d loss / d loss_num, gathered
+    in backward: every rank runs backward from its loss_num, as under DDP).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, config: _core.ObjectiveConfig, top_k: int,
+                return_rows: bool, gradients: bool, run_info: _RunInfo,
+                hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor],
+                teacher: Optional[torch.Tensor],
+                confidence: Optional[torch.Tensor], target_ids: torch.Tensor,
+                weight_mask: torch.Tensor,
+                correction_inputs: Optional[torch.Tensor],
+                correction_weight: Optional[torch.Tensor],
+                prepared: Optional[_core.PreparedProjection],
+                shard: Any) -> Tuple[torch.Tensor, ...]:
+        parallel = _vocab_parallel()
+        trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
+        per_rank = list(zip(*[
+            parallel.gather_rows(shard, t, wire)
+            for t, wire in ((hidden.contiguous(), None), (teacher, None),
+                            (confidence, None), (target_ids, torch.int64),
+                            (weight_mask, torch.float64),
+                            (correction_inputs, None))]))
+        if (prepared is None and not trainable
+                and weight.dtype == torch.float32 and weight.is_contiguous()):
+            # The W runs share one layout of the frozen float32 shard (each
+            # run would lay it out again).
+            prepared = _core.PreparedProjection(weight, bias)
+        calls: List[_HeadCall] = []
+        before = shard.core.runs
+        for q, (h, t, c, ids, mask, z) in enumerate(per_rank):
+            try:
+                call = _run_head(config, top_k, return_rows, trainable,
+                                 gradients, h, weight, bias, t, c, ids, mask,
+                                 z, correction_weight, prepared, shard,
+                                 summed=False)
+            except BaseException as error:
+                # Failed here before run q's handshake (a MemoryError for
+                # its buffers): the others wait in it for this record.
+                # Before the first run _checked_objective sends it.
+                if q > 0 and shard.core.runs == before + q:
+                    shard.core.refuse(error)
+                raise
+            if q != shard.rank:
+                # Another rank's rows: only the gradients' parts are kept.
+                call = call._replace(terms=[], extras=[])
+            calls.append(call)
+        own = calls[shard.rank]
+        grads = dict(own.grads)
+        grads["grad_hidden"], grads["grad_correction_inputs"] = (
+            parallel.reduce_scatter_rows(shard, [
+                [c.grads["grad_hidden"], c.grads["grad_correction_inputs"]]
+                for c in calls]))
+        result = own.result
+        run_info.stats = result["stats"]
+        run_info.lk_kl_weight = result["lk_kl_weight"]
+        run_info.family_terms = result["family_terms"]
+        run_info.loss_den_offset = result["loss_den_offset"]
+        run_info.metrics = {
+            name: torch.tensor(value, dtype=torch.float64)
+            for name, value in result["diagnostics"].items()}
+        ctx.den = result["loss_denominator"]
+        ctx.shard = shard
+        ctx.world = shard.world
+        per_run = [c.grads[name] for name in (
+            "grad_weight", "grad_bias", "grad_correction_weight")
+            for c in calls]
+        ctx.save_for_backward(
+            grads["grad_hidden"], grads["grad_confidence"],
+            grads["grad_correction_inputs"], *per_run, hidden, weight, bias,
+            confidence, correction_inputs, correction_weight)
+        returned = own.terms + [e for e in own.extras if e is not None]
+        ctx.mark_non_differentiable(*returned[1:])
+        ctx.set_materialize_grads(False)
+        return tuple(returned)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Optional[torch.Tensor]
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        with torch.no_grad():
+            grads = _LocalRows._gradients(ctx, grad_outputs[0])
+        if not torch.is_grad_enabled():
+            return grads
+        return _tie_to_error(ctx.saved_tensors[3 + 3 * ctx.world:],
+                             grad_outputs, grads)
+
+    @staticmethod
+    def _gradients(ctx: Any, grad_num: Optional[torch.Tensor]
+                   ) -> Tuple[Optional[torch.Tensor], ...]:
+        saved = ctx.saved_tensors
+        world = ctx.world
+        own_hidden, own_confidence, own_z = saved[:3]
+        per_run = saved[3:3 + 3 * world]
+        # The head's gradients are of loss_num / loss_den (_Objective).
+        scale = 0.0 if grad_num is None else float(grad_num) * ctx.den
+        needs = ctx.needs_input_grad
+
+        def scaled(grad: Optional[torch.Tensor], wanted: bool
+                   ) -> Optional[torch.Tensor]:
+            return None if grad is None or not wanted else grad * scale
+
+        def summed(runs: Sequence[Optional[torch.Tensor]],
+                   factors: Sequence[float]) -> Optional[torch.Tensor]:
+            total: Optional[torch.Tensor] = None
+            for grad, factor in zip(runs, factors):
+                if grad is not None:
+                    total = (grad * factor if total is None
+                             else total + grad * factor)
+            return total
+
+        grad_weight = grad_bias = grad_m = None
+        if needs[6] or needs[7] or needs[13]:
+            # Agreed on every rank (trainable, M's requires_grad).
+            factors = _vocab_parallel().gather_scales(ctx.shard, scale)
+            grad_weight = (summed(per_run[:world], factors) if needs[6]
+                           else None)
+            grad_bias = (summed(per_run[world:2 * world], factors)
+                         if needs[7] else None)
+            grad_m = (summed(per_run[2 * world:], factors) if needs[13]
+                      else None)
+        return (None, None, None, None, None, scaled(own_hidden, needs[5]),
+                grad_weight, grad_bias, None,
+                scaled(own_confidence, needs[9]), None, None,
+                scaled(own_z, needs[12]), grad_m, None, None)
+
+
 def dflash_objective(
         hidden: torch.Tensor, lm_head_weight: torch.Tensor,
         target_ids: torch.Tensor, weight_mask: torch.Tensor, *,
@@ -691,7 +828,7 @@ def dflash_objective(
         correction_weight: Optional[torch.Tensor] = None,
         prepared_projection: Optional[_core.PreparedProjection] = None,
         return_rows: bool = False, top_k: int = 0,
-        vocab_group: Optional[Any] = None,
+        vocab_group: Optional[Any] = None, rows: str = "shared",
         **overrides: Override) -> ObjectiveTerms:
     """The DFlash-family objective's chunk terms over one batch, through the
     fused C++ head: what SpecForge's `_dflash_objective_chunk_terms` reduced
@@ -749,6 +886,21 @@ def dflash_objective(
         correction_weight's are this rank's rows. Runs through the
         autograd.Function path on every torch (not torch.compile); Ctrl-C
         is taken when the call returns.
+    rows: with a vocab_group, "shared" (the default: every rank brings the
+        same rows, as above) or "local": the vocab group is also the
+        data-parallel group and each rank brings its own rows (hidden,
+        target_ids, weight_mask, teacher_hidden, confidence_logits,
+        correction_inputs: B may differ between ranks, every other
+        dimension may not). The ranks' rows are gathered in rank order and
+        the head runs over each rank's rows on every shard; each rank gets
+        the terms and row outputs of its own rows (what one process with
+        the whole weight returns for them: sum or GlobalNormalizer them
+        over the ranks as for data-parallel training), the gradient of its
+        own hidden and correction_inputs (summed over the vocabulary by one
+        reduce-scatter; an all-reduce under torch 1.13, whose gloo has
+        none) and of its shard of the weight, bias and correction_weight
+        from every rank's rows (every rank runs backward from its loss_num
+        then: they gather each other's factor). top_k is refused.
 
     Returns ObjectiveTerms: the core terms, the rest in its diagnostics. Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
@@ -763,7 +915,8 @@ def dflash_objective(
         correction_inputs=correction_inputs,
         correction_weight=correction_weight,
         prepared_projection=prepared_projection, prepare=False,
-        return_rows=return_rows, top_k=top_k, vocab_group=vocab_group)
+        return_rows=return_rows, top_k=top_k, vocab_group=vocab_group,
+        rows=rows)
 
 
 def _checked_objective(
@@ -777,11 +930,15 @@ def _checked_objective(
         correction_weight: Optional[torch.Tensor],
         prepared_projection: Optional[_core.PreparedProjection],
         prepare: bool, return_rows: Any, top_k: Any,
-        vocab_group: Optional[Any] = None) -> ObjectiveTerms:
+        vocab_group: Optional[Any] = None, rows: str = "shared"
+        ) -> ObjectiveTerms:
     """dflash_objective (and FusedHead, with `prepare`): the arguments
     checked, then _objective_terms. With a vocab_group the ranks agree on
     the call first (a refusal on any rank raises on every rank)."""
     if vocab_group is None:
+        if not (isinstance(rows, str) and rows == "shared"):
+            raise ValueError("rows: must be 'shared' without a vocab_group "
+                             f"(rows='local' needs one), got {rows!r}")
         return _checked_local(
             hidden, lm_head_weight, target_ids, weight_mask, config=config,
             overrides=overrides, lm_head_bias=lm_head_bias,
@@ -798,6 +955,10 @@ def _checked_objective(
                          "call it from eager code")
     group, rank, world = parallel.checked_group(vocab_group)
     try:
+        if not isinstance(rows, str) or rows not in ("shared", "local"):
+            raise ValueError("rows: must be 'shared' or 'local', got "
+                             f"{rows!r}")
+        local_rows = rows == "local"
         for name, value in (("hidden", hidden),
                             ("lm_head_weight", lm_head_weight),
                             ("lm_head_bias", lm_head_bias),
@@ -818,6 +979,30 @@ def _checked_objective(
         if not 0 <= top_k <= 64:
             raise ValueError("top_k: must be an int in [0, min(64, V)], got "
                              f"{top_k!r}")
+        if local_rows and top_k:
+            raise ValueError(
+                f"top_k: rows='local' does not return top-k (their values' "
+                f"gradient is not built for it), got {top_k!r}; pass 0")
+        if local_rows and hidden.dim() == 4 and hidden.shape[0] == 0:
+            raise ValueError("hidden: rows='local' needs at least one row "
+                             "on every rank, got B = 0 here")
+        if local_rows:
+            # Gathered by shape: each row tensor must be this rank's rows
+            # of hidden (the agreement compares hidden's N, K, H).
+            for name, value, dims in (
+                    ("target_ids", target_ids, 3),
+                    ("weight_mask", weight_mask, 3),
+                    ("teacher_hidden", teacher_hidden, 4),
+                    ("confidence_logits", confidence_logits, 3),
+                    ("correction_inputs", correction_inputs, 3)):
+                if value is None:
+                    continue
+                value = _tensor(name, value)
+                if tuple(value.shape[:dims]) != tuple(hidden.shape[:dims]):
+                    raise ValueError(
+                        f"{name}: with rows='local' must have hidden's "
+                        f"leading dimensions {tuple(hidden.shape[:dims])}, "
+                        f"got shape {tuple(value.shape)}")
         resolved = objective_config(config, **overrides)
         gradients = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad
@@ -830,7 +1015,8 @@ def _checked_objective(
             hidden, lm_head_weight, target_ids, weight_mask, resolved.text,
             lm_head_bias, teacher_hidden, confidence_logits,
             correction_inputs, top_k, bool(return_rows), gradients,
-            trainable, correction_weight=correction_weight)
+            trainable, correction_weight=correction_weight,
+            local_rows=local_rows)
     except Exception:
         parallel.agree(group, rank, world, None)
         raise
@@ -1008,7 +1194,9 @@ def _objective_terms(
     else:
         resolved = objective_config(config, **overrides)
         run_info = _RunInfo()
-        results = _Objective.apply(
+        function = (_LocalRows if shard is not None and shard.local
+                    else _Objective)
+        results = function.apply(
             resolved, top_k, return_rows, gradients, run_info, hidden,
             lm_head_weight, lm_head_bias, teacher_hidden, confidence_logits,
             _on_host(target_ids), _on_host(weight_mask), correction_inputs,
