@@ -332,6 +332,65 @@ class DFlashTest(Case):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
+class TinySelector(nn.Module):
+    """A DFlash2 candidate selector: scores the unary top-k."""
+
+    top_k = 3
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(H, 1)
+
+    def score_candidates(self, candidate_ids, unary_logits, hidden_states,
+                         predecessor_ids):
+        return unary_logits + self.score(hidden_states)
+
+
+class TinySelectorDraft(TinyDraft):
+    def __init__(self):
+        super().__init__()
+        self.candidate_selector = TinySelector()
+
+    def transform_unary_logits(self, logits):
+        return logits
+
+
+class DFlashFallbackTest(Case):
+    def test_a_selector_draft(self):
+        def make():
+            torch.manual_seed(0)
+            lm_head = head()
+            return sf.OnlineDFlashModel(
+                TinySelectorDraft(), lm_head, nn.Embedding(V, H),
+                mask_token_id=V - 1, block_size=K, attention_backend="sdpa",
+                num_anchors=8, objective_chunk_blocks=2, loss_type="dpace")
+        self.compare("selector", make, heads=0,
+                     forward_kwargs={"collect_detailed_metrics": False},
+                     fallbacks=("candidate_selector",))
+
+    def test_lk_lambda_with_a_trainable_head(self):
+        self.compare("lambda trainable", make_dflash("dflash", "lambda",
+                                                     trainable=True),
+                     heads=1, fallbacks=("head.trainable",))
+
+    def test_fused_head(self):
+        # Main's Triton head stays SpecForge's: the call goes there (which
+        # needs specforge.core.dflash_head_triton, triton and CUDA tensors,
+        # and raises on these CPU ones).
+        model = make_dflash()().to(torch.float64)
+        hidden = torch.randn(B, 2, K, H, dtype=torch.float64)
+        targets = torch.zeros(B, 2, K, dtype=torch.int64)
+        mask = torch.ones(B, 2, K, dtype=torch.float64)
+        dsf.apply()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with self.assertRaises(Exception):
+                model._dflash_objective_chunk_terms(
+                    hidden, targets, mask, targets, fused_head=True)
+        self.assertEqual(len(caught), 1)
+        self.assertIn("fused_head=True", str(caught[0].message))
+
+
 class FamilyTest(Case):
     def test_dspark_with_confidence_logits_falls_back(self):
         def make():
