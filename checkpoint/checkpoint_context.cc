@@ -272,4 +272,22 @@ void CheckpointContext::Release(int64_t chunk) {
   chunks_.erase(it);
 }
 
+void CheckpointContext::ReleaseRecomputed(int64_t chunk) {
+  auto it = chunks_.find(chunk);
+  if (it == chunks_.end()) return;
+  for (auto& [name, entry] : it->second) {
+    if (!entry.kept) Drop(entry.held);
+  }
+}
+
+void CheckpointContext::Discard(int64_t chunk, absl::string_view tag) {
+  auto chunk_it = chunks_.find(chunk);
+  if (chunk_it == chunks_.end()) return;
+  auto it = chunk_it->second.find(tag);
+  if (it == chunk_it->second.end()) return;
+  Drop(it->second.held);
+  chunk_it->second.erase(it);
+  if (chunk_it->second.empty()) chunks_.erase(chunk_it);
+}
+
 }  // namespace dflash

@@ -115,7 +115,8 @@ struct CheckpointStats {
 // Backward fetches a dropped tensor by recomputing its whole segment (the
 // segment_chunks consecutive chunks containing it) once, in offer order, so
 // that a recompute function may Fetch what was offered before it; the
-// recomputed tensors are held until Release() of their chunk. Kept tensors
+// recomputed tensors are held until Release() (or ReleaseRecomputed()) of
+// their chunk. Kept tensors
 // live in a store owned through the TrackingAllocator, on its device. Not
 // thread-safe.
 class CheckpointContext {
@@ -137,6 +138,16 @@ class CheckpointContext {
 
   // Frees everything held for `chunk`.
   void Release(int64_t chunk);
+
+  // Frees what backward recomputed for `chunk` and keeps what forward kept,
+  // so that a second backward pass finds the chunk as the first did (a
+  // later Fetch recomputes again).
+  void ReleaseRecomputed(int64_t chunk);
+
+  // Forgets `tag` of `chunk` (frees it if held): for an intermediate that
+  // nothing will Fetch, e.g. teacher logits once the logits gradient they
+  // would recompute is kept. No-op when nothing was offered as `tag`.
+  void Discard(int64_t chunk, absl::string_view tag);
 
   const CheckpointStats& stats() const { return stats_; }
 

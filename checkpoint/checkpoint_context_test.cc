@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "checkpoint/checkpoint_policy.h"
@@ -193,6 +194,82 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<SegmentCase>& info) {
       return info.param.name;
     });
+
+// Two backward passes over one forward (a retained graph): the second
+// recomputes what the first did and finds the kept chunks as they were.
+TEST(CheckpointContextTest, ReleaseRecomputedKeepsKeptForASecondPass) {
+  constexpr int64_t kN = 4;
+  TrackingAllocator allocator;
+  // Chunks 0 and 2 kept (MUST_SAVE by name), 1 and 3 recomputed.
+  auto context = CheckpointContext::Create(
+      Policy("segment_chunks: 1 rules { name: \"keep\" action: MUST_SAVE }"),
+      allocator);
+  ASSERT_TRUE(context.ok()) << context.status();
+  CheckpointContext& ctx = **context;
+  Stage stage(kN);
+  for (int64_t chunk = 0; chunk < 4; ++chunk) {
+    std::vector<float> v = stage.Make(chunk);
+    const std::string tag = chunk % 2 == 0 ? "keep" : "drop";
+    ASSERT_TRUE(ctx.Offer(chunk, Info(tag, IntermediateKind::kOther, true, true),
+                          TensorView::Of(v.data(), {kN}),
+                          stage.Recompute(chunk))
+                    .ok());
+  }
+  const int64_t bytes = kN * static_cast<int64_t>(sizeof(float));
+  EXPECT_EQ(allocator.current_bytes(), 2 * bytes);
+  for (int pass = 1; pass <= 2; ++pass) {
+    SCOPED_TRACE(pass);
+    for (int64_t chunk = 3; chunk >= 0; --chunk) {
+      auto t = ctx.Fetch(chunk, chunk % 2 == 0 ? "keep" : "drop");
+      ASSERT_TRUE(t.ok()) << t.status();
+      const std::vector<float> expected = stage.Make(chunk);
+      EXPECT_EQ(std::vector<float>(t->data_as<float>(),
+                                   t->data_as<float>() + kN),
+                expected);
+      ctx.ReleaseRecomputed(chunk);
+    }
+    // The kept copies stay; what was recomputed is freed.
+    EXPECT_EQ(allocator.current_bytes(), 2 * bytes);
+    EXPECT_EQ(ctx.stats().current_kept_bytes, 2 * bytes);
+    EXPECT_EQ(stage.calls, 2 * pass);
+    EXPECT_EQ(ctx.stats().per_tag.at("drop").recomputed, 2 * pass);
+  }
+  for (int64_t chunk = 0; chunk < 4; ++chunk) ctx.Release(chunk);
+  EXPECT_EQ(allocator.current_bytes(), 0);
+}
+
+TEST(CheckpointContextTest, DiscardFreesAnEntryNothingWillFetch) {
+  TrackingAllocator allocator;
+  auto context = CheckpointContext::Create(
+      Policy("segment_chunks: 1 rules { name: \"keep*\" action: MUST_SAVE }"),
+      allocator);
+  ASSERT_TRUE(context.ok()) << context.status();
+  CheckpointContext& ctx = **context;
+  Stage stage(4);
+  std::vector<float> v = stage.Make(0);
+  for (const char* tag : {"keep_a", "keep_b", "drop"}) {
+    ASSERT_TRUE(ctx.Offer(0, Info(tag, IntermediateKind::kOther, true, true),
+                          TensorView::Of(v.data(), {4}), stage.Recompute(0))
+                    .ok());
+  }
+  EXPECT_EQ(allocator.current_bytes(), 32);
+  ctx.Discard(0, "keep_a");
+  EXPECT_EQ(allocator.current_bytes(), 16);
+  EXPECT_EQ(ctx.stats().current_kept_bytes, 16);
+  auto gone = ctx.Fetch(0, "keep_a");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  // A discarded dropped entry is not recomputed with its segment.
+  ctx.Discard(0, "drop");
+  ctx.Discard(0, "drop");  // Nothing left: a no-op.
+  ctx.Discard(7, "keep_b");  // No such chunk: a no-op.
+  auto kept = ctx.Fetch(0, "keep_b");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->data_as<float>()[3], v[3]);
+  EXPECT_EQ(stage.calls, 0);
+  ctx.Discard(0, "keep_b");
+  EXPECT_EQ(allocator.current_bytes(), 0);
+  EXPECT_EQ(ctx.stats().current_kept_bytes, 0);
+}
 
 // A recompute may read an intermediate offered before it: the segment is
 // recomputed in offer order, whatever the tags' names.

@@ -13,6 +13,28 @@
 
 namespace dflash {
 
+namespace {
+
+// RunHead's and StartHead's checks of the target and the allocator.
+template <typename T>
+absl::Status CheckCpuHead(const v1::ObjectiveConfig& config,
+                          const TrackingAllocator& allocator,
+                          const char* call) {
+  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
+                                               ? v1::HeadConfig::FLOAT32
+                                               : v1::HeadConfig::FLOAT64;
+  DFLASH_RETURN_IF_ERROR(CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
+                                         kDType, call,
+                                         "CPU heads run FLOAT32 or FLOAT64"));
+  if (allocator.device() != Device::kCpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocator: ", call, " needs host memory, got a CUDA allocator"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 template <typename T>
 absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    const HeadInputs<T>& inputs,
@@ -20,21 +42,24 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    TrackingAllocator& allocator,
                                    const HeadRowOutputs& row_outputs,
                                    const HeadOptions& options) {
-  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
-                                               ? v1::HeadConfig::FLOAT32
-                                               : v1::HeadConfig::FLOAT64;
-  DFLASH_RETURN_IF_ERROR(CheckHeadTarget(config.head(), v1::HeadConfig::CPU,
-                                         kDType, "RunHead",
-                                         "CPU heads run FLOAT32 or FLOAT64"));
-  if (allocator.device() != Device::kCpu) {
-    return absl::InvalidArgumentError(
-        "allocator: RunHead needs host memory, got a CUDA allocator");
-  }
+  DFLASH_RETURN_IF_ERROR(CheckCpuHead<T>(config, allocator, "RunHead"));
   ScopedLibraryCall call;
   std::unique_ptr<HeadBackend<T>> backend =
       CreateCpuHeadBackend<T>(config, allocator);
   return RunHeadOn<T>(config, inputs, gradients, *backend, row_outputs,
                       options);
+}
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> StartHead(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    TrackingAllocator& allocator, const HeadRowOutputs& row_outputs,
+    const HeadOptions& options) {
+  DFLASH_RETURN_IF_ERROR(CheckCpuHead<T>(config, allocator, "StartHead"));
+  ScopedLibraryCall call;
+  return SplitHeadRun<T>::Forward(config, inputs,
+                                  CreateCpuHeadBackend<T>(config, allocator),
+                                  row_outputs, options);
 }
 
 absl::StatusOr<int64_t> PredictProjectionBytes(
@@ -59,5 +84,13 @@ template absl::StatusOr<HeadResult> RunHead<double>(
     const v1::ObjectiveConfig&, const HeadInputs<double>&,
     const HeadGradients<double>&, TrackingAllocator&, const HeadRowOutputs&,
     const HeadOptions&);
+
+template absl::StatusOr<std::unique_ptr<SplitHeadRun<float>>> StartHead<float>(
+    const v1::ObjectiveConfig&, const HeadInputs<float>&, TrackingAllocator&,
+    const HeadRowOutputs&, const HeadOptions&);
+template absl::StatusOr<std::unique_ptr<SplitHeadRun<double>>>
+StartHead<double>(const v1::ObjectiveConfig&, const HeadInputs<double>&,
+                  TrackingAllocator&, const HeadRowOutputs&,
+                  const HeadOptions&);
 
 }  // namespace dflash

@@ -7,8 +7,11 @@
 // on the host. Its types are in heads/head_types.h, shared with the CUDA
 // head (//heads:cuda_head).
 
+#include <memory>
+
 #include "absl/status/statusor.h"
 #include "base/tracking_allocator.h"
+#include "heads/head_backend.h"
 #include "heads/head_types.h"
 #include "proto/objective.pb.h"
 
@@ -24,6 +27,7 @@ namespace dflash {
 //   its rules and budget; backward recomputes dropped ones a segment at a
 //   time.
 // - FUSED: grad_hidden is computed per chunk in forward; backward scales.
+// StartHead runs the passes of the other modes apart.
 // Rows without weight are never projected. Every buffer comes from
 // `allocator`. head.threads splits each chunk's loss at block boundaries.
 // The same run on a CUDA device is RunCudaHead (//heads:cuda_head); both
@@ -35,6 +39,20 @@ absl::StatusOr<HeadResult> RunHead(const v1::ObjectiveConfig& config,
                                    TrackingAllocator& allocator,
                                    const HeadRowOutputs& row_outputs = {},
                                    const HeadOptions& options = {});
+
+// RunHead with its forward and backward passes apart (SplitHeadRun,
+// heads/head_backend.h): the forward pass now, with the checks and the
+// backend RunHead makes; Backward later, once or more, into gradients the
+// caller gives then. For every mode but FUSED (SplitsBackward); between
+// the passes only what the mode keeps is held (docs/heads.md, "Split
+// forward and backward"). `config`, `allocator` and the memory of
+// `inputs` (and options.prepared_projection) are borrowed until the run is
+// destroyed.
+template <typename T>
+absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> StartHead(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    TrackingAllocator& allocator, const HeadRowOutputs& row_outputs = {},
+    const HeadOptions& options = {});
 
 // The bytes RunHead holds outside `allocator` for `config` (validated, with
 // defaults resolved), to add to PredictPeakBytes: the frozen FLOAT32

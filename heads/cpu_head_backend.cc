@@ -151,12 +151,6 @@ class CpuHeadBackend final : public HeadBackend<T> {
                             CpuChunkLoss<T>::Create(params_, options_));
     loss_.emplace(std::move(loss));
     const HeadGradients<T>& g = *spec.gradients;
-    std::fill(g.hidden.begin(), g.hidden.end(), T(0));
-    std::fill(g.weight.begin(), g.weight.end(), T(0));
-    std::fill(g.bias.begin(), g.bias.end(), T(0));
-    std::fill(g.confidence.begin(), g.confidence.end(), 0);
-    std::fill(g.correction_inputs.begin(), g.correction_inputs.end(), T(0));
-    std::fill(g.correction_weight.begin(), g.correction_weight.end(), T(0));
     const HeadRowOutputs& o = *spec.row_outputs;
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
@@ -174,6 +168,22 @@ class CpuHeadBackend final : public HeadBackend<T> {
     const bool greedy = params_.family == LossFamily::kDomino;
     row_argmax_.assign(greedy ? rows : 0, -1);
     row_base_argmax_.assign(greedy ? rows : 0, -1);
+    return absl::OkStatus();
+  }
+
+  absl::Status StartGradients(const HeadGradients<T>& g) override {
+    spec_.gradients = &g;
+    std::fill(g.hidden.begin(), g.hidden.end(), T(0));
+    std::fill(g.weight.begin(), g.weight.end(), T(0));
+    std::fill(g.bias.begin(), g.bias.end(), T(0));
+    std::fill(g.confidence.begin(), g.confidence.end(), 0);
+    std::fill(g.correction_inputs.begin(), g.correction_inputs.end(), T(0));
+    std::fill(g.correction_weight.begin(), g.correction_weight.end(), T(0));
+    return absl::OkStatus();
+  }
+
+  absl::Status Resume() override {
+    openblas_set_num_threads(threads_);
     return absl::OkStatus();
   }
 

@@ -41,52 +41,21 @@ class CudaHeadBackend final : public HeadBackend<T> {
     spec_ = spec;
     traits_ = LossTraitsOf(*spec.params);
     confidence_ = traits_.needs_confidence;
-    // Until the run tells the scale (InputGradientScale), alpha is 1.
-    input_scale_.reset();
-    input_alpha_ = 1;
     const v1::HeadConfig& head = config_.head();
-    // A trainable BF16 weight's gradient is summed over chunks in FP32 and
-    // rounded once, when scaled.
-    float* weight_sum = nullptr;
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      if (head.trainable()) {
-        // The bias's sum after the weight's.
-        DFLASH_ASSIGN_OR_RETURN(
-            TrackedBuffer<float> sum,
-            TrackedBuffer<float>::Create(
-                allocator(), head.vocab_size() * head.hidden_size() +
-                                 (head.bias() ? head.vocab_size() : 0)));
-        weight_sum_ = std::move(sum);
-        DFLASH_RETURN_IF_ERROR(
-            stream_.Zero(weight_sum_.data(), weight_sum_.bytes()));
-        weight_sum = weight_sum_.data();
-      }
-    }
+    // The FP32 sums of BF16 weight gradients are read through weight_sum_ptr_
+    // and correction_sum_ptr_, which StartGradients sets.
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<VocabProjection<T>> projection,
         CreateCudaProjection<T>(spec.inputs->weight, spec.inputs->bias,
                                 head.vocab_size(), head.hidden_size(), blas_,
-                                weight_sum, &input_alpha_));
+                                &weight_sum_ptr_, &input_alpha_));
     projection_ = std::move(projection);
     if (const int64_t rank = head.correction_rank(); rank > 0) {
-      // A BF16 correction weight's gradient is summed over chunks in FP32
-      // and rounded once, when scaled.
-      float* float_gradient = nullptr;
-      if constexpr (std::is_same_v<T, BFloat16>) {
-        DFLASH_ASSIGN_OR_RETURN(
-            TrackedBuffer<float> sum,
-            TrackedBuffer<float>::Create(allocator(),
-                                         head.vocab_size() * rank));
-        correction_sum_ = std::move(sum);
-        DFLASH_RETURN_IF_ERROR(
-            stream_.Zero(correction_sum_.data(), correction_sum_.bytes()));
-        float_gradient = correction_sum_.data();
-      }
       DFLASH_ASSIGN_OR_RETURN(
           correction_,
           CreateCudaProjection<T>(spec.inputs->correction_weight, {},
                                   head.vocab_size(), rank, blas_,
-                                  float_gradient, &input_alpha_));
+                                  &correction_sum_ptr_, &input_alpha_));
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
@@ -106,15 +75,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     for (const auto& [data, bytes] :
-         {std::pair<void*, size_t>{g.hidden.data(),
-                                   g.hidden.size() * sizeof(T)},
-          {g.weight.data(), g.weight.size() * sizeof(T)},
-          {g.bias.data(), g.bias.size() * sizeof(T)},
-          {g.confidence.data(),
-           g.confidence.size() * sizeof(ConfidenceOf<T>)},
-          {g.correction_inputs.data(), g.correction_inputs.size() * sizeof(T)},
-          {g.correction_weight.data(), g.correction_weight.size() * sizeof(T)},
-          {o.neg_log_q.data(), o.neg_log_q.size() * sizeof(double)},
+         {std::pair<void*, size_t>{o.neg_log_q.data(),
+                                   o.neg_log_q.size() * sizeof(double)},
           {o.top_k_values.data(), o.top_k_values.size() * sizeof(float)},
           {o.loss_weight.data(), o.loss_weight.size() * sizeof(double)}}) {
       DFLASH_RETURN_IF_ERROR(stream_.Zero(data, static_cast<int64_t>(bytes)));
@@ -165,6 +127,43 @@ class CudaHeadBackend final : public HeadBackend<T> {
       }
     }
     return stream_.LaunchStatus("head start");
+  }
+
+  absl::Status StartGradients(const HeadGradients<T>& g) override {
+    spec_.gradients = &g;
+    // Until the run tells the scale (InputGradientScale), alpha is 1.
+    input_scale_.reset();
+    input_alpha_ = 1;
+    const v1::HeadConfig& head = config_.head();
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      // A trainable BF16 weight's gradient (the bias's after it) and a BF16
+      // correction weight's are summed over chunks in FP32 and rounded
+      // once, when scaled.
+      if (head.trainable()) {
+        DFLASH_RETURN_IF_ERROR(ZeroedSum(
+            head.vocab_size() * head.hidden_size() +
+                (head.bias() ? head.vocab_size() : 0),
+            weight_sum_, weight_sum_ptr_));
+      }
+      if (const int64_t rank = head.correction_rank(); rank > 0) {
+        DFLASH_RETURN_IF_ERROR(ZeroedSum(head.vocab_size() * rank,
+                                         correction_sum_,
+                                         correction_sum_ptr_));
+      }
+    }
+    for (const auto& [data, bytes] :
+         {std::pair<void*, size_t>{g.hidden.data(),
+                                   g.hidden.size() * sizeof(T)},
+          {g.weight.data(), g.weight.size() * sizeof(T)},
+          {g.bias.data(), g.bias.size() * sizeof(T)},
+          {g.confidence.data(),
+           g.confidence.size() * sizeof(ConfidenceOf<T>)},
+          {g.correction_inputs.data(), g.correction_inputs.size() * sizeof(T)},
+          {g.correction_weight.data(),
+           g.correction_weight.size() * sizeof(T)}}) {
+      DFLASH_RETURN_IF_ERROR(stream_.Zero(data, static_cast<int64_t>(bytes)));
+    }
+    return stream_.LaunchStatus("gradient start");
   }
 
   absl::Status GatherRows(const T* source, int64_t width, int64_t begin,
@@ -335,13 +334,32 @@ class CudaHeadBackend final : public HeadBackend<T> {
                                    upstream * finished.confidence_scale,
                                    g.confidence.data(), stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
-    return stream_.Synchronize();
+    DFLASH_RETURN_IF_ERROR(stream_.Synchronize());
+    // Rounded into the gradients: a split run does not hold them between
+    // its passes (StartGradients allocates them again).
+    weight_sum_.Reset();
+    correction_sum_.Reset();
+    weight_sum_ptr_ = correction_sum_ptr_ = nullptr;
+    return absl::OkStatus();
   }
 
   double loss_seconds() const override { return 0; }
   std::string gemm_library() const override { return "cuBLAS"; }
 
  private:
+  // `size` zeroed floats in `sum` (allocated once), `data` pointing at them.
+  absl::Status ZeroedSum(int64_t size, TrackedBuffer<float>& sum,
+                         float*& data) {
+    if (sum.size() != size) {
+      sum.Reset();
+      DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<float> created,
+                              TrackedBuffer<float>::Create(allocator(), size));
+      sum = std::move(created);
+    }
+    data = sum.data();
+    return stream_.Zero(sum.data(), sum.bytes());
+  }
+
   const v1::ObjectiveConfig& config_;
   CublasHandle& blas_;
   CudaStream& stream_;
@@ -354,8 +372,11 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::unique_ptr<VocabProjection<T>> projection_;
   std::unique_ptr<VocabProjection<T>> correction_;  // With a correction rank.
   // A BF16 correction weight's and trainable weight's gradients, summed in
-  // FP32.
+  // FP32 from StartGradients to ScaleGradients; the projections read the
+  // pointers (null: none).
   TrackedBuffer<float> correction_sum_, weight_sum_;
+  float* correction_sum_ptr_ = nullptr;
+  float* weight_sum_ptr_ = nullptr;
   std::unique_ptr<CudaChunkLoss<T>> loss_;
   TrackedBuffer<int64_t> active_;
   // By batch row: q (the batch-level LK lambda's factor, the accepted
@@ -372,6 +393,27 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::vector<RowMeta> chunk_meta_;
 };
 
+// RunCudaHead's and StartCudaHead's checks of the target and the options.
+template <typename T>
+absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
+                           const HeadOptions& options, const char* call) {
+  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
+                                               ? v1::HeadConfig::FLOAT32
+                                               : v1::HeadConfig::BFLOAT16;
+  if (absl::Status ok =
+          CheckHeadTarget(config.head(), v1::HeadConfig::CUDA, kDType, call,
+                          "CUDA heads run FLOAT32 or BFLOAT16");
+      !ok.ok()) {
+    return ok;
+  }
+  if (options.vocab_shard != nullptr) {
+    return absl::InvalidArgumentError(
+        "vocab_shard: the CUDA head does not run vocab-parallel yet (run the "
+        "CPU head, or set none)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 template <typename T>
@@ -381,20 +423,7 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        CublasHandle& blas,
                                        const HeadRowOutputs& row_outputs,
                                        const HeadOptions& options) {
-  constexpr v1::HeadConfig::DType kDType = std::is_same_v<T, float>
-                                               ? v1::HeadConfig::FLOAT32
-                                               : v1::HeadConfig::BFLOAT16;
-  if (absl::Status ok =
-          CheckHeadTarget(config.head(), v1::HeadConfig::CUDA, kDType,
-                          "RunCudaHead", "CUDA heads run FLOAT32 or BFLOAT16");
-      !ok.ok()) {
-    return ok;
-  }
-  if (options.vocab_shard != nullptr) {
-    return absl::InvalidArgumentError(
-        "vocab_shard: the CUDA head does not run vocab-parallel yet (run the "
-        "CPU head, or set none)");
-  }
+  DFLASH_RETURN_IF_ERROR(CheckCudaHead<T>(config, options, "RunCudaHead"));
   CudaHeadBackend<T> backend(config, blas);
   absl::StatusOr<HeadResult> result =
       RunHeadOn<T>(config, inputs, gradients, backend, row_outputs, options);
@@ -402,6 +431,18 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
   // for them, so that nothing writes after the error has been returned.
   if (!result.ok()) blas.stream().Synchronize().IgnoreError();
   return result;
+}
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> StartCudaHead(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    CublasHandle& blas, const HeadRowOutputs& row_outputs,
+    const HeadOptions& options) {
+  DFLASH_RETURN_IF_ERROR(CheckCudaHead<T>(config, options, "StartCudaHead"));
+  // SplitHeadRun::Forward waits for queued work when it fails.
+  return SplitHeadRun<T>::Forward(
+      config, inputs, std::make_unique<CudaHeadBackend<T>>(config, blas),
+      row_outputs, options);
 }
 
 template <typename T>
@@ -457,5 +498,13 @@ template absl::StatusOr<HeadResult> RunCudaHead<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, CublasHandle&, const HeadRowOutputs&,
     const HeadOptions&);
+
+template absl::StatusOr<std::unique_ptr<SplitHeadRun<float>>>
+StartCudaHead<float>(const v1::ObjectiveConfig&, const HeadInputs<float>&,
+                     CublasHandle&, const HeadRowOutputs&, const HeadOptions&);
+template absl::StatusOr<std::unique_ptr<SplitHeadRun<BFloat16>>>
+StartCudaHead<BFloat16>(const v1::ObjectiveConfig&,
+                        const HeadInputs<BFloat16>&, CublasHandle&,
+                        const HeadRowOutputs&, const HeadOptions&);
 
 }  // namespace dflash

@@ -6,8 +6,11 @@
 // for it when the hidden states and the head's weight live on the GPU; it
 // returns the same HeadResult as the CPU head.
 
+#include <memory>
+
 #include "absl/status/statusor.h"
 #include "heads/cuda_projection.h"
+#include "heads/head_backend.h"
 #include "heads/head_types.h"
 #include "proto/objective.pb.h"
 
@@ -33,6 +36,18 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        CublasHandle& blas,
                                        const HeadRowOutputs& row_outputs = {},
                                        const HeadOptions& options = {});
+
+// RunCudaHead with its forward and backward passes apart (SplitHeadRun,
+// heads/head_backend.h; StartHead's twin): the same checks, every mode but
+// FUSED. `config`, `blas` (its stream and allocator) and the device memory
+// of `inputs` are borrowed until the run is destroyed; Backward's work goes
+// on `blas`'s stream and returns when the gradients are final. The FP32
+// sums of BF16 weight gradients live from Backward's start to its end.
+template <typename T>
+absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> StartCudaHead(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    CublasHandle& blas, const HeadRowOutputs& row_outputs = {},
+    const HeadOptions& options = {});
 
 // AddTopKValueGradients (heads/top_k_gradient.h) on a CUDA device: every
 // span is device memory, work goes on `stream`. The ids are copied to the

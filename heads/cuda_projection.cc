@@ -39,7 +39,7 @@ template <typename T>
 class CudaProjection final : public VocabProjection<T> {
  public:
   CudaProjection(const T* weight, const T* bias, int64_t vocab, int64_t hidden,
-                 CublasHandle& blas, float* float_weight_gradient,
+                 CublasHandle& blas, float* const* float_weight_gradient,
                  const float* input_gradient_scale)
       : VocabProjection<T>(vocab, hidden, PaddedStride<T>(vocab)),
         weight_(weight),
@@ -107,9 +107,10 @@ class CudaProjection final : public VocabProjection<T> {
                                 T* grad_weight, T* grad_bias) override {
     if (m == 0) return;
     const int v = this->vocab(), h = this->hidden();
-    if (float_weight_gradient_ != nullptr) {
+    float* const sum = FloatWeightGradient();
+    if (sum != nullptr) {
       Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits,
-           this->logits_stride(), 1.0f, 1.0f, float_weight_gradient_,
+           this->logits_stride(), 1.0f, 1.0f, sum,
            CUDA_R_32F, h, "weight-gradient GEMM");
     } else {
       Gemm(CUBLAS_OP_N, CUBLAS_OP_T, h, v, m, rows, h, grad_logits,
@@ -119,10 +120,10 @@ class CudaProjection final : public VocabProjection<T> {
     if (grad_bias != nullptr && status_.ok()) {
       // With an FP32 weight-gradient sum, the bias's follows it (V x H
       // floats, then V).
-      if (float_weight_gradient_ != nullptr) {
+      if (sum != nullptr) {
         cuda::LaunchAccumulateBiasGradient<T, float>(
             grad_logits, m, v, this->logits_stride(),
-            float_weight_gradient_ + int64_t{v} * h, blas_.stream().stream());
+            sum + int64_t{v} * h, blas_.stream().stream());
       } else {
         cuda::LaunchAccumulateBiasGradient<T, T>(
             grad_logits, m, v, this->logits_stride(), grad_bias,
@@ -136,6 +137,10 @@ class CudaProjection final : public VocabProjection<T> {
   absl::Status status() const override { return status_; }
 
  private:
+  float* FloatWeightGradient() const {
+    return float_weight_gradient_ != nullptr ? *float_weight_gradient_
+                                             : nullptr;
+  }
   float InputAlpha() const {
     return input_gradient_scale_ != nullptr ? *input_gradient_scale_ : 1.0f;
   }
@@ -160,7 +165,7 @@ class CudaProjection final : public VocabProjection<T> {
   const T* const weight_;
   const T* const bias_;
   CublasHandle& blas_;
-  float* const float_weight_gradient_;
+  float* const* const float_weight_gradient_;  // Null: never a sum.
   const float* const input_gradient_scale_;
   absl::Status status_;
 };
@@ -198,7 +203,7 @@ CublasHandle::~CublasHandle() { api_.destroy(handle_); }
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden, CublasHandle& blas, float* float_weight_gradient,
+    int64_t hidden, CublasHandle& blas, float* const* float_weight_gradient,
     const float* input_gradient_scale) {
   if (absl::Status valid =
           ValidateProjectionShape(weight.size(), bias.size(), vocab, hidden);
@@ -212,11 +217,11 @@ absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
 
 template absl::StatusOr<std::unique_ptr<VocabProjection<float>>>
 CreateCudaProjection<float>(absl::Span<const float>, absl::Span<const float>,
-                            int64_t, int64_t, CublasHandle&, float*,
+                            int64_t, int64_t, CublasHandle&, float* const*,
                             const float*);
 template absl::StatusOr<std::unique_ptr<VocabProjection<BFloat16>>>
 CreateCudaProjection<BFloat16>(absl::Span<const BFloat16>,
                                absl::Span<const BFloat16>, int64_t, int64_t,
-                               CublasHandle&, float*, const float*);
+                               CublasHandle&, float* const*, const float*);
 
 }  // namespace dflash

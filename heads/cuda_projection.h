@@ -46,8 +46,10 @@ class CublasHandle {
 // stream, and a cuBLAS failure shows in status(). The BF16 weight gradient
 // accumulates in bf16 across chunks, as autograd's does for a bf16 weight.
 // GemmCount.seconds stays 0: the products are not waited for.
-// With `float_weight_gradient` (device, vocab x hidden floats, then vocab
-// more when there is a bias), AccumulateWeightGradient sums into it in FP32
+// With `float_weight_gradient` pointing at a device pointer (vocab x hidden
+// floats, then vocab more when there is a bias; read at each product, so
+// the caller may attach the sum when its backward pass starts; a null
+// pointer: no sum), AccumulateWeightGradient sums into it in FP32
 // instead of into its grad_weight and grad_bias arguments (ignored but for
 // whether there is a bias), so that a BF16 weight and bias gradient summed
 // over chunks are rounded once, by the caller (LaunchScaleToStorage).
@@ -58,7 +60,8 @@ class CublasHandle {
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(
     absl::Span<const T> weight, absl::Span<const T> bias, int64_t vocab,
-    int64_t hidden, CublasHandle& blas, float* float_weight_gradient = nullptr,
+    int64_t hidden, CublasHandle& blas,
+    float* const* float_weight_gradient = nullptr,
     const float* input_gradient_scale = nullptr);
 
 }  // namespace dflash

@@ -1,6 +1,7 @@
 #ifndef DFLASH_HEADS_HEAD_BACKEND_H_
 #define DFLASH_HEADS_HEAD_BACKEND_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -53,9 +54,21 @@ class HeadBackend {
   // else null. Valid after Start.
   virtual VocabProjection<T>* correction() = 0;
 
-  // Before the first chunk: zeroes the gradients and resets the per-row
-  // outputs (neg_log_q 0, argmax and top-k -1).
+  // Before the first chunk: resets the per-row outputs (neg_log_q 0, argmax
+  // and top-k -1). The gradients are not touched: StartGradients does.
   virtual absl::Status Start(const HeadRunSpec<T>& spec) = 0;
+
+  // Before the first gradient product (after Start): makes `gradients` the
+  // run's (kept by pointer, alive until ScaleGradients returns), zeroes
+  // them, allocates what sums them (CUDA's FP32 sums of BF16 weight
+  // gradients) and forgets a folded scale (InputGradientScale). RunHeadOn
+  // calls it right after Start; a split run (SplitHeadRun) at each
+  // Backward, so the gradients are not held between the passes.
+  virtual absl::Status StartGradients(const HeadGradients<T>& gradients) = 0;
+
+  // Before a split run's backward pass: restores the process-wide settings
+  // another call may have changed since Start (OpenBLAS's threads).
+  virtual absl::Status Resume() { return absl::OkStatus(); }
 
   // out[i, :] = source[active[begin + i], :] for rows of `width` values.
   // The status is the launch's where the work is queued (CUDA).
@@ -144,6 +157,71 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
                                      HeadBackend<T>& backend,
                                      const HeadRowOutputs& row_outputs,
                                      const HeadOptions& options);
+
+// Whether `config`'s mode, with `options`, can run its forward and backward
+// passes apart (SplitHeadRun): not FUSED (its gradients are made in
+// forward), not forward only, not vocab-parallel.
+bool SplitsBackward(const v1::ObjectiveConfig& config,
+                    const HeadOptions& options);
+
+template <typename T>
+class HeadRun;  // head_run.cc.
+
+// RunHeadOn with its forward and backward passes apart, for an autograd
+// function whose backward runs later: between the passes only what the
+// execution mode keeps is held (docs/heads.md, "Split forward and
+// backward"), no gradient.
+//   MATERIALIZE, SAVE_CHUNKS: every chunk's logits gradient (active rows x
+//     the logits' stride x sizeof(T); twice with a split correction);
+//   CHECKPOINT, SELECTIVE: what config.checkpoint keeps (nothing under
+//     FULL_RECOMPUTE; SELECTIVE: the teacher logits);
+// plus per-row state (q, ranks, argmaxes, the confidence gradient) and a
+// frozen FLOAT32 CPU head's own laid-out weight when none is given.
+// Not thread-safe: one call at a time.
+template <typename T>
+class SplitHeadRun {
+ public:
+  // The forward pass: the loss, terms, accuracy, plan and forward stats as
+  // RunHeadOn gives them, `row_outputs` written, the confidence gradient
+  // computed (kept for Backward), no gradient product. Takes `backend`;
+  // borrows `config` (validated, defaults resolved) and the memory of
+  // `inputs` and options.prepared_projection, which the caller keeps alive
+  // and unchanged until the run is destroyed; `row_outputs` are written
+  // by this call only. Refuses (InvalidArgument, naming it) FUSED,
+  // options.forward_only, options.vocab_shard and an
+  // options.upstream_gradient other than 1 (upstream comes at Backward).
+  static absl::StatusOr<std::unique_ptr<SplitHeadRun>> Forward(
+      const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+      std::unique_ptr<HeadBackend<T>> backend,
+      const HeadRowOutputs& row_outputs, const HeadOptions& options);
+  ~SplitHeadRun();
+
+  const HeadResult& forward() const { return forward_; }
+  // Bytes of the backend's allocator this run holds now (between the
+  // passes: what the mode keeps plus per-row state).
+  int64_t saved_bytes() const;
+
+  // d(upstream * loss)/d(.) into `gradients` (overwritten; sized as for
+  // RunHeadOn), recomputing what the mode dropped and freeing it again, so
+  // a second call gives the same gradients. Cancelled once *interrupt is
+  // set (null: never). A failed or cancelled call breaks the run: the next
+  // one is FailedPrecondition. The stats are this pass's (GEMMs, seconds,
+  // checkpoint counts so far, peak bytes above the level at its entry).
+  absl::StatusOr<HeadStats> Backward(double upstream,
+                                     const HeadGradients<T>& gradients,
+                                     const std::atomic<bool>* interrupt);
+
+ private:
+  SplitHeadRun() = default;
+
+  HeadInputs<T> inputs_;
+  HeadRowOutputs row_outputs_;
+  std::unique_ptr<HeadBackend<T>> backend_;
+  std::unique_ptr<HeadRun<T>> run_;  // Refers to the members above.
+  HeadResult forward_;
+  int64_t base_bytes_ = 0;  // The allocator's level before Forward.
+  bool broken_ = false;
+};
 
 }  // namespace dflash
 

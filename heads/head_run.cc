@@ -41,12 +41,17 @@ absl::Status SizeError(absl::string_view name, size_t size, int64_t expected,
       name, ": must hold ", expected, " values (", why, "), got ", size));
 }
 
+}  // namespace
+
 // One forward and backward through the head on a backend; see RunHead.
+// RunHeadOn runs both passes in one call (Run); SplitHeadRun runs them
+// apart (Forward, then Backward once or more), through the same code.
 template <typename T>
 class HeadRun {
  public:
+  // `gradients`: null for a split run (given at each Backward).
   HeadRun(const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
-          const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
+          const HeadGradients<T>* gradients, const HeadRowOutputs& row_outputs,
           HeadBackend<T>& backend, bool forward_only, const VocabShard* shard)
       : config_(config),
         head_(config.head()),
@@ -65,17 +70,56 @@ class HeadRun {
         teacher_(ProjectsTeacher(config)),
         confidence_(LossTraitsOf(params_).needs_confidence),
         split_(SplitsCorrection(config)),
-        forward_only_(forward_only) {}
+        forward_only_(forward_only),
+        deferred_(gradients == nullptr) {}
 
-  absl::Status Validate() const;
+  absl::Status Validate() const { return CheckSizes(gradients_, true); }
+  // A split run's gradients, before its Backward.
+  absl::Status ValidateGradients(const HeadGradients<T>& gradients) const {
+    return CheckSizes(&gradients, false);
+  }
   // Vocab-parallel: one gather of every process's validation and shape
   // (they must agree; the chunk plan is made for the widest range, so that
   // every process runs the same chunks).
   absl::Status ShardHandshake(const VocabShard& shard, const absl::Status& valid,
                               const HeadOptions& options);
   absl::StatusOr<HeadResult> Run(const HeadOptions& options);
+  // The forward pass: every chunk's loss (and, FUSED, its gradient
+  // products), the terms finished; result_ holds the loss and the forward
+  // stats.
+  absl::Status Forward(const HeadOptions& options);
+  // A split run's backward pass into `gradients`, scaled by `upstream`;
+  // repeatable (frees only what it recomputed).
+  absl::StatusOr<HeadStats> Backward(double upstream,
+                                     const HeadGradients<T>& gradients,
+                                     const std::atomic<bool>* interrupt);
+  const HeadResult& result() const { return result_; }
+  // The forward pass's stats (GEMMs, checkpoint, peak bytes so far).
+  void FillForwardStats(HeadStats& stats) const {
+    FillStats(Gemms(), base_bytes_, stats);
+  }
+  // What the run holds now: the checkpoint context's tensors and its own
+  // buffers.
+  int64_t HeldBytes() const;
 
  private:
+  // The sizes of the inputs (with `inputs`) and of `gradients` (unless
+  // null) against the config's.
+  absl::Status CheckSizes(const HeadGradients<T>* gradients,
+                          bool inputs) const;
+  absl::Status CheckRows() const;
+  // Every chunk's gradient products in reverse, the scale folded first
+  // where the backend folds it and the rows did not decide it at Start;
+  // frees each chunk's intermediates (`release_kept`) or only what it
+  // recomputed.
+  absl::Status BackwardPass(double upstream, bool release_kept,
+                            const std::function<void()>& report);
+  // The GEMMs of both projections so far.
+  GemmCount Gemms() const;
+  // The stats every pass reports, from `gemms` and the allocator's peak
+  // above `base_bytes`.
+  void FillStats(const GemmCount& gemms, int64_t base_bytes,
+                 HeadStats& stats) const;
   // The caller's inputs or, for D-PACE's SEQUENCE_BALANCED denominator, a
   // copy whose rows carry their sequence shares (SetSequenceShares), which
   // the backends' chunk losses read. Sequences of layout.num_anchors blocks
@@ -131,7 +175,7 @@ class HeadRun {
   absl::Status ProjectChunk(int64_t c, T* logits);
   absl::Status Plan();
   absl::Status ForwardChunk(int64_t c);
-  absl::Status BackwardChunk(int64_t c);
+  absl::Status BackwardChunk(int64_t c, bool release_kept);
   // The chunk's teacher logits into `out` [m, V].
   absl::Status TeacherLogits(int64_t c, T* out);
   // The chunk's loss over `logits` (overwritten with its gradient); the
@@ -158,7 +202,8 @@ class HeadRun {
   const v1::ObjectiveConfig& config_;
   const v1::HeadConfig& head_;
   const HeadInputs<T>& inputs_;
-  const HeadGradients<T>& gradients_;
+  // The caller's gradients; a split run's from its Backward (null before).
+  const HeadGradients<T>* gradients_;
   const HeadRowOutputs& row_outputs_;
   HeadBackend<T>& backend_;
   TrackingAllocator& allocator_;
@@ -176,10 +221,22 @@ class HeadRun {
   const bool teacher_, confidence_, split_;
   // HeadOptions::forward_only: the forward pass alone, no gradient.
   const bool forward_only_;
-  // What the backend writes to in a forward-only run: no gradient but the
-  // confidence's, which the loss writes per row, into confidence_ws_.
+  // A split run: the gradients come at Backward.
+  const bool deferred_;
+  // What the backend's forward pass writes to in a forward-only or split
+  // run: no gradient but the confidence's, which the loss writes per row,
+  // into confidence_ws_.
   HeadGradients<T> no_gradients_;
   TrackedBuffer<ConfidenceOf<T>> confidence_ws_;
+  // A split run's gradients of its current Backward.
+  HeadGradients<T> backward_gradients_;
+  // After Forward: the sequences the loss counts, the scale folded at Start
+  // (where the rows decide it), the finished loss and the result.
+  int64_t sequences_ = 1;
+  std::optional<double> known_scale_;
+  FinishedLoss finished_;
+  HeadResult result_;
+  int64_t base_bytes_ = 0;
 
   const std::atomic<bool>* interrupt_ = nullptr;  // From Run's options.
   std::unique_ptr<CheckpointContext> context_;
@@ -195,7 +252,7 @@ class HeadRun {
 };
 
 template <typename T>
-absl::Status HeadRun<T>::Validate() const {
+absl::Status HeadRun<T>::CheckRows() const {
   const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
   if (rows == 0 || rows % block_size_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -235,7 +292,20 @@ absl::Status HeadRun<T>::Validate() const {
         " counts sequences of layout.num_anchors x layout.block_size = ",
         sequence_rows, " rows, got ", rows, " rows"));
   }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::CheckSizes(const HeadGradients<T>* gradients,
+                                    bool inputs) const {
+  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
+  if (inputs) DFLASH_RETURN_IF_ERROR(CheckRows());
+  // Gradients unchecked (a split run's forward pass) are none here.
+  const HeadGradients<T> none;
+  const HeadGradients<T>& g = gradients != nullptr ? *gradients : none;
+  const bool checked = gradients != nullptr && !forward_only_;
   struct Size {
+    bool gradient;
     const char* name;
     size_t size;
     int64_t expected;
@@ -244,51 +314,53 @@ absl::Status HeadRun<T>::Validate() const {
   };
   const bool trainable = head_.trainable();
   const Size sizes[] = {
-      {"inputs.hidden", inputs_.hidden.size(), rows * hidden_, true,
+      {false, "inputs.hidden", inputs_.hidden.size(), rows * hidden_, true,
        "rows x head.hidden_size"},
-      {"inputs.teacher_hidden", inputs_.teacher_hidden.size(), rows * hidden_,
+      {false, "inputs.teacher_hidden", inputs_.teacher_hidden.size(), rows * hidden_,
        teacher_,
        "rows x head.hidden_size, for the loss's teacher or "
        "head.teacher_diagnostics"},
-      {"inputs.confidence_logits", inputs_.confidence_logits.size(), rows,
+      {false, "inputs.confidence_logits", inputs_.confidence_logits.size(), rows,
        confidence_, "one per row, for loss.dspark.confidence_weight"},
-      {"inputs.weight", inputs_.weight.size(), vocab_ * hidden_, true,
+      {false, "inputs.weight", inputs_.weight.size(), vocab_ * hidden_, true,
        "head.vocab_size x head.hidden_size"},
-      {"inputs.bias", inputs_.bias.size(), vocab_, head_.bias(),
+      {false, "inputs.bias", inputs_.bias.size(), vocab_, head_.bias(),
        "head.vocab_size, as head.bias is set"},
-      {"gradients.hidden", gradients_.hidden.size(), rows * hidden_,
-       !forward_only_, "rows x head.hidden_size"},
-      {"gradients.weight", gradients_.weight.size(), vocab_ * hidden_,
-       trainable && !forward_only_,
+      {true, "gradients.hidden", g.hidden.size(), rows * hidden_,
+       checked, "rows x head.hidden_size"},
+      {true, "gradients.weight", g.weight.size(), vocab_ * hidden_,
+       trainable && checked,
        "head.vocab_size x head.hidden_size, as head.trainable"},
-      {"gradients.bias", gradients_.bias.size(), vocab_,
-       trainable && head_.bias() && !forward_only_,
+      {true, "gradients.bias", g.bias.size(), vocab_,
+       trainable && head_.bias() && checked,
        "head.vocab_size, as the bias is trained"},
-      {"gradients.confidence", gradients_.confidence.size(), rows,
-       confidence_ && !forward_only_,
+      {true, "gradients.confidence", g.confidence.size(), rows,
+       confidence_ && checked,
        "one per row, for loss.dspark.confidence_weight"},
-      {"inputs.correction_inputs", inputs_.correction_inputs.size(),
+      {false, "inputs.correction_inputs", inputs_.correction_inputs.size(),
        rows * rank_, true, "rows x head.correction_rank"},
-      {"inputs.correction_weight", inputs_.correction_weight.size(),
+      {false, "inputs.correction_weight", inputs_.correction_weight.size(),
        vocab_ * rank_, true, "head.vocab_size x head.correction_rank"},
-      {"gradients.correction_inputs", gradients_.correction_inputs.size(),
-       rows * rank_, !forward_only_, "rows x head.correction_rank"},
-      {"gradients.correction_weight", gradients_.correction_weight.size(),
-       vocab_ * rank_, !forward_only_,
+      {true, "gradients.correction_inputs", g.correction_inputs.size(),
+       rows * rank_, checked, "rows x head.correction_rank"},
+      {true, "gradients.correction_weight", g.correction_weight.size(),
+       vocab_ * rank_, checked,
        "head.vocab_size x head.correction_rank"},
   };
   for (const Size& s : sizes) {
+    if (!s.gradient && !inputs) continue;
     if (s.required && static_cast<int64_t>(s.size) != s.expected) {
       return SizeError(s.name, s.size, s.expected, s.why);
     }
   }
   // An unused per-row confidence buffer is either absent or whole: a backend
   // may write every row of it.
-  if (!confidence_ && !gradients_.confidence.empty() &&
-      static_cast<int64_t>(gradients_.confidence.size()) != rows) {
-    return SizeError("gradients.confidence", gradients_.confidence.size(), rows,
+  if (gradients != nullptr && !confidence_ && !g.confidence.empty() &&
+      static_cast<int64_t>(g.confidence.size()) != rows) {
+    return SizeError("gradients.confidence", g.confidence.size(), rows,
                      "none, or one per row");
   }
+  if (!inputs) return absl::OkStatus();
   if (!head_.bias() && !inputs_.bias.empty()) {
     return SizeError("inputs.bias", inputs_.bias.size(), 0,
                      "none, as head.bias is not set");
@@ -408,15 +480,15 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
     backend_.projection().InputGradient(grad_logits, m, grad);
   }
   DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(grad, hidden_, Begin(c), m,
-                                              gradients_.hidden.data()));
+                                              gradients_->hidden.data()));
   if (head_.trainable()) {
     DFLASH_RETURN_IF_ERROR(CheckInterrupt());
     DFLASH_ASSIGN_OR_RETURN(T * x, Workspace(rows_ws_, hidden_));
     DFLASH_RETURN_IF_ERROR(
         backend_.GatherRows(inputs_.hidden.data(), hidden_, Begin(c), m, x));
     backend_.projection().AccumulateWeightGradient(
-        grad_logits, x, m, gradients_.weight.data(),
-        gradients_.bias.empty() ? nullptr : gradients_.bias.data());
+        grad_logits, x, m, gradients_->weight.data(),
+        gradients_->bias.empty() ? nullptr : gradients_->bias.data());
   }
   if (rank_ == 0) return absl::OkStatus();
   // The correction's logits gradient: the same as the logits' unless split.
@@ -424,12 +496,12 @@ absl::Status HeadRun<T>::ProjectionGradients(int64_t c, const T* grad_logits) {
   DFLASH_ASSIGN_OR_RETURN(T * dz, Workspace(z_grad_ws_, rank_));
   backend_.correction()->InputGradient(grad_correction, m, dz);
   DFLASH_RETURN_IF_ERROR(backend_.ScatterRows(
-      dz, rank_, Begin(c), m, gradients_.correction_inputs.data()));
+      dz, rank_, Begin(c), m, gradients_->correction_inputs.data()));
   DFLASH_ASSIGN_OR_RETURN(T * z, Workspace(z_ws_, rank_));
   DFLASH_RETURN_IF_ERROR(backend_.GatherRows(inputs_.correction_inputs.data(),
                                              rank_, Begin(c), m, z));
   backend_.correction()->AccumulateWeightGradient(
-      grad_correction, z, m, gradients_.correction_weight.data(), nullptr);
+      grad_correction, z, m, gradients_->correction_weight.data(), nullptr);
   return absl::OkStatus();
 }
 
@@ -510,24 +582,35 @@ absl::Status HeadRun<T>::ForwardChunk(int64_t c) {
   DFLASH_RETURN_IF_ERROR(Loss(c, logits, teacher, /*record=*/true));
   if (forward_only_) return absl::OkStatus();
   if (Fused()) return ProjectionGradients(c, logits);
-  return context_
-      ->Offer(c, LogitsGradientInfo(head_, LogitRows(m)),
-              View(logits, LogitRows(m)),
-              [this, c](const TensorView& out) {
-                return RecomputeLogitsGradient(c, out);
-              })
-      .status();
+  DFLASH_ASSIGN_OR_RETURN(
+      const bool kept,
+      context_->Offer(c, LogitsGradientInfo(head_, LogitRows(m)),
+                      View(logits, LogitRows(m)),
+                      [this, c](const TensorView& out) {
+                        return RecomputeLogitsGradient(c, out);
+                      }));
+  // A split run holds what its passes apart need: nothing fetches the
+  // teacher logits of a kept logits gradient. (RunHeadOn frees them with
+  // the chunk in backward, as before.)
+  if (deferred_ && kept && teacher_) context_->Discard(c, kTeacherLogitsTag);
+  return absl::OkStatus();
 }
 
 template <typename T>
-absl::Status HeadRun<T>::BackwardChunk(int64_t c) {
+absl::Status HeadRun<T>::BackwardChunk(int64_t c, bool release_kept) {
   if (Rows(c) == 0) return absl::OkStatus();
   DFLASH_ASSIGN_OR_RETURN(TensorView grad,
                           context_->Fetch(c, kLogitsGradientTag));
   absl::Status done = ProjectionGradients(c, grad.data_as<T>());
-  context_->Release(c);
+  if (release_kept) {
+    context_->Release(c);
+  } else {
+    context_->ReleaseRecomputed(c);
+  }
   return done;
 }
+
+namespace {
 
 // A vocab-parallel head's handshake record (HeadRun::ShardHandshake).
 enum HandshakeField {
@@ -555,6 +638,8 @@ uint64_t Fingerprint(const void* data, size_t bytes, uint64_t hash) {
   }
   return hash;
 }
+
+}  // namespace
 
 template <typename T>
 absl::Status HeadRun<T>::ShardHandshake(const VocabShard& shard,
@@ -612,17 +697,18 @@ absl::Status HeadRun<T>::ShardHandshake(const VocabShard& shard,
 }
 
 template <typename T>
-absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
+absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
   interrupt_ = options.interrupt;
-  const int64_t base_bytes = allocator_.current_bytes();
+  base_bytes_ = allocator_.current_bytes();
   allocator_.ResetPeak();
   DFLASH_RETURN_IF_ERROR(Plan());
   const int64_t anchors = config_.layout().num_anchors();
-  const int64_t sequences =
+  sequences_ =
       anchors > 0
           ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
           : 1;
-  if (forward_only_ && confidence_) {
+  const bool own_gradients = forward_only_ || deferred_;
+  if (own_gradients && confidence_) {
     // The loss writes the confidence gradient of each row it records.
     DFLASH_ASSIGN_OR_RETURN(
         TrackedBuffer<ConfidenceOf<T>> created,
@@ -634,81 +720,80 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
   }
   DFLASH_RETURN_IF_ERROR(backend_.Start(
       {&config_, &params_, &inputs_,
-       forward_only_ ? &no_gradients_ : &gradients_, &row_outputs_, active_,
+       own_gradients ? &no_gradients_ : gradients_, &row_outputs_, active_,
        options.prepared_projection, options.vocab_shard}));
+  if (!own_gradients) DFLASH_RETURN_IF_ERROR(backend_.StartGradients(*gradients_));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
-  // input-gradient products: now, where the rows alone decide it.
-  const bool folds = backend_.folds_gradient_scale();
-  const std::optional<double> known_scale =
-      folds ? RowsGradientScale(params_, inputs_.rows, sequences)
-            : std::nullopt;
-  if (known_scale) {
-    backend_.InputGradientScale(options.upstream_gradient * *known_scale);
+  // input-gradient products: now, where the rows alone decide it (a split
+  // run's Backward folds upstream x the finished scale instead).
+  if (backend_.folds_gradient_scale() && !deferred_) {
+    known_scale_ = RowsGradientScale(params_, inputs_.rows, sequences_);
+  }
+  if (known_scale_) {
+    backend_.InputGradientScale(options.upstream_gradient * *known_scale_);
   }
 
-  HeadResult result;
-  result.mode = head_.mode();
+  result_.mode = head_.mode();
   const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
-  const bool backward_pass = !Fused() && !forward_only_;
-  const int64_t steps = backward_pass ? 2 * chunks : chunks;
-  int64_t step = 0;
-  auto report = [&] {
-    if (options.progress) options.progress(++step, steps);
-  };
+  const int64_t steps = Fused() || forward_only_ ? chunks : 2 * chunks;
   const Clock::time_point forward = Clock::now();
   for (int64_t c = 0; c < chunks; ++c) {
     DFLASH_RETURN_IF_ERROR(ForwardChunk(c));
-    report();
+    if (options.progress) options.progress(c + 1, steps);
   }
   DFLASH_RETURN_IF_ERROR(backend_.Synchronize());
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
-  result.stats.forward_seconds = Since(forward);
+  result_.stats.forward_seconds = Since(forward);
   logits_ws_.Reset();
   teacher_ws_.Reset();
-
-  const Clock::time_point backward = Clock::now();
-  if (folds && !known_scale && backward_pass &&
-      params_.lk != LkMode::kLambdaBatch) {
-    // Every chunk's terms are in before the backward pass: the scale the
-    // logits decided (D-PACE) is known now; not the batch-level LK lambda's
-    // factor per row.
-    absl::StatusOr<ChunkTerms> terms = backend_.Terms();
-    if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
-    backend_.InputGradientScale(
-        options.upstream_gradient *
-        Finish(*terms, sequences).gradient_scale);
+  if (deferred_) {
+    // The backward pass allocates its own.
+    rows_ws_.Reset();
+    z_ws_.Reset();
   }
-  if (backward_pass) {
-    for (int64_t c = chunks - 1; c >= 0; --c) {
-      DFLASH_RETURN_IF_ERROR(BackwardChunk(c));
-      report();
-    }
-  }
+  // Every chunk's terms are in (a recomputation does not record): the
+  // loss and its scales are final.
   absl::StatusOr<ChunkTerms> terms = backend_.Terms();
   // Errors the device saw name a batch row (CUDA reports them here).
   if (!terms.ok()) return NameBatchRowError(terms.status(), config_.layout());
-  result.terms = *std::move(terms);
+  result_.terms = *std::move(terms);
   // d(loss)/d(.) = upstream * scale * d(loss_num)/d(.), the latter
   // complete once the composition is.
-  const FinishedLoss finished = Finish(result.terms, sequences);
-  result.lk_kl_weight = finished.lk_kl_weight;
-  if (!forward_only_) {
-    DFLASH_RETURN_IF_ERROR(
-        backend_.ScaleGradients(options.upstream_gradient, finished));
-  }
-  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
-  result.stats.backward_seconds = Since(backward);
-  result.loss = finished.loss;
-  result.loss_denominator = finished.denominator;
-  result.loss_den_offset = LossDenOffset(params_.family);
-  result.accuracy = finished.accuracy;
+  finished_ = Finish(result_.terms, sequences_);
+  result_.lk_kl_weight = finished_.lk_kl_weight;
+  result_.loss = finished_.loss;
+  result_.loss_denominator = finished_.denominator;
+  result_.loss_den_offset = LossDenOffset(params_.family);
+  result_.accuracy = finished_.accuracy;
   for (int64_t k = 0; k < block_size_; ++k) {
-    const double mass = result.terms.mask_per_position[k];
-    result.accuracy_per_position.push_back(
-        mass > 0 ? result.terms.correct_per_position[k] / mass : 0);
+    const double mass = result_.terms.mask_per_position[k];
+    result_.accuracy_per_position.push_back(
+        mass > 0 ? result_.terms.correct_per_position[k] / mass : 0);
   }
-  HeadStats& stats = result.stats;
+  result_.plan = plan_;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status HeadRun<T>::BackwardPass(double upstream, bool release_kept,
+                                      const std::function<void()>& report) {
+  if (backend_.folds_gradient_scale() && !known_scale_ &&
+      params_.lk != LkMode::kLambdaBatch) {
+    // The scale the logits decided (D-PACE), known once every chunk's terms
+    // are in; not the batch-level LK lambda's factor per row.
+    backend_.InputGradientScale(upstream * finished_.gradient_scale);
+  }
+  for (int64_t c = static_cast<int64_t>(plan_.chunks.size()) - 1; c >= 0;
+       --c) {
+    DFLASH_RETURN_IF_ERROR(BackwardChunk(c, release_kept));
+    report();
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+GemmCount HeadRun<T>::Gemms() const {
   GemmCount gemms = backend_.projection().gemms();
   if (backend_.correction() != nullptr) {
     const GemmCount& more = backend_.correction()->gemms();
@@ -716,7 +801,13 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
     gemms.flops += more.flops;
     gemms.seconds += more.seconds;
   }
-  stats.chunks = chunks;
+  return gemms;
+}
+
+template <typename T>
+void HeadRun<T>::FillStats(const GemmCount& gemms, int64_t base_bytes,
+                           HeadStats& stats) const {
+  stats.chunks = static_cast<int64_t>(plan_.chunks.size());
   stats.projected_rows = static_cast<int64_t>(active_.size());
   stats.gemm_calls = gemms.calls;
   stats.gemm_flops = gemms.flops;
@@ -734,11 +825,78 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
     stats.segment_recomputes = stats.checkpoint.segment_recomputes;
   }
   stats.peak_bytes = allocator_.peak_bytes() - base_bytes;
-  result.plan = plan_;
-  return result;
 }
 
-}  // namespace
+template <typename T>
+absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
+  DFLASH_RETURN_IF_ERROR(Forward(options));
+  const int64_t chunks = static_cast<int64_t>(plan_.chunks.size());
+  int64_t step = chunks;
+  const Clock::time_point backward = Clock::now();
+  if (!Fused() && !forward_only_) {
+    DFLASH_RETURN_IF_ERROR(BackwardPass(
+        options.upstream_gradient, /*release_kept=*/true, [&] {
+          if (options.progress) options.progress(++step, 2 * chunks);
+        }));
+  }
+  if (!forward_only_) {
+    DFLASH_RETURN_IF_ERROR(
+        backend_.ScaleGradients(options.upstream_gradient, finished_));
+  }
+  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
+  result_.stats.backward_seconds = Since(backward);
+  FillStats(Gemms(), base_bytes_, result_.stats);
+  return result_;
+}
+
+template <typename T>
+absl::StatusOr<HeadStats> HeadRun<T>::Backward(
+    double upstream, const HeadGradients<T>& gradients,
+    const std::atomic<bool>* interrupt) {
+  interrupt_ = interrupt;
+  const int64_t base_bytes = allocator_.current_bytes();
+  allocator_.ResetPeak();
+  const GemmCount before = Gemms();
+  const int64_t filter_tiles = filter_tiles_, filter_skipped = filter_skipped_;
+  const double loss_seconds = backend_.loss_seconds();
+  const Clock::time_point backward = Clock::now();
+  DFLASH_RETURN_IF_ERROR(backend_.Resume());
+  backward_gradients_ = gradients;
+  gradients_ = &backward_gradients_;
+  DFLASH_RETURN_IF_ERROR(backend_.StartGradients(backward_gradients_));
+  DFLASH_RETURN_IF_ERROR(
+      BackwardPass(upstream, /*release_kept=*/false, [] {}));
+  DFLASH_RETURN_IF_ERROR(backend_.ScaleGradients(upstream, finished_));
+  DFLASH_RETURN_IF_ERROR(backend_.projection().status());
+  // Between backward passes the run holds what forward kept alone.
+  rows_ws_.Reset();
+  grad_ws_.Reset();
+  z_ws_.Reset();
+  z_grad_ws_.Reset();
+  HeadStats stats;
+  GemmCount gemms = Gemms();
+  gemms.calls -= before.calls;
+  gemms.flops -= before.flops;
+  gemms.seconds -= before.seconds;
+  FillStats(gemms, base_bytes, stats);
+  stats.filter_tiles -= filter_tiles;
+  stats.filter_skipped_tiles -= filter_skipped;
+  stats.loss_seconds -= loss_seconds;  // Recomputations'.
+  stats.prepare_seconds = 0;  // At Start, in forward.
+  stats.backward_seconds = Since(backward);
+  return stats;
+}
+
+template <typename T>
+int64_t HeadRun<T>::HeldBytes() const {
+  int64_t bytes = confidence_ws_.bytes();
+  for (const TrackedBuffer<T>* buffer :
+       {&logits_ws_, &teacher_ws_, &rows_ws_, &grad_ws_, &z_ws_, &z_grad_ws_}) {
+    bytes += buffer->bytes();
+  }
+  if (context_ != nullptr) bytes += context_->stats().current_kept_bytes;
+  return bytes;
+}
 
 absl::Status NameBatchRowError(const absl::Status& error,
                                const v1::BatchLayout& layout) {
@@ -810,7 +968,7 @@ absl::StatusOr<HeadResult> RunHeadOnce(const v1::ObjectiveConfig& config,
                      options.upstream_gradient));
   }
   if (shard != nullptr) DFLASH_RETURN_IF_ERROR(CheckVocabShard(config, *shard));
-  HeadRun<T> run(config, inputs, gradients, row_outputs, backend,
+  HeadRun<T> run(config, inputs, &gradients, row_outputs, backend,
                  options.forward_only, shard);
   if (shard != nullptr) {
     DFLASH_RETURN_IF_ERROR(run.ShardHandshake(*shard, run.Validate(), options));
@@ -846,7 +1004,101 @@ absl::StatusOr<HeadResult> RunHeadOn(const v1::ObjectiveConfig& config,
   return result;
 }
 
+bool SplitsBackward(const v1::ObjectiveConfig& config,
+                    const HeadOptions& options) {
+  return config.head().mode() != v1::HeadConfig::FUSED &&
+         !options.forward_only && options.vocab_shard == nullptr;
+}
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> SplitHeadRun<T>::Forward(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    std::unique_ptr<HeadBackend<T>> backend, const HeadRowOutputs& row_outputs,
+    const HeadOptions& options) {
+  DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
+  if (config.head().mode() == v1::HeadConfig::FUSED) {
+    return absl::InvalidArgumentError(
+        "head.mode: FUSED makes its gradients in forward and does not split "
+        "(run RunHeadOn), got FUSED");
+  }
+  if (options.forward_only) {
+    return absl::InvalidArgumentError(
+        "options.forward_only: a split run's forward pass is a training "
+        "run's (run RunHeadOn for the forward pass alone), got true");
+  }
+  if (options.vocab_shard != nullptr) {
+    return absl::InvalidArgumentError(
+        "options.vocab_shard: a vocab-parallel head runs both passes in one "
+        "call (RunHeadOn), got a shard");
+  }
+  if (options.upstream_gradient != 1.0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.upstream_gradient: a split run takes upstream at Backward, "
+        "so must be 1 here, got ",
+        options.upstream_gradient));
+  }
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError("backend: must be given, got null");
+  }
+  std::unique_ptr<SplitHeadRun<T>> split(new SplitHeadRun<T>());
+  split->inputs_ = inputs;
+  split->row_outputs_ = row_outputs;
+  split->backend_ = std::move(backend);
+  split->run_ = std::make_unique<HeadRun<T>>(
+      config, split->inputs_, /*gradients=*/nullptr, split->row_outputs_,
+      *split->backend_, /*forward_only=*/false, /*shard=*/nullptr);
+  DFLASH_RETURN_IF_ERROR(split->run_->Validate());
+  if (absl::Status done = split->run_->Forward(options); !done.ok()) {
+    // Work still queued (CUDA) must not outlive the buffers freed with the
+    // run.
+    split->backend_->Synchronize().IgnoreError();
+    return done;
+  }
+  split->forward_ = split->run_->result();
+  split->forward_.stats.backward_seconds = 0;
+  split->run_->FillForwardStats(split->forward_.stats);
+  // The caller's row outputs are written; recomputations record nothing
+  // and read only k.
+  split->row_outputs_ = HeadRowOutputs{};
+  split->row_outputs_.k = row_outputs.k;
+  return split;
+}
+
+template <typename T>
+SplitHeadRun<T>::~SplitHeadRun() = default;
+
+template <typename T>
+int64_t SplitHeadRun<T>::saved_bytes() const {
+  return run_->HeldBytes();
+}
+
+template <typename T>
+absl::StatusOr<HeadStats> SplitHeadRun<T>::Backward(
+    double upstream, const HeadGradients<T>& gradients,
+    const std::atomic<bool>* interrupt) {
+  if (broken_) {
+    return absl::FailedPreconditionError(
+        "SplitHeadRun::Backward: an earlier Backward of this run failed or "
+        "was cancelled, leaving its saved state partly released (run "
+        "Forward again)");
+  }
+  if (!std::isfinite(upstream)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("upstream: must be finite, got ", upstream));
+  }
+  DFLASH_RETURN_IF_ERROR(run_->ValidateGradients(gradients));
+  absl::StatusOr<HeadStats> stats =
+      run_->Backward(upstream, gradients, interrupt);
+  if (!stats.ok()) {
+    broken_ = true;
+    // Nothing queued writes the caller's gradients after the error.
+    backend_->Synchronize().IgnoreError();
+  }
+  return stats;
+}
+
 #define DFLASH_INSTANTIATE_RUN_HEAD(T)                                 \
+  template class SplitHeadRun<T>;                                      \
   template absl::StatusOr<HeadResult> RunHeadOn<T>(                    \
       const v1::ObjectiveConfig&, const HeadInputs<T>&,                \
       const HeadGradients<T>&, HeadBackend<T>&, const HeadRowOutputs&, \

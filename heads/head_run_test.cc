@@ -52,6 +52,9 @@ class ScriptedBackend final : public HeadBackend<double> {
   absl::Status Start(const HeadRunSpec<double>&) override {
     return absl::OkStatus();
   }
+  absl::Status StartGradients(const HeadGradients<double>&) override {
+    return absl::OkStatus();
+  }
   absl::Status GatherRows(const double*, int64_t, int64_t, int64_t,
                           double*) override {
     return gather_;
