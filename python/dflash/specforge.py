@@ -83,10 +83,11 @@ _DRAFT_MODULES = {
     "domino": "specforge.modeling.draft.domino",
 }
 
-MAIN_COMMIT = "c1625dc7"
+MAIN_COMMIT: str = "c1625dc7"
 """The commit of SpecForge's main (not released) whose seam `apply()`
 knows beside SUPPORTED_VERSIONS."""
-MAIN = f"main-{MAIN_COMMIT}"
+# Main's key in _SEAMS.
+_MAIN = f"main-{MAIN_COMMIT}"
 
 # The sha256 of the source (inspect.getsource) of each function the patch
 # replaces or depends on, per SpecForge version. A key is
@@ -136,7 +137,7 @@ _SEAMS: Dict[str, Dict[str, str]] = {
     # modules are not known (their logits corrections changed after 0.2.0
     # and no matching version could be read), so none is keyed: main's
     # DSpark and Domino run SpecForge's own objective (FALLBACKS).
-    MAIN: {
+    _MAIN: {
         "OnlineDFlashModel._dflash_objective_chunk_terms":
             "c7618cb3b928e172909111e8d9ecbe3051198594c0292fab2a597ceacc660124",
         "OnlineDFlashModel._dpace_weight":
@@ -161,7 +162,7 @@ _SEAMS: Dict[str, Dict[str, str]] = {
 }
 
 SUPPORTED_VERSIONS: Tuple[str, ...] = tuple(
-    sorted(version for version in _SEAMS if version != MAIN))
+    sorted(version for version in _SEAMS if version != _MAIN))
 """The released SpecForge versions whose seam `apply()` knows (and
 SpecForge main at MAIN_COMMIT)."""
 
@@ -1321,7 +1322,7 @@ def _run_any(patch: _Patch, model: Any, name: str, args: Sequence[Any],
                          "function does not take")
     bound.apply_defaults()
     a = bound.arguments
-    if patch.version == MAIN:
+    if patch.version == _MAIN:
         if name == "_dflash_objective_chunk_terms":
             return _run_main(patch, model, a["hidden"], a["target_ids"],
                              a["weight_mask"], a["sequence_anchor_scale"],
