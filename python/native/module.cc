@@ -782,10 +782,16 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "refuse",
           [](dp::VocabShardHandle& h, py::handle error) {
-            // Named by its kind, as the others will see its code.
-            const std::string what = absl::StrCat(
-                std::string(py::str(error.get_type().attr("__name__"))),
-                ": ", std::string(py::str(error)));
+            // Named by its kind, as the others will see its code; a
+            // __str__ that raises must not keep the refusal from going.
+            std::string what = "an exception whose message cannot be read";
+            try {
+              what = absl::StrCat(
+                  std::string(py::str(error.get_type().attr("__name__"))),
+                  ": ", std::string(py::str(error)));
+            } catch (...) {
+              PyErr_Clear();
+            }
             absl::Status refusal;
             if (PyErr_GivenExceptionMatches(error.ptr(), PyExc_MemoryError)) {
               refusal = absl::ResourceExhaustedError(what);
@@ -803,7 +809,31 @@ PYBIND11_MODULE(_core, m) {
           "Sends this process's refusal of a call (the exception `error` "
           "raised after the group's agreement, before run_objective) in a "
           "record shaped like the run's handshake, where the others wait: "
-          "they raise naming this process. The caller then raises `error`.");
+          "they raise naming this process. The caller then raises `error`.")
+      .def(
+          "gather_status",
+          [](dp::VocabShardHandle& h) {
+            h.exchange.Reset();
+            std::vector<double> record(dflash::kHandshakeSize), gathered;
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = dflash::GatherRecords(h.exchange, absl::OkStatus(),
+                                             absl::MakeSpan(record), gathered);
+            }
+            const absl::Status& own = h.exchange.own_error();
+            if (own.code() == absl::StatusCode::kCancelled) {
+              PyErr_SetNone(PyExc_KeyboardInterrupt);
+              throw py::error_already_set();
+            }
+            if (!own.ok()) dp::Raise(own);
+            if (!status.ok()) dp::Raise(status);
+          },
+          "One gather shaped like the run's handshake in which every "
+          "process says it is ready: where another process sent its refusal "
+          "(refuse) instead, raises the error naming it on this one. Python "
+          "steps with collectives of their own (rows=\"local\"'s row "
+          "gathers) start after it, so a refusal before them meets it.");
   m.def("set_cuda_library_dirs", &dp::SetCudaLibraryDirs, py::arg("dirs"),
         "Folders where the CUDA head looks for cuBLAS first, before the "
         "system's library path and the build's toolkit.");

@@ -165,17 +165,16 @@ def rank_main(rank, world, args, directory):
         summing(group, tensors)
         counts["seconds"] += time.perf_counter() - start
 
-    gathering = _vocab_parallel.gather_rows
+    gathering = _vocab_parallel.exchange_rows
     scattering = _vocab_parallel.reduce_scatter_rows
 
-    def timed_gather(shard, tensor, wire=None):
+    def timed_gather(shard, send):
         start = time.perf_counter()
-        out = gathering(shard, tensor, wire)
+        out = gathering(shard, send)
         counts["seconds"] += time.perf_counter() - start
-        if tensor is not None:
-            size = (torch.empty(0, dtype=wire).element_size() if wire
-                    else tensor.element_size())
-            counts["row_bytes"] += tensor.numel() * size
+        if send.tensor is not None:
+            counts["row_bytes"] += (send.tensor.numel()
+                                    * send.padded.element_size())
         return out
 
     def timed_scatter(shard, parts):
@@ -186,7 +185,7 @@ def rank_main(rank, world, args, directory):
 
     _vocab_parallel._all_gather_into = counting
     _vocab_parallel.sum_over = timed_sum
-    _vocab_parallel.gather_rows = timed_gather
+    _vocab_parallel.exchange_rows = timed_gather
     _vocab_parallel.reduce_scatter_rows = timed_scatter
     own = x["target_ids"].numel()
     # The loss's exchanges run over every rank's rows.

@@ -259,25 +259,40 @@ def local_ids(ids: torch.Tensor, shard: Shard) -> torch.Tensor:
                        torch.full_like(ids, -1)).int()
 
 
-def gather_rows(shard: Shard, tensor: Optional[torch.Tensor],
-                wire: Optional[torch.dtype] = None
-                ) -> List[Optional[torch.Tensor]]:
-    """rows="local": every rank's `tensor` (its own rows along dimension 0,
-    the other dimensions agreed) in rank order, by one list-form all_gather
-    of tensors padded to the largest B (ranks' B may differ); this rank's
-    entry is `tensor` itself, the others' in `wire` (default: tensor's
-    dtype, which the agreement compared). Targets travel as int64 and masks
-    as float64, whose dtypes the ranks need not share (exact for any
-    allowed one). None for every rank where `tensor` is None (agreed)."""
+class RowsToSend(NamedTuple):
+    """One row tensor's all_gather, its buffers made (rows_to_send)."""
+    tensor: Optional[torch.Tensor]
+    padded: Optional[torch.Tensor]
+    gathered: List[torch.Tensor]
+
+
+def rows_to_send(shard: Shard, tensor: Optional[torch.Tensor],
+                 wire: Optional[torch.dtype] = None) -> RowsToSend:
+    """rows="local": the buffers of exchange_rows for `tensor` (its own rows
+    along dimension 0, the other dimensions agreed): it in `wire` (default:
+    its dtype, which the agreement compared) padded to the largest B
+    (ranks' B may differ), and one such buffer per rank to gather into.
+    Targets travel as int64 and masks as float64, whose dtypes the ranks
+    need not share (exact for any allowed one)."""
     if tensor is None:
-        return [None] * shard.world
+        return RowsToSend(None, None, [])
     sent = tensor.detach().to(wire or tensor.dtype)
     padded = sent.new_zeros((max(shard.batches),) + tuple(sent.shape[1:]))
     padded[:sent.shape[0]] = sent
-    gathered = [torch.empty_like(padded) for _ in range(shard.world)]
-    dist.all_gather(gathered, padded, group=shard.group)
-    return [tensor if q == shard.rank else got[:b]
-            for q, (got, b) in enumerate(zip(gathered, shard.batches))]
+    return RowsToSend(tensor, padded,
+                      [torch.empty_like(padded) for _ in range(shard.world)])
+
+
+def exchange_rows(shard: Shard, send: RowsToSend
+                  ) -> List[Optional[torch.Tensor]]:
+    """Every rank's rows of `send` in rank order, by one list-form
+    all_gather; this rank's entry is its tensor itself. None for every rank
+    where the tensor is None (agreed)."""
+    if send.tensor is None or send.padded is None:
+        return [None] * shard.world
+    dist.all_gather(send.gathered, send.padded, group=shard.group)
+    return [send.tensor if q == shard.rank else got[:b]
+            for q, (got, b) in enumerate(zip(send.gathered, shard.batches))]
 
 
 def reduce_scatter_rows(shard: Shard,

@@ -18,8 +18,8 @@ import operator
 import os
 import signal
 import threading
-from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Tuple,
-                    TypedDict)
+from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Set,
+                    Tuple, TypedDict)
 
 import torch
 
@@ -284,6 +284,11 @@ def _interruptible() -> bool:
     # its main thread, under the default SIGINT handler.
     return (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+# The ids of exceptions raised where no refusal may be sent (the group
+# already stopped together, or a collective of its own failed).
+_REFUSED: Set[int] = set()
 
 
 def _vocab_parallel() -> Any:
@@ -708,12 +713,24 @@ class _LocalRows(torch.autograd.Function):
                 shard: Any) -> Tuple[torch.Tensor, ...]:
         parallel = _vocab_parallel()
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
-        per_rank = list(zip(*[
-            parallel.gather_rows(shard, t, wire)
-            for t, wire in ((hidden.contiguous(), None), (teacher, None),
-                            (confidence, None), (target_ids, torch.int64),
-                            (weight_mask, torch.float64),
-                            (correction_inputs, None))]))
+        # Every buffer of the row gathers first: a failure here (a
+        # MemoryError) is refused where the others wait, in the status
+        # gather; past it only the collectives run.
+        sends = [parallel.rows_to_send(shard, t, wire)
+                 for t, wire in ((hidden.contiguous(), None),
+                                 (teacher, None), (confidence, None),
+                                 (target_ids, torch.int64),
+                                 (weight_mask, torch.float64),
+                                 (correction_inputs, None))]
+        try:
+            shard.core.gather_status()
+            per_rank = list(zip(*[parallel.exchange_rows(shard, send)
+                                  for send in sends]))
+        except BaseException as error:
+            # The group stopped at the status gather, or a collective
+            # failed past it: no refusal to send.
+            _REFUSED.add(id(error))
+            raise
         if (prepared is None and not trainable
                 and weight.dtype == torch.float32 and weight.is_contiguous()):
             # The W runs share one layout of the frozen float32 shard (each
@@ -1038,9 +1055,11 @@ def _checked_objective(
     except BaseException as error:
         # Failed on this rank before its run (a check the agreement does
         # not cover, a MemoryError, Ctrl-C): the others wait in the run's
-        # handshake for its record, so it sends its refusal there.
-        if shard.core.runs == runs:
+        # handshake (rows="local": the status gather before the row
+        # gathers) for its record, so it sends its refusal there.
+        if shard.core.runs == runs and id(error) not in _REFUSED:
             shard.core.refuse(error)
+        _REFUSED.discard(id(error))
         raise
 
 

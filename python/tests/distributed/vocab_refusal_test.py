@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ranks  # noqa: E402
 from dflash.torch import dflash_objective  # noqa: E402
+from dflash.torch import _vocab_parallel as parallel_module  # noqa: E402
 from dflash.torch import objective as objective_module  # noqa: E402
 from dflash.torch.distributed import shard_rows  # noqa: E402
 
@@ -131,6 +132,53 @@ def refusal_rank(rank, world):
         config="loss { domino { lambda_base: 0.3 } }",
         correction_inputs=z,
         correction_weight=correction.clone().requires_grad_(rank == FAILING)))
+    # A refusal whose exception's message cannot be read, before the run
+    # (an allocation of the head's buffers): it still goes.
+    real_empty = objective_module._empty
+    if rank == FAILING:
+        def unreadable(name, *args, **kwargs):
+            raise Unprintable()
+        objective_module._empty = unreadable
+    try:
+        dflash_objective(hidden, weight, targets, mask, vocab_group=group,
+                         threads=1)
+        out["unreadable_refusal"] = None
+    except BaseException as error:  # noqa: BLE001 - recorded for the parent
+        out["unreadable_refusal"] = (
+            type(error).__name__,
+            "" if isinstance(error, Unprintable) else str(error))
+    finally:
+        objective_module._empty = real_empty
+    # rows="local" (each rank its own rows): a refusal after the agreement
+    # meets the others in the status gather before the row gathers, not
+    # inside a row gather of another size.
+    own = torch.randn(1 + rank, 2, 3, H, dtype=torch.float64, generator=g)
+    own_targets = torch.randint(0, V, (1 + rank, 2, 3), generator=g)
+    own_mask = torch.ones(1 + rank, 2, 3, dtype=torch.float64)
+
+    def local(**kw):
+        return lambda: dflash_objective(own, weight, own_targets, own_mask,
+                                        vocab_group=group, rows="local",
+                                        threads=1, **kw)
+
+    out["local_prepared"] = _raised(local(
+        prepared_projection="laid out" if rank == FAILING else None))
+    real_rows = parallel_module.rows_to_send
+    if rank == FAILING:
+        def no_row_memory(*args, **kwargs):
+            raise MemoryError("rows: injected")
+        parallel_module.rows_to_send = no_row_memory
+    try:
+        out["local_no_memory"] = _raised(local())
+    finally:
+        parallel_module.rows_to_send = real_rows
+    local_terms = dflash_objective(own, weight, own_targets, own_mask,
+                                   vocab_group=group, rows="local",
+                                   threads=1)
+    whole_local = dflash_objective(own, whole, own_targets, own_mask,
+                                   threads=1)
+    out["local_after"] = (float(local_terms.loss_num),
+                          float(whole_local.loss_num))
     # The group goes on: a call after these runs on every rank and gives
     # the single process's loss (the whole weight here).
     terms = dflash_objective(hidden, weight, targets, mask,
@@ -188,6 +236,24 @@ class RefusalAfterTheAgreementTest(unittest.TestCase):
                 self.assertEqual(kind, "ValueError", message)
                 self.assertRegex(message, r"vocab_group: the ranks' inputs' "
                                  r"dtypes, shapes and requires_grad differ")
+
+    def test_a_refusal_whose_message_cannot_be_read(self):
+        self.assertStopped("unreadable_refusal", "Unprintable", r"^$",
+                           "INVALID_ARGUMENT", "ValueError")
+
+    def test_local_rows_refusals_after_the_agreement(self):
+        self.assertStopped("local_prepared", "TypeError",
+                           r"prepared_projection: must be a "
+                           r"dflash.PreparedProjection or None, got str",
+                           "INVALID_ARGUMENT", "ValueError")
+        self.assertStopped("local_no_memory", "MemoryError",
+                           r"rows: injected", "RESOURCE_EXHAUSTED",
+                           "MemoryError")
+        for rank, result in enumerate(self.results):
+            with self.subTest(rank=rank):
+                got, expected = result["local_after"]
+                self.assertAlmostEqual(got, expected, delta=1e-12 * abs(
+                    expected))
 
     def test_the_next_call_runs(self):
         for rank, result in enumerate(self.results):
