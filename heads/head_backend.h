@@ -219,7 +219,6 @@ class SplitHeadRun {
   std::unique_ptr<HeadBackend<T>> backend_;
   std::unique_ptr<HeadRun<T>> run_;  // Refers to the members above.
   HeadResult forward_;
-  int64_t base_bytes_ = 0;  // The allocator's level before Forward.
   bool broken_ = false;
 };
 

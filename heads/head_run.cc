@@ -223,9 +223,10 @@ class HeadRun {
   const bool forward_only_;
   // A split run: the gradients come at Backward.
   const bool deferred_;
-  // What the backend's forward pass writes to in a forward-only or split
-  // run: no gradient but the confidence's, which the loss writes per row,
-  // into confidence_ws_.
+  // What the backend's forward pass gets in a forward-only or split run:
+  // no gradient but a confidence span (confidence_ws_), whose presence
+  // tells the backend to keep each row's confidence gradient (in its own
+  // per-row state, which HeldBytes does not count) for a later backward.
   HeadGradients<T> no_gradients_;
   TrackedBuffer<ConfidenceOf<T>> confidence_ws_;
   // A split run's gradients of its current Backward.
