@@ -3,7 +3,8 @@
 # (the extension reads their attributes and needs no torch).
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, SupportsIndex, Union
+from typing import (Any, Callable, Dict, List, Optional, SupportsIndex, Tuple,
+                    Union)
 
 _Override = Union[str, float, SupportsIndex]
 
@@ -75,6 +76,33 @@ def run_objective(
     vocab_shard: Optional[VocabShard] = ...,
     base_argmax: Optional[object] = ...,
     teacher_argmax: Optional[object] = ...) -> Dict[str, Any]: ...
+class SavedHead:
+    """A split forward's state, kept for its backward (start_objective);
+    its 8-byte buffer names it (torch.frombuffer makes its token)."""
+
+    stats: Any  # Set by dflash.torch: the forward's HeadStats.
+    @property
+    def saved_bytes(self) -> int: ...
+    def backward(self, upstream: float, grad_hidden: object,
+                 grad_weight: Optional[object], grad_bias: Optional[object],
+                 grad_confidence: Optional[object],
+                 grad_correction_inputs: Optional[object],
+                 grad_correction_weight: Optional[object],
+                 interruptible: bool = ...) -> Dict[str, Any]: ...
+
+def start_objective(
+    config: ObjectiveConfig, hidden: object, weight: object,
+    target_ids: object, weight_mask: object, bias: Optional[object],
+    teacher_hidden: Optional[object], confidence_logits: Optional[object],
+    neg_log_q: Optional[object], argmax: Optional[object],
+    top_k: Optional[object], top_k_values: Optional[object],
+    loss_weight: Optional[object], correction_inputs: Optional[object],
+    correction_weight: Optional[object],
+    prepared: Optional[PreparedProjection], trainable: bool,
+    interruptible: bool = ..., base_argmax: Optional[object] = ...,
+    teacher_argmax: Optional[object] = ...
+) -> Tuple[Dict[str, Any], SavedHead]: ...
+def splits_backward(config: ObjectiveConfig) -> bool: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,
     bias: Optional[object], top_k: object, top_k_values: object,

@@ -483,6 +483,121 @@ py::dict RunObjectiveFromPython(
   return ResultOf(ValueOrRaise(std::move(result)));
 }
 
+// _core.SavedHead: a split forward's state (SavedObjective) and the objects
+// whose memory it reads, kept alive with it. Its buffer is 8 bytes, its
+// own address, so that torch.frombuffer ties it to a tensor autograd saves
+// (the token) and a copy of that tensor still names it.
+struct SavedHead {
+  ~SavedHead() {
+    // Freeing takes the CPU head's lock, which a run holding it may need
+    // the GIL to release (a vocab-parallel exchange).
+    py::gil_scoped_release release;
+    saved.reset();
+  }
+  std::unique_ptr<SavedObjective> saved;
+  std::vector<py::object> borrowed;
+  int64_t token = 0;
+  py::object stats = py::none();  // The caller's record of the forward.
+};
+
+// A Cancelled status as Python's own SIGINT handling gives it, else raised.
+template <typename V>
+V CancelledOrValue(absl::StatusOr<V> result) {
+  if (result.status().code() == absl::StatusCode::kCancelled) {
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
+  }
+  return ValueOrRaise(std::move(result));
+}
+
+py::tuple StartObjectiveFromPython(
+    const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
+    py::handle target_ids, py::handle weight_mask, py::handle bias,
+    py::handle teacher_hidden, py::handle confidence_logits,
+    py::handle neg_log_q, py::handle argmax, py::handle top_k,
+    py::handle top_k_values, py::handle loss_weight,
+    py::handle correction_inputs, py::handle correction_weight,
+    py::object prepared, bool trainable, bool interruptible,
+    py::handle base_argmax, py::handle teacher_argmax) {
+  const ObjectiveTensors tensors{
+      RequiredArgOf("hidden", hidden),
+      RequiredArgOf("lm_head_weight", weight),
+      RequiredArgOf("target_ids", target_ids),
+      RequiredArgOf("weight_mask", weight_mask),
+      ArgOf("lm_head_bias", bias),
+      ArgOf("teacher_hidden", teacher_hidden),
+      ArgOf("confidence_logits", confidence_logits),
+      ArgOf("correction_inputs", correction_inputs),
+      ArgOf("correction_weight", correction_weight)};
+  ObjectiveOutputs outputs;
+  outputs.neg_log_q = ArgOf("neg_log_q", neg_log_q);
+  outputs.argmax = ArgOf("argmax", argmax);
+  outputs.base_argmax = ArgOf("base_argmax", base_argmax);
+  outputs.teacher_argmax = ArgOf("teacher_argmax", teacher_argmax);
+  outputs.top_k = ArgOf("top_k", top_k);
+  outputs.top_k_values = ArgOf("top_k_values", top_k_values);
+  outputs.loss_weight = ArgOf("loss_weight", loss_weight);
+  const PreparedHandle* handle =
+      prepared.is_none() ? nullptr : prepared.cast<const PreparedHandle*>();
+  absl::StatusOr<StartedObjective> started;
+  {
+    std::optional<ScopedInterrupt> interrupt;
+    if (interruptible) interrupt.emplace();
+    py::gil_scoped_release release;
+    ObjectiveOptions options;
+    options.trainable = trainable;
+    options.prepared_projection =
+        handle != nullptr ? handle->projection.get() : nullptr;
+    options.interrupt = interrupt ? interrupt->flag() : nullptr;
+    started = StartObjective(config, tensors, outputs, options);
+  }
+  StartedObjective value = CancelledOrValue(std::move(started));
+  auto state = std::make_unique<SavedHead>();
+  state->saved = std::move(value.saved);
+  for (py::handle t : {hidden, weight, bias, teacher_hidden,
+                       confidence_logits, correction_inputs,
+                       correction_weight}) {
+    state->borrowed.push_back(py::reinterpret_borrow<py::object>(t));
+  }
+  state->borrowed.push_back(prepared);
+  state->token = static_cast<int64_t>(reinterpret_cast<uintptr_t>(&state->token));
+  return py::make_tuple(ResultOf(value.forward), std::move(state));
+}
+
+py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
+                             py::handle grad_hidden, py::handle grad_weight,
+                             py::handle grad_bias, py::handle grad_confidence,
+                             py::handle grad_correction_inputs,
+                             py::handle grad_correction_weight,
+                             bool interruptible) {
+  ObjectiveOutputs gradients;
+  gradients.grad_hidden = ArgOf("grad_hidden", grad_hidden);
+  gradients.grad_weight = ArgOf("grad_weight", grad_weight);
+  gradients.grad_bias = ArgOf("grad_bias", grad_bias);
+  gradients.grad_confidence = ArgOf("grad_confidence", grad_confidence);
+  gradients.grad_correction_inputs =
+      ArgOf("grad_correction_inputs", grad_correction_inputs);
+  gradients.grad_correction_weight =
+      ArgOf("grad_correction_weight", grad_correction_weight);
+  absl::StatusOr<HeadStats> done;
+  {
+    std::optional<ScopedInterrupt> interrupt;
+    if (interruptible) interrupt.emplace();
+    py::gil_scoped_release release;
+    done = state.saved->Backward(upstream, gradients,
+                                 interrupt ? interrupt->flag() : nullptr);
+  }
+  const HeadStats stats = CancelledOrValue(std::move(done));
+  py::dict d;
+  d["gemm_calls"] = stats.gemm_calls;
+  d["gemm_passes"] = stats.gemm_passes;
+  d["segment_recomputes"] = stats.segment_recomputes;
+  d["peak_bytes"] = stats.peak_bytes;
+  d["backward_seconds"] = stats.backward_seconds;
+  return d;
+}
+
 void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
                                  py::handle hidden, py::handle weight,
                                  py::handle bias, py::handle top_k,
@@ -665,6 +780,65 @@ PYBIND11_MODULE(_core, m) {
         "are this process's rows of the vocabulary, the ids global, and the "
         "gradient of hidden (and of correction_inputs) this process's part "
         "of a sum over the shard's processes.");
+  m.def("start_objective", &dp::StartObjectiveFromPython, py::arg("config"),
+        py::arg("hidden"), py::arg("weight"), py::arg("target_ids"),
+        py::arg("weight_mask"), py::arg("bias"), py::arg("teacher_hidden"),
+        py::arg("confidence_logits"), py::arg("neg_log_q"), py::arg("argmax"),
+        py::arg("top_k"), py::arg("top_k_values"), py::arg("loss_weight"),
+        py::arg("correction_inputs"), py::arg("correction_weight"),
+        py::arg("prepared").none(true), py::arg("trainable"),
+        py::arg("interruptible") = false,
+        py::arg("base_argmax").none(true) = py::none(),
+        py::arg("teacher_argmax").none(true) = py::none(),
+        "The forward pass of a split run (CPU, a mode other than FUSED, "
+        "gradients wanted, no vocab shard; splits_backward): run_objective's "
+        "checks and row outputs, no gradient buffer. Returns (the terms and "
+        "stats, a SavedHead whose backward gives the gradients).");
+  m.def(
+      "splits_backward",
+      [](const v1::ObjectiveConfig& config) {
+        // What decides it beyond the tensors' device: the mode.
+        dflash::HeadOptions options;
+        return dflash::SplitsBackward(
+            dflash::ResolveDefaults(config), options);
+      },
+      py::arg("config"),
+      "Whether a CPU run of this config with gradients and no vocab shard "
+      "splits its forward and backward (start_objective): every mode but "
+      "FUSED.");
+  py::class_<dp::SavedHead>(
+      m, "SavedHead", py::buffer_protocol(),
+      "A split forward's state, kept for its backward. Its buffer is 8 "
+      "bytes, an int64 naming it: torch.frombuffer ties the state to a "
+      "tensor (the token).")
+      .def_buffer([](dp::SavedHead& state) {
+        return py::buffer_info(&state.token, sizeof(int64_t),
+                               py::format_descriptor<int64_t>::format(), 1,
+                               {1}, {sizeof(int64_t)});
+      })
+      .def_readwrite("stats", &dp::SavedHead::stats,
+                     "What the caller keeps with the state (dflash.torch: "
+                     "the forward's stats, to which backward adds its work); "
+                     "None at first.")
+      .def_property_readonly(
+          "saved_bytes",
+          [](const dp::SavedHead& state) {
+            py::gil_scoped_release release;  // As ~SavedHead.
+            return state.saved->saved_bytes();
+          },
+          "Bytes of the host allocator the state holds between the passes.")
+      .def("backward", &dp::SavedBackwardFromPython, py::arg("upstream"),
+           py::arg("grad_hidden"), py::arg("grad_weight").none(true),
+           py::arg("grad_bias").none(true),
+           py::arg("grad_confidence").none(true),
+           py::arg("grad_correction_inputs").none(true),
+           py::arg("grad_correction_weight").none(true),
+           py::arg("interruptible") = false,
+           "d(upstream * loss_num / loss_denominator)/d(.) into the given "
+           "buffers (overwritten); repeatable. Returns this pass's stats "
+           "(gemm_calls, gemm_passes, segment_recomputes so far, peak_bytes "
+           "above the level before the forward, backward_seconds). The GIL "
+           "is released while it runs.");
   m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
         py::arg("config"), py::arg("hidden"), py::arg("weight"),
         py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),

@@ -8,6 +8,8 @@
 #include <type_traits>
 #include <utility>
 
+#include <unistd.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -360,11 +362,94 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
   return rows;
 }
 
-absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
-                                        const ObjectiveTensors& tensors,
-                                        const ObjectiveOutputs& outputs,
-                                        const ObjectiveOptions& options) {
-  ScopedLibraryCall call;
+namespace {
+
+// RunObjective's checks and the rows, for a run (RunObjective) or a split
+// forward (StartObjective).
+struct Checked {
+  v1::ObjectiveConfig bound;
+  std::vector<RowMeta> rows;
+};
+
+template <typename T>
+class SavedObjectiveOf : public SavedObjective {
+ public:
+  SavedObjectiveOf(v1::ObjectiveConfig config, const ObjectiveTensors& tensors,
+                   std::vector<RowMeta> rows)
+      : config_(std::move(config)),
+        tensors_(tensors),
+        rows_(std::move(rows)),
+        pid_(getpid()) {}
+
+  ~SavedObjectiveOf() override {
+    // The run frees what it holds into the shared host allocator.
+    ScopedLibraryCall call;
+    std::lock_guard<std::mutex> lock(HostMutex());
+    run_.reset();
+  }
+
+  // The forward pass into `o`'s row outputs; the run borrows `rows_` and
+  // `config_`.
+  absl::StatusOr<HeadResult> Forward(const ObjectiveOutputs& o,
+                                     const HeadOptions& options) {
+    std::lock_guard<std::mutex> lock(HostMutex());
+    const HeadInputs<T> inputs = InputsOf<T>(tensors_, rows_);
+    const HeadRowOutputs row_outputs =
+        RowOutputsOf(o, std::is_same_v<T, double>);
+    DFLASH_ASSIGN_OR_RETURN(run_, StartHead<T>(config_, inputs,
+                                               HostAllocator(), row_outputs,
+                                               options));
+    if constexpr (std::is_same_v<T, double>) {
+      if (o.top_k_values.has_value()) {
+        TopKValuesInFloat64(config_, inputs, row_outputs.top_k, row_outputs.k,
+                            0, o.top_k_values->span<double>());
+      }
+    }
+    return run_->forward();
+  }
+
+  int64_t saved_bytes() const override {
+    std::lock_guard<std::mutex> lock(HostMutex());
+    return run_ == nullptr ? 0 : run_->saved_bytes();
+  }
+
+  absl::StatusOr<HeadStats> Backward(
+      double upstream, const ObjectiveOutputs& gradients,
+      const std::atomic<bool>* interrupt) override {
+    ScopedLibraryCall call;
+    if (getpid() != pid_) {
+      return absl::FailedPreconditionError(
+          "dflash_objective backward: this forward's state was made before "
+          "fork() in the parent process; a forked child cannot run its "
+          "backward (run the forward in the child)");
+    }
+    if (!std::isfinite(upstream)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "upstream gradient: must be finite, got ", upstream));
+    }
+    DFLASH_RETURN_IF_ERROR(
+        CheckOutputs(gradients, tensors_, config_, /*forward_only=*/false));
+    std::lock_guard<std::mutex> lock(HostMutex());
+    const int64_t held = run_->saved_bytes();
+    DFLASH_ASSIGN_OR_RETURN(
+        HeadStats stats,
+        run_->Backward(upstream, GradientsOf<T>(gradients), interrupt));
+    stats.peak_bytes += held;
+    return stats;
+  }
+
+ private:
+  const v1::ObjectiveConfig config_;
+  const ObjectiveTensors tensors_;
+  const std::vector<RowMeta> rows_;
+  const pid_t pid_;
+  std::unique_ptr<SplitHeadRun<T>> run_;
+};
+
+absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
+                                       const ObjectiveTensors& tensors,
+                                       const ObjectiveOutputs& outputs,
+                                       const ObjectiveOptions& options) {
   DFLASH_RETURN_IF_ERROR(CheckTensors(tensors));
   if (tensors.hidden.on_cuda() && !BuiltWithCuda()) {
     return Invalid(tensors.hidden,
@@ -381,19 +466,49 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
   if (shard != nullptr) {
     DFLASH_RETURN_IF_ERROR(CheckVocabShard(*shard, tensors));
   }
-  DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
+  Checked checked;
+  DFLASH_ASSIGN_OR_RETURN(checked.bound,
                           BindConfig(config, tensors, options.trainable));
   DFLASH_RETURN_IF_ERROR(
-      CheckOutputs(outputs, tensors, bound, options.forward_only));
+      CheckOutputs(outputs, tensors, checked.bound, options.forward_only));
   DFLASH_RETURN_IF_ERROR(
-      CheckPrepared(options.prepared_projection, tensors, bound));
+      CheckPrepared(options.prepared_projection, tensors, checked.bound));
   DFLASH_ASSIGN_OR_RETURN(
-      const std::vector<RowMeta> rows,
+      checked.rows,
       RowsOf(tensors.target_ids, tensors.weight_mask,
-             shard != nullptr ? shard->vocab : bound.head().vocab_size(),
-             bound.loss().cross_entropy().ignore_index(),
-             LossParamsOf(bound.loss()).count_ignored,
+             shard != nullptr ? shard->vocab : checked.bound.head().vocab_size(),
+             checked.bound.loss().cross_entropy().ignore_index(),
+             LossParamsOf(checked.bound.loss()).count_ignored,
              tensors.hidden.dtype == "float64"));
+  return checked;
+}
+
+template <typename T>
+absl::StatusOr<StartedObjective> Start(Checked checked,
+                                       const ObjectiveTensors& t,
+                                       const ObjectiveOutputs& o,
+                                       const ObjectiveOptions& objective_options) {
+  HeadOptions options;
+  options.prepared_projection = objective_options.prepared_projection;
+  options.interrupt = objective_options.interrupt;
+  auto saved = std::make_unique<SavedObjectiveOf<T>>(
+      std::move(checked.bound), t, std::move(checked.rows));
+  absl::StatusOr<HeadResult> forward = saved->Forward(o, options);
+  if (!forward.ok()) return forward.status();
+  return StartedObjective{*std::move(forward), std::move(saved)};
+}
+
+}  // namespace
+
+absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
+                                        const ObjectiveTensors& tensors,
+                                        const ObjectiveOutputs& outputs,
+                                        const ObjectiveOptions& options) {
+  ScopedLibraryCall call;
+  DFLASH_ASSIGN_OR_RETURN(const Checked checked,
+                          CheckObjective(config, tensors, outputs, options));
+  const v1::ObjectiveConfig& bound = checked.bound;
+  const std::vector<RowMeta>& rows = checked.rows;
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<HeadResult> result =
       dtype == "float64"
@@ -405,6 +520,49 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
     return ExplainFailure(result.status(), tensors, rows);
   }
   return result;
+}
+
+bool SplitsObjective(const v1::ObjectiveConfig& config,
+                     const ObjectiveTensors& tensors,
+                     const ObjectiveOptions& options) {
+  HeadOptions head;
+  head.forward_only = options.forward_only;
+  head.vocab_shard = options.vocab_shard;
+  return !tensors.hidden.on_cuda() &&
+         SplitsBackward(ResolveDefaults(config), head);
+}
+
+absl::StatusOr<StartedObjective> StartObjective(
+    const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
+    const ObjectiveOutputs& outputs, const ObjectiveOptions& options) {
+  ScopedLibraryCall call;
+  if (options.forward_only || options.vocab_shard != nullptr ||
+      tensors.hidden.on_cuda()) {
+    return absl::InvalidArgumentError(
+        "a split forward runs on the CPU, with gradients and no vocab shard");
+  }
+  // Gradient buffers come at Backward: checked as a forward-only run's.
+  ObjectiveOptions checked_options = options;
+  checked_options.forward_only = true;
+  checked_options.trainable = false;
+  DFLASH_ASSIGN_OR_RETURN(
+      Checked checked,
+      CheckObjective(config, tensors, outputs, checked_options));
+  // The head's config is bound with the options' trainable.
+  DFLASH_ASSIGN_OR_RETURN(checked.bound,
+                          BindConfig(config, tensors, options.trainable));
+  DFLASH_RETURN_IF_ERROR(
+      CheckPrepared(options.prepared_projection, tensors, checked.bound));
+  const std::vector<RowMeta> rows = checked.rows;
+  absl::StatusOr<StartedObjective> started =
+      tensors.hidden.dtype == "float64"
+          ? Start<double>(std::move(checked), tensors, outputs, options)
+          : Start<float>(std::move(checked), tensors, outputs, options);
+  if (!started.ok() &&
+      started.status().code() == absl::StatusCode::kInvalidArgument) {
+    return ExplainFailure(started.status(), tensors, rows);
+  }
+  return started;
 }
 
 namespace {

@@ -125,6 +125,43 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                         const ObjectiveOutputs& outputs,
                                         const ObjectiveOptions& options);
 
+// A forward pass kept for its backward (SplitHeadRun, heads/head_backend.h):
+// non-FUSED modes on the CPU with gradients wanted and no vocab shard. It
+// borrows the memory of the tensors it was started with, which the caller
+// keeps alive and unchanged until it is destroyed.
+class SavedObjective {
+ public:
+  virtual ~SavedObjective() = default;
+  // The host allocator's bytes the state holds (what its mode keeps).
+  virtual int64_t saved_bytes() const = 0;
+  // d(upstream * loss_num / loss_den)/d(.) into `gradients`' grad_* buffers
+  // (the rest unused; overwritten; checked as RunObjective checks them).
+  // Repeatable. Refused in a child of fork() of the process that made the
+  // state (FailedPrecondition), and after a failed or cancelled call.
+  // Returns this pass's stats, peak_bytes above the level before Forward.
+  virtual absl::StatusOr<HeadStats> Backward(double upstream,
+                                const ObjectiveOutputs& gradients,
+                                const std::atomic<bool>* interrupt) = 0;
+};
+
+struct StartedObjective {
+  HeadResult forward;
+  std::unique_ptr<SavedObjective> saved;
+};
+
+// Whether RunObjective's run of `config` with these options would split
+// (StartObjective): CPU, not FUSED, gradients, no vocab shard.
+bool SplitsObjective(const v1::ObjectiveConfig& config,
+                     const ObjectiveTensors& tensors,
+                     const ObjectiveOptions& options);
+
+// RunObjective's checks and forward pass (StartHead), its row outputs
+// written, no gradient buffer given (`outputs`' grad_* must be empty);
+// options.forward_only and options.vocab_shard must be unset.
+absl::StatusOr<StartedObjective> StartObjective(
+    const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
+    const ObjectiveOutputs& outputs, const ObjectiveOptions& options);
+
 // The backward of the top-k values (AddTopKValueGradients, or its CUDA
 // version): adds d(objective)/d(values) to grad_hidden (and grad_weight,
 // grad_bias when `trainable`), on hidden's device. `config` is the one the

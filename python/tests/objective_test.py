@@ -328,6 +328,10 @@ class RowOutputsTest(unittest.TestCase):
             acc[1:], diag.position_correct[1:] / diag.position_den[1:])
         self.assertEqual(diag.stats["mode"], "CHECKPOINT")
         self.assertEqual(diag.stats["chunks"], 3)  # 6 blocks, 2 a chunk.
+        # CHECKPOINT recomputes in backward (split from forward), whose
+        # work the stats then include.
+        self.assertEqual(diag.stats["segment_recomputes"], 0)
+        terms.loss.backward()
         self.assertGreater(diag.stats["segment_recomputes"], 0)
         self.assertIsNone(diag.neg_log_q)
 

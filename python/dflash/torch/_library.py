@@ -38,11 +38,13 @@ OUTPUTS = ("loss_num", "loss_den", "correct_num", "accuracy_den",
            "position_correct", "position_den", "target_probability_num",
            "ce_loss_num", "tv_loss_num", "neg_log_q", "argmax", "top_k",
            "top_k_values", "loss_weight", "base_argmax", "teacher_argmax",
-           "info", "scale_den", "grad_hidden", "grad_weight", "grad_bias",
+           "info", "scale_den", "token", "grad_hidden", "grad_weight", "grad_bias",
            "grad_confidence",
            "grad_correction_inputs", "grad_correction_weight")
 _AT = {name: i for i, name in enumerate(OUTPUTS)}
 _GRAD_OUTPUTS = OUTPUTS[_AT["grad_hidden"]:]
+# A split run (objective._splits) returns its state's token ([1] int64 on
+# the host) and no gradient: dflash::objective_backward makes them.
 
 # The op's tensor inputs, in order (their gradients come back in it).
 _INPUTS = ("hidden", "weight", "target_ids", "weight_mask", "bias",
@@ -295,9 +297,11 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
                  confidence: Optional[torch.Tensor],
                  correction_inputs: Optional[torch.Tensor],
                  correction_weight: Optional[torch.Tensor], top_k: int,
-                 return_rows: bool, trainable: bool, gradients: bool
+                 return_rows: bool, trainable: bool, gradients: bool,
+                 split: bool = False
                  ) -> List[Tuple[Sequence[Any], torch.dtype, torch.device]]:
     """Each output's (shape, dtype, device); shape (0,) where not asked for.
+    `split` (objective._splits): a token, and no gradient.
     Shapes may be symbolic (fake tensors)."""
     device = hidden.device
     cpu = torch.device("cpu")
@@ -319,7 +323,9 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         (rows if return_rows else none, torch.int64, device),
         ((info_size(k),), torch.float64, cpu),
         ((), scalar, device),
+        ((1,) if split else none, torch.int64, cpu),
     ]
+    gradients = gradients and not split
     train = gradients and trainable
     specs += [
         (hidden.shape if gradients else none, hidden.dtype, device),
@@ -346,6 +352,12 @@ _SCHEMA = (
     "Tensor? correction_inputs, Tensor? correction_weight, str config, "
     "int top_k, bool return_rows, bool trainable, bool gradients, "
     "int prepared) -> (" + ", ".join(["Tensor"] * len(OUTPUTS)) + ")")
+
+_SPLIT_BACKWARD_SCHEMA = (
+    "(Tensor token, Tensor upstream, Tensor hidden, Tensor weight, "
+    "Tensor? bias, Tensor? confidence_logits, Tensor? correction_inputs, "
+    "Tensor? correction_weight, bool trainable) -> ("
+    + ", ".join(["Tensor"] * 6) + ")")
 
 _BACKWARD_SCHEMA = (
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor top_k, "
@@ -374,12 +386,14 @@ def _register() -> Tuple[Any, Any]:
                      gradients: bool, prepared: int
                      ) -> Tuple[torch.Tensor, ...]:
         objective = _objective()
+        resolved = config_of_text(config)
+        split = objective._splits(resolved, gradients, hidden, None)
         run = objective._run_head(
-            config_of_text(config), top_k, return_rows, trainable, gradients,
+            resolved, top_k, return_rows, trainable, gradients,
             hidden, weight, bias, teacher_hidden, confidence_logits,
             objective._on_host(target_ids), objective._on_host(weight_mask),
             correction_inputs, correction_weight,
-            _prepared_of(prepared, weight, bias))
+            _prepared_of(prepared, weight, bias), split=split)
         device = hidden.device
         k = hidden.shape[2]
         extras = dict(zip(("neg_log_q", "argmax", "top_k", "top_k_values",
@@ -399,9 +413,12 @@ def _register() -> Tuple[Any, Any]:
         scalar = outputs[0].dtype
         outputs.append(torch.tensor(run.result["loss_denominator"],
                                     dtype=torch.float64).to(device, scalar))
+        outputs.append(_empty_like_none(torch.int64, torch.device("cpu"))
+                       if run.saved is None
+                       else objective._token_of(run.saved))
         specs = output_specs(hidden, weight, bias, confidence_logits,
                              correction_inputs, correction_weight, top_k,
-                             return_rows, trainable, gradients)
+                             return_rows, trainable, gradients, split)
         for name, (_, dtype, where) in zip(_GRAD_OUTPUTS,
                                            specs[_AT["grad_hidden"]:]):
             value = run.grads[name] if gradients else None
@@ -419,11 +436,14 @@ def _register() -> Tuple[Any, Any]:
           correction_weight: Optional[torch.Tensor], config: str,
           top_k: int, return_rows: bool, trainable: bool, gradients: bool,
           prepared: int) -> Tuple[torch.Tensor, ...]:
+        split = _objective()._splits(config_of_text(config), gradients,
+                                     hidden, None)
         return tuple(
             hidden.new_empty(shape, dtype=dtype, device=device)
             for shape, dtype, device in output_specs(
                 hidden, weight, bias, confidence_logits, correction_inputs,
-                correction_weight, top_k, return_rows, trainable, gradients))
+                correction_weight, top_k, return_rows, trainable, gradients,
+                split))
 
     @torch.library.custom_op("dflash::top_k_value_backward", mutates_args=(),
                              schema=_BACKWARD_SCHEMA)
@@ -479,6 +499,34 @@ def _register() -> Tuple[Any, Any]:
                 if correction and correction_weight is not None
                 else weight.new_empty((0,)))
 
+    @torch.library.custom_op("dflash::objective_backward", mutates_args=(),
+                             schema=_SPLIT_BACKWARD_SCHEMA)
+    def objective_backward_op(token: torch.Tensor, upstream: torch.Tensor,
+                              hidden: torch.Tensor, weight: torch.Tensor,
+                              bias: Optional[torch.Tensor],
+                              confidence_logits: Optional[torch.Tensor],
+                              correction_inputs: Optional[torch.Tensor],
+                              correction_weight: Optional[torch.Tensor],
+                              trainable: bool) -> Tuple[torch.Tensor, ...]:
+        grads = _objective()._saved_backward(
+            token, float(upstream), trainable, hidden, weight, bias,
+            confidence_logits, correction_inputs, correction_weight)
+        return tuple(weight.new_empty((0,)) if grads[name] is None
+                     else grads[name] for name in _GRAD_OUTPUTS)
+
+    @objective_backward_op.register_fake
+    def _(token: torch.Tensor, upstream: torch.Tensor, hidden: torch.Tensor,
+          weight: torch.Tensor, bias: Optional[torch.Tensor],
+          confidence_logits: Optional[torch.Tensor],
+          correction_inputs: Optional[torch.Tensor],
+          correction_weight: Optional[torch.Tensor],
+          trainable: bool) -> Tuple[torch.Tensor, ...]:
+        specs = output_specs(hidden, weight, bias, confidence_logits,
+                             correction_inputs, correction_weight, 0, False,
+                             trainable, True)[_AT["grad_hidden"]:]
+        return tuple(hidden.new_empty(shape, dtype=dtype, device=device)
+                     for shape, dtype, device in specs)
+
     def setup_context(ctx: Any, inputs: Tuple[Any, ...],
                       output: Tuple[torch.Tensor, ...]) -> None:
         (hidden, weight, _ids, _mask, bias, _teacher, _confidence,
@@ -487,11 +535,15 @@ def _register() -> Tuple[Any, Any]:
         ctx.trainable = trainable
         ctx.gradients = gradients
         ctx.top_k = top_k
+        # A split run's token, not gradients: between forward and backward
+        # only what its mode keeps is held (in the state the token holds).
+        ctx.split = output[_AT["token"]].numel() > 0
         values = output[_AT["top_k_values"]] if top_k else None
         ids = output[_AT["top_k"]] if top_k else None
         ctx.save_for_backward(
             *output[_AT["grad_hidden"]:], output[_AT["scale_den"]], hidden,
-            weight, bias, values, ids, _confidence, _z, _m)
+            weight, bias, values, ids, _confidence, _z, _m,
+            output[_AT["token"]])
         ctx.mark_non_differentiable(
             *[t for i, t in enumerate(output)
               if i != 0 and not (top_k and i == _AT["top_k_values"])])
@@ -507,7 +559,7 @@ def _register() -> Tuple[Any, Any]:
             return grads
         # create_graph=True: differentiating these again raises, naming
         # dflash_objective (objective.py's _tie_to_error).
-        hidden, weight, bias, _, _, confidence, z, m = ctx.saved_tensors[
+        hidden, weight, bias, _, _, confidence, z, m, _ = ctx.saved_tensors[
             len(_GRAD_OUTPUTS) + 1:]
         tied: Tuple[Optional[torch.Tensor], ...] = _objective()._tie_to_error(
             [hidden, weight, bias, confidence, z, m], grad_outputs, grads)
@@ -518,7 +570,7 @@ def _register() -> Tuple[Any, Any]:
         saved = ctx.saved_tensors
         g = dict(zip(_GRAD_OUTPUTS, saved))
         den = saved[len(_GRAD_OUTPUTS)]
-        hidden, weight, bias, values, ids, _, z, m = saved[
+        hidden, weight, bias, values, ids, confidence, z, m, token = saved[
             len(_GRAD_OUTPUTS) + 1:]
         needs = ctx.needs_input_grad
         if not ctx.gradients and any(needs[i] for i in (0, 1, 4, 6, 7, 8)):
@@ -531,8 +583,20 @@ def _register() -> Tuple[Any, Any]:
         # the top-k values carry a gradient).
         scale: Optional[torch.Tensor] = (
             None if grad_outputs[0] is None else grad_outputs[0] * den)
+        upstream = grad_outputs[0]
+        if ctx.split and upstream is not None:
+            # The head's backward takes the upstream (float64, on the
+            # host) and gives the gradients scaled.
+            made = objective_backward_op(
+                token, upstream.double() * den.double(), hidden,
+                weight, bias, confidence, z, m, ctx.trainable)
+            g = dict(zip(_GRAD_OUTPUTS, made))
+            scale = None
+        made_here = ctx.split and grad_outputs[0] is not None
 
         def scaled(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            if made_here:
+                return grad
             if scale is None:
                 return None
             if grad.dtype == torch.bfloat16:

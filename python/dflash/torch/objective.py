@@ -18,6 +18,7 @@ import operator
 import os
 import signal
 import threading
+import weakref
 from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Set,
                     Tuple, TypedDict)
 
@@ -340,6 +341,9 @@ class _HeadCall(NamedTuple):
     extras: List[Optional[torch.Tensor]]
     stream: int
     top_k_ids: Optional[torch.Tensor]  # extras' top_k as the head wrote it.
+    # A split forward's state (`split`): its backward gives the gradients,
+    # every grads value then None.
+    saved: Optional[_core.SavedHead] = None
 
 
 def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
@@ -351,14 +355,17 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               correction_inputs: Optional[torch.Tensor],
               correction_weight: Optional[torch.Tensor],
               prepared: Optional[_core.PreparedProjection],
-              shard: Optional[Any] = None, summed: bool = True) -> _HeadCall:
+              shard: Optional[Any] = None, summed: bool = True,
+              split: bool = False) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
     the host). `gradients` false: the forward pass alone, no gradient
     computed and no gradient buffer (every grads value None). `shard`
     (_vocab_parallel.Shard): this rank's rows of a vocab-parallel head; the
     gradient of hidden and of the correction's inputs (and float64 top-k
     values, computed by their owners) are then summed over its group, unless
-    not `summed` (rows="local": _LocalRows reduce-scatters them)."""
+    not `summed` (rows="local": _LocalRows reduce-scatters them). `split`
+    (_splits): the forward pass alone, its state kept for a backward that
+    makes the gradients (no gradient buffer before it)."""
     # The head reads hidden and the per-row tensors beside it as whole
     # rows, one after the other: a view that is not laid out so (a slice of
     # a longer batch along N, as SpecForge's chunks are) is copied here.
@@ -393,7 +400,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         "base_argmax": (rows, torch.int32) if return_rows else None,
         "teacher_argmax": (rows, torch.int32) if return_rows else None,
     }
-    if not gradients:
+    if not gradients or split:
         wanted.update(dict.fromkeys(_GRADIENTS))
     made = {name: None if spec is None else _empty(
                 _BUFFER_NAMES.get(name, name), *spec, device)
@@ -405,17 +412,25 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         _lend_torchs_allocator()
     stream = (torch.cuda.current_stream(device).cuda_stream
               if hidden.is_cuda else 0)
-    result = _core.run_objective(
-        config, hidden, weight, target_ids, weight_mask, bias, teacher,
-        confidence, correction_inputs=correction_inputs,
-        correction_weight=correction_weight, prepared=prepared,
-        trainable=trainable, cuda_stream=stream,
-        # Vocab-parallel, a rank stopping between two exchanges would leave
-        # the others waiting in the next: Ctrl-C is taken after the call.
-        interruptible=_interruptible() and shard is None,
-        forward_only=not gradients,
-        vocab_shard=None if shard is None else shard.core, **grads,
-        **outputs)
+    saved = None
+    if split:
+        result, saved = _core.start_objective(
+            config, hidden, weight, target_ids, weight_mask, bias, teacher,
+            confidence, correction_inputs=correction_inputs,
+            correction_weight=correction_weight, prepared=prepared,
+            trainable=trainable, interruptible=_interruptible(), **outputs)
+    else:
+        result = _core.run_objective(
+            config, hidden, weight, target_ids, weight_mask, bias, teacher,
+            confidence, correction_inputs=correction_inputs,
+            correction_weight=correction_weight, prepared=prepared,
+            trainable=trainable, cuda_stream=stream,
+            # Vocab-parallel, a rank stopping between two exchanges would leave
+            # the others waiting in the next: Ctrl-C is taken after the call.
+            interruptible=_interruptible() and shard is None,
+            forward_only=not gradients,
+            vocab_shard=None if shard is None else shard.core, **grads,
+            **outputs)
     if shard is not None and summed:
         # The head's gradient of hidden (and z) is this rank's vocabulary's
         # part; float64 top-k values are 0 at the ids other ranks own.
@@ -461,7 +476,72 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         None if outputs["teacher_argmax"] is None
         else outputs["teacher_argmax"].long(),
     ]
-    return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"])
+    return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"],
+                     saved)
+
+
+# Split forwards' states by their token's value (the tensor that holds each:
+# autograd frees it after backward unless the graph is retained); a copy of
+# a token names its state while the state lives.
+_SAVED: "weakref.WeakValueDictionary[int, _core.SavedHead]" = (
+    weakref.WeakValueDictionary())
+
+
+def _splits(config: _core.ObjectiveConfig, gradients: bool,
+            hidden: torch.Tensor, shard: Optional[Any]) -> bool:
+    """Whether the run's forward and backward run apart: gradients wanted,
+    a mode other than FUSED, the CPU, not vocab-parallel (docs/python.md,
+    "Split forward and backward")."""
+    return (gradients and shard is None and not hidden.is_cuda
+            and _core.splits_backward(config))
+
+
+def _token_of(saved: _core.SavedHead) -> torch.Tensor:
+    """A tensor holding `saved` alive (its 8-byte buffer, the token)."""
+    token = torch.frombuffer(saved, dtype=torch.int64)
+    _SAVED[int(token[0])] = saved
+    return token
+
+
+def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
+                    hidden: torch.Tensor, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor],
+                    confidence: Optional[torch.Tensor],
+                    z: Optional[torch.Tensor], m: Optional[torch.Tensor]
+                    ) -> Dict[str, Optional[torch.Tensor]]:
+    """The split run's gradients of upstream * loss_num / loss_den, into
+    fresh buffers (None where the run computes none). The forward's stats
+    (the state's `stats`, HeadStats, where the caller gave them) get the
+    backward's work, as a single run reports both passes."""
+    saved = _SAVED.get(int(token[0]))
+    if saved is None:
+        raise RuntimeError(
+            "dflash_objective: the forward's state was freed (a second "
+            "backward needs retain_graph=True)")
+    specs = {
+        "grad_hidden": (hidden.shape, hidden.dtype),
+        "grad_weight": (weight.shape, weight.dtype) if trainable else None,
+        "grad_bias": ((bias.shape, bias.dtype)
+                      if trainable and bias is not None else None),
+        "grad_confidence": ((hidden.shape[:3], _library.confidence_dtype(
+            hidden.dtype)) if confidence is not None else None),
+        "grad_correction_inputs": (z.shape, z.dtype) if z is not None
+        else None,
+        "grad_correction_weight": (m.shape, m.dtype) if m is not None
+        else None,
+    }
+    grads = {name: None if spec is None else _empty(
+                 _BUFFER_NAMES[name], *spec, hidden.device)
+             for name, spec in specs.items()}
+    done = saved.backward(upstream, interruptible=_interruptible(), **grads)
+    stats = saved.stats
+    if stats is not None:
+        stats["gemm_calls"] += done["gemm_calls"]
+        stats["gemm_passes"] += done["gemm_passes"]
+        stats["segment_recomputes"] = done["segment_recomputes"]
+        stats["peak_bytes"] = max(stats["peak_bytes"], done["peak_bytes"])
+        stats["backward_seconds"] = done["backward_seconds"]
+    return grads
 
 
 def _tie_to_error(inputs: Sequence[Optional[torch.Tensor]],
@@ -543,10 +623,11 @@ class _Objective(torch.autograd.Function):
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
+        split = _splits(config, gradients, hidden, shard)
         call = _run_head(config, top_k, return_rows, trainable, gradients,
                          hidden, weight, bias, teacher, confidence,
                          target_ids, weight_mask, correction_inputs,
-                         correction_weight, prepared, shard)
+                         correction_weight, prepared, shard, split=split)
         result, grads, terms, extras = call[:4]
         run_info.stats = result["stats"]
         run_info.lk_kl_weight = result["lk_kl_weight"]
@@ -572,10 +653,16 @@ class _Objective(torch.autograd.Function):
                                  if e is top_k_values)
         # Saved, not kept on ctx: autograd frees them after backward, so a
         # second backward without retain_graph raises as torch's own ops do.
+        # A split run saves its state's token instead of gradients: between
+        # forward and backward only what its mode keeps is held.
+        ctx.split = split
+        if call.saved is not None:
+            call.saved.stats = run_info.stats
         ctx.save_for_backward(
             *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
             top_k_values, call.top_k_ids, confidence, correction_inputs,
-            correction_weight)
+            correction_weight,
+            _token_of(call.saved) if call.saved is not None else None)
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
               if i != 0 and i != ctx.values_at])
@@ -606,11 +693,22 @@ class _Objective(torch.autograd.Function):
         # top-k values carry a gradient) they add nothing.
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
-        hidden, weight, bias, values, ids, _, z, m = saved[len(_GRADIENTS):]
+        hidden, weight, bias, values, ids, confidence, z, m, token = saved[
+            len(_GRADIENTS):]
         scale: Optional[torch.Tensor] = (
             None if grad_num is None else grad_num * ctx.den)
+        if ctx.split and grad_num is not None:
+            # The head's backward takes the upstream: its gradients come
+            # scaled (the scale in float64 on the host).
+            g = _saved_backward(token, float(grad_num) * ctx.den,
+                                ctx.trainable, hidden, weight, bias,
+                                confidence, z, m)
+            scale = None
+        made_here = ctx.split and grad_num is not None
 
         def scaled(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            if made_here:
+                return grad
             if scale is None:
                 return None
             if grad.dtype == torch.bfloat16:
@@ -1291,6 +1389,9 @@ def _through_operator(
         report = _library.lazy_report(info, k)
     else:
         report = _library.decode_info(info, k, _library.latest_times())
+        token = outputs[at("token")]
+        if token.numel() > 0 and int(token[0]) in _SAVED:
+            _SAVED[int(token[0])].stats = report[0]
     stats, lk_kl_weight, family_terms, metrics = report
     return results, (lk_kl_weight, metrics, family_terms, stats,
                      loss_den_offset)
