@@ -154,6 +154,15 @@ class SplitTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "second time"):
             terms.loss.backward()
 
+    def test_a_non_finite_upstream_gradient_is_refused(self):
+        data = batch(torch.float64, ())
+        hidden = data["hidden"].clone().requires_grad_()
+        terms = dflash_objective(hidden, data["weight"], data["ids"],
+                                 data["mask"], mode="checkpoint")
+        with self.assertRaisesRegex(ValueError,
+                                    "upstream gradient: must be finite"):
+            (terms.loss * float("nan")).backward()
+
     def states(self):
         gc.collect()
         return list(objective_module._SAVED.values())
