@@ -154,14 +154,22 @@ class SplitTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "second time"):
             terms.loss.backward()
 
-    def test_a_non_finite_upstream_gradient_is_refused(self):
+    def test_a_non_finite_upstream_gradient_flows_as_in_fused(self):
+        # As a GradScaler's overflowing scale does: inf and NaN reach the
+        # gradients, which FUSED multiplies by the upstream too.
         data = batch(torch.float64, ())
-        hidden = data["hidden"].clone().requires_grad_()
-        terms = dflash_objective(hidden, data["weight"], data["ids"],
-                                 data["mask"], mode="checkpoint")
-        with self.assertRaisesRegex(ValueError,
-                                    "upstream gradient: must be finite"):
-            (terms.loss * float("nan")).backward()
+        for upstream in (float("nan"), float("inf")):
+            grads = {}
+            for mode in ("fused", "checkpoint"):
+                hidden = data["hidden"].clone().requires_grad_()
+                terms = dflash_objective(hidden, data["weight"], data["ids"],
+                                         data["mask"], mode=mode)
+                (terms.loss * upstream).backward()
+                grads[mode] = hidden.grad
+            with self.subTest(upstream=upstream):
+                torch.testing.assert_close(grads["checkpoint"],
+                                           grads["fused"], rtol=0, atol=0,
+                                           equal_nan=True)
 
     def states(self):
         gc.collect()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import math
 import operator
 import os
 import signal
@@ -533,7 +534,15 @@ def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
     grads = {name: None if spec is None else _empty(
                  _BUFFER_NAMES[name], *spec, hidden.device)
              for name, spec in specs.items()}
-    done = saved.backward(upstream, interruptible=_interruptible(), **grads)
+    finite = math.isfinite(upstream)
+    # A non-finite upstream (a GradScaler's overflow) multiplies the
+    # gradients afterwards, so that inf and NaN reach them as in FUSED.
+    done = saved.backward(upstream if finite else 1.0,
+                          interruptible=_interruptible(), **grads)
+    if not finite:
+        for grad in grads.values():
+            if grad is not None:
+                grad.mul_(upstream)
     stats = saved.stats
     if stats is not None:
         stats["gemm_calls"] += done["gemm_calls"]
