@@ -329,6 +329,16 @@ class _RunInfo:
     loss_den_offset: float
     metrics: Dict[str, torch.Tensor]
 
+    def fill(self, result: Dict[str, Any]) -> None:
+        """From a head run's report (run_objective's dict)."""
+        self.stats = result["stats"]
+        self.lk_kl_weight = result["lk_kl_weight"]
+        self.family_terms = result["family_terms"]
+        self.loss_den_offset = result["loss_den_offset"]
+        self.metrics = {
+            name: torch.tensor(value, dtype=torch.float64)
+            for name, value in result["diagnostics"].items()}
+
 
 class _HeadCall(NamedTuple):
     """One run of the head: its report, gradient buffers (None where not
@@ -638,13 +648,7 @@ class _Objective(torch.autograd.Function):
                          target_ids, weight_mask, correction_inputs,
                          correction_weight, prepared, shard, split=split)
         result, grads, terms, extras = call[:4]
-        run_info.stats = result["stats"]
-        run_info.lk_kl_weight = result["lk_kl_weight"]
-        run_info.family_terms = result["family_terms"]
-        run_info.loss_den_offset = result["loss_den_offset"]
-        run_info.metrics = {
-            name: torch.tensor(value, dtype=torch.float64)
-            for name, value in result["diagnostics"].items()}
+        run_info.fill(result)
         stream = call.stream
         # The head's gradients are of loss_num / loss_denominator.
         ctx.den = result["loss_denominator"]
@@ -869,13 +873,7 @@ class _LocalRows(torch.autograd.Function):
                 [c.grads["grad_hidden"], c.grads["grad_correction_inputs"]]
                 for c in calls]))
         result = own.result
-        run_info.stats = result["stats"]
-        run_info.lk_kl_weight = result["lk_kl_weight"]
-        run_info.family_terms = result["family_terms"]
-        run_info.loss_den_offset = result["loss_den_offset"]
-        run_info.metrics = {
-            name: torch.tensor(value, dtype=torch.float64)
-            for name, value in result["diagnostics"].items()}
+        run_info.fill(result)
         ctx.den = result["loss_denominator"]
         ctx.shard = shard
         ctx.world = shard.world
