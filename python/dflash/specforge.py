@@ -582,6 +582,27 @@ def _prepared(head: torch.nn.Linear) -> Optional[_core.PreparedProjection]:
     return layout
 
 
+def _decayed(model: Any, hidden: torch.Tensor, weight_mask: torch.Tensor
+             ) -> Union[torch.Tensor, "_Fallback"]:
+    """DFlash's weights with SpecForge's loss decay: weight_mask itself
+    without one, else weight_mask times the decay (SpecForge computes it in
+    float32; dflash takes it in the mask, so the weights are SpecForge's to
+    the bit), or the fallback where a decay weight underflows to 0."""
+    gamma = model.loss_decay_gamma
+    if gamma is None or gamma <= 0:
+        return weight_mask
+    positions = torch.arange(model.block_size,
+                             device=hidden.device).view(1, 1, -1)
+    decay = torch.exp(-(positions - 1).clamp(min=0).float() / gamma)
+    if bool((decay == 0).any()):
+        return _Fallback(
+            "decay",
+            f"loss_decay_gamma={gamma!r} underflows a decay weight to 0 "
+            "(dflash skips rows without weight; SpecForge still counts "
+            "their accuracy)")
+    return weight_mask * decay
+
+
 def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
          target_ids: torch.Tensor, weight_mask: torch.Tensor,
          chunk_blocks: int) -> Union[Tuple[torch.Tensor, ...], _Fallback]:
@@ -609,23 +630,10 @@ def _run(patch: _Patch, model: Any, hidden: torch.Tensor,
     decayed = False
     if loss_type == "dflash":
         config = f"loss {{ dflash {{ }} {counted} }}"
-        loss_weights = weight_mask
-        gamma = model.loss_decay_gamma
-        if gamma is not None and gamma > 0:
-            # SpecForge's decay (in float32) is a row weight: dflash takes
-            # it in the mask, so the weights are SpecForge's to the bit.
-            positions = torch.arange(model.block_size,
-                                     device=hidden.device).view(1, 1, -1)
-            decay = torch.exp(
-                -(positions - 1).clamp(min=0).float() / gamma)
-            if bool((decay == 0).any()):
-                return _Fallback(
-                    "decay",
-                    f"loss_decay_gamma={gamma!r} underflows a decay weight "
-                    "to 0 (dflash skips rows without weight; SpecForge "
-                    "still counts their accuracy)")
-            loss_weights = weight_mask * decay
-            decayed = True
+        loss_weights = _decayed(model, hidden, weight_mask)
+        if isinstance(loss_weights, _Fallback):
+            return loss_weights
+        decayed = loss_weights is not weight_mask
         loss_den: Optional[torch.Tensor] = loss_weights.sum()
         mask = loss_weights
     else:
@@ -700,21 +708,11 @@ def _run_main(patch: _Patch, model: Any, hidden: torch.Tensor,
     loss_den: Optional[torch.Tensor] = None
     if loss_type == "dflash":
         loss = "dflash {{ {lk} }}"
-        gamma = model.loss_decay_gamma
-        if gamma is not None and gamma > 0:
-            # SpecForge's float32 decay as row weights, as for 0.2.0.
-            positions = torch.arange(model.block_size,
-                                     device=hidden.device).view(1, 1, -1)
-            decay = torch.exp(
-                -(positions - 1).clamp(min=0).float() / gamma)
-            if bool((decay == 0).any()):
-                return _Fallback(
-                    "decay",
-                    f"loss_decay_gamma={gamma!r} underflows a decay weight "
-                    "to 0 (dflash skips rows without weight; SpecForge "
-                    "still counts their accuracy)")
-            mask = weight_mask * decay
-            decayed = True
+        decayed_mask = _decayed(model, hidden, weight_mask)
+        if isinstance(decayed_mask, _Fallback):
+            return decayed_mask
+        mask = decayed_mask
+        decayed = mask is not weight_mask
         loss_den = mask.sum()
     else:
         # The head balances each sequence (a row of N blocks) by its own
