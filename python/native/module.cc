@@ -397,6 +397,47 @@ struct PreparedHandle {
   py::object weight, bias;
 };
 
+// A Cancelled status as Python's own SIGINT handling gives it, else raised.
+template <typename V>
+V CancelledOrValue(absl::StatusOr<V> result) {
+  if (result.status().code() == absl::StatusCode::kCancelled) {
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
+  }
+  return ValueOrRaise(std::move(result));
+}
+
+// Raises this process's own error from its vocab exchange, if any (a
+// KeyboardInterrupt for CANCELLED): it wins over the head's report of it,
+// which names this process, or any later error.
+void RaiseOwnExchangeError(const PythonVocabExchange& exchange) {
+  const absl::Status& own = exchange.own_error();
+  if (own.code() == absl::StatusCode::kCancelled) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    throw py::error_already_set();
+  }
+  if (!own.ok()) Raise(own);
+}
+
+// The objective's input tensors, each named as the caller passes it.
+ObjectiveTensors TensorsOf(py::handle hidden, py::handle weight,
+                           py::handle target_ids, py::handle weight_mask,
+                           py::handle bias, py::handle teacher_hidden,
+                           py::handle confidence_logits,
+                           py::handle correction_inputs,
+                           py::handle correction_weight) {
+  return {RequiredArgOf("hidden", hidden),
+          RequiredArgOf("lm_head_weight", weight),
+          RequiredArgOf("target_ids", target_ids),
+          RequiredArgOf("weight_mask", weight_mask),
+          ArgOf("lm_head_bias", bias),
+          ArgOf("teacher_hidden", teacher_hidden),
+          ArgOf("confidence_logits", confidence_logits),
+          ArgOf("correction_inputs", correction_inputs),
+          ArgOf("correction_weight", correction_weight)};
+}
+
 py::dict RunObjectiveFromPython(
     const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
     py::handle target_ids, py::handle weight_mask, py::handle bias,
@@ -410,15 +451,10 @@ py::dict RunObjectiveFromPython(
     bool interruptible, bool forward_only,
     VocabShardHandle* vocab_shard, py::handle base_argmax,
     py::handle teacher_argmax) {
-  ObjectiveTensors tensors{RequiredArgOf("hidden", hidden),
-                           RequiredArgOf("lm_head_weight", weight),
-                           RequiredArgOf("target_ids", target_ids),
-                           RequiredArgOf("weight_mask", weight_mask),
-                           ArgOf("lm_head_bias", bias),
-                           ArgOf("teacher_hidden", teacher_hidden),
-                           ArgOf("confidence_logits", confidence_logits),
-                           ArgOf("correction_inputs", correction_inputs),
-                           ArgOf("correction_weight", correction_weight)};
+  const ObjectiveTensors tensors =
+      TensorsOf(hidden, weight, target_ids, weight_mask, bias,
+                teacher_hidden, confidence_logits, correction_inputs,
+                correction_weight);
   ObjectiveOutputs outputs{ArgOf("grad_hidden", grad_hidden),
                            ArgOf("grad_weight", grad_weight),
                            ArgOf("grad_bias", grad_bias),
@@ -464,23 +500,8 @@ py::dict RunObjectiveFromPython(
       SendError(*exchange, result.status()).IgnoreError();
     }
   }
-  if (vocab_shard != nullptr) {
-    // This process's own error from the exchange wins over the head's
-    // report of it (which names this process, or any later error).
-    const absl::Status& own = vocab_shard->exchange.own_error();
-    if (own.code() == absl::StatusCode::kCancelled) {
-      PyErr_SetNone(PyExc_KeyboardInterrupt);
-      throw py::error_already_set();
-    }
-    if (!own.ok()) Raise(own);
-  }
-  if (result.status().code() == absl::StatusCode::kCancelled) {
-    // Python's own SIGINT handler raises (KeyboardInterrupt by default).
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    PyErr_SetNone(PyExc_KeyboardInterrupt);
-    throw py::error_already_set();
-  }
-  return ResultOf(ValueOrRaise(std::move(result)));
+  if (vocab_shard != nullptr) RaiseOwnExchangeError(vocab_shard->exchange);
+  return ResultOf(CancelledOrValue(std::move(result)));
 }
 
 // _core.SavedHead: a split forward's state (SavedObjective) and the objects
@@ -500,17 +521,6 @@ struct SavedHead {
   py::object stats = py::none();  // The caller's record of the forward.
 };
 
-// A Cancelled status as Python's own SIGINT handling gives it, else raised.
-template <typename V>
-V CancelledOrValue(absl::StatusOr<V> result) {
-  if (result.status().code() == absl::StatusCode::kCancelled) {
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    PyErr_SetNone(PyExc_KeyboardInterrupt);
-    throw py::error_already_set();
-  }
-  return ValueOrRaise(std::move(result));
-}
-
 py::tuple StartObjectiveFromPython(
     const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
     py::handle target_ids, py::handle weight_mask, py::handle bias,
@@ -520,16 +530,10 @@ py::tuple StartObjectiveFromPython(
     py::handle correction_inputs, py::handle correction_weight,
     py::object prepared, bool trainable, bool interruptible,
     py::handle base_argmax, py::handle teacher_argmax) {
-  const ObjectiveTensors tensors{
-      RequiredArgOf("hidden", hidden),
-      RequiredArgOf("lm_head_weight", weight),
-      RequiredArgOf("target_ids", target_ids),
-      RequiredArgOf("weight_mask", weight_mask),
-      ArgOf("lm_head_bias", bias),
-      ArgOf("teacher_hidden", teacher_hidden),
-      ArgOf("confidence_logits", confidence_logits),
-      ArgOf("correction_inputs", correction_inputs),
-      ArgOf("correction_weight", correction_weight)};
+  const ObjectiveTensors tensors =
+      TensorsOf(hidden, weight, target_ids, weight_mask, bias,
+                teacher_hidden, confidence_logits, correction_inputs,
+                correction_weight);
   ObjectiveOutputs outputs;
   outputs.neg_log_q = ArgOf("neg_log_q", neg_log_q);
   outputs.argmax = ArgOf("argmax", argmax);
@@ -995,12 +999,7 @@ PYBIND11_MODULE(_core, m) {
               status = dflash::GatherRecords(h.exchange, absl::OkStatus(),
                                              absl::MakeSpan(record), gathered);
             }
-            const absl::Status& own = h.exchange.own_error();
-            if (own.code() == absl::StatusCode::kCancelled) {
-              PyErr_SetNone(PyExc_KeyboardInterrupt);
-              throw py::error_already_set();
-            }
-            if (!own.ok()) dp::Raise(own);
+            dp::RaiseOwnExchangeError(h.exchange);
             if (!status.ok()) dp::Raise(status);
           },
           "One gather shaped like the run's handshake in which every "
