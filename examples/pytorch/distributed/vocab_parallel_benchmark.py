@@ -134,6 +134,21 @@ def cases(args):
             for k in args.top_k.split(",") if f not in SPLIT or int(k) == 0]
 
 
+def gradient_exchange(group):
+    """What rows="local"'s gradient exchange runs on this gloo: a
+    reduce-scatter, or an all-reduce where gloo has no reduce_scatter
+    (torch 1.13), as _vocab_parallel.reduce_scatter_rows does."""
+    out = torch.zeros(1)
+    try:
+        dist.reduce_scatter(out, [torch.zeros(1)] * dist.get_world_size(group),
+                            op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as error:
+        if "does not support reduce_scatter" not in str(error):
+            raise
+        return "all-reduce (this gloo has no reduce_scatter)"
+    return "reduce-scatter"
+
+
 def rank_main(rank, world, args, directory):
     torch.set_num_threads(args.threads)
     dist.init_process_group(
@@ -143,6 +158,10 @@ def rank_main(rank, world, args, directory):
     if args.local_rows:
         x = own_rows(x, rank, world)
     group = dist.group.WORLD
+    if args.local_rows:
+        exchange = gradient_exchange(group)
+        if rank == 0:
+            torch.save(exchange, os.path.join(directory, "exchange.pt"))
     weight = shard_rows(x["weight"], group)
     m = shard_rows(x["m"], group)
     counts = {"calls": 0, "values": 0, "seconds": 0.0, "row_bytes": 0}
@@ -226,9 +245,11 @@ def main(argv=None):
           f"{args.repeat}"
           + ("; rows='local' (each rank 1 / W of the rows)"
              if args.local_rows else ""))
+    exchange = (torch.load(os.path.join(directory, "exchange.pt"))
+                if args.local_rows else "all-reduce")
     print("| family | top_k | all-gathers / chunk | sent B / row "
           "(all-gathers) | "
-          + ("reduce-scatter" if args.local_rows else "all-reduce")
+          + exchange
           + " B / row (d hidden, Domino's d z) | "
           "exchange ms / chunk | ranks ms / chunk | one process ms / chunk | "
           "ratio (ideal "
