@@ -268,6 +268,29 @@ void ExpectRowOutputsEqual(const Result<T>& a, const Result<T>& b,
   EXPECT_EQ(a.loss_weight, b.loss_weight) << where;
 }
 
+// Runs `run(shard, width)` on each of ranges' processes at once, over
+// `vocab` classes; returns every process's result, or none (a test failure
+// naming `where` and the process) when one failed.
+template <typename Result, typename Run>
+std::vector<Result> RunSharded(const Ranges& ranges, int64_t vocab,
+                               std::chrono::milliseconds timeout,
+                               const std::string& where, const Run& run) {
+  const int size = static_cast<int>(ranges.offsets.size());
+  ThreadGroup group(size, timeout);
+  std::vector<Result> results(size);
+  RunRanks(size, [&](int q) {
+    const VocabShard shard{ranges.offsets[q], vocab, &group.exchange(q)};
+    results[q] = run(shard, ranges.widths[q]);
+  });
+  for (int q = 0; q < size; ++q) {
+    if (!results[q].status.ok()) {
+      ADD_FAILURE() << where << " process " << q << ": " << results[q].status;
+      return {};
+    }
+  }
+  return results;
+}
+
 // bfloat16: the float computation's gradient rounded once, so within one
 // bfloat16 step (2^-8 relative) of the single run's.
 template <typename T>
@@ -283,16 +306,12 @@ void CheckCase(const LossCase& c, bool last_range) {
   for (int size : {2, 3, 4}) {
     const std::string where = absl::StrCat(c.name, " W=", size);
     const Ranges ranges = SplitVocab(kV, size);
-    ThreadGroup group(size, kTimeout);
-    std::vector<Result<T>> results(size);
-    RunRanks(size, [&](int q) {
-      const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
-      results[q] = RunChunk<T>(*params, c, chunk, ranges.offsets[q],
-                               ranges.widths[q], &shard);
-    });
-    for (int q = 0; q < size; ++q) {
-      ASSERT_TRUE(results[q].status.ok()) << where << " " << results[q].status;
-    }
+    const std::vector<Result<T>> results = RunSharded<Result<T>>(
+        ranges, kV, kTimeout, where,
+        [&](const VocabShard& shard, int64_t width) {
+          return RunChunk<T>(*params, c, chunk, shard.offset, width, &shard);
+        });
+    if (results.empty()) return;
     const Result<T>& first = results[0];
     ExpectTermsNear(first.terms, single.terms, tolerance, where);
     EXPECT_EQ(first.argmax, single.argmax) << where;
@@ -657,16 +676,12 @@ void CheckDomino(const DominoCase& c) {
   for (int size : {2, 3, 4}) {
     const std::string where = absl::StrCat(c.name, " W=", size);
     const Ranges ranges = SplitVocab(kV, size);
-    ThreadGroup group(size, kTimeout);
-    std::vector<DominoResult<T>> results(size);
-    RunRanks(size, [&](int q) {
-      const VocabShard shard{ranges.offsets[q], kV, &group.exchange(q)};
-      results[q] = RunDomino<T>(*params, c, chunk, ranges.offsets[q],
-                                ranges.widths[q], &shard);
-    });
-    for (int q = 0; q < size; ++q) {
-      ASSERT_TRUE(results[q].status.ok()) << where << " " << results[q].status;
-    }
+    const std::vector<DominoResult<T>> results = RunSharded<DominoResult<T>>(
+        ranges, kV, kTimeout, where,
+        [&](const VocabShard& shard, int64_t width) {
+          return RunDomino<T>(*params, c, chunk, shard.offset, width, &shard);
+        });
+    if (results.empty()) return;
     const DominoResult<T>& first = results[0];
     ExpectTermsNear(first.terms, single.terms, tolerance, where);
     EXPECT_EQ(first.argmax, single.argmax) << where;
@@ -1082,16 +1097,13 @@ void CheckHead(const v1::ObjectiveConfig& config, const std::string& name,
   for (int size : {2, 3}) {
     const std::string where = absl::StrCat(name, " W=", size);
     const Ranges ranges = SplitVocab(kHeadV, size);
-    ThreadGroup group(size, kHeadTimeout);
-    std::vector<HeadRun> runs(size);
-    RunRanks(size, [&](int q) {
-      const VocabShard shard{ranges.offsets[q], kHeadV, &group.exchange(q)};
-      runs[q] = RunHeadRange(config, h, ranges.offsets[q], ranges.widths[q],
-                             &shard, forward_only);
-    });
-    for (int q = 0; q < size; ++q) {
-      ASSERT_TRUE(runs[q].status.ok()) << where << " " << runs[q].status;
-    }
+    const std::vector<HeadRun> runs = RunSharded<HeadRun>(
+        ranges, kHeadV, kHeadTimeout, where,
+        [&](const VocabShard& shard, int64_t width) {
+          return RunHeadRange(config, h, shard.offset, width, &shard,
+                              forward_only);
+        });
+    if (runs.empty()) return;
     const HeadRun& first = runs[0];
     ExpectNear(first.result.loss, single.result.loss, kTolerance,
                where + " loss");
