@@ -10,6 +10,7 @@
 // a GPU and is a race the emulation names.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -256,25 +257,36 @@ struct Outcome {
       argmax, top_k, top_k_values;
 };
 
-// RunObjective on `place` with inputs stored as `dtype`, then the backward
-// of top-k values for unit gradients: of its own top k, or of `ranked`'s
-// ids and values where given (near-ties rank differently in bfloat16, and
-// the backward is a function of the ids it is given). Targets and masks
-// stay on the host (the binding reads the rows there; dflash.torch copies
-// them). With `forward_only`, the forward-only run alone: no gradient
-// buffer, no backward, the Outcome's gradients empty.
-absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
-                              const Family& family, const std::string& mode,
-                              const Batch& batch,
-                              const Outcome* ranked_by = nullptr,
-                              bool forward_only = false) {
-  v1::ObjectiveConfig config = *DefaultConfig();
+// One call's config, tensors and buffers on `place`, inputs stored as
+// `dtype`. Targets and masks stay on the host (the binding reads the rows
+// there; dflash.torch copies them). Gradient buffers exactly where
+// `gradients` (a training run that takes them in the call).
+struct Call {
+  std::unique_ptr<HostPlace> host = std::make_unique<HostPlace>();
+  v1::ObjectiveConfig config;
+  ObjectiveTensors tensors;
+  ObjectiveOutputs outputs;
+  ObjectiveOptions options;
+};
+
+// Confidence logits and their gradient, the top-k values and their
+// gradient: float64 on the CPU in float64, else float32.
+std::string ValuesDType(const std::string& dtype) {
+  return dtype == "float64" ? "float64" : "float32";
+}
+
+absl::StatusOr<Call> Prepare(Place& place, const std::string& dtype,
+                             const Family& family, const std::string& mode,
+                             const Batch& batch, bool trainable,
+                             bool gradients) {
+  Call call;
+  call.config = *DefaultConfig();
   ConfigOverrides overrides;
   overrides.loss = family.loss;
   overrides.mode = mode;
   overrides.chunk_blocks = 2;
   if (absl::Status s =
-          ApplyOverrides(overrides, OverrideNames::kKeywords, config);
+          ApplyOverrides(overrides, OverrideNames::kKeywords, call.config);
       !s.ok()) {
     return s;
   }
@@ -282,39 +294,59 @@ absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
   const std::vector<int64_t> states = {kB, kN, kK, kH};
   const std::vector<int64_t> ranked = {kB, kN, kK, kTopK};
 
-  ObjectiveTensors t;
+  ObjectiveTensors& t = call.tensors;
   t.hidden = place.Tensor("hidden", batch.hidden, dtype, states);
   t.weight = place.Tensor("lm_head_weight", batch.weight, dtype, {kV, kH});
-  HostPlace host;
-  t.target_ids = host.Tensor("target_ids", batch.ids, "int64", rows);
-  t.weight_mask = host.Tensor("weight_mask", batch.mask, "float32", rows);
+  t.target_ids = call.host->Tensor("target_ids", batch.ids, "int64", rows);
+  t.weight_mask =
+      call.host->Tensor("weight_mask", batch.mask, "float32", rows);
   if (family.teacher) {
     t.teacher_hidden = place.Tensor("teacher_hidden", batch.teacher, dtype,
                                     states);
   }
-  // Confidence logits and their gradient, the top-k values and their
-  // gradient: float64 on the CPU in float64, else float32.
-  const std::string values = dtype == "float64" ? "float64" : "float32";
+  const std::string values = ValuesDType(dtype);
   if (family.confidence) {
     t.confidence_logits =
         place.Tensor("confidence_logits", batch.confidence, values, rows);
   }
-  ObjectiveOutputs o;
-  if (!forward_only) {
+  ObjectiveOutputs& o = call.outputs;
+  if (gradients) {
     o.grad_hidden = place.Zeros("grad_hidden", dtype, states);
-    o.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
-  }
-  if (family.confidence && !forward_only) {
-    o.grad_confidence = place.Zeros("grad_confidence", values, rows);
+    if (trainable) o.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
+    if (family.confidence) {
+      o.grad_confidence = place.Zeros("grad_confidence", values, rows);
+    }
   }
   o.neg_log_q = place.Zeros("neg_log_q", "float64", rows);
   o.argmax = place.Zeros("argmax", "int32", rows);
   o.top_k = place.Zeros("top_k", "int32", ranked);
   o.top_k_values = place.Zeros("top_k_values", values, ranked);
-  ObjectiveOptions options;
-  options.trainable = !forward_only;
+  call.options.trainable = trainable;
+  call.options.cuda_stream = place.stream();
+  return call;
+}
+
+// RunObjective on `place` with inputs stored as `dtype`, then the backward
+// of top-k values for unit gradients: of its own top k, or of `ranked`'s
+// ids and values where given (near-ties rank differently in bfloat16, and
+// the backward is a function of the ids it is given). With `forward_only`,
+// the forward-only run alone: no gradient buffer, no backward, the
+// Outcome's gradients empty.
+absl::StatusOr<Outcome> RunOn(Place& place, const std::string& dtype,
+                              const Family& family, const std::string& mode,
+                              const Batch& batch,
+                              const Outcome* ranked_by = nullptr,
+                              bool forward_only = false) {
+  absl::StatusOr<Call> call = Prepare(place, dtype, family, mode, batch,
+                                      !forward_only, !forward_only);
+  if (!call.ok()) return call.status();
+  const v1::ObjectiveConfig& config = call->config;
+  const ObjectiveTensors& t = call->tensors;
+  const ObjectiveOutputs& o = call->outputs;
+  ObjectiveOptions& options = call->options;
   options.forward_only = forward_only;
-  options.cuda_stream = place.stream();
+  const std::vector<int64_t> ranked = {kB, kN, kK, kTopK};
+  const std::string values = ValuesDType(dtype);
   absl::StatusOr<HeadResult> head = RunObjective(config, t, o, options);
   if (!head.ok()) return head.status();
   if (forward_only) {
@@ -514,6 +546,287 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(info.param.family.loss, "_", info.param.dtype, "_",
                           info.param.mode);
     });
+
+// The gradients a split run's backward gives, in float64.
+struct Gradients {
+  std::vector<double> hidden, weight, confidence;
+};
+
+// `saved`'s backward into fresh buffers on `place` (whose stream orders
+// it: it need not be the forward's), as dflash.torch's backward makes them.
+absl::StatusOr<Gradients> BackwardOn(Place& place, SavedObjective& saved,
+                                     const Call& call, double upstream,
+                                     const std::atomic<bool>* interrupt =
+                                         nullptr) {
+  const std::string& dtype = call.tensors.hidden.dtype;
+  ObjectiveOutputs g;
+  g.grad_hidden = place.Zeros("grad_hidden", dtype, {kB, kN, kK, kH});
+  g.grad_weight = place.Zeros("grad_weight", dtype, {kV, kH});
+  if (call.tensors.confidence_logits.has_value()) {
+    g.grad_confidence =
+        place.Zeros("grad_confidence", ValuesDType(dtype), {kB, kN, kK});
+  }
+  absl::StatusOr<HeadStats> stats =
+      saved.Backward(upstream, g, place.stream(), interrupt);
+  if (!stats.ok()) return stats.status();
+  Gradients out{place.Values(*g.grad_hidden), place.Values(*g.grad_weight)};
+  if (g.grad_confidence.has_value()) {
+    out.confidence = place.Values(*g.grad_confidence);
+  }
+  return out;
+}
+
+// A split run's forward on `place` (a training call, the head trainable):
+// its call, and what StartObjective gave.
+struct Split {
+  Call call;
+  StartedObjective started;
+};
+absl::StatusOr<Split> StartOn(Place& place, const Case& c,
+                              const Batch& batch) {
+  absl::StatusOr<Call> call =
+      Prepare(place, c.dtype, c.family, c.mode, batch, /*trainable=*/true,
+              /*gradients=*/false);
+  if (!call.ok()) return call.status();
+  absl::StatusOr<StartedObjective> started = StartObjective(
+      call->config, call->tensors, call->outputs, call->options);
+  if (!started.ok()) return started.status();
+  return Split{*std::move(call), *std::move(started)};
+}
+
+std::vector<double> Times(double factor, std::vector<double> values) {
+  for (double& x : values) x *= factor;
+  return values;
+}
+
+// The split run on the device against the single call (RunObjective in the
+// same mode on the device, itself checked against the CPU above). Not
+// bitwise: the single call folds the scale its rows decide into the
+// input-gradient GEMMs at its start, the split run upstream x the finished
+// scale at backward (//tests:cuda_split_head_test): float32 within 1e-6,
+// bfloat16 within 1e-2 (an ulp on some entries).
+class CudaSplitObjectiveTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaSplitObjectiveTest, EqualsTheSingleCallRepeatsAndScales) {
+  const Case& c = GetParam();
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch = RoundedTo(c.dtype, Batch(7));
+  absl::StatusOr<Call> whole = Prepare(gpu, c.dtype, c.family, c.mode, batch,
+                                       /*trainable=*/true, /*gradients=*/true);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  absl::StatusOr<HeadResult> want = RunObjective(
+      whole->config, whole->tensors, whole->outputs, whole->options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const ObjectiveOutputs& wo = whole->outputs;
+
+  absl::StatusOr<Split> split = StartOn(gpu, c, batch);
+  ASSERT_TRUE(split.ok()) << split.status();
+  const HeadResult& forward = split->started.forward;
+  const ObjectiveOutputs& so = split->call.outputs;
+  // The same forward kernels: the same terms and row outputs, bit for bit.
+  EXPECT_EQ(forward.terms.loss_num, want->terms.loss_num);
+  EXPECT_EQ(forward.terms.loss_den, want->terms.loss_den);
+  EXPECT_EQ(forward.loss, want->loss);
+  EXPECT_EQ(gpu.Values(*so.neg_log_q), gpu.Values(*wo.neg_log_q));
+  EXPECT_EQ(gpu.Values(*so.argmax), gpu.Values(*wo.argmax));
+  EXPECT_EQ(gpu.Values(*so.top_k), gpu.Values(*wo.top_k));
+  EXPECT_EQ(gpu.Values(*so.top_k_values), gpu.Values(*wo.top_k_values));
+  EXPECT_GT(want->stats.gemm_passes, forward.stats.gemm_passes);
+
+  // Between the passes: no gradient and, in CHECKPOINT, no logits; the
+  // rows' confidence gradient (float32) where there is one. SAVE_CHUNKS
+  // keeps each active row's logits gradient, rows padded to 16 bytes.
+  SavedObjective& saved = *split->started.saved;
+  const int64_t element = c.dtype == "bfloat16" ? 2 : 4;
+  const int64_t stride = (kV * element + 15) / 16 * 16 / element;
+  int64_t active = 0;
+  for (size_t r = 0; r < batch.mask.size(); ++r) {
+    active += batch.mask[r] > 0 && batch.ids[r] != -100;
+  }
+  const int64_t confidence = c.family.confidence ? kB * kN * kK * 4 : 0;
+  EXPECT_EQ(saved.saved_bytes(),
+            c.mode == "checkpoint" ? confidence
+                                   : confidence + active * stride * element);
+
+  const bool bf16 = c.dtype == "bfloat16";
+  const double tolerance = bf16 ? 1e-2 : 1e-6;
+  absl::StatusOr<Gradients> first = BackwardOn(gpu, saved, split->call, 1.0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_LT(RelativeL2Error<double>(first->hidden,
+                                    gpu.Values(*wo.grad_hidden)),
+            tolerance);
+  EXPECT_LT(RelativeL2Error<double>(first->weight,
+                                    gpu.Values(*wo.grad_weight)),
+            tolerance);
+  if (c.family.confidence) {
+    EXPECT_LT(RelativeL2Error<double>(first->confidence,
+                                      gpu.Values(*wo.grad_confidence)),
+              tolerance);
+  }
+  // Repeatable (a retained graph's second backward): the same bits, and
+  // what the mode keeps is still held.
+  const int64_t held = saved.saved_bytes();
+  absl::StatusOr<Gradients> second = BackwardOn(gpu, saved, split->call, 1.0);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->hidden, first->hidden);
+  EXPECT_EQ(second->weight, first->weight);
+  EXPECT_EQ(second->confidence, first->confidence);
+  EXPECT_EQ(saved.saved_bytes(), held);
+  // The upstream scales every gradient.
+  absl::StatusOr<Gradients> tripled = BackwardOn(gpu, saved, split->call, 3.0);
+  ASSERT_TRUE(tripled.ok()) << tripled.status();
+  EXPECT_LT(RelativeL2Error<double>(tripled->hidden, Times(3, first->hidden)),
+            tolerance);
+  EXPECT_LT(RelativeL2Error<double>(tripled->weight, Times(3, first->weight)),
+            tolerance);
+  if (c.family.confidence) {
+    EXPECT_LT(RelativeL2Error<double>(tripled->confidence,
+                                      Times(3, first->confidence)),
+              tolerance);
+  }
+}
+
+std::vector<Case> SplitCases() {
+  const Family families[] = {
+      {"dflash", false, false}, {"dspark", true, true}, {"kl", true, false}};
+  std::vector<Case> cases;
+  for (const Family& f : families) {
+    for (const char* dtype : {"float32", "bfloat16"}) {
+      for (const char* mode : {"checkpoint", "save"}) {
+        cases.push_back({f, dtype, mode});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, CudaSplitObjectiveTest, ::testing::ValuesIn(SplitCases()),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return absl::StrCat(info.param.family.loss, "_", info.param.dtype, "_",
+                          info.param.mode);
+    });
+
+// Autograd may run the backward on another stream than the forward's (a
+// side stream made current between the passes): it is ordered on the one
+// it is given, with the head's own stream and with the lent allocator
+// (whose forward ran on the forward's stream itself), and gives the same
+// gradients. Buffers written on one stream and read on another without
+// that order are races the emulation names. With the lent allocator every
+// workspace comes from it on the forward's stream, the backward hands back
+// what it took, and the state hands back the rest when it goes.
+TEST(CudaSplitStreamsTest, BackwardOnAnotherStream) {
+  DevicePlace gpu, side;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  DFLASH_SKIP_WITHOUT_GPU(side.Open());
+  for (const Case& c : {Case{{"dspark", true, true}, "float32", "save"},
+                        Case{{"dflash", false, false}, "bfloat16",
+                             "checkpoint"}}) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Batch batch = RoundedTo(c.dtype, Batch(9));
+    absl::StatusOr<Split> own = StartOn(gpu, c, batch);
+    ASSERT_TRUE(own.ok()) << own.status();
+    absl::StatusOr<Gradients> here =
+        BackwardOn(gpu, *own->started.saved, own->call, 1.0);
+    ASSERT_TRUE(here.ok()) << here.status();
+    absl::StatusOr<Gradients> there =
+        BackwardOn(side, *own->started.saved, own->call, 1.0);
+    ASSERT_TRUE(there.ok()) << there.status();
+    EXPECT_EQ(there->hidden, here->hidden);
+    EXPECT_EQ(there->weight, here->weight);
+    EXPECT_EQ(there->confidence, here->confidence);
+
+    struct Counts {
+      int64_t live = 0;
+      std::vector<uintptr_t> streams;
+      std::map<uintptr_t, int64_t> sizes;
+    };
+    auto counts = std::make_shared<Counts>();
+    TorchAllocator lent;
+    lent.allocate = [counts](int64_t bytes, int,
+                             uintptr_t stream) -> absl::StatusOr<uintptr_t> {
+      void* p = nullptr;
+      if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        return absl::ResourceExhaustedError("test allocator: full");
+      }
+      counts->live += bytes;
+      counts->streams.push_back(stream);
+      counts->sizes[reinterpret_cast<uintptr_t>(p)] = bytes;
+      return reinterpret_cast<uintptr_t>(p);
+    };
+    lent.free = [counts](uintptr_t data) {
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      counts->live -= counts->sizes.at(data);
+      counts->sizes.erase(data);
+      EXPECT_EQ(cudaFree(reinterpret_cast<void*>(data)), cudaSuccess);
+    };
+    SetTorchAllocator(lent);
+    absl::StatusOr<Split> on_torch = StartOn(gpu, c, batch);
+    // The state keeps its stream's allocator after the lending ends.
+    SetTorchAllocator(std::nullopt);
+    ASSERT_TRUE(on_torch.ok()) << on_torch.status();
+    SavedObjective& saved = *on_torch->started.saved;
+    // What the mode keeps (saved_bytes) and the run's per-row state on the
+    // device, which saved_bytes leaves out (SplitHeadRun::saved_bytes
+    // counts the mode's buffers): measured 75 and 103 bytes a row here.
+    const int64_t held = counts->live;
+    EXPECT_GE(held, saved.saved_bytes());
+    EXPECT_LE(held - saved.saved_bytes(), kB * kN * kK * 128);
+    absl::StatusOr<Gradients> lent_there =
+        BackwardOn(side, saved, on_torch->call, 1.0);
+    ASSERT_TRUE(lent_there.ok()) << lent_there.status();
+    EXPECT_EQ(lent_there->hidden, here->hidden);
+    EXPECT_EQ(lent_there->weight, here->weight);
+    EXPECT_EQ(lent_there->confidence, here->confidence);
+    EXPECT_EQ(counts->live, held);  // The backward's workspaces went back.
+    on_torch->started.saved.reset();
+    EXPECT_EQ(counts->live, 0);
+    EXPECT_FALSE(counts->streams.empty());
+    for (uintptr_t stream : counts->streams) EXPECT_EQ(stream, gpu.stream());
+  }
+}
+
+// A backward refused before it runs (a gradient buffer of the wrong shape,
+// a non-finite upstream) leaves the state usable; one that failed while
+// running (cancelled) breaks it: every later backward is refused.
+TEST(CudaSplitRefusalsTest, AfterAFailedBackward) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Case c{{"dflash", false, false}, "float32", "checkpoint"};
+  const Batch batch(7);
+  absl::StatusOr<Split> split = StartOn(gpu, c, batch);
+  ASSERT_TRUE(split.ok()) << split.status();
+  SavedObjective& saved = *split->started.saved;
+
+  ObjectiveOutputs wrong;
+  wrong.grad_hidden = gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH + 1});
+  wrong.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
+  absl::StatusOr<HeadStats> refused =
+      saved.Backward(1.0, wrong, gpu.stream(), nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("grad_hidden"), std::string::npos)
+      << refused.status();
+  absl::StatusOr<Gradients> non_finite =
+      BackwardOn(gpu, saved, split->call, std::nan(""));
+  EXPECT_EQ(non_finite.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(non_finite.status().message().find("upstream"), std::string::npos)
+      << non_finite.status();
+  absl::StatusOr<Gradients> fine = BackwardOn(gpu, saved, split->call, 1.0);
+  ASSERT_TRUE(fine.ok()) << fine.status();
+
+  const std::atomic<bool> interrupted{true};
+  absl::StatusOr<Gradients> cancelled =
+      BackwardOn(gpu, saved, split->call, 1.0, &interrupted);
+  EXPECT_EQ(cancelled.status().code(), absl::StatusCode::kCancelled)
+      << cancelled.status();
+  absl::StatusOr<Gradients> after = BackwardOn(gpu, saved, split->call, 1.0);
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition)
+      << after.status();
+  EXPECT_NE(after.status().message().find("failed or was cancelled"),
+            std::string::npos)
+      << after.status();
+}
 
 // The backward of top-k values whose logits hold a correction's u . M[id]:
 // d/du and d/dM beside d/dh and d/dW, on the device in float32 against the

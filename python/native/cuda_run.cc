@@ -28,8 +28,14 @@ absl::Status Check(cudaError_t error, const char* what) {
 
 // What a device keeps between calls: the head's stream, its cuBLAS handle
 // (milliseconds to create) and the two events that order it on torch's
-// stream. `mu` serialises the calls on the device.
+// stream (made when first needed). `mu` serialises the calls on the
+// stream.
 struct DeviceState {
+  ~DeviceState() {
+    for (cudaEvent_t event : {after_torch, after_head}) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+  }
   std::mutex mu;
   std::unique_ptr<CudaStream> stream;
   std::unique_ptr<CublasHandle> blas;
@@ -37,25 +43,20 @@ struct DeviceState {
   cudaEvent_t after_head = nullptr;
 };
 
-// The state of the current device, made on first use. Lives until exit:
-// torch's CUDA context outlives any Python object.
-absl::StatusOr<DeviceState*> StateOf(int device) {
+// The state of the current device's own stream, made on first use. Lives
+// until exit: torch's CUDA context outlives any Python object.
+absl::StatusOr<std::shared_ptr<DeviceState>> StateOf(int device) {
   static std::mutex mu;
-  static auto& states = *new std::map<int, std::unique_ptr<DeviceState>>();
+  static auto& states = *new std::map<int, std::shared_ptr<DeviceState>>();
   std::lock_guard<std::mutex> lock(mu);
-  std::unique_ptr<DeviceState>& state = states[device];
-  if (state != nullptr) return state.get();
-  auto created = std::make_unique<DeviceState>();
+  std::shared_ptr<DeviceState>& state = states[device];
+  if (state != nullptr) return state;
+  auto created = std::make_shared<DeviceState>();
   DFLASH_ASSIGN_OR_RETURN(created->stream, CudaStream::Create());
   DFLASH_ASSIGN_OR_RETURN(created->blas,
                           CublasHandle::Create(*created->stream));
-  for (cudaEvent_t* event : {&created->after_torch, &created->after_head}) {
-    DFLASH_RETURN_IF_ERROR(
-        Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming),
-              "cudaEventCreateWithFlags"));
-  }
   state = std::move(created);
-  return state.get();
+  return state;
 }
 
 // The allocator SetTorchAllocator lent, and the states of the torch streams
@@ -121,44 +122,120 @@ class DeviceScope {
   bool entered_ = false;
 };
 
-// Runs `work(state)` on the device's head stream, after the work queued on
-// torch's `stream` and before the work queued on it next.
-template <typename Work>
-auto OnHeadStream(int device, uintptr_t stream, Work work)
-    -> decltype(work(std::declval<DeviceState&>())) {
-  DeviceScope scope;
-  DFLASH_RETURN_IF_ERROR(scope.Enter(device));
-  DFLASH_ASSIGN_OR_RETURN(const std::shared_ptr<DeviceState> on_torch,
+// The state a run on torch's `stream` goes on: the lent allocator's over
+// that stream, else the device's own.
+absl::StatusOr<std::shared_ptr<DeviceState>> StateFor(int device,
+                                                      uintptr_t stream) {
+  DFLASH_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> on_torch,
                           TorchStreamState(device, stream));
-  if (on_torch != nullptr) {
-    // On torch's stream itself: ordered with torch's work as its own ops
-    // are, memory from torch's allocator.
-    std::lock_guard<std::mutex> lock(on_torch->mu);
-    return work(*on_torch);
-  }
-  DFLASH_ASSIGN_OR_RETURN(DeviceState* const state, StateOf(device));
-  std::lock_guard<std::mutex> lock(state->mu);
+  if (on_torch != nullptr) return on_torch;
+  return StateOf(device);
+}
+
+// Runs `work(state)` under the state's lock, after the work queued on
+// torch's `stream` and before the work queued on it next: directly where
+// the state is over that stream itself (ordered with torch's work as its
+// own ops are), else between two events.
+template <typename Work>
+auto OrderedOn(DeviceState& state, uintptr_t stream, Work work)
+    -> decltype(work(state)) {
+  std::lock_guard<std::mutex> lock(state.mu);
   const cudaStream_t torch_stream = reinterpret_cast<cudaStream_t>(stream);
-  const cudaStream_t head_stream = state->stream->stream();
+  const cudaStream_t head_stream = state.stream->stream();
+  if (head_stream == torch_stream) return work(state);
+  for (cudaEvent_t* event : {&state.after_torch, &state.after_head}) {
+    if (*event != nullptr) continue;
+    DFLASH_RETURN_IF_ERROR(
+        Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming),
+              "cudaEventCreateWithFlags"));
+  }
   DFLASH_RETURN_IF_ERROR(
-      Check(cudaEventRecord(state->after_torch, torch_stream),
+      Check(cudaEventRecord(state.after_torch, torch_stream),
             "cudaEventRecord on torch's stream"));
   DFLASH_RETURN_IF_ERROR(
-      Check(cudaStreamWaitEvent(head_stream, state->after_torch, 0),
+      Check(cudaStreamWaitEvent(head_stream, state.after_torch, 0),
             "cudaStreamWaitEvent"));
-  auto result = work(*state);
+  auto result = work(state);
   // Also after a failure: torch must not reuse memory the head may still
   // be writing.
-  absl::Status ordered = Check(cudaEventRecord(state->after_head, head_stream),
+  absl::Status ordered = Check(cudaEventRecord(state.after_head, head_stream),
                                "cudaEventRecord on the head's stream");
   if (ordered.ok()) {
-    ordered = Check(cudaStreamWaitEvent(torch_stream, state->after_head, 0),
+    ordered = Check(cudaStreamWaitEvent(torch_stream, state.after_head, 0),
                     "cudaStreamWaitEvent");
   }
   if (!result.ok()) return result;
   if (!ordered.ok()) return ordered;
   return result;
 }
+
+// Runs `work(state)` on `device` with the state StateFor chooses, ordered
+// on torch's `stream` (OrderedOn).
+template <typename Work>
+auto OnHeadStream(int device, uintptr_t stream, Work work)
+    -> decltype(work(std::declval<DeviceState&>())) {
+  DeviceScope scope;
+  DFLASH_RETURN_IF_ERROR(scope.Enter(device));
+  DFLASH_ASSIGN_OR_RETURN(const std::shared_ptr<DeviceState> state,
+                          StateFor(device, stream));
+  return OrderedOn(*state, stream, work);
+}
+
+// StartOnTorchStream's run: the split run and the state (stream, cuBLAS
+// handle, allocator) it borrows, kept alive with it.
+template <typename T>
+class SplitOnStream : public TorchStreamRun<T> {
+ public:
+  SplitOnStream(int device, std::shared_ptr<DeviceState> state)
+      : device_(device), state_(std::move(state)) {}
+  ~SplitOnStream() override {
+    if (split_ == nullptr) return;
+    DeviceScope scope;
+    if (!scope.Enter(device_).ok()) {
+      // The memory cannot be freed on its device: left to the context.
+      (void)split_.release();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(state_->mu);
+    split_.reset();
+  }
+
+  // The forward pass on torch's `stream`.
+  absl::Status Start(const v1::ObjectiveConfig& config,
+                     const HeadInputs<T>& inputs,
+                     const HeadRowOutputs& row_outputs, uintptr_t stream,
+                     const HeadOptions& options) {
+    return OrderedOn(*state_, stream, [&](DeviceState& state) {
+      absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> split =
+          StartCudaHead<T>(config, inputs, *state.blas, row_outputs, options);
+      if (!split.ok()) return split.status();
+      split_ = *std::move(split);
+      return absl::OkStatus();
+    });
+  }
+
+  const HeadResult& forward() const override { return split_->forward(); }
+
+  int64_t saved_bytes() const override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return split_->saved_bytes();
+  }
+
+  absl::StatusOr<HeadStats> Backward(
+      double upstream, const HeadGradients<T>& gradients, uintptr_t stream,
+      const std::atomic<bool>* interrupt) override {
+    DeviceScope scope;
+    DFLASH_RETURN_IF_ERROR(scope.Enter(device_));
+    return OrderedOn(*state_, stream, [&](DeviceState&) {
+      return split_->Backward(upstream, gradients, interrupt);
+    });
+  }
+
+ private:
+  const int device_;
+  const std::shared_ptr<DeviceState> state_;
+  std::unique_ptr<SplitHeadRun<T>> split_;
+};
 
 }  // namespace
 
@@ -191,6 +268,21 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
 }
 
 template <typename T>
+absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    const HeadRowOutputs& row_outputs, int device, uintptr_t stream,
+    const HeadOptions& options) {
+  DeviceScope scope;
+  DFLASH_RETURN_IF_ERROR(scope.Enter(device));
+  DFLASH_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> state,
+                          StateFor(device, stream));
+  auto run = std::make_unique<SplitOnStream<T>>(device, std::move(state));
+  DFLASH_RETURN_IF_ERROR(
+      run->Start(config, inputs, row_outputs, stream, options));
+  return run;
+}
+
+template <typename T>
 absl::Status AddTopKValueGradientsOnTorchStream(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
     absl::Span<const int32_t> ids, absl::Span<const float> values,
@@ -218,14 +310,18 @@ template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
     bool);
-#define DFLASH_INSTANTIATE_TOP_K_BACKWARD(T)                          \
+#define DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(T)                          \
+  template absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>>         \
+  StartOnTorchStream<T>(const v1::ObjectiveConfig&, const HeadInputs<T>&, \
+                        const HeadRowOutputs&, int, uintptr_t,        \
+                        const HeadOptions&);                          \
   template absl::Status AddTopKValueGradientsOnTorchStream<T>(        \
       const v1::ObjectiveConfig&, const HeadInputs<T>&,               \
       absl::Span<const int32_t>, absl::Span<const float>,             \
       absl::Span<const float>, int32_t, const HeadGradients<T>&, int, \
       uintptr_t);
-DFLASH_INSTANTIATE_TOP_K_BACKWARD(float)
-DFLASH_INSTANTIATE_TOP_K_BACKWARD(BFloat16)
-#undef DFLASH_INSTANTIATE_TOP_K_BACKWARD
+DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(float)
+DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(BFloat16)
+#undef DFLASH_INSTANTIATE_SPLIT_AND_TOP_K
 
 }  // namespace dflash::python

@@ -1,8 +1,10 @@
 #ifndef DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
 #define DFLASH_PYTHON_NATIVE_CUDA_RUN_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,6 +57,39 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadRowOutputs& row_outputs,
                                             int device, uintptr_t stream,
                                             bool forward_only = false);
+
+// A split CUDA run (StartOnTorchStream): StartCudaHead's SplitHeadRun with
+// the stream it was queued on, kept for its backward. Destroying it frees
+// its device memory in that stream's order (with the lent allocator,
+// through torch's, which takes the GIL: destroy it without the GIL held).
+template <typename T>
+class TorchStreamRun {
+ public:
+  virtual ~TorchStreamRun() = default;
+  // SplitHeadRun::forward.
+  virtual const HeadResult& forward() const = 0;
+  // SplitHeadRun::saved_bytes: device bytes held between the passes.
+  virtual int64_t saved_bytes() const = 0;
+  // SplitHeadRun::Backward ordered after the work queued on torch's
+  // `stream` (its current stream now, which need not be the forward's) and
+  // before the work queued on it next; the gradients are device memory.
+  virtual absl::StatusOr<HeadStats> Backward(
+      double upstream, const HeadGradients<T>& gradients, uintptr_t stream,
+      const std::atomic<bool>* interrupt) = 0;
+};
+
+// RunOnTorchStream with its passes apart (StartCudaHead, T = float or
+// BFloat16): the forward ordered on torch's `stream` as RunOnTorchStream
+// orders a run (with the lent allocator on that stream itself, else on the
+// head's own stream between two events), `row_outputs` written. The run
+// borrows `config` and the memory of `inputs`, which the caller keeps alive
+// and unchanged until it is destroyed. Without CUDA in the build:
+// Unimplemented.
+template <typename T>
+absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    const HeadRowOutputs& row_outputs, int device, uintptr_t stream,
+    const HeadOptions& options);
 
 // AddCudaTopKValueGradients (heads/cuda_head.h) ordered on torch's
 // `stream` as RunOnTorchStream is.

@@ -510,13 +510,28 @@ py::dict RunObjectiveFromPython(
 // (the token) and a copy of that tensor still names it.
 struct SavedHead {
   ~SavedHead() {
+    if (on_cuda && PythonFinalizing()) {
+      // Its device memory would go back through torch's allocator, which
+      // may be gone: the process is ending anyway.
+      (void)saved.release();
+      return;
+    }
     // Freeing takes the CPU head's lock, which a run holding it may need
-    // the GIL to release (a vocab-parallel exchange).
+    // the GIL to release (a vocab-parallel exchange); on CUDA, the
+    // stream's lock, and torch's allocator takes the GIL itself.
     py::gil_scoped_release release;
     saved.reset();
   }
+  static bool PythonFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
   std::unique_ptr<SavedObjective> saved;
   std::vector<py::object> borrowed;
+  bool on_cuda = false;
   int64_t token = 0;
   py::object stats = py::none();  // The caller's record of the forward.
 };
@@ -529,7 +544,7 @@ py::tuple StartObjectiveFromPython(
     py::handle top_k_values, py::handle loss_weight,
     py::handle correction_inputs, py::handle correction_weight,
     py::object prepared, bool trainable, bool interruptible,
-    py::handle base_argmax, py::handle teacher_argmax) {
+    py::handle base_argmax, py::handle teacher_argmax, uintptr_t cuda_stream) {
   const ObjectiveTensors tensors =
       TensorsOf(hidden, weight, target_ids, weight_mask, bias,
                 teacher_hidden, confidence_logits, correction_inputs,
@@ -551,6 +566,7 @@ py::tuple StartObjectiveFromPython(
     py::gil_scoped_release release;
     ObjectiveOptions options;
     options.trainable = trainable;
+    options.cuda_stream = cuda_stream;
     options.prepared_projection =
         handle != nullptr ? handle->projection.get() : nullptr;
     options.interrupt = interrupt ? interrupt->flag() : nullptr;
@@ -559,6 +575,7 @@ py::tuple StartObjectiveFromPython(
   StartedObjective value = CancelledOrValue(std::move(started));
   auto state = std::make_unique<SavedHead>();
   state->saved = std::move(value.saved);
+  state->on_cuda = tensors.hidden.on_cuda();
   for (py::handle t : {hidden, weight, bias, teacher_hidden,
                        confidence_logits, correction_inputs,
                        correction_weight}) {
@@ -574,7 +591,7 @@ py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
                              py::handle grad_bias, py::handle grad_confidence,
                              py::handle grad_correction_inputs,
                              py::handle grad_correction_weight,
-                             bool interruptible) {
+                             bool interruptible, uintptr_t cuda_stream) {
   ObjectiveOutputs gradients;
   gradients.grad_hidden = ArgOf("grad_hidden", grad_hidden);
   gradients.grad_weight = ArgOf("grad_weight", grad_weight);
@@ -589,7 +606,7 @@ py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
     std::optional<ScopedInterrupt> interrupt;
     if (interruptible) interrupt.emplace();
     py::gil_scoped_release release;
-    done = state.saved->Backward(upstream, gradients,
+    done = state.saved->Backward(upstream, gradients, cuda_stream,
                                  interrupt ? interrupt->flag() : nullptr);
   }
   const HeadStats stats = CancelledOrValue(std::move(done));
@@ -794,10 +811,12 @@ PYBIND11_MODULE(_core, m) {
         py::arg("interruptible") = false,
         py::arg("base_argmax").none(true) = py::none(),
         py::arg("teacher_argmax").none(true) = py::none(),
-        "The forward pass of a split run (CPU, a mode other than FUSED, "
+        py::arg("cuda_stream") = 0,
+        "The forward pass of a split run (a mode other than FUSED, "
         "gradients wanted, no vocab shard; splits_backward): run_objective's "
-        "checks and row outputs, no gradient buffer. Returns (the terms and "
-        "stats, a SavedHead whose backward gives the gradients).");
+        "checks and row outputs, no gradient buffer; CUDA tensors' work "
+        "ordered on cuda_stream. Returns (the terms and stats, a SavedHead "
+        "whose backward gives the gradients).");
   m.def(
       "splits_backward",
       [](const v1::ObjectiveConfig& config) {
@@ -807,7 +826,7 @@ PYBIND11_MODULE(_core, m) {
             dflash::ResolveDefaults(config), options);
       },
       py::arg("config"),
-      "Whether a CPU run of this config with gradients and no vocab shard "
+      "Whether a run of this config with gradients and no vocab shard "
       "splits its forward and backward (start_objective): every mode but "
       "FUSED.");
   py::class_<dp::SavedHead>(
@@ -830,16 +849,18 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release release;  // As ~SavedHead.
             return state.saved->saved_bytes();
           },
-          "Bytes of the host allocator the state holds between the passes.")
+          "Bytes the state holds between the passes: of the host "
+          "allocator on the CPU, of the device on CUDA.")
       .def("backward", &dp::SavedBackwardFromPython, py::arg("upstream"),
            py::arg("grad_hidden"), py::arg("grad_weight").none(true),
            py::arg("grad_bias").none(true),
            py::arg("grad_confidence").none(true),
            py::arg("grad_correction_inputs").none(true),
            py::arg("grad_correction_weight").none(true),
-           py::arg("interruptible") = false,
+           py::arg("interruptible") = false, py::arg("cuda_stream") = 0,
            "d(upstream * loss_num / loss_denominator)/d(.) into the given "
-           "buffers (overwritten); repeatable. Returns this pass's stats "
+           "buffers (overwritten); repeatable. CUDA: ordered on cuda_stream "
+           "(torch's current stream now). Returns this pass's stats "
            "(gemm_calls, gemm_passes, segment_recomputes so far, peak_bytes "
            "above the level before the forward, backward_seconds). The GIL "
            "is released while it runs.");

@@ -22,6 +22,14 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
 }
 
 template <typename T>
+absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
+    const v1::ObjectiveConfig&, const HeadInputs<T>&, const HeadRowOutputs&,
+    int, uintptr_t, const HeadOptions&) {
+  return absl::UnimplementedError(
+      "this dflash was built without CUDA (no toolkit when it was built)");
+}
+
+template <typename T>
 absl::Status AddTopKValueGradientsOnTorchStream(
     const v1::ObjectiveConfig&, const HeadInputs<T>&, absl::Span<const int32_t>,
     absl::Span<const float>, absl::Span<const float>, int32_t,
@@ -42,6 +50,15 @@ template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
     bool);
+template absl::StatusOr<std::unique_ptr<TorchStreamRun<float>>>
+StartOnTorchStream<float>(const v1::ObjectiveConfig&, const HeadInputs<float>&,
+                          const HeadRowOutputs&, int, uintptr_t,
+                          const HeadOptions&);
+template absl::StatusOr<std::unique_ptr<TorchStreamRun<BFloat16>>>
+StartOnTorchStream<BFloat16>(const v1::ObjectiveConfig&,
+                             const HeadInputs<BFloat16>&,
+                             const HeadRowOutputs&, int, uintptr_t,
+                             const HeadOptions&);
 template absl::Status AddTopKValueGradientsOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,

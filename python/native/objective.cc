@@ -371,6 +371,9 @@ struct Checked {
   std::vector<RowMeta> rows;
 };
 
+// A split forward's state: on the CPU the SplitHeadRun itself, under the
+// host lock for each pass; on CUDA a TorchStreamRun, under its stream's
+// lock.
 template <typename T>
 class SavedObjectiveOf : public SavedObjective {
  public:
@@ -382,40 +385,69 @@ class SavedObjectiveOf : public SavedObjective {
         pid_(getpid()) {}
 
   ~SavedObjectiveOf() override {
-    // The run frees what it holds into the shared host allocator.
     ScopedLibraryCall call;
+    if (cuda_run_ != nullptr) {
+      if (getpid() != pid_) {
+        // A forked child has no CUDA context: the parent's device memory
+        // is not the child's to free.
+        (void)cuda_run_.release();
+      } else {
+        cuda_run_.reset();
+      }
+      return;
+    }
+    // The run frees what it holds into the shared host allocator.
     std::lock_guard<std::mutex> lock(HostMutex());
     run_.reset();
   }
 
-  // The forward pass into `o`'s row outputs; the run borrows `rows_` and
-  // `config_`.
+  // The forward pass into `o`'s row outputs (on CUDA ordered on
+  // `cuda_stream`); the run borrows `rows_` and `config_`.
   absl::StatusOr<HeadResult> Forward(const ObjectiveOutputs& o,
-                                     const HeadOptions& options) {
-    std::lock_guard<std::mutex> lock(HostMutex());
+                                     const HeadOptions& options,
+                                     uintptr_t cuda_stream) {
     const HeadInputs<T> inputs = InputsOf<T>(tensors_, rows_);
     const HeadRowOutputs row_outputs =
         RowOutputsOf(o, std::is_same_v<T, double>);
-    DFLASH_ASSIGN_OR_RETURN(run_, StartHead<T>(config_, inputs,
-                                               HostAllocator(), row_outputs,
-                                               options));
-    if constexpr (std::is_same_v<T, double>) {
-      if (o.top_k_values.has_value()) {
-        TopKValuesInFloat64(config_, inputs, row_outputs.top_k, row_outputs.k,
-                            0, o.top_k_values->span<double>());
+    // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
+    if constexpr (!std::is_same_v<T, double>) {
+      if (tensors_.hidden.on_cuda()) {
+        DFLASH_ASSIGN_OR_RETURN(
+            cuda_run_,
+            StartOnTorchStream<T>(config_, inputs, row_outputs,
+                                  tensors_.hidden.cuda_index(), cuda_stream,
+                                  options));
+        return cuda_run_->forward();
       }
     }
-    return run_->forward();
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      return Invalid(tensors_.hidden, "bfloat16 runs on CUDA only");
+    } else {
+      std::lock_guard<std::mutex> lock(HostMutex());
+      DFLASH_ASSIGN_OR_RETURN(run_, StartHead<T>(config_, inputs,
+                                                 HostAllocator(), row_outputs,
+                                                 options));
+      if constexpr (std::is_same_v<T, double>) {
+        if (o.top_k_values.has_value()) {
+          TopKValuesInFloat64(config_, inputs, row_outputs.top_k,
+                              row_outputs.k, 0,
+                              o.top_k_values->span<double>());
+        }
+      }
+      return run_->forward();
+    }
   }
 
   int64_t saved_bytes() const override {
+    ScopedLibraryCall call;  // A fork waits: the child gets the lock free.
+    if (cuda_run_ != nullptr) return cuda_run_->saved_bytes();
     std::lock_guard<std::mutex> lock(HostMutex());
     return run_ == nullptr ? 0 : run_->saved_bytes();
   }
 
   absl::StatusOr<HeadStats> Backward(
       double upstream, const ObjectiveOutputs& gradients,
-      const std::atomic<bool>* interrupt) override {
+      uintptr_t cuda_stream, const std::atomic<bool>* interrupt) override {
     ScopedLibraryCall call;
     if (getpid() != pid_) {
       return absl::FailedPreconditionError(
@@ -429,12 +461,18 @@ class SavedObjectiveOf : public SavedObjective {
     }
     DFLASH_RETURN_IF_ERROR(
         CheckOutputs(gradients, tensors_, config_, /*forward_only=*/false));
-    std::lock_guard<std::mutex> lock(HostMutex());
-    const int64_t held = run_->saved_bytes();
-    DFLASH_ASSIGN_OR_RETURN(
-        HeadStats stats,
-        run_->Backward(upstream, GradientsOf<T>(gradients), interrupt));
-    stats.peak_bytes += held;
+    const HeadGradients<T> into = GradientsOf<T>(gradients);
+    int64_t held = 0;
+    absl::StatusOr<HeadStats> stats;
+    if (cuda_run_ != nullptr) {
+      held = cuda_run_->saved_bytes();
+      stats = cuda_run_->Backward(upstream, into, cuda_stream, interrupt);
+    } else {
+      std::lock_guard<std::mutex> lock(HostMutex());
+      held = run_->saved_bytes();
+      stats = run_->Backward(upstream, into, interrupt);
+    }
+    if (stats.ok()) stats->peak_bytes += held;
     return stats;
   }
 
@@ -443,7 +481,8 @@ class SavedObjectiveOf : public SavedObjective {
   const ObjectiveTensors tensors_;
   const std::vector<RowMeta> rows_;
   const pid_t pid_;
-  std::unique_ptr<SplitHeadRun<T>> run_;
+  std::unique_ptr<SplitHeadRun<T>> run_;         // On the CPU.
+  std::unique_ptr<TorchStreamRun<T>> cuda_run_;  // On CUDA.
 };
 
 absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
@@ -493,7 +532,8 @@ absl::StatusOr<StartedObjective> Start(Checked checked,
   options.interrupt = objective_options.interrupt;
   auto saved = std::make_unique<SavedObjectiveOf<T>>(
       std::move(checked.bound), t, std::move(checked.rows));
-  absl::StatusOr<HeadResult> forward = saved->Forward(o, options);
+  absl::StatusOr<HeadResult> forward =
+      saved->Forward(o, options, objective_options.cuda_stream);
   if (!forward.ok()) return forward.status();
   return StartedObjective{*std::move(forward), std::move(saved)};
 }
@@ -522,24 +562,13 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
   return result;
 }
 
-bool SplitsObjective(const v1::ObjectiveConfig& config,
-                     const ObjectiveTensors& tensors,
-                     const ObjectiveOptions& options) {
-  HeadOptions head;
-  head.forward_only = options.forward_only;
-  head.vocab_shard = options.vocab_shard;
-  return !tensors.hidden.on_cuda() &&
-         SplitsBackward(ResolveDefaults(config), head);
-}
-
 absl::StatusOr<StartedObjective> StartObjective(
     const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
     const ObjectiveOutputs& outputs, const ObjectiveOptions& options) {
   ScopedLibraryCall call;
-  if (options.forward_only || options.vocab_shard != nullptr ||
-      tensors.hidden.on_cuda()) {
+  if (options.forward_only || options.vocab_shard != nullptr) {
     return absl::InvalidArgumentError(
-        "a split forward runs on the CPU, with gradients and no vocab shard");
+        "a split forward runs with gradients and no vocab shard");
   }
   // Gradient buffers come at Backward: checked as a forward-only run's.
   ObjectiveOptions checked_options = options;
@@ -554,9 +583,12 @@ absl::StatusOr<StartedObjective> StartObjective(
   DFLASH_RETURN_IF_ERROR(
       CheckPrepared(options.prepared_projection, tensors, checked.bound));
   const std::vector<RowMeta> rows = checked.rows;
+  const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<StartedObjective> started =
-      tensors.hidden.dtype == "float64"
+      dtype == "float64"
           ? Start<double>(std::move(checked), tensors, outputs, options)
+      : dtype == "bfloat16"
+          ? Start<BFloat16>(std::move(checked), tensors, outputs, options)
           : Start<float>(std::move(checked), tensors, outputs, options);
   if (!started.ok() &&
       started.status().code() == absl::StatusCode::kInvalidArgument) {

@@ -126,22 +126,28 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                                         const ObjectiveOptions& options);
 
 // A forward pass kept for its backward (SplitHeadRun, heads/head_backend.h):
-// non-FUSED modes on the CPU with gradients wanted and no vocab shard. It
+// non-FUSED modes with gradients wanted and no vocab shard, on the CPU
+// (StartHead) or CUDA (StartCudaHead, ordered on torch's streams). It
 // borrows the memory of the tensors it was started with, which the caller
-// keeps alive and unchanged until it is destroyed.
+// keeps alive and unchanged until it is destroyed. A CUDA state frees its
+// device memory through the lent torch allocator where one is, which takes
+// the GIL: destroy it without the GIL held.
 class SavedObjective {
  public:
   virtual ~SavedObjective() = default;
-  // The host allocator's bytes the state holds (what its mode keeps).
+  // The bytes the state holds between the passes (what its mode keeps):
+  // of the host allocator on the CPU, of the device on CUDA.
   virtual int64_t saved_bytes() const = 0;
   // d(upstream * loss_num / loss_den)/d(.) into `gradients`' grad_* buffers
   // (the rest unused; overwritten; checked as RunObjective checks them).
-  // Repeatable. Refused in a child of fork() of the process that made the
-  // state (FailedPrecondition), and after a failed or cancelled call.
-  // Returns this pass's stats, peak_bytes above the level before Forward.
-  virtual absl::StatusOr<HeadStats> Backward(double upstream,
-                                const ObjectiveOutputs& gradients,
-                                const std::atomic<bool>* interrupt) = 0;
+  // CUDA: ordered on `cuda_stream`, torch's current stream now (it need not
+  // be the forward's); unused on the CPU. Repeatable. Refused in a child of
+  // fork() of the process that made the state (FailedPrecondition), and
+  // after a failed or cancelled call. Returns this pass's stats, peak_bytes
+  // above the level before Forward.
+  virtual absl::StatusOr<HeadStats> Backward(
+      double upstream, const ObjectiveOutputs& gradients,
+      uintptr_t cuda_stream, const std::atomic<bool>* interrupt) = 0;
 };
 
 struct StartedObjective {
@@ -149,15 +155,10 @@ struct StartedObjective {
   std::unique_ptr<SavedObjective> saved;
 };
 
-// Whether RunObjective's run of `config` with these options would split
-// (StartObjective): CPU, not FUSED, gradients, no vocab shard.
-bool SplitsObjective(const v1::ObjectiveConfig& config,
-                     const ObjectiveTensors& tensors,
-                     const ObjectiveOptions& options);
-
-// RunObjective's checks and forward pass (StartHead), its row outputs
-// written, no gradient buffer given (`outputs`' grad_* must be empty);
-// options.forward_only and options.vocab_shard must be unset.
+// RunObjective's checks and forward pass (StartHead on the CPU;
+// StartOnTorchStream on CUDA, ordered on options.cuda_stream), its row
+// outputs written, no gradient buffer given (`outputs`' grad_* must be
+// empty); options.forward_only and options.vocab_shard must be unset.
 absl::StatusOr<StartedObjective> StartObjective(
     const v1::ObjectiveConfig& config, const ObjectiveTensors& tensors,
     const ObjectiveOutputs& outputs, const ObjectiveOptions& options);

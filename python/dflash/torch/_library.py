@@ -387,7 +387,7 @@ def _register() -> Tuple[Any, Any]:
                      ) -> Tuple[torch.Tensor, ...]:
         objective = _objective()
         resolved = config_of_text(config)
-        split = objective._splits(resolved, gradients, hidden, None)
+        split = objective._splits(resolved, gradients, None)
         run = objective._run_head(
             resolved, top_k, return_rows, trainable, gradients,
             hidden, weight, bias, teacher_hidden, confidence_logits,
@@ -437,7 +437,7 @@ def _register() -> Tuple[Any, Any]:
           top_k: int, return_rows: bool, trainable: bool, gradients: bool,
           prepared: int) -> Tuple[torch.Tensor, ...]:
         split = _objective()._splits(config_of_text(config), gradients,
-                                     hidden, None)
+                                     None)
         return tuple(
             hidden.new_empty(shape, dtype=dtype, device=device)
             for shape, dtype, device in output_specs(
@@ -585,8 +585,9 @@ def _register() -> Tuple[Any, Any]:
             None if grad_outputs[0] is None else grad_outputs[0] * den)
         upstream = grad_outputs[0]
         if ctx.split and upstream is not None:
-            # The head's backward takes the upstream (float64, on the
-            # host) and gives the gradients scaled.
+            # The head's backward takes the upstream (float64, read on the
+            # host: on CUDA one synchronisation) and gives the gradients
+            # scaled.
             made = objective_backward_op(
                 token, upstream.double() * den.double(), hidden,
                 weight, bias, confidence, z, m, ctx.trainable)

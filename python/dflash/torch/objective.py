@@ -429,7 +429,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
             confidence, correction_inputs=correction_inputs,
             correction_weight=correction_weight, prepared=prepared,
-            trainable=trainable, interruptible=_interruptible(), **outputs)
+            trainable=trainable, interruptible=_interruptible(),
+            cuda_stream=stream, **outputs)
     else:
         result = _core.run_objective(
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
@@ -499,12 +500,11 @@ _SAVED: "weakref.WeakValueDictionary[int, _core.SavedHead]" = (
 
 
 def _splits(config: _core.ObjectiveConfig, gradients: bool,
-            hidden: torch.Tensor, shard: Optional[Any]) -> bool:
+            shard: Optional[Any]) -> bool:
     """Whether the run's forward and backward run apart: gradients wanted,
-    a mode other than FUSED, the CPU, not vocab-parallel (docs/python.md,
-    "Split forward and backward")."""
-    return (gradients and shard is None and not hidden.is_cuda
-            and _core.splits_backward(config))
+    a mode other than FUSED, not vocab-parallel (docs/python.md, "Split
+    forward and backward")."""
+    return gradients and shard is None and _core.splits_backward(config)
 
 
 def _token_of(saved: _core.SavedHead) -> torch.Tensor:
@@ -521,9 +521,10 @@ def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
                     z: Optional[torch.Tensor], m: Optional[torch.Tensor]
                     ) -> Dict[str, Optional[torch.Tensor]]:
     """The split run's gradients of upstream * loss_num / loss_den, into
-    fresh buffers (None where the run computes none). The forward's stats
-    (the state's `stats`, HeadStats, where the caller gave them) get the
-    backward's work, as a single run reports both passes."""
+    fresh buffers (None where the run computes none); on CUDA ordered on
+    torch's current stream now. The forward's stats (the state's `stats`,
+    HeadStats, where the caller gave them) get the backward's work, as a
+    single run reports both passes."""
     saved = _SAVED.get(int(token[0]))
     if saved is None:
         raise RuntimeError(
@@ -547,8 +548,11 @@ def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
     finite = math.isfinite(upstream)
     # A non-finite upstream (a GradScaler's overflow) multiplies the
     # gradients afterwards, so that inf and NaN reach them as in FUSED.
+    stream = (torch.cuda.current_stream(hidden.device).cuda_stream
+              if hidden.is_cuda else 0)
     done = saved.backward(upstream if finite else 1.0,
-                          interruptible=_interruptible(), **grads)
+                          interruptible=_interruptible(), cuda_stream=stream,
+                          **grads)
     if not finite:
         for grad in grads.values():
             if grad is not None:
@@ -642,7 +646,7 @@ class _Objective(torch.autograd.Function):
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
-        split = _splits(config, gradients, hidden, shard)
+        split = _splits(config, gradients, shard)
         call = _run_head(config, top_k, return_rows, trainable, gradients,
                          hidden, weight, bias, teacher, confidence,
                          target_ids, weight_mask, correction_inputs,
@@ -712,7 +716,8 @@ class _Objective(torch.autograd.Function):
             None if grad_num is None else grad_num * ctx.den)
         if ctx.split and grad_num is not None:
             # The head's backward takes the upstream: its gradients come
-            # scaled (the scale in float64 on the host).
+            # scaled (the scale in float64 on the host; a CUDA grad_num is
+            # read there, one synchronisation).
             g = _saved_backward(token, float(grad_num) * ctx.den,
                                 ctx.trainable, hidden, weight, bias,
                                 confidence, z, m)
