@@ -74,8 +74,9 @@ struct ObjectiveOptions {
   uintptr_t cuda_stream = 0;
   // A frozen float32 CPU weight laid out once (PreparedProjection), or none.
   const PreparedProjection* prepared_projection = nullptr;
-  // Stops a CPU run before its next GEMM once set (HeadOptions::interrupt);
-  // the run then fails with Cancelled.
+  // Stops a CPU run, or a split run's forward on CUDA (StartObjective),
+  // before its next GEMM once set (HeadOptions::interrupt); the run then
+  // fails with Cancelled.
   const std::atomic<bool>* interrupt = nullptr;
   // The forward pass alone (HeadOptions::forward_only): no gradient is
   // computed and no gradient buffer given; `trainable` must be false.

@@ -1,8 +1,11 @@
 """dflash_objective: SpecForge's DFlash chunk terms from the fused C++ head.
 
-The head runs forward and backward in one call (in FUSED mode the gradient
+In FUSED mode the head runs forward and backward in one call (the gradient
 is computed chunk by chunk in forward, so nothing is recomputed); autograd's
-backward then only scales the saved gradients by what flows in. Under
+backward then only scales the saved gradients by what flows in. In the
+other modes a training call runs the head's forward pass and keeps its
+state, whose backward autograd runs (docs/python.md, "Split forward and
+backward"). Under
 torch.no_grad(), torch.inference_mode() or when no input needs a gradient
 the head runs its forward pass alone. With torch >= 2.4 the call is the
 operator torch.ops.dflash.objective (_library.py), which torch.compile
