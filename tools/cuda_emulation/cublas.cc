@@ -3,6 +3,8 @@
 #include <cblas.h>
 
 #include <cstdio>
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -12,9 +14,16 @@
 
 struct cublasContext {
   cudaStream_t stream = nullptr;
+  // The caller's workspace (cublasSetWorkspace); null: cuBLAS's own.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 namespace {
+
+// How much of a caller's workspace a GEMM overwrites: the 16 KiB cuBLAS
+// documents as enough for every routine.
+constexpr size_t kScratchBytes = 16 << 10;
 
 bool Known(cudaDataType type) {
   return type == CUDA_R_32F || type == CUDA_R_16BF;
@@ -50,6 +59,30 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
 cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   handle->stream = stream;
+  handle->workspace = nullptr;
+  handle->workspace_bytes = 0;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace,
+                                     size_t workspace_bytes) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    std::fprintf(stderr,
+                 "CUDA emulation: cublasSetWorkspace: %p is not aligned to "
+                 "256 bytes\n",
+                 workspace);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (workspace_bytes > 0 && !dflash_emu::IsDevicePointerOrNull(workspace)) {
+    std::fprintf(stderr,
+                 "CUDA emulation: cublasSetWorkspace: %p is not device "
+                 "memory\n",
+                 workspace);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  handle->workspace = workspace;
+  handle->workspace_bytes = workspace == nullptr ? 0 : workspace_bytes;
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -107,10 +140,18 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
   std::memcpy(&b_scale, beta, sizeof(float));
   const int a_cols = transa == CUBLAS_OP_N ? k : m;
   const int b_cols = transb == CUBLAS_OP_N ? n : k;
-  const std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(A),
-                                        reinterpret_cast<uintptr_t>(B),
-                                        reinterpret_cast<uintptr_t>(C)};
-  dflash_emu::RunInStreamOrder(handle->stream, [=] {
+  std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(A),
+                                  reinterpret_cast<uintptr_t>(B),
+                                  reinterpret_cast<uintptr_t>(C)};
+  void* const workspace = handle->workspace;
+  const size_t scratch_bytes = std::min<size_t>(handle->workspace_bytes,
+                                                kScratchBytes);
+  if (workspace != nullptr) {
+    words.push_back(reinterpret_cast<uintptr_t>(workspace));
+  }
+  const cudaError_t queued = dflash_emu::RunInStreamOrder(handle->stream, [=] {
+    // A GEMM's scratch: what the caller kept there is gone, as on a GPU.
+    if (scratch_bytes > 0) std::memset(workspace, 0xA5, scratch_bytes);
     // Column-major: element (i, j) of an ld-strided matrix at i + j * ld.
     const size_t a_count = k == 0 ? 0 : size_t(lda) * (a_cols - 1) + a_rows;
     const size_t b_count = k == 0 ? 0 : size_t(ldb) * (b_cols - 1) + b_rows;
@@ -139,5 +180,6 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
       }
     }
   }, words, "cublasGemmEx");
-  return CUBLAS_STATUS_SUCCESS;
+  return queued == cudaSuccess ? CUBLAS_STATUS_SUCCESS
+                               : CUBLAS_STATUS_EXECUTION_FAILED;
 }

@@ -1,7 +1,9 @@
 // The emulation's cuBLAS against a naive triple loop: every op pair, odd
 // leading dimensions, FP32 and BF16 inputs, alpha and beta, and cuBLAS's
-// refusals of leading dimensions too small for the stored shapes.
+// refusals of leading dimensions too small for the stored shapes; its
+// workspace rules, and a GEMM captured into a graph and replayed.
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -168,6 +170,128 @@ TEST(CublasArgumentsTest, LeadingDimensionsTooSmallAreInvalid) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaFree(d);
   cublasDestroy(handle);
+}
+
+TEST(CublasWorkspaceTest, CublasRulesForACallersWorkspace) {
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  ASSERT_EQ(cublasSetStream(handle, stream), CUBLAS_STATUS_SUCCESS);
+  constexpr size_t kBytes = 1 << 20;
+  unsigned char* workspace = nullptr;
+  ASSERT_EQ(cudaMalloc(&workspace, kBytes), cudaSuccess);
+  std::vector<unsigned char> host(kBytes);
+  EXPECT_EQ(cublasSetWorkspace(nullptr, workspace, kBytes),
+            CUBLAS_STATUS_NOT_INITIALIZED);
+  EXPECT_EQ(cublasSetWorkspace(handle, workspace + 128, kBytes - 256),
+            CUBLAS_STATUS_INVALID_VALUE);  // Not 256-byte aligned.
+  EXPECT_EQ(cublasSetWorkspace(handle, host.data() + (256 - reinterpret_cast<
+                                   uintptr_t>(host.data()) % 256),
+                               4096),
+            CUBLAS_STATUS_INVALID_VALUE);  // Host memory.
+  EXPECT_EQ(cublasSetWorkspace(handle, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+
+  const std::vector<float> a = {1, 2, 3, 4}, b = {5, 6, 7, 8};
+  float* d_a = ToDevice(a);
+  float* d_b = ToDevice(b);
+  float* d_c = ToDevice(std::vector<float>(4, 0.0f));
+  const float one = 1, zero = 0;
+  auto gemm = [&] {
+    return cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, d_a,
+                        CUDA_R_32F, 2, d_b, CUDA_R_32F, 2, &zero, d_c,
+                        CUDA_R_32F, 2, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+  };
+  auto workspace_untouched = [&] {
+    EXPECT_EQ(cudaMemset(workspace, 0, kBytes), cudaSuccess);
+    EXPECT_EQ(gemm(), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return ToHost(workspace, kBytes) ==
+           std::vector<unsigned char>(kBytes, 0);
+  };
+  // A GEMM uses the workspace it is given as scratch; cublasSetStream goes
+  // back to cuBLAS's own.
+  EXPECT_TRUE(workspace_untouched());
+  ASSERT_EQ(cublasSetWorkspace(handle, workspace, kBytes),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_FALSE(workspace_untouched());
+  ASSERT_EQ(cublasSetStream(handle, stream), CUBLAS_STATUS_SUCCESS);
+  EXPECT_TRUE(workspace_untouched());
+  // Column-major [[1, 3], [2, 4]] x [[5, 7], [6, 8]].
+  EXPECT_EQ(ToHost(d_c, 4), (std::vector<float>{23, 34, 31, 46}));
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+  for (void* d : {static_cast<void*>(workspace), static_cast<void*>(d_a),
+                  static_cast<void*>(d_b), static_cast<void*>(d_c)}) {
+    cudaFree(d);
+  }
+}
+
+// A GEMM queued while its stream captures runs at each launch of the
+// graph, on the inputs then in memory; alpha and beta are the values at
+// the call, as cuBLAS's host pointer mode bakes them into the graph.
+TEST(CublasCaptureTest, ACapturedGemmReplays) {
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            cudaSuccess);
+  ASSERT_EQ(cublasSetStream(handle, stream), CUBLAS_STATUS_SUCCESS);
+  void* workspace = nullptr;
+  ASSERT_EQ(cudaMalloc(&workspace, 1 << 16), cudaSuccess);
+  ASSERT_EQ(cublasSetWorkspace(handle, workspace, 1 << 16),
+            CUBLAS_STATUS_SUCCESS);
+  constexpr int kM = 3, kN = 4, kK = 5;
+  float* d_a = ToDevice(std::vector<float>(kM * kK, 0.0f));
+  float* d_b = ToDevice(std::vector<float>(kK * kN, 0.0f));
+  float* d_c = ToDevice(std::vector<float>(kM * kN, 0.0f));
+  float alpha = 2, beta = 0;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+            cudaSuccess);
+  ASSERT_EQ(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, kM, kN, kK, &alpha,
+                         d_a, CUDA_R_32F, kM, d_b, CUDA_R_32F, kK, &beta, d_c,
+                         CUDA_R_32F, kM, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_SUCCESS);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  alpha = 100;  // Read at the call: the graph keeps 2.
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph), cudaSuccess);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (int launch = 0; launch < 3; ++launch) {
+    std::vector<float> a(kM * kK), b(kK * kN);
+    for (float& x : a) x = u(rng);
+    for (float& x : b) x = u(rng);
+    ASSERT_EQ(cudaMemcpyAsync(d_a, a.data(), a.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(d_b, b.data(), b.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> c = ToHost(d_c, kM * kN);
+    for (int j = 0; j < kN; ++j) {
+      for (int i = 0; i < kM; ++i) {
+        double sum = 0;
+        for (int l = 0; l < kK; ++l) sum += At(a, kM, i, l) * At(b, kK, l, j);
+        EXPECT_NEAR(At(c, kM, i, j), 2 * sum, 1e-5)
+            << launch << " " << i << " " << j;
+      }
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+  for (void* d : {workspace, static_cast<void*>(d_a), static_cast<void*>(d_b),
+                  static_cast<void*>(d_c)}) {
+    cudaFree(d);
+  }
 }
 
 }  // namespace

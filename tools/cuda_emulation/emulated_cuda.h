@@ -16,7 +16,11 @@
 //   stops the process with a message naming the allocation and the offset;
 // - each stream runs in issue order on a worker of its own, so streams
 //   without an event between them run concurrently; an error inside a
-//   kernel surfaces at the next synchronisation, as on a GPU.
+//   kernel surfaces at the next synchronisation, as on a GPU;
+// - stream capture records a stream's work into a graph that
+//   cudaGraphLaunch replays, and the calls CUDA prohibits during a capture
+//   (synchronisations, cudaMalloc, copies with pageable host memory) fail
+//   and invalidate it (see cudaStreamBeginCapture below).
 // What only a GPU shows (speed, real scheduling, tensor-core rounding)
 // stays with tools/gpu_check.sh.
 
@@ -71,10 +75,29 @@ enum cudaError_t {
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalState = 401,
   cudaErrorNotReady = 600,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchOutOfResources = 701,
   cudaErrorLaunchFailure = 719,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureIsolation = 905,
+  cudaErrorStreamCaptureImplicit = 906,
+  cudaErrorCapturedEvent = 907,
+  cudaErrorStreamCaptureWrongThread = 908,
+};
+
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
 };
 
 enum cudaMemcpyKind {
@@ -114,6 +137,9 @@ struct cudaDeviceProp {
 typedef struct CUstream_st* cudaStream_t;
 typedef struct CUevent_st* cudaEvent_t;
 typedef struct CUmemPoolHandle_st* cudaMemPool_t;
+typedef struct CUgraph_st* cudaGraph_t;
+typedef struct CUgraphExec_st* cudaGraphExec_t;
+typedef struct CUgraphNode_st* cudaGraphNode_t;
 
 const char* cudaGetErrorString(cudaError_t error);
 cudaError_t cudaGetLastError();
@@ -145,6 +171,15 @@ template <typename T>
 cudaError_t cudaMallocAsync(T** pointer, size_t bytes, cudaStream_t stream) {
   return cudaMallocAsync(reinterpret_cast<void**>(pointer), bytes, stream);
 }
+// Page-locked host memory: copies to and from it are asynchronous (they
+// read and write it when the stream reaches them, not at the call), and
+// the only host memory a captured copy may use.
+cudaError_t cudaMallocHost(void** pointer, size_t bytes);
+cudaError_t cudaFreeHost(void* pointer);
+template <typename T>
+cudaError_t cudaMallocHost(T** pointer, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(pointer), bytes);
+}
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
                        cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
@@ -172,6 +207,50 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event);
 cudaError_t cudaEventQuery(cudaEvent_t event);
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
                                  cudaEvent_t end);
+
+// Stream capture, with CUDA's rules for what a capture forbids. While a
+// stream captures, the work queued on it (kernels, copies, memsets, cuBLAS
+// calls, cudaMallocAsync and cudaFreeAsync) is recorded, not run, and
+// cudaGraphLaunch queues the recording, in order, on its stream, each time.
+// Calls that fail with cudaErrorStreamCaptureUnsupported and invalidate the
+// capture (cudaStreamEndCapture then returns
+// cudaErrorStreamCaptureInvalidated and no graph):
+// - on the capturing stream: cudaStreamSynchronize, cudaStreamQuery, a
+//   cudaMemcpyAsync with pageable (not cudaMallocHost) host memory;
+// - "potentially unsafe" calls, from the capturing thread (modes Global
+//   and ThreadLocal) or from any thread whose own mode is Global while a
+//   Global capture runs: cudaMalloc, cudaFree, cudaMallocHost,
+//   cudaFreeHost, cudaDeviceSynchronize, cudaEventSynchronize,
+//   cudaEventQuery, cudaMemcpy, cudaMemset, synchronising or querying the
+//   legacy default stream, and any copy with pageable host memory (the
+//   emulation counts a pageable copy on another stream as unsafe too,
+//   which may be stricter than CUDA).
+// An event recorded in a capture fails cudaEventSynchronize and
+// cudaEventQuery with cudaErrorCapturedEvent; a capturing stream waiting
+// on an event recorded outside it fails with
+// cudaErrorStreamCaptureIsolation; work on the legacy default stream while
+// a blocking stream captures fails with cudaErrorStreamCaptureImplicit.
+// Not emulated: captures that span streams (another stream waiting on an
+// event recorded in a capture fails with cudaErrorStreamCaptureUnsupported
+// here, where CUDA would join it to the capture), graph editing and
+// update, and cudaEventRecord nodes (a record in a capture only orders).
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
+                                   cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
+                                  cudaStreamCaptureStatus* status);
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream,
+                                     cudaStreamCaptureStatus* status,
+                                     unsigned long long* id = nullptr);
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+// With `nodes` null, only their count.
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes,
+                              size_t* count);
 
 namespace dflash_emu {
 

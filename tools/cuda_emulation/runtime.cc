@@ -103,6 +103,18 @@ class DeviceMemory {
     return true;
   }
 
+  // Makes a freed allocation live again: a captured cudaMallocAsync,
+  // replayed, hands out the address it had at capture.
+  void Revive(void* pointer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = allocations_.find(reinterpret_cast<uintptr_t>(pointer));
+    if (it == allocations_.end() || !it->second.freed) return;
+    it->second.freed = false;
+    ::mprotect(reinterpret_cast<void*>(it->second.pages),
+               it->second.page_bytes,
+               open_ > 0 ? PROT_READ | PROT_WRITE : PROT_NONE);
+  }
+
   // Opens live allocations to the process while a kernel or copy runs.
   void Open() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -629,14 +641,232 @@ void SynchronizeAll() {
   }
 }
 
+// --------------------------------------------------------- stream capture
+
+// A task a capture recorded instead of queueing: what Enqueue was given.
+struct Node {
+  std::function<void()> task;
+  std::vector<uintptr_t> words;
+  std::string what;
+};
+
+struct Capture {
+  const Stream* stream = nullptr;
+  bool blocking = false;  // The stream's: the legacy stream waits for it.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;
+  unsigned long long id = 0;
+  bool invalidated = false;
+  std::vector<Node> nodes;
+  // Its cudaMallocAsync allocations: live while it captures (for the
+  // calls' checks), then freed until a replay allocates them.
+  std::vector<void*> allocations;
+};
+
+// The captures under way, by stream; every access under mu.
+struct Captures {
+  static Captures& Get() {
+    static Captures* captures = new Captures();
+    return *captures;
+  }
+  std::mutex mu;
+  std::map<const Stream*, std::shared_ptr<Capture>> by_stream;
+  unsigned long long last_id = 0;
+};
+
+// The calling thread's capture interaction mode
+// (cudaThreadExchangeStreamCaptureMode).
+thread_local cudaStreamCaptureMode thread_capture_mode =
+    cudaStreamCaptureModeGlobal;
+
+const char* ModeName(cudaStreamCaptureMode mode) {
+  switch (mode) {
+    case cudaStreamCaptureModeGlobal:
+      return "global";
+    case cudaStreamCaptureModeThreadLocal:
+      return "thread-local";
+    case cudaStreamCaptureModeRelaxed:
+      return "relaxed";
+  }
+  return "?";
+}
+
+std::string Describe(const Capture& capture) {
+  char text[128];
+  std::snprintf(text, sizeof(text), "capture %llu (%s mode) on stream %p",
+                capture.id, ModeName(capture.mode),
+                static_cast<const void*>(capture.stream));
+  return text;
+}
+
+std::shared_ptr<Capture> CaptureOf(const Stream* stream) {
+  Captures& captures = Captures::Get();
+  std::lock_guard<std::mutex> lock(captures.mu);
+  auto it = captures.by_stream.find(stream);
+  return it == captures.by_stream.end() ? nullptr : it->second;
+}
+
+// The capture under way with this id, or null.
+std::shared_ptr<Capture> CaptureById(unsigned long long id) {
+  Captures& captures = Captures::Get();
+  std::lock_guard<std::mutex> lock(captures.mu);
+  for (const auto& [stream, capture] : captures.by_stream) {
+    if (capture->id == id) return capture;
+  }
+  return nullptr;
+}
+
+// Fails a call that `capture` forbids, invalidating it.
+cudaError_t Forbid(Capture& capture, cudaError_t error,
+                   const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(Captures::Get().mu);
+    capture.invalidated = true;
+  }
+  return Fail(error, why + "; " + Describe(capture) + " is invalidated");
+}
+
+// A call about `stream` that fails while `stream` captures: `why` says
+// what the call is and why.
+cudaError_t ForbiddenWhileCapturing(const Stream* stream,
+                                    const std::string& why) {
+  const std::shared_ptr<Capture> capture = CaptureOf(stream);
+  if (capture == nullptr) return cudaSuccess;
+  return Forbid(*capture, cudaErrorStreamCaptureUnsupported, why);
+}
+
+// A "potentially unsafe" call (cudaStreamBeginCapture's list in
+// emulated_cuda.h): forbidden while this thread captures in global or
+// thread-local mode, and, where this thread's own mode is global, while
+// any thread captures in global mode. Invalidates each capture that
+// forbids it.
+cudaError_t Unsafe(const std::string& call) {
+  if (thread_capture_mode == cudaStreamCaptureModeRelaxed) return cudaSuccess;
+  std::string forbidding;
+  {
+    Captures& captures = Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    for (const auto& [stream, capture] : captures.by_stream) {
+      const bool own = capture->thread == std::this_thread::get_id() &&
+                       capture->mode != cudaStreamCaptureModeRelaxed;
+      const bool global =
+          thread_capture_mode == cudaStreamCaptureModeGlobal &&
+          capture->mode == cudaStreamCaptureModeGlobal;
+      if (!own && !global) continue;
+      capture->invalidated = true;
+      forbidding += (forbidding.empty() ? "" : ", ") + Describe(*capture);
+    }
+  }
+  if (forbidding.empty()) return cudaSuccess;
+  return Fail(cudaErrorStreamCaptureUnsupported,
+              call + ": not permitted during stream capture (" + forbidding +
+                  ", now invalidated)");
+}
+
+// Work for the legacy default stream, which waits for every blocking
+// stream: forbidden while one captures (its work is not there to wait
+// for), which invalidates that capture.
+cudaError_t LegacyStreamCheck(cudaStream_t stream, const std::string& what) {
+  if (stream != nullptr) return cudaSuccess;
+  std::string forbidding;
+  {
+    Captures& captures = Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    for (const auto& [s, capture] : captures.by_stream) {
+      if (!capture->blocking) continue;
+      capture->invalidated = true;
+      forbidding += (forbidding.empty() ? "" : ", ") + Describe(*capture);
+    }
+  }
+  if (forbidding.empty()) return cudaSuccess;
+  return Fail(cudaErrorStreamCaptureImplicit,
+              what + " on the legacy default stream, which would wait for " +
+                  "a capturing blocking stream (" + forbidding +
+                  ", now invalidated)");
+}
+
+// A launch that fails during a capture invalidates it, as on a GPU.
+void InvalidateCapture(cudaStream_t stream) {
+  Captures& captures = Captures::Get();
+  std::lock_guard<std::mutex> lock(captures.mu);
+  auto it = captures.by_stream.find(&Of(stream));
+  if (it != captures.by_stream.end()) it->second->invalidated = true;
+}
+
+// Records the task in `stream`'s capture, if it captures.
+bool Record(const Stream* stream, std::function<void()>& task,
+            const std::vector<uintptr_t>& words, const std::string& what) {
+  Captures& captures = Captures::Get();
+  std::lock_guard<std::mutex> lock(captures.mu);
+  auto it = captures.by_stream.find(stream);
+  if (it == captures.by_stream.end()) return false;
+  it->second->nodes.push_back({std::move(task), words, what});
+  return true;
+}
+
+struct Graph {
+  std::vector<Node> nodes;
+};
+
+Graph& Of(cudaGraph_t graph) { return *reinterpret_cast<Graph*>(graph); }
+Graph& Of(cudaGraphExec_t exec) { return *reinterpret_cast<Graph*>(exec); }
+
+// ------------------------------------------------------ page-locked memory
+
+// cudaMallocHost's allocations, by start: the host memory a copy may use
+// asynchronously and a captured copy may use at all.
+class PinnedMemory {
+ public:
+  static PinnedMemory& Get() {
+    static PinnedMemory* memory = new PinnedMemory();
+    return *memory;
+  }
+  void* Allocate(size_t bytes) {
+    void* pointer = std::malloc(bytes);
+    if (pointer == nullptr) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_[reinterpret_cast<uintptr_t>(pointer)] = bytes;
+    return pointer;
+  }
+  bool Free(void* pointer) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (blocks_.erase(reinterpret_cast<uintptr_t>(pointer)) == 0) {
+        return false;
+      }
+    }
+    std::free(pointer);
+    return true;
+  }
+  // Whether [pointer, pointer + bytes) lies in one allocation.
+  bool Holds(const void* pointer, size_t bytes) {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blocks_.upper_bound(address);
+    if (it == blocks_.begin()) return false;
+    --it;
+    return address + bytes <= it->first + it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<uintptr_t, size_t> blocks_;
+};
+
 // Queues `task` on `stream` with the legacy default stream's ordering, as
 // CUDA's: work on the default stream waits for the work already queued on
 // every blocking stream, and work on a blocking stream for the default
-// stream's. `words`: the device addresses it uses, as `what`.
-void Enqueue(cudaStream_t stream, std::function<void()> task,
-             const std::vector<uintptr_t>& words = {},
-             const std::string& what = "") {
+// stream's. `words`: the device addresses it uses, as `what`. On a
+// capturing stream, records it instead.
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> task,
+                    const std::vector<uintptr_t>& words = {},
+                    const std::string& what = "") {
   Stream& target = Of(stream);
+  if (Record(&target, task, words, what)) return cudaSuccess;
+  if (const cudaError_t error = LegacyStreamCheck(stream, what);
+      error != cudaSuccess) {
+    return error;
+  }
   Ordering::Get().Queue(&target, stream == nullptr, target.blocking(), words,
                         what);
   std::vector<std::pair<Stream*, uint64_t>> before;
@@ -652,18 +882,21 @@ void Enqueue(cudaStream_t stream, std::function<void()> task,
   }
   if (before.empty()) {
     target.Enqueue(std::move(task));
-    return;
+    return cudaSuccess;
   }
   target.Enqueue([before = std::move(before), task = std::move(task)] {
     for (const auto& [other, issued] : before) other->WaitDone(issued);
     task();
   });
+  return cudaSuccess;
 }
 
 struct Event {
   std::mutex mu;
   std::condition_variable done;
   uint64_t recorded = 0, completed = 0;
+  // The capture it was last recorded in (0: none).
+  unsigned long long capture = 0;
   Clock::time_point time;
 };
 
@@ -849,10 +1082,10 @@ void* Shared(const void* tag, size_t bytes, size_t align) {
   while (true) Fiber::Yield();
 }
 
-void RunInStreamOrder(cudaStream_t stream, std::function<void()> work,
-                      const std::vector<uintptr_t>& words,
-                      const std::string& what) {
-  Enqueue(
+cudaError_t RunInStreamOrder(cudaStream_t stream, std::function<void()> work,
+                             const std::vector<uintptr_t>& words,
+                             const std::string& what) {
+  return Enqueue(
       stream,
       [work = std::move(work)] {
         if (Sticky() != cudaSuccess) return;
@@ -888,6 +1121,7 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
                   "kernel %s: launch of grid (%u, %u, %u) x block (%u, %u, "
                   "%u) is beyond a GPU's limits (1024 threads a block)",
                   name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+    InvalidateCapture(stream);
     Fail(cudaErrorInvalidConfiguration, text);
     return;
   }
@@ -896,6 +1130,7 @@ void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes,
                   "kernel %s: %zu bytes of dynamic shared memory, more than "
                   "48 KiB",
                   name, shared_bytes);
+    InvalidateCapture(stream);
     Fail(cudaErrorInvalidValue, text);
     return;
   }
@@ -973,6 +1208,23 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "too many resources requested for launch";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure";
+    case cudaErrorIllegalState:
+      return "the operation cannot be performed in the present state";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureIsolation:
+      return "operation would make the capture depend on uncaptured work";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing "
+             "blocking stream";
+    case cudaErrorCapturedEvent:
+      return "operation not permitted on an event last recorded in a "
+             "capturing stream";
+    case cudaErrorStreamCaptureWrongThread:
+      return "attempt to terminate a thread-local capture sequence from "
+             "another thread";
   }
   return "unknown error";
 }
@@ -1026,11 +1278,21 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaDeviceSynchronize");
+      error != cudaSuccess) {
+    return error;
+  }
   dflash_emu::SynchronizeAll();
   return dflash_emu::Sticky();
 }
 
+// Also ends every capture, as a reset destroys a context's streams.
 cudaError_t cudaDeviceReset() {
+  {
+    dflash_emu::Captures& captures = dflash_emu::Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    captures.by_stream.clear();
+  }
   dflash_emu::SynchronizeAll();
   dflash_emu::sticky_error = cudaSuccess;
   dflash_emu::last_error = cudaSuccess;
@@ -1047,18 +1309,36 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void*) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMalloc(void** pointer, size_t bytes) {
-  if (dflash_emu::GpuHidden()) return cudaErrorNoDevice;
-  dflash_emu::InstallFaultHandler();
+namespace dflash_emu {
+namespace {
+
+cudaError_t Allocate(void** pointer, size_t bytes, const char* what) {
+  if (GpuHidden()) return cudaErrorNoDevice;
+  InstallFaultHandler();
   *pointer = DeviceMemory::Get().Allocate(bytes);
   if (*pointer == nullptr && bytes > 0) {
     return Fail(cudaErrorMemoryAllocation,
-                "cudaMalloc: " + std::to_string(bytes) + " bytes");
+                std::string(what) + ": " + std::to_string(bytes) + " bytes");
   }
   return cudaSuccess;
 }
 
+}  // namespace
+}  // namespace dflash_emu
+
+cudaError_t cudaMalloc(void** pointer, size_t bytes) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaMalloc");
+      error != cudaSuccess) {
+    return error;
+  }
+  return dflash_emu::Allocate(pointer, bytes, "cudaMalloc");
+}
+
 cudaError_t cudaFree(void* pointer) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaFree");
+      error != cudaSuccess) {
+    return error;
+  }
   if (pointer == nullptr) return cudaSuccess;
   cudaDeviceSynchronize();
   if (!DeviceMemory::Get().Free(pointer)) {
@@ -1070,12 +1350,65 @@ cudaError_t cudaFree(void* pointer) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMallocAsync(void** pointer, size_t bytes, cudaStream_t) {
-  return cudaMalloc(pointer, bytes);
+cudaError_t cudaMallocHost(void** pointer, size_t bytes) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaMallocHost");
+      error != cudaSuccess) {
+    return error;
+  }
+  *pointer = bytes == 0 ? nullptr
+                        : dflash_emu::PinnedMemory::Get().Allocate(bytes);
+  if (*pointer == nullptr && bytes > 0) {
+    return Fail(cudaErrorMemoryAllocation,
+                "cudaMallocHost: " + std::to_string(bytes) + " bytes");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* pointer) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaFreeHost");
+      error != cudaSuccess) {
+    return error;
+  }
+  if (pointer == nullptr) return cudaSuccess;
+  // A copy queued from or to it may still run: as cudaFreeHost, wait.
+  dflash_emu::SynchronizeAll();
+  if (!dflash_emu::PinnedMemory::Get().Free(pointer)) {
+    char text[128];
+    std::snprintf(text, sizeof(text),
+                  "cudaFreeHost(%p): not a cudaMallocHost allocation",
+                  pointer);
+    return Fail(cudaErrorInvalidValue, text);
+  }
+  return cudaSuccess;
+}
+
+// On a capturing stream: an address fixed at capture, freed when the
+// capture ends until each replay allocates it again (as a graph's
+// allocation node does).
+cudaError_t cudaMallocAsync(void** pointer, size_t bytes,
+                            cudaStream_t stream) {
+  const std::shared_ptr<dflash_emu::Capture> capture =
+      dflash_emu::CaptureOf(&Of(stream));
+  if (const cudaError_t error =
+          dflash_emu::Allocate(pointer, bytes, "cudaMallocAsync");
+      error != cudaSuccess || capture == nullptr || *pointer == nullptr) {
+    return error;
+  }
+  void* const allocated = *pointer;
+  {
+    std::lock_guard<std::mutex> lock(dflash_emu::Captures::Get().mu);
+    capture->allocations.push_back(allocated);
+  }
+  return dflash_emu::Enqueue(
+      stream, [allocated] { DeviceMemory::Get().Revive(allocated); }, {},
+      "cudaMallocAsync");
 }
 
 cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
   if (pointer == nullptr) return cudaSuccess;
+  dflash_emu::Stream& target = Of(stream);
+  const std::shared_ptr<dflash_emu::Capture> capture =
+      dflash_emu::CaptureOf(&target);
   if (DeviceMemory::Get().Holding(reinterpret_cast<uintptr_t>(pointer), 1) ==
       nullptr) {
     char text[128];
@@ -1083,22 +1416,25 @@ cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
                   "cudaFreeAsync(%p): not a live device allocation", pointer);
     return Fail(cudaErrorInvalidValue, text);
   }
+  const std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(pointer)};
   // Freed when the stream reaches it (at once where it has nothing queued,
   // as a GPU's frees an idle stream's memory): later work on another stream
   // that was not ordered after it faults.
-  dflash_emu::Stream& target = Of(stream);
-  const std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(pointer)};
-  if (target.Idle()) {
+  if (capture == nullptr && target.Idle()) {
+    if (const cudaError_t error =
+            dflash_emu::LegacyStreamCheck(stream, "cudaFreeAsync");
+        error != cudaSuccess) {
+      return error;
+    }
     dflash_emu::Ordering::Get().Queue(&target, stream == nullptr,
                                       target.blocking(), words,
                                       "cudaFreeAsync");
     DeviceMemory::Get().Free(pointer);
     return cudaSuccess;
   }
-  dflash_emu::Enqueue(
+  return dflash_emu::Enqueue(
       stream, [pointer] { DeviceMemory::Get().Free(pointer); }, words,
       "cudaFreeAsync");
-  return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
@@ -1108,35 +1444,76 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
       error != cudaSuccess) {
     return error;
   }
+  // The host side, where it is pageable (not cudaMallocHost's).
+  const void* pageable = nullptr;
+  for (const void* side : {static_cast<const void*>(dst), src}) {
+    if (bytes > 0 && !dflash_emu::IsDevice(side) &&
+        !dflash_emu::PinnedMemory::Get().Holds(side, bytes)) {
+      pageable = side;
+    }
+  }
+  if (pageable != nullptr) {
+    char text[256];
+    std::snprintf(text, sizeof(text),
+                  "cudaMemcpyAsync: the host memory %p is pageable; a "
+                  "captured copy reads or writes host memory when the graph "
+                  "runs, so it must be page-locked (cudaMallocHost)",
+                  pageable);
+    if (cudaError_t error =
+            dflash_emu::ForbiddenWhileCapturing(&Of(stream), text);
+        error != cudaSuccess ||
+        (error = dflash_emu::Unsafe(
+             "cudaMemcpyAsync with pageable host memory")) != cudaSuccess) {
+      return error;
+    }
+  }
+  const std::vector<uintptr_t> words = {reinterpret_cast<uintptr_t>(dst),
+                                        reinterpret_cast<uintptr_t>(src)};
+  if (pageable == nullptr) {
+    // Device or page-locked memory: read and written when the stream gets
+    // there, the call returning at once.
+    return dflash_emu::Enqueue(
+        stream,
+        [dst, src, bytes] {
+          dflash_emu::OpenScope open;
+          std::memmove(dst, src, bytes);
+        },
+        words, "cudaMemcpy");
+  }
   // Host memory here is pageable, as malloc's is on a GPU machine: a copy
   // from it is staged at the call (the caller may reuse its buffer when the
   // call returns), and a copy to it returns once it is done.
   if (kind == cudaMemcpyHostToDevice) {
     auto staged = std::make_shared<std::vector<char>>(
         static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
-    dflash_emu::Enqueue(
+    return dflash_emu::Enqueue(
         stream,
         [dst, staged] {
           dflash_emu::OpenScope open;
           std::memcpy(dst, staged->data(), staged->size());
         },
         {reinterpret_cast<uintptr_t>(dst)}, "cudaMemcpy");
-    return cudaSuccess;
   }
-  dflash_emu::Enqueue(
-      stream,
-      [dst, src, bytes] {
-        dflash_emu::OpenScope open;
-        std::memmove(dst, src, bytes);
-      },
-      {reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src)},
-      "cudaMemcpy");
+  if (const cudaError_t error = dflash_emu::Enqueue(
+          stream,
+          [dst, src, bytes] {
+            dflash_emu::OpenScope open;
+            std::memmove(dst, src, bytes);
+          },
+          words, "cudaMemcpy");
+      error != cudaSuccess) {
+    return error;
+  }
   if (kind == cudaMemcpyDeviceToHost) return cudaStreamSynchronize(stream);
   return cudaSuccess;
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
                        cudaMemcpyKind kind) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaMemcpy");
+      error != cudaSuccess) {
+    return error;
+  }
   const cudaError_t error = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
   if (error != cudaSuccess) return error;
   return cudaStreamSynchronize(nullptr);
@@ -1149,17 +1526,20 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes,
       error != cudaSuccess) {
     return error;
   }
-  dflash_emu::Enqueue(
+  return dflash_emu::Enqueue(
       stream,
       [dst, value, bytes] {
         dflash_emu::OpenScope open;
         std::memset(dst, value, bytes);
       },
       {reinterpret_cast<uintptr_t>(dst)}, "cudaMemset");
-  return cudaSuccess;
 }
 
 cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (const cudaError_t error = dflash_emu::Unsafe("cudaMemset");
+      error != cudaSuccess) {
+    return error;
+  }
   const cudaError_t error = cudaMemsetAsync(dst, value, bytes, nullptr);
   if (error != cudaSuccess) return error;
   return cudaStreamSynchronize(nullptr);
@@ -1178,7 +1558,7 @@ cudaError_t cudaMemset2DAsync(void* dst, size_t pitch, int value,
       error != cudaSuccess) {
     return error;
   }
-  dflash_emu::Enqueue(
+  return dflash_emu::Enqueue(
       stream,
       [dst, pitch, value, width, height] {
         dflash_emu::OpenScope open;
@@ -1187,7 +1567,6 @@ cudaError_t cudaMemset2DAsync(void* dst, size_t pitch, int value,
         }
       },
       {reinterpret_cast<uintptr_t>(dst)}, "cudaMemset2D");
-  return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
@@ -1203,17 +1582,45 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   if (stream == nullptr) return cudaErrorInvalidResourceHandle;
+  {
+    // Its capture, if any, ends with it.
+    dflash_emu::Captures& captures = dflash_emu::Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    captures.by_stream.erase(&Of(stream));
+  }
   delete &Of(stream);  // Finishes its work first.
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (cudaError_t error = dflash_emu::ForbiddenWhileCapturing(
+          &Of(stream),
+          "cudaStreamSynchronize of a capturing stream: its work runs "
+          "when the graph is launched");
+      error != cudaSuccess ||
+      (stream == nullptr &&
+       (error = dflash_emu::Unsafe(
+            "cudaStreamSynchronize of the legacy default stream")) !=
+           cudaSuccess)) {
+    return error;
+  }
   Of(stream).Synchronize();
   dflash_emu::Ordering::Get().HostWaited(&Of(stream));
   return dflash_emu::Sticky();
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  if (cudaError_t error = dflash_emu::ForbiddenWhileCapturing(
+          &Of(stream),
+          "cudaStreamQuery of a capturing stream: its work runs when the "
+          "graph is launched");
+      error != cudaSuccess ||
+      (stream == nullptr &&
+       (error = dflash_emu::Unsafe(
+            "cudaStreamQuery of the legacy default stream")) !=
+           cudaSuccess)) {
+    return error;
+  }
   if (dflash_emu::Sticky() != cudaSuccess) return dflash_emu::Sticky();
   if (!Of(stream).Idle()) return cudaErrorNotReady;
   dflash_emu::Ordering::Get().HostWaited(&Of(stream));
@@ -1236,11 +1643,25 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   return cudaSuccess;
 }
 
+// In a capture, a record only marks the event as the capture's (what a
+// wait on it from the capturing stream orders is in-stream order already).
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   dflash_emu::Event& e = Of(event);
+  if (const std::shared_ptr<dflash_emu::Capture> capture =
+          dflash_emu::CaptureOf(&Of(stream))) {
+    std::lock_guard<std::mutex> lock(e.mu);
+    e.capture = capture->id;
+    return cudaSuccess;
+  }
+  if (const cudaError_t error =
+          dflash_emu::LegacyStreamCheck(stream, "cudaEventRecord");
+      error != cudaSuccess) {
+    return error;
+  }
   uint64_t generation;
   {
     std::lock_guard<std::mutex> lock(e.mu);
+    e.capture = 0;
     generation = ++e.recorded;
   }
   dflash_emu::Enqueue(stream, [&e, generation] {
@@ -1253,13 +1674,65 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+namespace dflash_emu {
+namespace {
+
+// The capture under way that `event` was last recorded in, or null.
+std::shared_ptr<Capture> CaptureOfEvent(Event& event) {
+  unsigned long long id;
+  {
+    std::lock_guard<std::mutex> lock(event.mu);
+    id = event.capture;
+  }
+  return id == 0 ? nullptr : CaptureById(id);
+}
+
+// Waiting for or querying an event recorded in a capture, from the host.
+cudaError_t HostUseOfEvent(cudaEvent_t event, const char* call) {
+  if (const std::shared_ptr<Capture> capture = CaptureOfEvent(Of(event))) {
+    return Forbid(*capture, cudaErrorCapturedEvent,
+                  std::string(call) +
+                      ": the event was recorded in a capture, which runs "
+                      "nothing until its graph is launched");
+  }
+  return Unsafe(call);
+}
+
+}  // namespace
+}  // namespace dflash_emu
+
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
                                 unsigned) {
   dflash_emu::Event& e = Of(event);
+  const std::shared_ptr<dflash_emu::Capture> waiter =
+      dflash_emu::CaptureOf(&Of(stream));
+  const std::shared_ptr<dflash_emu::Capture> recorded_in =
+      dflash_emu::CaptureOfEvent(e);
+  if (recorded_in != nullptr) {
+    // In-stream order already orders a wait within the capturing stream.
+    if (waiter == recorded_in) return cudaSuccess;
+    return dflash_emu::Forbid(
+        *recorded_in, cudaErrorStreamCaptureUnsupported,
+        "cudaStreamWaitEvent: another stream waits for an event recorded in "
+        "a capture; CUDA would join that stream to the capture, which the "
+        "emulation does not model (it captures one stream)");
+  }
   uint64_t generation;
   {
     std::lock_guard<std::mutex> lock(e.mu);
     generation = e.recorded;
+  }
+  if (waiter != nullptr) {
+    if (generation == 0) return cudaSuccess;  // An empty event orders nothing.
+    return dflash_emu::Forbid(
+        *waiter, cudaErrorStreamCaptureIsolation,
+        "cudaStreamWaitEvent: the capturing stream waits for an event "
+        "recorded outside the capture, a dependency the graph cannot hold");
+  }
+  if (const cudaError_t error =
+          dflash_emu::LegacyStreamCheck(stream, "cudaStreamWaitEvent");
+      error != cudaSuccess) {
+    return error;
   }
   dflash_emu::Ordering::Get().Wait(&Of(stream), event);
   dflash_emu::Enqueue(stream, [&e, generation] {
@@ -1270,6 +1743,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (const cudaError_t error =
+          dflash_emu::HostUseOfEvent(event, "cudaEventSynchronize");
+      error != cudaSuccess) {
+    return error;
+  }
   dflash_emu::Event& e = Of(event);
   std::unique_lock<std::mutex> lock(e.mu);
   const uint64_t generation = e.recorded;
@@ -1280,6 +1758,11 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+  if (const cudaError_t error =
+          dflash_emu::HostUseOfEvent(event, "cudaEventQuery");
+      error != cudaSuccess) {
+    return error;
+  }
   dflash_emu::Event& e = Of(event);
   {
     std::lock_guard<std::mutex> lock(e.mu);
@@ -1291,6 +1774,14 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
                                  cudaEvent_t end) {
+  for (cudaEvent_t event : {start, end}) {
+    if (const std::shared_ptr<dflash_emu::Capture> capture =
+            dflash_emu::CaptureOfEvent(Of(event))) {
+      return dflash_emu::Forbid(*capture, cudaErrorCapturedEvent,
+                                "cudaEventElapsedTime: an event recorded in "
+                                "a capture");
+    }
+  }
   dflash_emu::Event& a = Of(start);
   dflash_emu::Event& b = Of(end);
   std::scoped_lock lock(a.mu, b.mu);
@@ -1298,5 +1789,173 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
     return cudaErrorNotReady;
   }
   *ms = std::chrono::duration<float, std::milli>(b.time - a.time).count();
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------- stream capture
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
+                                   cudaStreamCaptureMode mode) {
+  if (stream == nullptr) {
+    return Fail(cudaErrorStreamCaptureUnsupported,
+                "cudaStreamBeginCapture: the legacy default stream cannot "
+                "capture; capture on a stream of your own");
+  }
+  if (mode != cudaStreamCaptureModeGlobal &&
+      mode != cudaStreamCaptureModeThreadLocal &&
+      mode != cudaStreamCaptureModeRelaxed) {
+    return Fail(cudaErrorInvalidValue,
+                "cudaStreamBeginCapture: mode " + std::to_string(mode) +
+                    " is none of global (0), thread-local (1), relaxed (2)");
+  }
+  dflash_emu::Stream& target = Of(stream);
+  auto capture = std::make_shared<dflash_emu::Capture>();
+  capture->stream = &target;
+  capture->blocking = target.blocking();
+  capture->mode = mode;
+  capture->thread = std::this_thread::get_id();
+  dflash_emu::Captures& captures = dflash_emu::Captures::Get();
+  std::lock_guard<std::mutex> lock(captures.mu);
+  if (captures.by_stream.count(&target) > 0) {
+    return Fail(cudaErrorIllegalState,
+                "cudaStreamBeginCapture: the stream already captures");
+  }
+  capture->id = ++captures.last_id;
+  captures.by_stream[&target] = std::move(capture);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (graph == nullptr) {
+    return Fail(cudaErrorInvalidValue, "cudaStreamEndCapture: graph is null");
+  }
+  *graph = nullptr;
+  std::shared_ptr<dflash_emu::Capture> capture;
+  {
+    dflash_emu::Captures& captures = dflash_emu::Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    auto it = captures.by_stream.find(&Of(stream));
+    if (it == captures.by_stream.end()) {
+      return Fail(cudaErrorIllegalState,
+                  "cudaStreamEndCapture: the stream is not capturing");
+    }
+    if (it->second->mode != cudaStreamCaptureModeRelaxed &&
+        it->second->thread != std::this_thread::get_id()) {
+      return Fail(cudaErrorStreamCaptureWrongThread,
+                  "cudaStreamEndCapture: " + dflash_emu::Describe(*it->second) +
+                      " began on another thread");
+    }
+    capture = std::move(it->second);
+    captures.by_stream.erase(it);
+  }
+  // The graph's allocations exist only while a launch runs.
+  for (void* allocated : capture->allocations) {
+    DeviceMemory::Get().Free(allocated);
+  }
+  if (capture->invalidated) {
+    return Fail(cudaErrorStreamCaptureInvalidated,
+                "cudaStreamEndCapture: " + dflash_emu::Describe(*capture) +
+                    " was invalidated by a call it forbids (reported "
+                    "above); no graph");
+  }
+  *graph = reinterpret_cast<cudaGraph_t>(
+      new dflash_emu::Graph{std::move(capture->nodes)});
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream,
+                                     cudaStreamCaptureStatus* status,
+                                     unsigned long long* id) {
+  if (stream == nullptr) {
+    // The legacy stream is never captured, but waits for blocking streams.
+    dflash_emu::Captures& captures = dflash_emu::Captures::Get();
+    std::lock_guard<std::mutex> lock(captures.mu);
+    for (const auto& [s, capture] : captures.by_stream) {
+      if (capture->blocking) {
+        return Fail(cudaErrorStreamCaptureImplicit,
+                    "cudaStreamIsCapturing of the legacy default stream "
+                    "while a blocking stream captures");
+      }
+    }
+  }
+  const std::shared_ptr<dflash_emu::Capture> capture =
+      dflash_emu::CaptureOf(&Of(stream));
+  std::lock_guard<std::mutex> lock(dflash_emu::Captures::Get().mu);
+  *status = capture == nullptr   ? cudaStreamCaptureStatusNone
+            : capture->invalidated ? cudaStreamCaptureStatusInvalidated
+                                   : cudaStreamCaptureStatusActive;
+  if (id != nullptr && capture != nullptr) *id = capture->id;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
+                                  cudaStreamCaptureStatus* status) {
+  return cudaStreamGetCaptureInfo(stream, status, nullptr);
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  if (*mode != cudaStreamCaptureModeGlobal &&
+      *mode != cudaStreamCaptureModeThreadLocal &&
+      *mode != cudaStreamCaptureModeRelaxed) {
+    return Fail(cudaErrorInvalidValue,
+                "cudaThreadExchangeStreamCaptureMode: mode " +
+                    std::to_string(*mode) + " is not a capture mode");
+  }
+  std::swap(*mode, dflash_emu::thread_capture_mode);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long) {
+  if (exec == nullptr || graph == nullptr) {
+    return Fail(cudaErrorInvalidValue,
+                "cudaGraphInstantiate: a null graph or executable");
+  }
+  // A copy: the graph may be destroyed while its executable lives.
+  *exec = reinterpret_cast<cudaGraphExec_t>(new dflash_emu::Graph(Of(graph)));
+  return cudaSuccess;
+}
+
+// Queues the recording on `stream` (records it, where `stream` captures):
+// the race check and the legacy stream's ordering apply at each launch.
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (exec == nullptr) {
+    return Fail(cudaErrorInvalidResourceHandle,
+                "cudaGraphLaunch: a null executable graph");
+  }
+  for (const dflash_emu::Node& node : Of(exec).nodes) {
+    if (const cudaError_t error =
+            dflash_emu::Enqueue(stream, node.task, node.words, node.what);
+        error != cudaSuccess) {
+      return error;
+    }
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete &Of(exec);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete &Of(graph);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t* nodes,
+                              size_t* count) {
+  if (graph == nullptr || count == nullptr) {
+    return Fail(cudaErrorInvalidValue, "cudaGraphGetNodes: a null argument");
+  }
+  std::vector<dflash_emu::Node>& all = Of(graph).nodes;
+  if (nodes == nullptr) {
+    *count = all.size();
+    return cudaSuccess;
+  }
+  *count = std::min(*count, all.size());
+  for (size_t i = 0; i < *count; ++i) {
+    nodes[i] = reinterpret_cast<cudaGraphNode_t>(&all[i]);
+  }
   return cudaSuccess;
 }

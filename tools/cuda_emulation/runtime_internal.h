@@ -13,10 +13,11 @@
 namespace dflash_emu {
 
 // Runs `work` on `stream`'s worker in issue order, device memory open;
-// `words`: the device addresses it uses, as `what`.
-void RunInStreamOrder(cudaStream_t stream, std::function<void()> work,
-                      const std::vector<uintptr_t>& words,
-                      const std::string& what);
+// `words`: the device addresses it uses, as `what`. On a capturing stream,
+// recorded into the capture; an error where the call is forbidden.
+cudaError_t RunInStreamOrder(cudaStream_t stream, std::function<void()> work,
+                             const std::vector<uintptr_t>& words,
+                             const std::string& what);
 
 }  // namespace dflash_emu
 

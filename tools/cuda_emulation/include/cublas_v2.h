@@ -41,6 +41,13 @@ enum cublasGemmAlgo_t {
 cublasStatus_t cublasCreate_v2(cublasHandle_t* handle);
 cublasStatus_t cublasDestroy_v2(cublasHandle_t handle);
 cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream);
+// cuBLAS's rules: `workspace` aligned to 256 bytes (else
+// CUBLAS_STATUS_INVALID_VALUE), used by every later call until
+// cublasSetStream, which goes back to cuBLAS's own pool. The emulation
+// also refuses a workspace that is not device memory, and each GEMM uses
+// (overwrites) the start of the workspace as scratch.
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace,
+                                     size_t workspace_bytes);
 cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode);
 const char* cublasGetStatusString(cublasStatus_t status);
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
@@ -55,5 +62,6 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
 #define cublasCreate cublasCreate_v2
 #define cublasDestroy cublasDestroy_v2
 #define cublasSetStream cublasSetStream_v2
+#define cublasSetWorkspace cublasSetWorkspace_v2
 
 #endif  // DFLASH_TOOLS_CUDA_EMULATION_INCLUDE_CUBLAS_V2_H_
