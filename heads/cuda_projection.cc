@@ -1,8 +1,10 @@
 #include "heads/cuda_projection.h"
 
 #include <cublas_v2.h>
+#include <dlfcn.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -199,6 +201,55 @@ absl::StatusOr<std::unique_ptr<CublasHandle>> CublasHandle::Create(
 }
 
 CublasHandle::~CublasHandle() { api_.destroy(handle_); }
+
+namespace {
+
+using SetWorkspaceFn = decltype(&cublasSetWorkspace_v2);
+
+// cublasSetWorkspace_v2 of the cuBLAS `api` was opened from (CublasApi,
+// base/cublas_library.h, binds only the calls every run needs), or null.
+SetWorkspaceFn FindSetWorkspace(const CublasApi& api) {
+#if defined(DFLASH_CUDA_EMULATED)
+  (void)api;
+  return &cublasSetWorkspace_v2;  // The emulation's, linked in.
+#else
+  // Already loaded: RTLD_NOLOAD finds it without loading anything.
+  void* library = ::dlopen(api.path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) return nullptr;
+  auto set_workspace = reinterpret_cast<SetWorkspaceFn>(
+      ::dlsym(library, "cublasSetWorkspace_v2"));
+  ::dlclose(library);  // Drops only the reference NOLOAD took.
+  return set_workspace;
+#endif
+}
+
+}  // namespace
+
+absl::Status CublasHandle::SetWorkspace(void* workspace, int64_t bytes) {
+  constexpr uintptr_t kAlignment = 256;  // cuBLAS's requirement.
+  if (workspace == nullptr) {
+    return absl::InvalidArgumentError(
+        "cuBLAS workspace: the pointer is null; expected device memory");
+  }
+  if (reinterpret_cast<uintptr_t>(workspace) % kAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuBLAS workspace: the pointer ", "0x",
+        absl::Hex(reinterpret_cast<uintptr_t>(workspace)),
+        " is not aligned to ", kAlignment, " bytes, as cuBLAS requires"));
+  }
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuBLAS workspace: bytes is ", bytes, "; expected a positive size"));
+  }
+  const SetWorkspaceFn set_workspace = FindSetWorkspace(api_);
+  if (set_workspace == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(api_.path, ": has no cublasSetWorkspace_v2"));
+  }
+  return BlasStatus(
+      api_, set_workspace(handle_, workspace, static_cast<size_t>(bytes)),
+      "cublasSetWorkspace");
+}
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<VocabProjection<T>>> CreateCudaProjection(

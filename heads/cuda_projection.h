@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/cuda_stream.h"
@@ -26,6 +27,21 @@ class CublasHandle {
   ~CublasHandle();
   CublasHandle(const CublasHandle&) = delete;
   CublasHandle& operator=(const CublasHandle&) = delete;
+
+  // Hands cuBLAS `bytes` of device memory at `workspace` as the scratch of
+  // every later product on this handle, so that cuBLAS never allocates its
+  // own: what capturing the products into a CUDA graph needs (cuBLAS's
+  // own pool would allocate during the capture, and on CUDA before 12.2
+  // make each graph hold a new workspace). cuBLAS recommends at least
+  // 4 MiB, 32 MiB on Hopper. `workspace`: non-null, aligned to 256 bytes
+  // (cudaMalloc's and cudaMallocAsync's are), at least `bytes` long; the
+  // caller keeps it alive, and uses it for nothing else while a product
+  // runs, until this handle is destroyed or given another workspace (a
+  // product overwrites it). Call it again after anything that calls
+  // cublasSetStream on this handle, which goes back to cuBLAS's own.
+  // InvalidArgument for a null, misaligned or empty workspace,
+  // FailedPrecondition where the cuBLAS found lacks cublasSetWorkspace.
+  absl::Status SetWorkspace(void* workspace, int64_t bytes);
 
   cublasContext* get() const { return handle_; }
   const CublasApi& api() const { return api_; }
