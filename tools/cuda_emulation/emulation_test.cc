@@ -389,6 +389,12 @@ TEST_F(CaptureTest, CapturedAllocationsAndPageLockedCopiesReplay) {
   ASSERT_EQ(cudaFreeAsync(d_temp, stream_), cudaSuccess);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
+  // Outside a launch the graph's allocation does not exist.
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(cudaMemcpy(host, d_temp, 4, cudaMemcpyDeviceToHost),
+            cudaErrorInvalidValue);
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("freed allocation"));
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph), cudaSuccess);
   for (int launch = 0; launch < 2; ++launch) {

@@ -1447,7 +1447,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
   // The host side, where it is pageable (not cudaMallocHost's).
   const void* pageable = nullptr;
   for (const void* side : {static_cast<const void*>(dst), src}) {
-    if (bytes > 0 && !dflash_emu::IsDevice(side) &&
+    if (!dflash_emu::IsDevice(side) &&
         !dflash_emu::PinnedMemory::Get().Holds(side, bytes)) {
       pageable = side;
     }
