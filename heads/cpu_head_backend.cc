@@ -159,7 +159,7 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.top_k.begin(), o.top_k.end(), -1);
     std::fill(o.top_k_values.begin(), o.top_k_values.end(), 0.0f);
     std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0);
-    const size_t rows = spec.inputs->rows.size();
+    const size_t rows = static_cast<size_t>(RowCount(*spec.inputs));
     row_q_.assign(rows, 0.0);
     row_confidence_grad_.assign(confidence_ && !g.confidence.empty() ? rows : 0,
                                 0.0);

@@ -1,6 +1,7 @@
 #include "heads/cuda_head.h"
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -19,9 +20,33 @@
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_family.h"
+#include "losses/row_error.h"
 
 namespace dflash {
 namespace {
+
+// BuildCudaRows's error word as RowsOf's error (python/native/objective.cc)
+// about the element's row; the caller names the tensors' values.
+absl::Status RowsError(const v1::ObjectiveConfig& config,
+                       unsigned long long code) {
+  const int64_t element = static_cast<int64_t>(code >> 2);
+  switch (static_cast<cuda::RowsErrorKind>(code & 3)) {
+    case cuda::kRowsMaskInvalid:
+      return RowError(element, "weight_mask: must be finite and >= 0");
+    case cuda::kRowsMaskSumOverflow:
+      return RowError(element,
+                      "weight_mask: its values sum to more than float32 "
+                      "holds by this element; the loss and accuracy "
+                      "denominators would be inf");
+    default:
+      return RowError(
+          element,
+          absl::StrCat("target_ids: must lie in [0, V = ",
+                       config.head().vocab_size(), ") or be ignore_index (",
+                       config.loss().cross_entropy().ignore_index(),
+                       ") where weight_mask > 0"));
+  }
+}
 
 // The CUDA backend of RunHeadOn: cuBLAS, the CUDA loss, device memory.
 template <typename T>
@@ -59,9 +84,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
-        CudaChunkLoss<T>::Create(*spec.params,
-                                 ChunkLossOptionsOf(config_), stream_));
+        CudaChunkLoss<T>::Create(*spec.params, ChunkLossOptionsOf(config_),
+                                 stream_, spec.max_chunk_rows));
     loss_ = std::move(loss);
+    const int64_t rows = RowCount(*spec.inputs);
     // The active rows on the device: chunks index into them, and the loss
     // writes per-row outputs through them.
     DFLASH_ASSIGN_OR_RETURN(
@@ -70,8 +96,31 @@ class CudaHeadBackend final : public HeadBackend<T> {
             allocator(), static_cast<int64_t>(spec.active.size())));
     active_ = std::move(active);
     host_active_.assign(spec.active.begin(), spec.active.end());
-    DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
-        active_.data(), host_active_.data(), active_.bytes()));
+    all_rows_ = config_.head().row_selection() == v1::HeadConfig::ALL_ROWS;
+    if (all_rows_) {
+      // Every row, from the rows on the device (the caller's, or a copy of
+      // its host rows): active_ lists them all, weighted_ the rows with
+      // weight (-1 for the others, gathered as zeros, never scattered).
+      device_meta_ = spec.inputs->device_rows.rows;
+      if (!spec.inputs->rows.empty()) {
+        DFLASH_ASSIGN_OR_RETURN(
+            TrackedBuffer<RowMeta> meta,
+            TrackedBuffer<RowMeta>::Create(allocator(), rows));
+        own_meta_ = std::move(meta);
+        DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
+            own_meta_.data(), spec.inputs->rows.data(), own_meta_.bytes()));
+        device_meta_ = own_meta_.data();
+      }
+      DFLASH_ASSIGN_OR_RETURN(
+          TrackedBuffer<int64_t> weighted,
+          TrackedBuffer<int64_t>::Create(allocator(), rows));
+      weighted_ = std::move(weighted);
+      cuda::LaunchRowLists(device_meta_, rows, *spec.params, active_.data(),
+                           weighted_.data(), stream_.stream());
+    } else {
+      DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
+          active_.data(), host_active_.data(), active_.bytes()));
+    }
     const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     for (const auto& [data, bytes] :
@@ -88,7 +137,6 @@ class CudaHeadBackend final : public HeadBackend<T> {
     cuda::LaunchFillInt32(o.teacher_argmax.data(), o.teacher_argmax.size(), -1,
                           stream_.stream());
     cuda::LaunchFillInt32(o.top_k.data(), o.top_k.size(), -1, stream_.stream());
-    const int64_t rows = static_cast<int64_t>(spec.inputs->rows.size());
     DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> q,
                             TrackedBuffer<double>::Create(allocator(), rows));
     row_q_ = std::move(q);
@@ -168,14 +216,14 @@ class CudaHeadBackend final : public HeadBackend<T> {
 
   absl::Status GatherRows(const T* source, int64_t width, int64_t begin,
                           int64_t count, T* out) override {
-    cuda::LaunchGatherRows<T>(source, width, active_.data() + begin, count, out,
+    cuda::LaunchGatherRows<T>(source, width, RowList() + begin, count, out,
                               stream_.stream());
     return stream_.LaunchStatus("row gather");
   }
 
   absl::Status ScatterRows(const T* rows, int64_t width, int64_t begin,
                            int64_t count, T* out) override {
-    cuda::LaunchScatterRows<T>(rows, width, active_.data() + begin, count, out,
+    cuda::LaunchScatterRows<T>(rows, width, RowList() + begin, count, out,
                                stream_.stream());
     return stream_.LaunchStatus("row scatter");
   }
@@ -189,8 +237,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
     // The projection's rows, padded to 16 bytes for the loss's vector loads.
     const int64_t stride = projection_->logits_stride();
     std::vector<RowMeta>& meta = chunk_meta_;
-    meta.resize(m);
-    for (int64_t i = 0; i < m; ++i) meta[i] = in.rows[host_active_[begin + i]];
+    meta.clear();
+    if (!all_rows_) {
+      meta.resize(m);
+      for (int64_t i = 0; i < m; ++i) {
+        meta[i] = in.rows[host_active_[begin + i]];
+      }
+    }
     auto if_recorded = [record](auto span) {
       return record ? span : decltype(span)();
     };
@@ -223,8 +276,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
         absl::MakeSpan(row_teacher_.data(), row_teacher_.size()),
         absl::MakeSpan(row_base_argmax_.data(), row_base_argmax_.size()),
         if_recorded(o.teacher_argmax)};
+    // ALL_ROWS: the chunk's rows are rows [begin, begin + m) of the batch.
     absl::Status done =
-        loss_->Run(inputs, outputs, active_.data() + begin, record);
+        all_rows_ ? loss_->RunDeviceRows(device_meta_ + begin, m, inputs,
+                                         outputs, active_.data() + begin,
+                                         record)
+                  : loss_->Run(inputs, outputs, active_.data() + begin, record);
     if (!done.ok()) {
       return NameChunkLossError(done, config_.layout(), chunk,
                                 absl::MakeConstSpan(host_active_).subspan(begin, m));
@@ -233,6 +290,19 @@ class CudaHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status Synchronize() override { return stream_.Synchronize(); }
+
+  absl::StatusOr<std::vector<RowMeta>> ReadRows(
+      const DeviceRows& rows) override {
+    unsigned long long code = cuda::kNoRowsError;
+    DFLASH_RETURN_IF_ERROR(
+        stream_.CopyToHost(&code, rows.error, sizeof(code)));
+    if (code != cuda::kNoRowsError) return RowsError(config_, code);
+    std::vector<RowMeta> host(static_cast<size_t>(rows.count));
+    DFLASH_RETURN_IF_ERROR(stream_.CopyToHost(
+        host.data(), rows.rows,
+        rows.count * static_cast<int64_t>(sizeof(RowMeta))));
+    return host;
+  }
 
   bool folds_gradient_scale() const override { return true; }
   void InputGradientScale(double scale) override {
@@ -347,6 +417,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::string gemm_library() const override { return "cuBLAS"; }
 
  private:
+  // The gather and scatter list: ALL_ROWS's weighted rows (-1 elsewhere),
+  // else the active rows.
+  const int64_t* RowList() const {
+    return all_rows_ ? weighted_.data() : active_.data();
+  }
+
   // `size` zeroed floats in `sum` (allocated once), `data` pointing at them.
   absl::Status ZeroedSum(int64_t size, TrackedBuffer<float>& sum,
                          float*& data) {
@@ -391,6 +467,12 @@ class CudaHeadBackend final : public HeadBackend<T> {
   TrackedBuffer<double> row_confidence_;
   std::vector<int64_t> host_active_;
   std::vector<RowMeta> chunk_meta_;
+  // head.row_selection ALL_ROWS: the rows on the device (the caller's
+  // device rows or own_meta_, a copy of its host rows) and weighted_.
+  bool all_rows_ = false;
+  const RowMeta* device_meta_ = nullptr;
+  TrackedBuffer<RowMeta> own_meta_;
+  TrackedBuffer<int64_t> weighted_;
 };
 
 // RunCudaHead's and StartCudaHead's checks of the target and the options.
@@ -415,6 +497,71 @@ absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
 }
 
 }  // namespace
+
+absl::StatusOr<CudaRows> BuildCudaRows(const v1::ObjectiveConfig& config,
+                                       const cuda::RowsTensor& target_ids,
+                                       const cuda::RowsTensor& weight_mask,
+                                       int64_t batch, int64_t anchors,
+                                       CudaStream& stream) {
+  const int64_t k = config.layout().block_size();
+  if (batch < 0 || anchors < 0 || k < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BuildCudaRows: the batch [B, N, K] must have B, N >= 0 and K = "
+        "layout.block_size >= 1, got [",
+        batch, ", ", anchors, ", ", k, "]"));
+  }
+  if (target_ids.dtype != cuda::kRowsInt32 &&
+      target_ids.dtype != cuda::kRowsInt64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_ids: must be int32 or int64, got dtype code ",
+        target_ids.dtype));
+  }
+  if (weight_mask.dtype != cuda::kRowsFloat32 &&
+      weight_mask.dtype != cuda::kRowsFloat64 &&
+      weight_mask.dtype != cuda::kRowsBool) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_mask: must be float32, float64 or bool, got dtype code ",
+        weight_mask.dtype));
+  }
+  const int64_t total = batch * anchors * k;
+  cuda::BuildRowsParams params;
+  params.batch = batch;
+  params.anchors = anchors;
+  params.block = k;
+  params.vocab = config.head().vocab_size();
+  params.ignore_index = config.loss().cross_entropy().ignore_index();
+  params.loss = LossParamsOf(config.loss());
+  params.count_ignored = params.loss.count_ignored;
+  // The CUDA head's terms are float32 (its tensors float32 or bfloat16).
+  params.float64_terms = false;
+  params.max_sum = std::numeric_limits<float>::max();
+  const int64_t num_anchors = config.layout().num_anchors();
+  params.sequence_rows = num_anchors > 0 ? num_anchors * k : total;
+  TrackingAllocator& allocator = stream.allocator();
+  CudaRows rows;
+  DFLASH_ASSIGN_OR_RETURN(rows.rows,
+                          TrackedBuffer<RowMeta>::Create(allocator, total));
+  DFLASH_ASSIGN_OR_RETURN(
+      rows.error, TrackedBuffer<unsigned long long>::Create(allocator, 1));
+  DFLASH_ASSIGN_OR_RETURN(
+      rows.scratch,
+      TrackedBuffer<double>::Create(
+          allocator, (total + cuda::kRowsSumTile - 1) / cuda::kRowsSumTile));
+  cuda::LaunchBuildRows(target_ids, weight_mask, params, rows.rows.data(),
+                        rows.error.data(), rows.scratch.data(),
+                        stream.stream());
+  DFLASH_RETURN_IF_ERROR(stream.LaunchStatus("row build"));
+  return rows;
+}
+
+absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(
+    const DeviceRows& rows, CudaStream& stream) {
+  unsigned long long code = cuda::kNoRowsError;
+  DFLASH_RETURN_IF_ERROR(stream.CopyToHost(&code, rows.error, sizeof(code)));
+  if (code == cuda::kNoRowsError) return std::nullopt;
+  return CudaRowsError{static_cast<int64_t>(code >> 2),
+                       static_cast<cuda::RowsErrorKind>(code & 3)};
+}
 
 template <typename T>
 absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,

@@ -7,8 +7,11 @@
 // returns the same HeadResult as the CPU head.
 
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
+#include "base/tracking_allocator.h"
+#include "heads/cuda_head_kernels.h"
 #include "heads/cuda_projection.h"
 #include "heads/head_backend.h"
 #include "heads/head_types.h"
@@ -22,7 +25,14 @@ namespace dflash {
 // CUDA loss (//losses:cuda_chunk_loss).
 //
 // Every tensor span in `inputs`, `gradients` and `row_outputs` is device
-// memory; `inputs.rows` (the metadata) stays on the host. Work goes on
+// memory; the rows' metadata is `inputs.rows` on the host, or
+// `inputs.device_rows` (BuildCudaRows) with `inputs.rows` empty: under
+// head.row_selection COMPACT the run reads device rows back once before
+// its first chunk, under ALL_ROWS once after its last forward chunk (for
+// the terms), and nothing of them reaches the host before the head's work
+// is queued. A bad element the build found is reported then, as a
+// RowError about its row (InvalidArgument, "row (b, n, k) = (...):
+// weight_mask: must be finite and >= 0" and the like). Work goes on
 // `blas`'s stream, and device memory comes from that stream's allocator, so
 // HeadStats.peak_bytes are the run's device bytes, measured as on the CPU.
 // The chunk loop never waits for the device: the run synchronises once at
@@ -36,6 +46,42 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        CublasHandle& blas,
                                        const HeadRowOutputs& row_outputs = {},
                                        const HeadOptions& options = {});
+
+// Row metadata made on the device (BuildCudaRows); owns its memory, from
+// the stream's allocator. view() goes into HeadInputs::device_rows.
+struct CudaRows {
+  TrackedBuffer<RowMeta> rows;
+  TrackedBuffer<unsigned long long> error;
+  TrackedBuffer<double> scratch;  // The mask sums' tiles.
+  DeviceRows view() const { return {rows.data(), rows.size(), error.data()}; }
+};
+
+// The rows of a [B, N, K] batch from its target_ids (int32 or int64) and
+// weight_mask (float32, float64 or bool) in device memory, at any strides
+// (K = layout.block_size), by RowsOf's rules (python/native/objective.cc)
+// for a float32-terms run: a mask must be finite and >= 0 and is rounded
+// to float32, the masks' sum must stay within float32, a target with
+// weight must lie in [0, head.vocab_size) or be loss.cross_entropy's
+// ignore_index (kept with ignored_target_weight COUNT, else the row
+// carries nothing); the rows of D-PACE's SEQUENCE_BALANCED denominator get
+// their sequence shares (sequences of layout.num_anchors blocks, all rows
+// without it). Queued on `stream`, no wait: the first bad element (RowsOf's
+// order) lands in the error word, which the head reads (RunCudaHead) or
+// ReadCudaRowsError does. `config` validated, defaults resolved.
+absl::StatusOr<CudaRows> BuildCudaRows(const v1::ObjectiveConfig& config,
+                                       const cuda::RowsTensor& target_ids,
+                                       const cuda::RowsTensor& weight_mask,
+                                       int64_t batch, int64_t anchors,
+                                       CudaStream& stream);
+
+// The first bad element BuildCudaRows found (one wait for the device):
+// its linear index b N K + n K + k and kind; nullopt where there is none.
+struct CudaRowsError {
+  int64_t element = 0;
+  cuda::RowsErrorKind kind = cuda::kRowsMaskInvalid;
+};
+absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(
+    const DeviceRows& rows, CudaStream& stream);
 
 // RunCudaHead with its forward and backward passes apart (SplitHeadRun,
 // heads/head_backend.h; StartHead's twin): the same checks, every mode but

@@ -17,6 +17,15 @@ template <typename T>
 __global__ void CopyRowsKernel(const T* source, int64_t width,
                                const int64_t* rows, bool gather, T* out) {
   const int64_t i = blockIdx.x;
+  if (rows[i] < 0) {
+    // A row without weight: gathered as zeros, its gradient not written.
+    if (gather) {
+      for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
+        out[i * width + j] = FromFloat<T>(0.0f);
+      }
+    }
+    return;
+  }
   const int64_t from = gather ? rows[i] : i;
   const int64_t to = gather ? i : rows[i];
   const T* src = source + from * width;
@@ -60,6 +69,139 @@ __global__ void FillKernel(int32_t* data, int64_t count, int32_t value) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     data[i] = value;
+  }
+}
+
+__device__ int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ int64_t ReadId(const RowsTensor& t, int64_t offset) {
+  return t.dtype == kRowsInt64 ? static_cast<const int64_t*>(t.data)[offset]
+                               : static_cast<const int32_t*>(t.data)[offset];
+}
+
+__device__ double ReadMask(const RowsTensor& t, int64_t offset) {
+  if (t.dtype == kRowsFloat64) return static_cast<const double*>(t.data)[offset];
+  if (t.dtype == kRowsFloat32) return static_cast<const float*>(t.data)[offset];
+  return static_cast<const uint8_t*>(t.data)[offset];
+}
+
+// Element e = b N K + n K + k of a [B, N, K] tensor, at its strides.
+__device__ int64_t Offset(const RowsTensor& t, const BuildRowsParams& p,
+                          int64_t e) {
+  const int64_t k = e % p.block, n = (e / p.block) % p.anchors,
+                b = e / (p.block * p.anchors);
+  return b * t.strides[0] + n * t.strides[1] + k * t.strides[2];
+}
+
+__global__ void FillErrorKernel(unsigned long long* error) {
+  *error = kNoRowsError;
+}
+
+// RowsOf's loop body, one element a thread.
+__global__ void BuildRowsKernel(RowsTensor target_ids, RowsTensor weight_mask,
+                                BuildRowsParams p, int64_t total,
+                                RowMeta* rows, unsigned long long* error) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    RowMeta meta;
+    meta.position = static_cast<int32_t>(e % p.block);
+    meta.block = e / p.block;
+    const double mask = ReadMask(weight_mask, Offset(weight_mask, p, e));
+    if (!(mask >= 0) || isinf(mask)) {
+      atomicMin(error, RowsErrorCode(e, kRowsMaskInvalid));
+    } else {
+      const int64_t target = ReadId(target_ids, Offset(target_ids, p, e));
+      // An ignored target carries nothing unless the loss counts it.
+      const bool ignored = target == p.ignore_index;
+      if (mask > 0 && (!ignored || p.count_ignored)) {
+        if (!ignored && (target < 0 || target >= p.vocab)) {
+          atomicMin(error, RowsErrorCode(e, kRowsTargetInvalid));
+        } else {
+          meta.target = static_cast<int32_t>(target);
+          meta.mask = p.float64_terms
+                          ? mask
+                          : static_cast<double>(static_cast<float>(mask));
+        }
+      }
+    }
+    rows[e] = meta;
+  }
+}
+
+// The raw masks' sum of each tile, in element order.
+__global__ void TileSumsKernel(RowsTensor weight_mask, BuildRowsParams p,
+                               int64_t total, double* tile_sums) {
+  const int64_t tiles = (total + kRowsSumTile - 1) / kRowsSumTile;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < tiles;
+       t += int64_t{gridDim.x} * blockDim.x) {
+    double sum = 0;
+    const int64_t end = Min(total, (t + 1) * kRowsSumTile);
+    for (int64_t e = t * kRowsSumTile; e < end; ++e) {
+      sum += ReadMask(weight_mask, Offset(weight_mask, p, e));
+    }
+    tile_sums[t] = sum;
+  }
+}
+
+// One thread: the running sum tile by tile, and element by element inside
+// the tile where it passes max_sum, so the first element past it is found
+// in a fixed order. (Not RowsOf's exact additions, which go one element at
+// a time: the two can differ in the last bits of a sum right at the
+// limit.) A bad mask met here is reported by BuildRowsKernel at a smaller
+// or equal code.
+__global__ void MaskSumKernel(RowsTensor weight_mask, BuildRowsParams p,
+                              int64_t total, const double* tile_sums,
+                              unsigned long long* error) {
+  const int64_t tiles = (total + kRowsSumTile - 1) / kRowsSumTile;
+  double running = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (running + tile_sums[t] <= p.max_sum) {
+      running += tile_sums[t];
+      continue;
+    }
+    const int64_t end = Min(total, (t + 1) * kRowsSumTile);
+    for (int64_t e = t * kRowsSumTile; e < end; ++e) {
+      running += ReadMask(weight_mask, Offset(weight_mask, p, e));
+      if (!(running <= p.max_sum)) {
+        atomicMin(error, RowsErrorCode(e, kRowsMaskSumOverflow));
+        return;
+      }
+    }
+  }
+}
+
+// SetSequenceShares (losses/chunk_loss.h), one thread a sequence.
+__global__ void SequenceSharesKernel(BuildRowsParams p, int64_t total,
+                                     RowMeta* rows) {
+  const int64_t sequences = (total + p.sequence_rows - 1) / p.sequence_rows;
+  for (int64_t s = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       s < sequences; s += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t begin = s * p.sequence_rows;
+    const int64_t end = Min(total, begin + p.sequence_rows);
+    int64_t weighted_blocks = 0;
+    for (int64_t b = begin; b < end; b += p.block) {
+      for (int64_t r = b; r < Min(end, b + p.block); ++r) {
+        if (EffectiveMask(p.loss, rows[r].target, rows[r].mask) > 0) {
+          ++weighted_blocks;
+          break;
+        }
+      }
+    }
+    // SpecForge's clamp_min(1), as on the host.
+    const double share =
+        1.0 / static_cast<double>(weighted_blocks > 1 ? weighted_blocks : 1);
+    for (int64_t r = begin; r < end; ++r) rows[r].sequence_share = share;
+  }
+}
+
+__global__ void RowListsKernel(const RowMeta* rows, int64_t count,
+                               LossParams loss, int64_t* all,
+                               int64_t* weighted) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    all[i] = i;
+    weighted[i] =
+        EffectiveMask(loss, rows[i].target, rows[i].mask) > 0 ? i : -1;
   }
 }
 
@@ -267,6 +409,36 @@ void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
   if (count == 0) return;
   DFLASH_LAUNCH(FillKernel, Blocks(count), kThreads, 0, stream)
   (data, count, value);
+}
+
+void LaunchBuildRows(const RowsTensor& target_ids,
+                     const RowsTensor& weight_mask,
+                     const BuildRowsParams& params, RowMeta* rows,
+                     unsigned long long* error, double* tile_sums,
+                     CUstream_st* stream) {
+  DFLASH_LAUNCH(FillErrorKernel, 1, 1, 0, stream)(error);
+  const int64_t total = params.batch * params.anchors * params.block;
+  if (total == 0) return;
+  DFLASH_LAUNCH(BuildRowsKernel, Blocks(total), kThreads, 0, stream)
+  (target_ids, weight_mask, params, total, rows, error);
+  const int64_t tiles = (total + kRowsSumTile - 1) / kRowsSumTile;
+  DFLASH_LAUNCH(TileSumsKernel, Blocks(tiles), kThreads, 0, stream)
+  (weight_mask, params, total, tile_sums);
+  DFLASH_LAUNCH(MaskSumKernel, 1, 1, 0, stream)
+  (weight_mask, params, total, tile_sums, error);
+  if (params.loss.sequence_balanced && params.sequence_rows > 0) {
+    const int64_t sequences =
+        (total + params.sequence_rows - 1) / params.sequence_rows;
+    DFLASH_LAUNCH(SequenceSharesKernel, Blocks(sequences), kThreads, 0, stream)
+    (params, total, rows);
+  }
+}
+
+void LaunchRowLists(const RowMeta* rows, int64_t count, const LossParams& loss,
+                    int64_t* all, int64_t* weighted, CUstream_st* stream) {
+  if (count == 0) return;
+  DFLASH_LAUNCH(RowListsKernel, Blocks(count), kThreads, 0, stream)
+  (rows, count, loss, all, weighted);
 }
 
 #define DFLASH_INSTANTIATE_HEAD_KERNELS(T)                                     \

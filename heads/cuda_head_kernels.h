@@ -7,17 +7,23 @@
 
 #include <cstdint>
 
+#include "base/host_device.h"
+#include "losses/loss_params.h"
+#include "losses/row_meta.h"
+
 struct CUstream_st;
 
 namespace dflash {
 namespace cuda {
 
-// out[i, :] = source[rows[i], :], i < count, rows of `width` values.
+// out[i, :] = source[rows[i], :], i < count, rows of `width` values; a
+// negative rows[i] gives a row of zeros (a row without weight, whose
+// hidden state is never read: a NaN there must not reach grad_W).
 template <typename T>
 void LaunchGatherRows(const T* source, int64_t width, const int64_t* rows,
                       int64_t count, T* out, CUstream_st* stream);
 
-// out[rows[i], :] = values[i, :].
+// out[rows[i], :] = values[i, :]; a negative rows[i] writes nothing.
 template <typename T>
 void LaunchScatterRows(const T* values, int64_t width, const int64_t* rows,
                        int64_t count, T* out, CUstream_st* stream);
@@ -71,6 +77,76 @@ void LaunchScaleDoubleToFloat(const double* values, int64_t count,
 // data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
                      CUstream_st* stream);
+
+// BuildCudaRows's kernels (heads/cuda_head.h): RowsOf's rules
+// (python/native/objective.cc) on the device.
+
+// A [B, N, K] tensor of target ids or weight masks in device memory, its
+// strides in elements.
+enum RowsDType : int32_t {
+  kRowsInt32 = 0,
+  kRowsInt64 = 1,
+  kRowsFloat32 = 2,
+  kRowsFloat64 = 3,
+  kRowsBool = 4,  // One byte, 0 or 1.
+};
+struct RowsTensor {
+  const void* data = nullptr;
+  RowsDType dtype = kRowsInt64;
+  int64_t strides[3] = {0, 0, 0};
+};
+
+struct BuildRowsParams {
+  int64_t batch = 0, anchors = 0, block = 0;  // B, N, K.
+  int64_t vocab = 0;
+  int64_t ignore_index = -100;
+  bool count_ignored = false;
+  // Masks kept in float64 (else rounded to float32), and the largest sum
+  // of the raw masks the terms' dtype holds.
+  bool float64_terms = false;
+  double max_sum = 0;
+  // D-PACE SEQUENCE_BALANCED (loss.sequence_balanced): each row's
+  // sequence_share over sequences of `sequence_rows` rows.
+  LossParams loss;
+  int64_t sequence_rows = 0;
+};
+
+// The first bad element e (the linear index b N K + n K + k, RowsOf's
+// order) and what is wrong with it, as an atomic minimum of e << 2 | kind:
+// the first element wins, and within it RowsOf's order of checks.
+enum RowsErrorKind : int32_t {
+  kRowsMaskInvalid = 0,   // weight_mask: not finite, or negative.
+  kRowsMaskSumOverflow = 1,  // The masks' running sum passed max_sum here.
+  kRowsTargetInvalid = 2,  // target_ids: outside [0, V) and not ignored.
+};
+constexpr unsigned long long kNoRowsError = ~0ull;
+DFLASH_HOST_DEVICE inline unsigned long long RowsErrorCode(int64_t element,
+                                                           RowsErrorKind kind) {
+  return (static_cast<unsigned long long>(element) << 2) |
+         static_cast<unsigned long long>(kind);
+}
+
+// The masks' sums in tiles of this many elements (the overflow check's
+// scratch: one double per tile).
+constexpr int64_t kRowsSumTile = 256;
+
+// rows[e] for every element e < B N K, as RowsOf makes them (a bad element
+// gets mask 0, so that nothing downstream reads its target), the first bad
+// element in *error (which the launch sets to kNoRowsError first), and,
+// with params.loss.sequence_balanced, the sequence shares
+// (SetSequenceShares). `tile_sums`: ceil(B N K / kRowsSumTile) doubles of
+// scratch.
+void LaunchBuildRows(const RowsTensor& target_ids,
+                     const RowsTensor& weight_mask,
+                     const BuildRowsParams& params, RowMeta* rows,
+                     unsigned long long* error, double* tile_sums,
+                     CUstream_st* stream);
+
+// ALL_ROWS's row lists over `count` rows: all[i] = i, and weighted[i] = i
+// where EffectiveMask(loss, ...) > 0, else -1 (for the masked gather and
+// scatter above).
+void LaunchRowLists(const RowMeta* rows, int64_t count, const LossParams& loss,
+                    int64_t* all, int64_t* weighted, CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace dflash

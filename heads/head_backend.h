@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,6 +34,9 @@ struct HeadRunSpec {
   const PreparedProjection* prepared_projection = nullptr;  // Or none.
   // HeadOptions::vocab_shard: the chunk loss's (ChunkLossOptions).
   const VocabShard* vocab_shard = nullptr;
+  // The most rows a chunk projects (HeadPlan::max_chunk_rows): what a
+  // backend's per-chunk scratch is sized for once.
+  int64_t max_chunk_rows = 0;
 };
 
 // What the head needs from the device it runs on: memory, the projection,
@@ -87,6 +91,17 @@ class HeadBackend {
   virtual absl::Status ChunkLoss(int64_t chunk, int64_t begin, int64_t count,
                                  T* logits, const T* teacher, T* correction,
                                  bool record) = 0;
+
+  // Device rows (HeadInputs::device_rows) on the host, after one wait for
+  // the device; the build's first bad element, where it found one, as a
+  // RowError about that row (InvalidArgument). Backends without device
+  // memory have none to read.
+  virtual absl::StatusOr<std::vector<RowMeta>> ReadRows(
+      const DeviceRows& rows) {
+    return absl::InvalidArgumentError(
+        "inputs.device_rows: this backend reads its rows on the host "
+        "(inputs.rows)");
+  }
 
   // Waits for the work issued so far; the head times its phases with it.
   virtual absl::Status Synchronize() = 0;

@@ -38,10 +38,12 @@ IntermediateInfo TeacherLogitsInfo(const v1::HeadConfig& head, int64_t rows) {
           /*input_requires_grad=*/false, ProjectionFlops(head, rows)};
 }
 
-absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
-                                  absl::Span<const RowMeta> rows,
-                                  int64_t element_bytes) {
-  const int64_t n = static_cast<int64_t>(rows.size());
+namespace {
+
+// The plan's chunks of `n` rows and checkpoint policy; the active rows are
+// the caller's.
+absl::StatusOr<HeadPlan> PlanChunksOf(const v1::ObjectiveConfig& config,
+                                      int64_t n, int64_t element_bytes) {
   const v1::HeadConfig::ExecutionMode mode = config.head().mode();
   const ChunkingOptions chunking =
       mode == v1::HeadConfig::MATERIALIZE
@@ -54,7 +56,17 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                   element_bytes, LogitsBuffers(config)}));
   HeadPlan plan;
   plan.chunks = std::move(chunks);
-  plan.active = WeightedRows(rows, LossParamsOf(config.loss()));
+  plan.policy = config.checkpoint();
+  if (mode == v1::HeadConfig::MATERIALIZE ||
+      mode == v1::HeadConfig::SAVE_CHUNKS) {
+    plan.policy = v1::CheckpointPolicy();
+    plan.policy.set_preset(v1::CheckpointPolicy::SAVE_ALL);
+  }
+  return plan;
+}
+
+// Each chunk's share of plan.active, and the largest.
+void SplitActive(HeadPlan& plan) {
   for (const ChunkRange& chunk : plan.chunks.chunks) {
     plan.chunk_begin.push_back(
         std::lower_bound(plan.active.begin(), plan.active.end(), chunk.begin) -
@@ -64,12 +76,40 @@ absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
   for (size_t c = 0; c + 1 < plan.chunk_begin.size(); ++c) {
     plan.max_chunk_rows = std::max(plan.max_chunk_rows, plan.rows(c));
   }
-  plan.policy = config.checkpoint();
-  if (mode == v1::HeadConfig::MATERIALIZE ||
-      mode == v1::HeadConfig::SAVE_CHUNKS) {
-    plan.policy = v1::CheckpointPolicy();
-    plan.policy.set_preset(v1::CheckpointPolicy::SAVE_ALL);
+}
+
+}  // namespace
+
+absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
+                                  absl::Span<const RowMeta> rows,
+                                  int64_t element_bytes) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (config.head().row_selection() == v1::HeadConfig::ALL_ROWS) {
+    return PlanAllRows(config, n, element_bytes);
   }
+  DFLASH_ASSIGN_OR_RETURN(HeadPlan plan,
+                          PlanChunksOf(config, n, element_bytes));
+  plan.active = WeightedRows(rows, LossParamsOf(config.loss()));
+  SplitActive(plan);
+  return plan;
+}
+
+absl::StatusOr<HeadPlan> PlanAllRows(const v1::ObjectiveConfig& config,
+                                     int64_t rows, int64_t element_bytes) {
+  DFLASH_ASSIGN_OR_RETURN(HeadPlan plan,
+                          PlanChunksOf(config, rows, element_bytes));
+  const int64_t k = config.layout().block_size();
+  for (const ChunkRange& chunk : plan.chunks.chunks) {
+    if (chunk.begin % k != 0 || chunk.end % k != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head.row_selection: ALL_ROWS needs chunks of whole blocks of ", k,
+          " rows (a block-aligned chunking), got a chunk of rows [",
+          chunk.begin, ", ", chunk.end, ")"));
+    }
+  }
+  plan.active.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) plan.active[r] = r;
+  SplitActive(plan);
   return plan;
 }
 

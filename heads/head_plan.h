@@ -44,9 +44,18 @@ IntermediateInfo LogitsGradientInfo(const v1::HeadConfig& head, int64_t rows);
 IntermediateInfo TeacherLogitsInfo(const v1::HeadConfig& head, int64_t rows);
 
 // `config` validated; `element_bytes` of the head's tensors (4 for FLOAT32).
+// With head.row_selection ALL_ROWS the plan is PlanAllRows's.
 absl::StatusOr<HeadPlan> PlanHead(const v1::ObjectiveConfig& config,
                                   absl::Span<const RowMeta> rows,
                                   int64_t element_bytes);
+
+// The plan of head.row_selection ALL_ROWS from the row count alone: every
+// row projected (active = 0..rows-1, each chunk's rows its range), so
+// nothing of the rows' metadata is read. Chunks must be whole blocks (the
+// loss's blocks are then rows [j K, (j + 1) K) of a chunk): InvalidArgument
+// naming head.row_selection otherwise.
+absl::StatusOr<HeadPlan> PlanAllRows(const v1::ObjectiveConfig& config,
+                                     int64_t rows, int64_t element_bytes);
 
 // An upper bound on the bytes a head run of `config` over `rows` holds at
 // once, from its plan and checkpoint policy alone, before it runs: the

@@ -126,6 +126,12 @@ class HeadRun {
   // (all rows with none).
   const HeadInputs<T>& WithSequenceShares(const v1::ObjectiveConfig& config,
                                           const HeadInputs<T>& inputs) {
+    if (inputs.rows.empty()) {
+      // Device rows (BuildCudaRows made their shares); a copy, which
+      // HostRows completes with the rows read back.
+      shared_inputs_ = inputs;
+      return shared_inputs_;
+    }
     const LossParams params = LossParamsOf(config.loss());
     const int64_t block = config.layout().block_size();
     if (!params.sequence_balanced || block < 1) return inputs;
@@ -137,6 +143,20 @@ class HeadRun {
     shared_inputs_ = inputs;
     shared_inputs_.rows = shared_rows_;
     return shared_inputs_;
+  }
+  // Device rows read back into inputs_.rows (one wait for the device), the
+  // build's first bad element reported first: at Plan under COMPACT, after
+  // the last forward chunk under ALL_ROWS.
+  absl::Status HostRows() {
+    absl::StatusOr<std::vector<RowMeta>> rows =
+        backend_.ReadRows(inputs_.device_rows);
+    if (!rows.ok()) return NameBatchRowError(rows.status(), config_.layout());
+    shared_rows_ = *std::move(rows);
+    shared_inputs_.rows = shared_rows_;
+    return absl::OkStatus();
+  }
+  bool AllRows() const {
+    return head_.row_selection() == v1::HeadConfig::ALL_ROWS;
   }
   // The batch's loss, after its last chunk: SEQUENCE_BALANCED D-PACE's
   // loss_den is the rows' WeightedSequences, not the chunks' sum of w.
@@ -254,15 +274,30 @@ class HeadRun {
 
 template <typename T>
 absl::Status HeadRun<T>::CheckRows() const {
-  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
+  const int64_t rows = RowCount(inputs_);
   if (rows == 0 || rows % block_size_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "inputs.rows: must be a positive number of whole blocks of "
         "layout.block_size = ",
         block_size_, ", got ", rows, " rows"));
   }
+  if (inputs_.rows.empty()) {
+    // Device rows: BuildCudaRows checked every element (its error word is
+    // read with the rows, HostRows).
+    if (backend_.device() != Device::kCuda) {
+      return absl::InvalidArgumentError(
+          "inputs.device_rows: a CPU head reads its rows on the host "
+          "(inputs.rows)");
+    }
+    if (inputs_.device_rows.rows == nullptr ||
+        inputs_.device_rows.error == nullptr) {
+      return absl::InvalidArgumentError(
+          "inputs.device_rows: rows and error must be device memory, got "
+          "null");
+    }
+  }
   const int64_t ignore = config_.loss().cross_entropy().ignore_index();
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < static_cast<int64_t>(inputs_.rows.size()); ++r) {
     const RowMeta& meta = inputs_.rows[r];
     if (meta.position < 0 || meta.position >= block_size_) {
       return absl::InvalidArgumentError(
@@ -299,7 +334,7 @@ absl::Status HeadRun<T>::CheckRows() const {
 template <typename T>
 absl::Status HeadRun<T>::CheckSizes(const HeadGradients<T>* gradients,
                                     bool inputs) const {
-  const int64_t rows = static_cast<int64_t>(inputs_.rows.size());
+  const int64_t rows = RowCount(inputs_);
   if (inputs) DFLASH_RETURN_IF_ERROR(CheckRows());
   // Gradients unchecked (a split run's forward pass) are none here.
   const HeadGradients<T> none;
@@ -401,10 +436,14 @@ absl::Status HeadRun<T>::Plan() {
     widest = config_;
     widest.mutable_head()->set_vocab_size(plan_vocab_);
   }
+  if (inputs_.rows.empty() && !AllRows()) DFLASH_RETURN_IF_ERROR(HostRows());
+  const v1::ObjectiveConfig& planned = plan_vocab_ != vocab_ ? widest : config_;
   DFLASH_ASSIGN_OR_RETURN(
       HeadPlan plan,
-      PlanHead(plan_vocab_ != vocab_ ? widest : config_, inputs_.rows,
-               static_cast<int64_t>(sizeof(T))));
+      AllRows() ? PlanAllRows(planned, RowCount(inputs_),
+                              static_cast<int64_t>(sizeof(T)))
+                : PlanHead(planned, inputs_.rows,
+                           static_cast<int64_t>(sizeof(T))));
   plan_ = std::move(plan.chunks);
   active_ = std::move(plan.active);
   chunk_begin_ = std::move(plan.chunk_begin);
@@ -671,7 +710,7 @@ absl::Status HeadRun<T>::ShardHandshake(const VocabShard& shard,
   record[kOffset] = static_cast<double>(shard.offset);
   record[kWidth] = static_cast<double>(vocab_);
   record[kVocab] = static_cast<double>(shard.vocab);
-  record[kRows] = static_cast<double>(inputs_.rows.size());
+  record[kRows] = static_cast<double>(RowCount(inputs_));
   // 32 bits a value: exact in a double.
   record[kConfigLow] = static_cast<double>(config_hash & 0xffffffffu);
   record[kConfigHigh] = static_cast<double>(config_hash >> 32);
@@ -704,31 +743,28 @@ absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
   allocator_.ResetPeak();
   DFLASH_RETURN_IF_ERROR(Plan());
   const int64_t anchors = config_.layout().num_anchors();
-  sequences_ =
-      anchors > 0
-          ? static_cast<int64_t>(inputs_.rows.size()) / (anchors * block_size_)
-          : 1;
+  const int64_t rows = RowCount(inputs_);
+  sequences_ = anchors > 0 ? rows / (anchors * block_size_) : 1;
   const bool own_gradients = forward_only_ || deferred_;
   if (own_gradients && confidence_) {
     // The loss writes the confidence gradient of each row it records.
     DFLASH_ASSIGN_OR_RETURN(
         TrackedBuffer<ConfidenceOf<T>> created,
-        TrackedBuffer<ConfidenceOf<T>>::Create(
-            allocator_, static_cast<int64_t>(inputs_.rows.size())));
+        TrackedBuffer<ConfidenceOf<T>>::Create(allocator_, rows));
     confidence_ws_ = std::move(created);
-    no_gradients_.confidence =
-        absl::MakeSpan(confidence_ws_.data(), inputs_.rows.size());
+    no_gradients_.confidence = absl::MakeSpan(confidence_ws_.data(), rows);
   }
   DFLASH_RETURN_IF_ERROR(backend_.Start(
       {&config_, &params_, &inputs_,
        own_gradients ? &no_gradients_ : gradients_, &row_outputs_, active_,
-       options.prepared_projection, options.vocab_shard}));
+       options.prepared_projection, options.vocab_shard, max_chunk_rows_}));
   if (!own_gradients) DFLASH_RETURN_IF_ERROR(backend_.StartGradients(*gradients_));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
   // input-gradient products: now, where the rows alone decide it (a split
-  // run's Backward folds upstream x the finished scale instead).
-  if (backend_.folds_gradient_scale() && !deferred_) {
+  // run's Backward folds upstream x the finished scale instead; rows still
+  // on the device leave it to ScaleGradients).
+  if (backend_.folds_gradient_scale() && !deferred_ && !inputs_.rows.empty()) {
     known_scale_ = RowsGradientScale(params_, inputs_.rows, sequences_);
   }
   if (known_scale_) {
@@ -753,6 +789,9 @@ absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
     rows_ws_.Reset();
     z_ws_.Reset();
   }
+  // Device rows of ALL_ROWS: on the host now, for the terms (accepted
+  // lengths) and the finish; their errors before the loss's.
+  if (inputs_.rows.empty()) DFLASH_RETURN_IF_ERROR(HostRows());
   // Every chunk's terms are in (a recomputation does not record): the
   // loss and its scales are final.
   absl::StatusOr<ChunkTerms> terms = backend_.Terms();

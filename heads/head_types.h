@@ -25,6 +25,19 @@ namespace dflash {
 
 class PreparedProjection;  // heads/prepared_projection.h
 
+// A CUDA head's row metadata in device memory (BuildCudaRows,
+// heads/cuda_head.h, makes it from target_ids and weight_mask on the
+// device): `count` RowMeta, checked and with their sequence shares, and the
+// word where the build recorded the first bad element (kNoRowsError when
+// none; DecodeRowsError). The head reads the word once, before it reports
+// anything: at its start with head.row_selection COMPACT, at the end of
+// its forward pass with ALL_ROWS. Borrowed.
+struct DeviceRows {
+  const RowMeta* rows = nullptr;
+  int64_t count = 0;
+  const unsigned long long* error = nullptr;
+};
+
 // One batch through the head. Rows are the DFlash draft positions
 // [B, N, K] flattened (see //losses:batch_layout); K = layout.block_size.
 template <typename T>
@@ -34,6 +47,7 @@ struct HeadInputs {
   // [rows]; dspark. ConfidenceOf<T> (losses/chunk_loss.h): double beside
   // double, else float.
   absl::Span<const ConfidenceOf<T>> confidence_logits;
+  // On the host; or empty, with device_rows (a CUDA head).
   absl::Span<const RowMeta> rows;
   absl::Span<const T> weight;  // [V, H]
   absl::Span<const T> bias;    // [V] when head.bias.
@@ -42,7 +56,17 @@ struct HeadInputs {
   // [V, r] trainable. Domino adds it at positions >= its suffix_start only.
   absl::Span<const T> correction_inputs;  // z [rows, r]
   absl::Span<const T> correction_weight;  // M [V, r]
+  // The rows on the device where `rows` is empty (last, so that callers
+  // listing the spans above need not name it).
+  DeviceRows device_rows;
 };
+
+// The rows of `inputs`: the host rows', else the device rows' count.
+template <typename T>
+int64_t RowCount(const HeadInputs<T>& inputs) {
+  return inputs.rows.empty() ? inputs.device_rows.count
+                             : static_cast<int64_t>(inputs.rows.size());
+}
 
 // Where gradients of loss * upstream land, at the rows' original positions.
 template <typename T>

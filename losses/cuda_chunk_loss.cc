@@ -19,6 +19,14 @@ int64_t Aligned(int64_t count) {
   return (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
 }
 
+// Bytes of a chunk's device scratch of n rows: its rows, block starts,
+// per-row statistics and terms.
+int64_t ScratchBytes(int64_t n) {
+  return Aligned<cuda::Row>(n) + Aligned<int32_t>(n + 1) +
+         Aligned<cuda::RowStats>(n) + 3 * Aligned<double>(n) +
+         Aligned<double>(kTermSlots * n);
+}
+
 }  // namespace
 
 template <typename T>
@@ -27,10 +35,16 @@ struct CudaChunkLoss<T>::State {
   CudaStream* stream = nullptr;
   TrackedBuffer<double> totals;
   TrackedBuffer<unsigned long long> error;
+  // Create's scratch for chunks of up to scratch_rows rows (stream order
+  // keeps one chunk's kernels apart from the next's).
+  TrackedBuffer<char> scratch;
+  int64_t scratch_rows = 0;
   // Host copies of the chunks' metadata, alive until the device has read
   // them (copies from pageable memory are staged, but keep it simple).
   std::vector<std::vector<cuda::Row>> rows;
   std::vector<std::vector<int32_t>> block_begins;
+  // RunDeviceRows's stand-in rows for the size checks (positions only).
+  std::vector<RowMeta> layout;
 };
 
 template <typename T>
@@ -43,7 +57,7 @@ CudaChunkLoss<T>::~CudaChunkLoss() = default;
 template <typename T>
 absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options,
-    CudaStream& stream) {
+    CudaStream& stream, int64_t max_rows) {
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
   if (options.block_size > (1 << 20)) {
     return absl::InvalidArgumentError(
@@ -65,19 +79,17 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
       TrackedBuffer<unsigned long long> error,
       TrackedBuffer<unsigned long long>::Create(allocator, 1));
   state->error = std::move(error);
-  if (absl::Status ok =
-          stream.Zero(state->totals.data(), state->totals.bytes());
-      !ok.ok()) {
-    return ok;
+  if (max_rows > 0) {
+    DFLASH_ASSIGN_OR_RETURN(
+        TrackedBuffer<char> scratch,
+        TrackedBuffer<char>::Create(allocator, ScratchBytes(max_rows)));
+    state->scratch = std::move(scratch);
+    state->scratch_rows = max_rows;
   }
-  const unsigned long long none = cuda::kNoError;
-  if (absl::Status ok =
-          stream.CopyToDevice(state->error.data(), &none, sizeof(none));
-      !ok.ok()) {
-    return ok;
-  }
-  // `none` is read before Create returns.
-  DFLASH_RETURN_IF_ERROR(stream.Synchronize());
+  DFLASH_RETURN_IF_ERROR(
+      stream.Zero(state->totals.data(), state->totals.bytes()));
+  cuda::LaunchResetError(state->error.data(), stream.stream());
+  DFLASH_RETURN_IF_ERROR(stream.LaunchStatus("chunk loss start"));
   return std::unique_ptr<CudaChunkLoss>(new CudaChunkLoss(std::move(state)));
 }
 
@@ -92,10 +104,10 @@ absl::Status CheckCudaChunkLimits(int64_t vocab, int64_t rows) {
 }
 
 template <typename T>
-absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
-                                   const ChunkLossOutputs& outputs,
-                                   const int64_t* out_rows, bool record) {
-  State& s = *state_;
+absl::Status CudaChunkLoss<T>::Check(const ChunkLossInputs<T>& inputs,
+                                     const ChunkLossOutputs& outputs,
+                                     const int64_t* out_rows) const {
+  const State& s = *state_;
   const int64_t n = static_cast<int64_t>(inputs.rows.size());
   DFLASH_RETURN_IF_ERROR(CheckCudaChunkLimits(inputs.vocab, n));
   // With out_rows, per-row arrays hold the caller's rows rather than the
@@ -120,10 +132,19 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     check_outputs.base_argmax = share(outputs.base_argmax, 1);
     check_outputs.teacher_argmax = share(outputs.teacher_argmax, 1);
   }
-  const LossParams& loss = s.params.loss;
-  DFLASH_RETURN_IF_ERROR(ValidateChunkLossInputs(loss, s.params.options,
-                                                 check_inputs, check_outputs));
+  return ValidateChunkLossInputs(s.params.loss, s.params.options, check_inputs,
+                                 check_outputs);
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
+                                   const ChunkLossOutputs& outputs,
+                                   const int64_t* out_rows, bool record) {
+  const State& s = *state_;
+  DFLASH_RETURN_IF_ERROR(Check(inputs, outputs, out_rows));
+  const int64_t n = static_cast<int64_t>(inputs.rows.size());
   if (n == 0) return absl::OkStatus();
+  const LossParams& loss = s.params.loss;
   const int64_t vocab = inputs.vocab;
   std::vector<cuda::Row> rows(n);
   for (int64_t r = 0; r < n; ++r) {
@@ -136,7 +157,8 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     }
     // The kernels read the mask in float32, as the CUDA head computes
     // (CUDA runs float32 or bfloat16; the binding gives them float32
-    // masks), and the weight in double, as the CPU's.
+    // masks), and the weight in double, as the CPU's. (LaunchRowsFromMeta
+    // does the same on the device.)
     rows[r] = {mask != 0 ? meta.target : 0, meta.position,
                static_cast<float>(mask), RowLossWeight(loss, meta.position, mask),
                DPaceRowScale(loss, meta.sequence_share)};
@@ -150,44 +172,96 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     }
     block_begin.push_back(static_cast<int32_t>(n));
   }
+  return Launch(inputs, outputs, out_rows, record, n, std::move(rows),
+                nullptr, std::move(block_begin));
+}
 
-  // One device buffer for the chunk's metadata and scratch, freed in stream
-  // order when this call returns.
-  const int64_t meta_bytes = Aligned<cuda::Row>(n);
-  const int64_t blocks_bytes = Aligned<int32_t>(block_begin.size());
-  const int64_t stats_bytes = Aligned<cuda::RowStats>(n);
-  const int64_t row_bytes = Aligned<double>(n);
-  const int64_t terms_bytes = Aligned<double>(kTermSlots * n);
-  DFLASH_ASSIGN_OR_RETURN(
-      TrackedBuffer<char> scratch,
-      TrackedBuffer<char>::Create(s.stream->allocator(),
-                                  meta_bytes + blocks_bytes + stats_bytes +
-                                      3 * row_bytes + terms_bytes));
-  char* at = scratch.data();
+template <typename T>
+absl::Status CudaChunkLoss<T>::RunDeviceRows(const RowMeta* rows,
+                                             int64_t count,
+                                             const ChunkLossInputs<T>& inputs,
+                                             const ChunkLossOutputs& outputs,
+                                             const int64_t* out_rows,
+                                             bool record) {
+  State& s = *state_;
+  const int64_t k = s.params.options.block_size;
+  if (!inputs.rows.empty() || count < 0 || count % k != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk loss: device rows must be whole blocks of ", k,
+        " rows with inputs.rows empty, got ", count, " rows and ",
+        inputs.rows.size(), " host rows"));
+  }
+  // The size checks read the rows' positions and blocks alone: stand-ins
+  // of the layout the device rows have.
+  s.layout.resize(count);
+  for (int64_t r = 0; r < count; ++r) {
+    s.layout[r] = RowMeta();
+    s.layout[r].position = static_cast<int32_t>(r % k);
+    s.layout[r].block = r / k;
+  }
+  ChunkLossInputs<T> check_inputs = inputs;
+  check_inputs.rows = s.layout;
+  check_inputs.rows_checked = true;
+  DFLASH_RETURN_IF_ERROR(Check(check_inputs, outputs, out_rows));
+  if (count == 0) return absl::OkStatus();
+  return Launch(inputs, outputs, out_rows, record, count, {}, rows, {});
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::Launch(const ChunkLossInputs<T>& inputs,
+                                      const ChunkLossOutputs& outputs,
+                                      const int64_t* out_rows, bool record,
+                                      int64_t n,
+                                      std::vector<cuda::Row> host_rows,
+                                      const RowMeta* device_rows,
+                                      std::vector<int32_t> block_begin) {
+  State& s = *state_;
+  const LossParams& loss = s.params.loss;
+  const int64_t vocab = inputs.vocab;
+  // The chunk's metadata and scratch: Create's, or a buffer of its own
+  // freed in stream order when this call returns.
+  TrackedBuffer<char> own;
+  char* at = s.scratch.data();
+  if (n > s.scratch_rows) {
+    DFLASH_ASSIGN_OR_RETURN(
+        own, TrackedBuffer<char>::Create(s.stream->allocator(),
+                                         ScratchBytes(n)));
+    at = own.data();
+  }
   auto take = [&](int64_t bytes) {
     char* here = at;
     at += bytes;
     return here;
   };
   cuda::ChunkArgs<T> args;
-  args.meta = reinterpret_cast<const cuda::Row*>(take(meta_bytes));
-  args.block_begin = reinterpret_cast<const int32_t*>(take(blocks_bytes));
-  args.stats = reinterpret_cast<cuda::RowStats*>(take(stats_bytes));
-  args.weight = reinterpret_cast<double*>(take(row_bytes));
-  args.ce_share = reinterpret_cast<double*>(take(row_bytes));
-  args.accept = reinterpret_cast<double*>(take(row_bytes));
-  args.row_terms = reinterpret_cast<double*>(take(terms_bytes));
-  s.rows.push_back(std::move(rows));
-  s.block_begins.push_back(std::move(block_begin));
-  if (absl::Status ok =
-          s.stream->CopyToDevice(const_cast<cuda::Row*>(args.meta),
-                                 s.rows.back().data(), n * sizeof(cuda::Row));
-      !ok.ok()) {
-    return ok;
+  cuda::Row* meta = reinterpret_cast<cuda::Row*>(take(Aligned<cuda::Row>(n)));
+  int32_t* blocks = reinterpret_cast<int32_t*>(take(Aligned<int32_t>(n + 1)));
+  args.meta = meta;
+  args.stats = reinterpret_cast<cuda::RowStats*>(
+      take(Aligned<cuda::RowStats>(n)));
+  args.weight = reinterpret_cast<double*>(take(Aligned<double>(n)));
+  args.ce_share = reinterpret_cast<double*>(take(Aligned<double>(n)));
+  args.accept = reinterpret_cast<double*>(take(Aligned<double>(n)));
+  args.row_terms =
+      reinterpret_cast<double*>(take(Aligned<double>(kTermSlots * n)));
+  if (device_rows != nullptr) {
+    cuda::LaunchRowsFromMeta(loss, device_rows, n, meta, s.stream->stream());
+    args.block_begin = nullptr;
+    args.block_size = static_cast<int32_t>(s.params.options.block_size);
+    args.blocks = CouplesBlocks(loss)
+                      ? static_cast<int32_t>(n / s.params.options.block_size)
+                      : 0;
+  } else {
+    s.rows.push_back(std::move(host_rows));
+    s.block_begins.push_back(std::move(block_begin));
+    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+        meta, s.rows.back().data(), n * sizeof(cuda::Row)));
+    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+        blocks, s.block_begins.back().data(),
+        s.block_begins.back().size() * sizeof(int32_t)));
+    args.block_begin = blocks;
+    args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
   }
-  DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-      const_cast<int32_t*>(args.block_begin), s.block_begins.back().data(),
-      s.block_begins.back().size() * sizeof(int32_t)));
   args.logits = inputs.logits.data();
   args.stride = inputs.stride();
   args.teacher =
@@ -200,7 +274,6 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   args.teacher_argmax =
       outputs.teacher_argmax.empty() ? nullptr : outputs.teacher_argmax.data();
   args.rows = n;
-  args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
   args.out_rows = out_rows;
   args.confidence = inputs.confidence_logits.empty()
                         ? nullptr

@@ -15,6 +15,7 @@
 #include "base/cuda_stream.h"
 #include "base/tracking_allocator.h"
 #include "losses/chunk_loss.h"
+#include "losses/cuda_row_kernels.h"
 #include "losses/loss_params.h"
 
 namespace dflash {
@@ -32,10 +33,14 @@ namespace dflash {
 template <typename T>
 class CudaChunkLoss {
  public:
-  // `params` as ResolveLoss (loss_family.h) makes them.
+  // `params` as ResolveLoss (loss_family.h) makes them. With max_rows > 0
+  // the chunks' device scratch (their rows, per-row statistics and terms)
+  // is allocated once, here, for chunks of up to max_rows rows; a larger
+  // chunk, or any with max_rows 0, allocates its own. Queues its work: no
+  // wait for the device.
   static absl::StatusOr<std::unique_ptr<CudaChunkLoss>> Create(
       const LossParams& params, const ChunkLossOptions& options,
-      CudaStream& stream);
+      CudaStream& stream, int64_t max_rows = 0);
   ~CudaChunkLoss();
 
   // One chunk. Per-row arrays (confidence logits and gradient, neg_log_q,
@@ -47,12 +52,35 @@ class CudaChunkLoss {
                    const ChunkLossOutputs& outputs, const int64_t* out_rows,
                    bool record);
 
+  // Run with the chunk's rows in device memory: `rows` [count], checked and
+  // with their sequence shares (BuildCudaRows, heads/cuda_head.h), whole
+  // blocks in order (row r of the chunk at block position r % K); no host
+  // copy, no wait. inputs.rows is empty; the sizes are checked against
+  // `count`.
+  absl::Status RunDeviceRows(const RowMeta* rows, int64_t count,
+                             const ChunkLossInputs<T>& inputs,
+                             const ChunkLossOutputs& outputs,
+                             const int64_t* out_rows, bool record);
+
   // Waits for the device; the terms of every recorded chunk.
   absl::StatusOr<ChunkTerms> Terms();
 
  private:
   struct State;
   explicit CudaChunkLoss(std::unique_ptr<State> state);
+  // Run's work once its rows are prepared: `host_rows` (copied to the
+  // device) or `device_rows` (converted there), `block_begin` for coupled
+  // blocks (empty with device rows: uniform blocks).
+  absl::Status Launch(const ChunkLossInputs<T>& inputs,
+                      const ChunkLossOutputs& outputs, const int64_t* out_rows,
+                      bool record, int64_t n, std::vector<cuda::Row> host_rows,
+                      const RowMeta* device_rows,
+                      std::vector<int32_t> block_begin);
+  // The checks of Run: limits, sizes (the chunk's share of per-row arrays
+  // indexed by out_rows), with `inputs.rows` standing for the chunk.
+  absl::Status Check(const ChunkLossInputs<T>& inputs,
+                     const ChunkLossOutputs& outputs,
+                     const int64_t* out_rows) const;
   std::unique_ptr<State> state_;
 };
 

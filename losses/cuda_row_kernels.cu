@@ -627,11 +627,14 @@ class CudaRow {
 __global__ void BlockWeightsKernel(LossParams p, const Row* meta,
                                    const RowStats* stats,
                                    const int32_t* block_begin, int32_t blocks,
+                                   int32_t block_size,
                                    const double* accept, double* weight,
                                    double* share) {
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= blocks) return;
-  const int32_t begin = block_begin[b], end = block_begin[b + 1];
+  const int32_t begin = block_begin != nullptr ? block_begin[b] : b * block_size;
+  const int32_t end =
+      block_begin != nullptr ? block_begin[b + 1] : begin + block_size;
   auto q = [&](int64_t i) {
     const int64_t r = begin + i;
     if (!(meta[r].mask > 0)) return 0.0;
@@ -960,10 +963,46 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
     DFLASH_LAUNCH(BlockWeightsKernel, (args.blocks + kPerBlock - 1) / kPerBlock,
                   kPerBlock, 0, stream)
     (params.loss, args.meta, args.stats, args.block_begin, args.blocks,
-     args.accept, args.weight, args.ce_share);
+     args.block_size, args.accept, args.weight, args.ce_share);
   }
   DFLASH_LAUNCH(LossKernel<T>, rows, kThreads, 0, stream)(params, args);
   reduce_terms();
+}
+
+namespace {
+
+__global__ void RowsFromMetaKernel(LossParams loss, const RowMeta* rows,
+                                   int64_t count, Row* out) {
+  for (int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; r < count;
+       r += int64_t{gridDim.x} * blockDim.x) {
+    const RowMeta meta = rows[r];
+    const double mask = EffectiveMask(loss, meta.target, meta.mask);
+    out[r] = {mask != 0 ? meta.target : 0, meta.position,
+              static_cast<float>(mask),
+              RowLossWeight(loss, meta.position, mask),
+              DPaceRowScale(loss, meta.sequence_share)};
+  }
+}
+
+__global__ void ResetErrorKernel(unsigned long long* error) {
+  *error = kNoError;
+}
+
+}  // namespace
+
+void LaunchRowsFromMeta(const LossParams& loss, const RowMeta* rows,
+                        int64_t count, Row* out, CUstream_st* stream) {
+  if (count == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+  DFLASH_LAUNCH(RowsFromMetaKernel,
+                static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
+                0, stream)
+  (loss, rows, count, out);
+}
+
+void LaunchResetError(unsigned long long* error, CUstream_st* stream) {
+  DFLASH_LAUNCH(ResetErrorKernel, 1, 1, 0, stream)(error);
 }
 
 template <typename T>

@@ -11,6 +11,7 @@
 
 #include "base/host_device.h"
 #include "losses/loss_params.h"
+#include "losses/row_meta.h"
 #include "losses/term_slots.h"
 
 struct CUstream_st;
@@ -117,8 +118,12 @@ struct ChunkArgs {
   int64_t stride = 0;
   int64_t rows = 0;
   const Row* meta = nullptr;             // [rows]
-  const int32_t* block_begin = nullptr;  // [blocks + 1], coupled families.
+  // [blocks + 1], coupled families; or null, for blocks of block_size rows
+  // each (block j: rows [j block_size, (j + 1) block_size), all rows of a
+  // chunk of whole blocks).
+  const int32_t* block_begin = nullptr;
   int32_t blocks = 0;
+  int32_t block_size = 0;
   const int64_t* out_rows = nullptr;
   // By out row, DSpark: float, ConfidenceOf<T> for the float and BFloat16
   // logits the CUDA loss runs.
@@ -155,6 +160,15 @@ struct ChunkArgs {
 template <typename T>
 void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream);
+
+// out[i] for rows[i], i < count, as CudaChunkLoss prepares a host row:
+// the effective mask (target 0 where it is 0), RowLossWeight and
+// DPaceRowScale (loss_math.h). The rows are checked (BuildCudaRows).
+void LaunchRowsFromMeta(const LossParams& loss, const RowMeta* rows,
+                        int64_t count, Row* out, CUstream_st* stream);
+
+// *error = kNoError, queued (no host memory to keep alive).
+void LaunchResetError(unsigned long long* error, CUstream_st* stream);
 
 // data[i] *= scale for i < count: the gradients' final scale. T is float
 // or BFloat16.

@@ -33,6 +33,16 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
                      v1::HeadConfig::Backend_Name(head.backend()));
   problems.Specified("head.mode", head.mode(),
                      v1::HeadConfig::ExecutionMode_Name(head.mode()));
+  problems.Specified("head.row_selection", head.row_selection(),
+                     v1::HeadConfig::RowSelection_Name(head.row_selection()));
+  if (head.row_selection() == v1::HeadConfig::ALL_ROWS &&
+      head.backend() != v1::HeadConfig::CUDA) {
+    // The CPU head finds its weighted rows on the host anyway: projecting
+    // the others would cost FLOPs for nothing.
+    problems.Add("head.row_selection",
+                 "ALL_ROWS is CUDA only (a CPU head projects the rows with "
+                 "weight, COMPACT), got ALL_ROWS");
+  }
   if (head.has_logit_softcap()) {
     problems.AtLeast("head.logit_softcap", head.logit_softcap(), 0);
   }
