@@ -24,7 +24,8 @@ namespace dflash {
 // and per-row outputs (chunk_loss.h), T = float or BFloat16 (computed in
 // FP32, the gradient rounded to bfloat16 once). The logits, teacher logits,
 // confidence logits and every output span are device memory; the rows'
-// metadata stays on the host, where it is validated as on the CPU.
+// metadata is on the host, where it is validated as on the CPU (Run), or
+// on the device, already checked (RunDeviceRows).
 //
 // Chunks are queued on the stream without waiting for the device; their
 // terms accumulate on the device, and Terms() waits once and reads them.

@@ -171,7 +171,12 @@ DeviceLabels UploadLabels(const Labels& l, cuda::RowsDType id_dtype,
 
 v1::ObjectiveConfig CudaConfig(const std::string& loss, const std::string& mode,
                                v1::HeadConfig::RowSelection selection) {
-  v1::ObjectiveConfig config = ConfigBuilder(loss).Mode(mode).Trainable().Build();
+  // Trainable but for the batch-level LK lambda, which needs a frozen head.
+  v1::ObjectiveConfig config =
+      ConfigBuilder(loss)
+          .Mode(mode)
+          .Trainable(loss.find("lk { type: LAMBDA") == std::string::npos)
+          .Build();
   config.mutable_head()->set_backend(v1::HeadConfig::CUDA);
   config.mutable_head()->set_dtype(v1::HeadConfig::FLOAT32);
   config.mutable_head()->set_row_selection(selection);
@@ -353,6 +358,46 @@ TEST(CudaDeviceRowsTest, ReportsRowsOfFirstBadElement) {
   }
 }
 
+// A config's own ignore_index: its targets are ignored (no error, no
+// weight), and -100 is then a bad target where it has weight.
+TEST(CudaDeviceRowsTest, HonoursTheConfigsIgnoreIndex) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  CudaStream& stream = *gpu->stream;
+  const v1::ObjectiveConfig config =
+      CudaConfig("dflash {} cross_entropy { ignore_index: 7 }", "FUSED",
+                 v1::HeadConfig::COMPACT);
+  Labels labels = MakeLabels(9);
+  for (int64_t& id : labels.ids) {
+    if (id == kIgnore) id = 7;
+  }
+  std::vector<RowMeta> want = ReferenceRows(labels, false);
+  for (int64_t e = 0; e < kB * kN * kK; ++e) {
+    if (labels.ids[e] == 7) want[e].mask = 0, want[e].target = 0;
+  }
+  DeviceLabels d = UploadLabels(labels, cuda::kRowsInt32, cuda::kRowsFloat64,
+                                false, stream);
+  absl::StatusOr<CudaRows> rows =
+      BuildCudaRows(config, d.target_ids, d.weight_mask, kB, kN, stream);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  auto error = ReadCudaRowsError(rows->view(), stream);
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_FALSE(error->has_value());
+  ExpectSameRows(DownloadRows(*rows, stream), want);
+
+  labels.ids[6] = kIgnore;
+  labels.masks[6] = 1;
+  DeviceLabels bad = UploadLabels(labels, cuda::kRowsInt64,
+                                  cuda::kRowsFloat32, false, stream);
+  rows = BuildCudaRows(config, bad.target_ids, bad.weight_mask, kB, kN, stream);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  error = ReadCudaRowsError(rows->view(), stream);
+  ASSERT_TRUE(error.ok()) << error.status();
+  ASSERT_TRUE(error->has_value());
+  EXPECT_EQ((*error)->element, 6);
+  EXPECT_EQ((*error)->kind, cuda::kRowsTargetInvalid);
+}
+
 // A run's results in float64 on the host.
 struct Result {
   absl::StatusOr<HeadResult> head;
@@ -382,8 +427,11 @@ Result RunWith(const v1::ObjectiveConfig& config, const Batch& b,
   inputs.rows = host_rows;
   inputs.device_rows = device_rows;
   Result r;
+  const bool trainable = config.head().trainable();
   r.head = RunCudaHead<float>(
-      config, inputs, {Span(grad_hidden), Span(grad_weight), Span(grad_bias)},
+      config, inputs,
+      {Span(grad_hidden), trainable ? Span(grad_weight) : absl::Span<float>(),
+       trainable ? Span(grad_bias) : absl::Span<float>()},
       *gpu.blas);
   r.grad_hidden = Download(grad_hidden, stream);
   r.grad_weight = Download(grad_weight, stream);
@@ -397,6 +445,8 @@ const char* const kLosses[] = {
     "dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }",
     "dpace { alpha: 0.3 }",
     "dflash {} cross_entropy { ignored_target_weight: COUNT }",
+    "lk_lambda {}",
+    "dflash { lk { type: LAMBDA } }",
 };
 const char* const kModes[] = {"FUSED", "CHECKPOINT", "MATERIALIZE"};
 
@@ -535,6 +585,51 @@ TEST(CudaDeviceRowsTest, NanInUnweightedRowLeavesWeightGradientFinite) {
     EXPECT_EQ(got.grad_weight, want.grad_weight);
     EXPECT_EQ(got.grad_hidden, want.grad_hidden);
     EXPECT_EQ(got.head->loss, want.head->loss);
+  }
+}
+
+// StartCudaHead from device rows under ALL_ROWS: the forward loss and the
+// gradients of RunCudaHead's ALL_ROWS run (to the split run's folding of
+// the scale: 1e-6).
+TEST(CudaDeviceRowsTest, SplitRunFromDeviceRows) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  CudaStream& stream = *gpu->stream;
+  const Batch b = MakeBatch(41);
+  const Labels labels = MakeLabels(42);
+  for (const char* loss :
+       {"dflash {}", "dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }"}) {
+    SCOPED_TRACE(loss);
+    const v1::ObjectiveConfig config =
+        CudaConfig(loss, "CHECKPOINT", v1::HeadConfig::ALL_ROWS);
+    DeviceLabels d = UploadLabels(labels, cuda::kRowsInt64,
+                                  cuda::kRowsFloat32, false, stream);
+    absl::StatusOr<CudaRows> rows =
+        BuildCudaRows(config, d.target_ids, d.weight_mask, kB, kN, stream);
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    const Result want = RunWith(config, b, b.hidden, {}, rows->view(), *gpu);
+    ASSERT_TRUE(want.head.ok()) << want.head.status();
+
+    TrackedBuffer<float> x = Upload<float>(b.hidden, stream);
+    TrackedBuffer<float> weight = Upload<float>(b.weight, stream);
+    TrackedBuffer<float> bias = Upload<float>(b.bias, stream);
+    HeadInputs<float> inputs;
+    inputs.hidden = Span(x);
+    inputs.weight = Span(weight);
+    inputs.bias = Span(bias);
+    inputs.device_rows = rows->view();
+    auto split = StartCudaHead<float>(config, inputs, *gpu->blas);
+    ASSERT_TRUE(split.ok()) << split.status();
+    EXPECT_EQ((*split)->forward().loss, want.head->loss);
+    TrackedBuffer<float> grad_hidden = Upload<float>(b.hidden, stream);
+    TrackedBuffer<float> grad_weight = Upload<float>(b.weight, stream);
+    TrackedBuffer<float> grad_bias = Upload<float>(b.bias, stream);
+    auto stats = (*split)->Backward(
+        1.0, {Span(grad_hidden), Span(grad_weight), Span(grad_bias)}, nullptr);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_LT(Relative(Download(grad_hidden, stream), want.grad_hidden), 1e-6);
+    EXPECT_LT(Relative(Download(grad_weight, stream), want.grad_weight), 1e-6);
+    EXPECT_LT(Relative(Download(grad_bias, stream), want.grad_bias), 1e-6);
   }
 }
 
