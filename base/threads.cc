@@ -14,36 +14,40 @@
 namespace dflash {
 namespace {
 
-// Calls in progress hold it shared; fork() holds it exclusively from its
-// prepare handler to the parent's and the child's handlers.
-// Writer-preferring, so a fork is not starved by calls that overlap.
+// Calls in progress hold it shared; a fork holds it exclusively from
+// HoldCallsForFork or fork()'s prepare handler to the parent's and the
+// child's handlers. Writer-preferring, so a fork is not starved by calls
+// that overlap.
 pthread_rwlock_t calls = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 std::atomic<bool> forked_child{false};
 thread_local int call_depth = 0;
-// Whether this thread's fork took the lock (not when it forks from inside
-// a call of its own, which would wait for itself).
-thread_local bool fork_holds_lock = false;
-
-void BeforeFork() {
-  fork_holds_lock = call_depth == 0;
-  if (fork_holds_lock) pthread_rwlock_wrlock(&calls);
-}
+// Whether this thread's outermost call holds `calls` shared (not while the
+// thread holds it for a fork, which keeps every other call out already).
+thread_local bool call_holds_lock = false;
+// Whether this thread holds `calls` exclusively for its coming fork().
+thread_local bool holds_for_fork = false;
 
 void AfterForkInParent() {
-  if (fork_holds_lock) pthread_rwlock_unlock(&calls);
+  if (!holds_for_fork) return;
+  holds_for_fork = false;
+  pthread_rwlock_unlock(&calls);
 }
 
 void AfterForkInChild() {
   forked_child.store(true, std::memory_order_relaxed);
   // The lock names its writer by thread id, which the child's only thread
-  // does not share: made anew (no other thread exists to hold it).
+  // does not share: made anew (no other thread exists to hold it). A call
+  // this thread was inside (a fork from within it) no longer holds it.
   const pthread_rwlock_t fresh =
       PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
   std::memcpy(&calls, &fresh, sizeof(calls));
+  holds_for_fork = false;
+  call_holds_lock = false;
 }
 
 [[maybe_unused]] const bool fork_handlers_registered = [] {
-  return pthread_atfork(BeforeFork, AfterForkInParent, AfterForkInChild) == 0;
+  return pthread_atfork(HoldCallsForFork, AfterForkInParent,
+                        AfterForkInChild) == 0;
 }();
 
 void* Exit(void*) { return nullptr; }
@@ -106,11 +110,24 @@ absl::StatusOr<int> ResolveThreads(int64_t requested, const char* what) {
 }
 
 ScopedLibraryCall::ScopedLibraryCall() {
-  if (call_depth++ == 0) pthread_rwlock_rdlock(&calls);
+  if (call_depth++ == 0 && !holds_for_fork) {
+    pthread_rwlock_rdlock(&calls);
+    call_holds_lock = true;
+  }
 }
 
 ScopedLibraryCall::~ScopedLibraryCall() {
-  if (--call_depth == 0) pthread_rwlock_unlock(&calls);
+  if (--call_depth == 0 && call_holds_lock) {
+    call_holds_lock = false;
+    pthread_rwlock_unlock(&calls);
+  }
+}
+
+void HoldCallsForFork() {
+  // Inside a call this thread would wait for itself.
+  if (holds_for_fork || call_depth > 0) return;
+  pthread_rwlock_wrlock(&calls);
+  holds_for_fork = true;
 }
 
 }  // namespace dflash

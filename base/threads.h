@@ -11,6 +11,8 @@
 //   no longer exist (torch marks a forked child the same way);
 // - fork() waits while any thread is inside a library call
 //   (ScopedLibraryCall), so a child never inherits a lock held mid-call;
+//   a runtime whose fork() holds a lock such a call may need to finish
+//   (Python's GIL) waits beforehand instead (HoldCallsForFork);
 // - threads that cannot be started (a process limit) are an error, not
 //   libgomp's abort of the whole process.
 
@@ -47,6 +49,17 @@ class ScopedLibraryCall {
   ScopedLibraryCall(const ScopedLibraryCall&) = delete;
   ScopedLibraryCall& operator=(const ScopedLibraryCall&) = delete;
 };
+
+// fork()'s wait for the calls in progress, done ahead of it by a caller
+// that must not wait inside fork(): Python's os.fork() holds the GIL
+// through fork(), and a call may need the GIL to finish (a callback into
+// Python), so the binding waits here from a before-fork hook with the GIL
+// released. Returns once no call is inside and keeps new calls out until
+// this thread's next fork(), which then does not wait again and lets them
+// in in the parent (the child starts with none); so fork() must follow on
+// this thread. Does nothing on a thread inside a call (fork() from there
+// waits for no one either) or already holding.
+void HoldCallsForFork();
 
 }  // namespace dflash
 

@@ -6,7 +6,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -109,6 +113,99 @@ TEST(ThreadsTest, ForkWaitsForACallInProgress) {
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   call.join();
+}
+
+// Runs `body` on a thread of its own: false when it has not finished in
+// 20 s, a hang (the thread is left behind).
+bool Finishes(std::function<void()> body) {
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  std::thread([done, body = std::move(body)] {
+    body();
+    std::lock_guard<std::mutex> lock(done->mu);
+    done->done = true;
+    done->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(done->mu);
+  return done->cv.wait_for(lock, std::chrono::seconds(20),
+                           [&] { return done->done; });
+}
+
+// Whether child `pid` exited 0.
+bool ExitedCleanly(pid_t pid) {
+  int status = 0;
+  return waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
+}
+
+TEST(ThreadsTest, ForkAfterHoldingCallsLetsACallNeedingTheForkersLockEnd) {
+  // `gil` plays Python's GIL: the forking thread holds it through fork(),
+  // and the call in progress needs it to end (its exchange's callback).
+  // Waiting for the call inside fork() with it held would never end; the
+  // hook (HoldCallsForFork with it released) lets the call end first.
+  std::mutex gil;
+  std::atomic<bool> inside{false}, forking{false}, left{false};
+  std::thread call([&] {
+    ScopedLibraryCall scope;
+    inside = true;
+    while (!forking) std::this_thread::yield();
+    { std::lock_guard<std::mutex> callback(gil); }
+    left = true;
+  });
+  std::atomic<bool> left_before_fork{false}, child_ok{false},
+      entered_after{false};
+  const bool finished = Finishes([&] {
+    std::unique_lock<std::mutex> held(gil);
+    while (!inside) std::this_thread::yield();
+    forking = true;
+    held.unlock();  // The hook: waits with the lock released.
+    HoldCallsForFork();
+    left_before_fork = left.load();
+    held.lock();
+    { ScopedLibraryCall own; }  // The holder's own calls do not wait.
+    const pid_t pid = fork();   // Does not wait again.
+    if (pid == 0) {
+      alarm(20);  // A hang kills the child.
+      { ScopedLibraryCall scope; }  // Its lock is free in the child.
+      _exit(0);
+    }
+    held.unlock();
+    child_ok = pid > 0 && ExitedCleanly(pid);
+    { ScopedLibraryCall scope; }  // Calls enter again in the parent.
+    entered_after = true;
+  });
+  if (!finished) {
+    call.detach();
+    FAIL() << "the fork and the call wait for each other";
+  }
+  call.join();
+  EXPECT_TRUE(left_before_fork);
+  EXPECT_TRUE(child_ok);
+  EXPECT_TRUE(entered_after);
+}
+
+TEST(ThreadsTest, AChildForkedInsideACallCallsAgain) {
+  pid_t pid = -1;
+  {
+    ScopedLibraryCall scope;
+    HoldCallsForFork();  // Inside a call: does not wait for itself.
+    pid = fork();
+    if (pid == 0) alarm(20);  // A hang kills the child.
+  }  // In the child: leaves a call that holds no lock there.
+  if (pid == 0) {
+    // The lock is whole: a fork's hold and its fork take it.
+    HoldCallsForFork();
+    const pid_t grandchild = fork();
+    if (grandchild == 0) _exit(0);
+    _exit(grandchild > 0 && ExitedCleanly(grandchild) ? 0 : 1);
+  }
+  ASSERT_GT(pid, 0);
+  EXPECT_TRUE(ExitedCleanly(pid));
+  { ScopedLibraryCall scope; }  // The parent's lock was left free.
 }
 
 }  // namespace

@@ -518,7 +518,9 @@ struct SavedHead {
     }
     // Freeing takes the CPU head's lock, which a run holding it may need
     // the GIL to release (a vocab-parallel exchange); on CUDA, the
-    // stream's lock, and torch's allocator takes the GIL itself.
+    // stream's lock, and torch's allocator takes the GIL itself. Where
+    // this thread holds that lock (the garbage collector inside such a
+    // callback), the run frees it when it lets go.
     py::gil_scoped_release release;
     saved.reset();
   }
@@ -702,6 +704,29 @@ void SetTorchAllocatorFromPython(py::object allocate, py::object free) {
   SetTorchAllocator(std::move(allocator));
 }
 
+// os.fork() holds the GIL through fork(), whose prepare handler waits for
+// the library calls in progress (base/threads.h); a call may need the GIL
+// to finish (a vocab-parallel exchange, torch's allocator) and would never
+// get it. This before-fork hook does that wait with the GIL released, so
+// such a call finishes, and fork() then waits no more: the child still
+// inherits no call's locks or caches. (Releasing the library's locks
+// around the callback instead would let another run start on the shared
+// host allocator and thread pools mid-run.) Hence every entry point takes
+// ScopedLibraryCall with the GIL released: one that waited for this hook
+// holding the GIL would keep it from taking the GIL back. Python runs
+// before-fork hooks newest first; logging's, which holds its module lock
+// (a callback that logs may need it) through the hooks after it, is made
+// to come first so that it runs after this one.
+void RegisterForkHook() {
+  py::module_::import("logging");
+  const py::module_ os = py::module_::import("os");
+  if (!py::hasattr(os, "register_at_fork")) return;
+  os.attr("register_at_fork")(py::arg("before") = py::cpp_function([] {
+                                py::gil_scoped_release release;
+                                HoldCallsForFork();
+                              }));
+}
+
 }  // namespace
 }  // namespace dflash::python
 
@@ -820,7 +845,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "splits_backward",
       [](const v1::ObjectiveConfig& config) {
-        // What decides it beyond the tensors' device: the mode.
+        // The mode alone decides, on either device (start_objective takes
+        // CPU and CUDA tensors alike).
         dflash::HeadOptions options;
         return dflash::SplitsBackward(
             dflash::ResolveDefaults(config), options);
@@ -1042,5 +1068,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("built_with_cuda", &dp::BuiltWithCuda,
         "Whether this build runs CUDA tensors.");
   m.def("release_cached_memory", &dp::ReleaseCachedHostMemory,
+        py::call_guard<py::gil_scoped_release>(),
         "Returns the host workspaces CPU runs keep between calls.");
+  dp::RegisterForkHook();
 }
