@@ -106,7 +106,9 @@ struct HeadRowOutputs {
 
 struct HeadStats {
   int64_t chunks = 0;
-  int64_t projected_rows = 0;  // Rows with weight; the others are skipped.
+  // The rows with weight, the others skipped (head.row_selection COMPACT);
+  // every row (ALL_ROWS).
+  int64_t projected_rows = 0;
   int64_t gemm_calls = 0;
   double gemm_flops = 0;
   // gemm_flops in units of one projection of the projected rows
