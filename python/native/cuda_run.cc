@@ -3,10 +3,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -29,7 +32,11 @@ absl::Status Check(cudaError_t error, const char* what) {
 // What a device keeps between calls: the head's stream, its cuBLAS handle
 // (milliseconds to create) and the two events that order it on torch's
 // stream (made when first needed). `mu` serialises the calls on the
-// stream.
+// stream; `owner` is the thread holding it for a run (OrderedOn), and
+// `deferred` the split runs destroyed on that thread meanwhile: the lent
+// allocator's callbacks run Python there, whose garbage collector may free
+// a split state on this stream, and that state's destructor cannot take
+// `mu` again. The run frees them once its work is done.
 struct DeviceState {
   ~DeviceState() {
     for (cudaEvent_t event : {after_torch, after_head}) {
@@ -41,6 +48,8 @@ struct DeviceState {
   std::unique_ptr<CublasHandle> blas;
   cudaEvent_t after_torch = nullptr;
   cudaEvent_t after_head = nullptr;
+  std::atomic<std::thread::id> owner{};
+  std::vector<std::shared_ptr<void>> deferred;
 };
 
 // The state of the current device's own stream, made on first use. Lives
@@ -132,6 +141,28 @@ absl::StatusOr<std::shared_ptr<DeviceState>> StateFor(int device,
   return StateOf(device);
 }
 
+// `state.mu` held by this thread for a run (OrderedOn): frees the split
+// runs deferred meanwhile (freeing one may defer more) when it ends.
+class OwnedLock {
+ public:
+  explicit OwnedLock(DeviceState& state) : state_(state), lock_(state.mu) {
+    state_.owner.store(std::this_thread::get_id());
+  }
+  ~OwnedLock() {
+    while (!state_.deferred.empty()) {
+      std::vector<std::shared_ptr<void>> freed = std::move(state_.deferred);
+      state_.deferred.clear();
+    }
+    state_.owner.store(std::thread::id());
+  }
+  OwnedLock(const OwnedLock&) = delete;
+  OwnedLock& operator=(const OwnedLock&) = delete;
+
+ private:
+  DeviceState& state_;
+  std::lock_guard<std::mutex> lock_;
+};
+
 // Runs `work(state)` under the state's lock, after the work queued on
 // torch's `stream` and before the work queued on it next: directly where
 // the state is over that stream itself (ordered with torch's work as its
@@ -139,7 +170,7 @@ absl::StatusOr<std::shared_ptr<DeviceState>> StateFor(int device,
 template <typename Work>
 auto OrderedOn(DeviceState& state, uintptr_t stream, Work work)
     -> decltype(work(state)) {
-  std::lock_guard<std::mutex> lock(state.mu);
+  OwnedLock lock(state);
   const cudaStream_t torch_stream = reinterpret_cast<cudaStream_t>(stream);
   const cudaStream_t head_stream = state.stream->stream();
   if (head_stream == torch_stream) return work(state);
@@ -189,15 +220,26 @@ class SplitOnStream : public TorchStreamRun<T> {
   SplitOnStream(int device, std::shared_ptr<DeviceState> state)
       : device_(device), state_(std::move(state)) {}
   ~SplitOnStream() override {
-    if (split_ == nullptr) return;
     DeviceScope scope;
     if (!scope.Enter(device_).ok()) {
       // The memory cannot be freed on its device: left to the context.
       (void)split_.release();
       return;
     }
-    std::lock_guard<std::mutex> lock(state_->mu);
-    split_.reset();
+    if (split_ != nullptr) {
+      if (state_->owner.load() == std::this_thread::get_id()) {
+        // Destroyed inside a run on this stream (its lent allocator's
+        // callback): that run frees it when done. Its destructor reads
+        // nothing it borrows.
+        state_->deferred.push_back(std::shared_ptr<void>(std::move(split_)));
+      } else {
+        std::lock_guard<std::mutex> lock(state_->mu);
+        split_.reset();
+      }
+    }
+    // Possibly the state's last reference: its stream and events go on
+    // their device.
+    state_.reset();
   }
 
   // The forward pass on torch's `stream`.
@@ -233,7 +275,7 @@ class SplitOnStream : public TorchStreamRun<T> {
 
  private:
   const int device_;
-  const std::shared_ptr<DeviceState> state_;
+  std::shared_ptr<DeviceState> state_;
   std::unique_ptr<SplitHeadRun<T>> split_;
 };
 

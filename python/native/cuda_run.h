@@ -61,7 +61,9 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
 // A split CUDA run (StartOnTorchStream): StartCudaHead's SplitHeadRun with
 // the stream it was queued on, kept for its backward. Destroying it frees
 // its device memory in that stream's order (with the lent allocator,
-// through torch's, which takes the GIL: destroy it without the GIL held).
+// through torch's, which takes the GIL: destroy it without the GIL held);
+// destroyed inside a run on that stream on the same thread (from the lent
+// allocator's callback), when that run ends.
 template <typename T>
 class TorchStreamRun {
  public:

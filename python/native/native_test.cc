@@ -2,12 +2,18 @@
 // into rows, and how keyword overrides change a config. The numbers the head
 // computes are checked from Python against an independent reference.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -364,6 +370,70 @@ TEST(RunObjectiveTest, VocabShard) {
              /*ignore_index=*/-100);
   ASSERT_TRUE(rows.ok()) << rows.status();
   EXPECT_EQ((*rows)[3].target, 7);
+}
+
+// The exchange of a group of one process that, at its first gather,
+// destroys a split state: what Python's garbage collector may do inside
+// the binding's exchange callback, on the thread holding the host lock.
+class DestroyingExchange final : public VocabExchange {
+ public:
+  explicit DestroyingExchange(std::unique_ptr<SavedObjective> victim)
+      : victim_(std::move(victim)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllGather(absl::Span<const double> local,
+                         absl::Span<double> out) override {
+    victim_.reset();
+    std::copy(local.begin(), local.end(), out.begin());
+    return absl::OkStatus();
+  }
+  bool destroyed() const { return victim_ == nullptr; }
+
+ private:
+  std::unique_ptr<SavedObjective> victim_;
+};
+
+// A split state destroyed inside a run on the same thread is freed when
+// that run lets go of the host lock, not deadlocked on it; the lock is
+// free afterwards. A watchdog fails the test rather than let it hang.
+TEST(StartObjectiveTest, StateDestroyedInsideARunIsFreedAfterIt) {
+  static std::atomic<bool> finished{false};
+  std::thread([] {
+    for (int i = 0; i < 300 && !finished.load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (!finished.load()) {
+      std::fprintf(stderr, "deadlock: a split state's destructor waits on "
+                           "the host lock its own thread holds\n");
+      std::fflush(stderr);
+      _exit(3);
+    }
+  }).detach();
+  ConfigOverrides save;  // SAVE_CHUNKS: the victim holds host memory.
+  save.mode = "save";
+  v1::ObjectiveConfig config = *DefaultConfig();
+  ASSERT_TRUE(ApplyOverrides(save, OverrideNames::kKeywords, config).ok());
+  Tiny tiny;
+  ObjectiveOutputs no_gradients;
+  absl::StatusOr<StartedObjective> victim =
+      StartObjective(config, tiny.Tensors(), no_gradients, {});
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  ASSERT_GT(victim->saved->saved_bytes(), 0);
+  DestroyingExchange exchange(std::move(victim->saved));
+  VocabShard shard{0, 5, &exchange};
+  ObjectiveOptions options;
+  options.vocab_shard = &shard;
+  absl::StatusOr<HeadResult> sharded =
+      RunObjective(config, tiny.Tensors(), tiny.Outputs(), options);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  EXPECT_TRUE(exchange.destroyed());
+  // The lock was let go: a new split runs both passes.
+  absl::StatusOr<StartedObjective> next =
+      StartObjective(config, tiny.Tensors(), no_gradients, {});
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(next->saved->Backward(1.0, tiny.Outputs(), 0, nullptr).ok());
+  next->saved.reset();
+  finished.store(true);
 }
 
 // forward_only: the training run's terms with no gradient buffer; a

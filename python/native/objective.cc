@@ -1,12 +1,16 @@
 #include "python/native/objective.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <unistd.h>
 
@@ -51,11 +55,49 @@ TrackingAllocator& HostAllocator() {
   return allocator;
 }
 
-// CPU runs use every core and share the caching allocator: one at a time.
-std::mutex& HostMutex() {
-  static auto& mu = *new std::mutex();
-  return mu;
+// CPU runs use every core and share the caching allocator: one at a time,
+// under `mu`. `owner` is the thread holding it, and `deferred` the split
+// runs destroyed on that thread meanwhile: a run may call into Python (a
+// vocab-parallel exchange), whose garbage collector may free a split
+// state there, and that state's destructor cannot take `mu` again. The
+// holder frees them when it lets go (HostLock).
+struct Host {
+  std::mutex mu;
+  std::atomic<std::thread::id> owner{};
+  std::vector<std::shared_ptr<void>> deferred;
+};
+
+Host& HostState() {
+  static auto& host = *new Host();
+  return host;
 }
+
+// The host lock for a call; frees the split runs deferred meanwhile
+// (freeing one may defer more) before letting go.
+class HostLock {
+ public:
+  HostLock() : lock_(HostState().mu) {
+    HostState().owner.store(std::this_thread::get_id());
+  }
+  ~HostLock() {
+    Host& host = HostState();
+    while (!host.deferred.empty()) {
+      std::vector<std::shared_ptr<void>> freed = std::move(host.deferred);
+      host.deferred.clear();
+    }
+    host.owner.store(std::thread::id());
+  }
+  HostLock(const HostLock&) = delete;
+  HostLock& operator=(const HostLock&) = delete;
+
+  // Whether this thread holds the lock (it is inside a run).
+  static bool Held() {
+    return HostState().owner.load() == std::this_thread::get_id();
+  }
+
+ private:
+  std::lock_guard<std::mutex> lock_;
+};
 
 // The tensor's values as doubles, copied from its device when on one.
 absl::StatusOr<std::vector<double>> HostValues(const TensorArg& t) {
@@ -244,7 +286,7 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   if constexpr (std::is_same_v<T, BFloat16>) {
     return Invalid(t.hidden, "bfloat16 runs on CUDA only");
   } else {
-    std::lock_guard<std::mutex> lock(HostMutex());
+    HostLock lock;
     HeadOptions options;
     options.prepared_projection = objective_options.prepared_projection;
     options.interrupt = objective_options.interrupt;
@@ -396,8 +438,15 @@ class SavedObjectiveOf : public SavedObjective {
       }
       return;
     }
-    // The run frees what it holds into the shared host allocator.
-    std::lock_guard<std::mutex> lock(HostMutex());
+    // The run frees what it holds into the shared host allocator, under
+    // its lock; inside a run on this thread, when that run lets go. Its
+    // destructor reads nothing it borrows.
+    if (run_ == nullptr) return;
+    if (HostLock::Held()) {
+      HostState().deferred.push_back(std::shared_ptr<void>(std::move(run_)));
+      return;
+    }
+    HostLock lock;
     run_.reset();
   }
 
@@ -423,7 +472,7 @@ class SavedObjectiveOf : public SavedObjective {
     if constexpr (std::is_same_v<T, BFloat16>) {
       return Invalid(tensors_.hidden, "bfloat16 runs on CUDA only");
     } else {
-      std::lock_guard<std::mutex> lock(HostMutex());
+      HostLock lock;
       DFLASH_ASSIGN_OR_RETURN(run_, StartHead<T>(config_, inputs,
                                                  HostAllocator(), row_outputs,
                                                  options));
@@ -441,7 +490,7 @@ class SavedObjectiveOf : public SavedObjective {
   int64_t saved_bytes() const override {
     ScopedLibraryCall call;  // A fork waits: the child gets the lock free.
     if (cuda_run_ != nullptr) return cuda_run_->saved_bytes();
-    std::lock_guard<std::mutex> lock(HostMutex());
+    HostLock lock;
     return run_ == nullptr ? 0 : run_->saved_bytes();
   }
 
@@ -451,9 +500,14 @@ class SavedObjectiveOf : public SavedObjective {
     ScopedLibraryCall call;
     if (getpid() != pid_) {
       return absl::FailedPreconditionError(
-          "dflash_objective backward: this forward's state was made before "
-          "fork() in the parent process; a forked child cannot run its "
-          "backward (run the forward in the child)");
+          absl::StrCat(
+              "dflash_objective backward: this forward's state was made "
+              "before fork() in the parent process; a forked child cannot "
+              "run its backward ",
+              cuda_run_ != nullptr
+                  ? "(a forked child cannot use CUDA either: run the step in "
+                    "the parent, or start the child with the spawn method)"
+                  : "(run the forward in the child)"));
     }
     if (!std::isfinite(upstream)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -468,7 +522,7 @@ class SavedObjectiveOf : public SavedObjective {
       held = cuda_run_->saved_bytes();
       stats = cuda_run_->Backward(upstream, into, cuda_stream, interrupt);
     } else {
-      std::lock_guard<std::mutex> lock(HostMutex());
+      HostLock lock;
       held = run_->saved_bytes();
       stats = run_->Backward(upstream, into, interrupt);
     }
@@ -689,7 +743,7 @@ absl::StatusOr<std::unique_ptr<PreparedProjection>> PrepareProjection(
 
 void ReleaseCachedHostMemory() {
   ScopedLibraryCall call;
-  std::lock_guard<std::mutex> lock(HostMutex());
+  HostLock lock;
   HostAllocator().ReleaseCache();
 }
 

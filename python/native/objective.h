@@ -132,7 +132,10 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
 // borrows the memory of the tensors it was started with, which the caller
 // keeps alive and unchanged until it is destroyed. A CUDA state frees its
 // device memory through the lent torch allocator where one is, which takes
-// the GIL: destroy it without the GIL held.
+// the GIL: destroy it without the GIL held. Destroyed on a thread inside a
+// run that holds the lock it frees under (the CPU head's; its CUDA
+// stream's), as from a callback that run makes, it is freed when that run
+// lets go of the lock.
 class SavedObjective {
  public:
   virtual ~SavedObjective() = default;
