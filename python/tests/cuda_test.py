@@ -10,7 +10,7 @@ import torch
 
 import dflash
 import reference
-from dflash.torch import dflash_objective
+from dflash.torch import _library, dflash_objective
 
 if not dflash.built_with_cuda():
     SKIP = "this dflash was built without CUDA (no toolkit at build time)"
@@ -263,6 +263,33 @@ class CudaSplitTest(unittest.TestCase):
         gradients = (hidden.numel() + weight.numel()) * 4
         self.assertGreaterEqual(held["fused"], gradients)
         self.assertLess(held["checkpoint"], gradients // 4)
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_opcheck_of_the_backward_in_bfloat16(self):
+        # The fake kernel's outputs are the real ones' (an absent gradient's
+        # empty output too: float32 for the confidence's, bfloat16 for the
+        # rest), with and without confidence logits.
+        data = reference.batch(seed=39)
+        for loss, confidence in (("dflash", None),
+                                 ("dspark", data["confidence"].cuda())):
+            with self.subTest(loss=loss):
+                hidden = data["hidden"].to(torch.bfloat16).cuda()
+                weight = data["weight"].to(torch.bfloat16).cuda()
+                teacher = (data["teacher"].to(torch.bfloat16).cuda()
+                           if confidence is not None else None)
+                text = dflash.objective_config(
+                    None, loss_type=loss, mode="checkpoint").text
+                outputs = torch.ops.dflash.objective(
+                    hidden, weight, data["target_ids"].cuda(),
+                    data["weight_mask"].cuda(), None, teacher, confidence,
+                    None, None, text, 0, False, False, True, 0)
+                token = outputs[_library.OUTPUTS.index("token")]
+                self.assertEqual(token.numel(), 1)
+                torch.library.opcheck(
+                    torch.ops.dflash.objective_backward.default,
+                    (token, torch.tensor(1.0, dtype=torch.float64), hidden,
+                     weight, None, teacher, confidence, None, None, False))
 
 
 class TorchAllocatorArgumentsTest(unittest.TestCase):

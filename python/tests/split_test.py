@@ -240,19 +240,28 @@ class SplitTest(unittest.TestCase):
 
     @unittest.skipUnless(_library.SUPPORTED, NO_OP)
     def test_opcheck_of_the_split_operator_and_its_backward(self):
-        for extra, train in (((), True), (("correction",), False)):
-            data = batch(torch.float64, extra)
+        # Every dtype a CPU run takes, with and without each optional
+        # gradient: the fake kernels' outputs are the real ones' (an absent
+        # gradient's empty output included).
+        for loss, extra, train, dtype in (
+                ("dflash", (), True, torch.float64),
+                ("dflash", (), False, torch.float32),
+                ("domino", ("correction",), False, torch.float64),
+                ("domino", ("correction",), True, torch.float32),
+                ("dspark", ("teacher", "confidence"), False, torch.float64),
+                ("dspark", ("teacher", "confidence"), True, torch.float32)):
+            data = batch(dtype, extra)
             x = data["hidden"].clone().requires_grad_()
             w = data["weight"].clone().requires_grad_(train)
-            z = (data["correction_inputs"].clone().requires_grad_()
-                 if extra else None)
-            m = (data["correction_weight"].clone().requires_grad_()
-                 if extra else None)
-            text = dflash.objective_config(
-                None, loss_type="domino" if extra else "dflash",
-                mode="checkpoint").text
-            args = (x, w, data["ids"], data["mask"], None, None, None, z, m,
-                    text, 0, False, train, True, 0)
+            z, m, teacher, confidence = [
+                data[name].clone().requires_grad_(name != "teacher_hidden")
+                if name in data else None
+                for name in ("correction_inputs", "correction_weight",
+                             "teacher_hidden", "confidence_logits")]
+            text = dflash.objective_config(None, loss_type=loss,
+                                           mode="checkpoint").text
+            args = (x, w, data["ids"], data["mask"], None, teacher,
+                    confidence, z, m, text, 0, False, train, True, 0)
             # Each run's token names its own state (an address), so two
             # runs' tokens differ: the eager-vs-traced comparison of every
             # output (test_aot_dispatch_dynamic) cannot apply to the
@@ -266,32 +275,56 @@ class SplitTest(unittest.TestCase):
             self.assertEqual(token.numel(), 1)
             self.assertEqual(
                 outputs[_library.OUTPUTS.index("grad_hidden")].numel(), 0)
+            detached = [None if t is None else t.detach()
+                        for t in (teacher, confidence, z, m)]
             torch.library.opcheck(
                 torch.ops.dflash.objective_backward.default,
                 (token, torch.tensor(2.0, dtype=torch.float64), x.detach(),
-                 w.detach(), None, None,
-                 None if z is None else z.detach(),
-                 None if m is None else m.detach(), train))
+                 w.detach(), None, *detached, train))
 
     @unittest.skipUnless(_library.SUPPORTED, NO_OP)
     def test_a_compiled_split_step(self):
-        data = batch(torch.float64, ())
+        # With a teacher too, whose logits the backward recomputes: the
+        # compiled graph keeps it for the backward.
+        for loss, extra in (("dflash", ()), ("kl", ("teacher",))):
+            data = batch(torch.float64, extra)
+            teacher = data.get("teacher_hidden")
 
-        def step(hidden, weight):
-            return dflash_objective(hidden, weight, data["ids"],
-                                    data["mask"], mode="checkpoint").loss
+            def step(hidden, weight):
+                return dflash_objective(
+                    hidden, weight, data["ids"], data["mask"],
+                    teacher_hidden=teacher, loss_type=loss,
+                    mode="checkpoint").loss
 
-        got, want = [], []
-        for fn, out in ((step, want), (torch.compile(
-                step, backend="aot_eager", fullgraph=True), got)):
-            hidden = data["hidden"].clone().requires_grad_()
-            weight = data["weight"].clone().requires_grad_()
-            loss = fn(hidden, weight)
-            (loss * 3).backward()
-            out += [loss.detach(), hidden.grad, weight.grad]
-        for a, b in zip(got, want):
-            self.assert_same(a, b, 1e-12, "compiled")
-        self.assertEqual(self.states(), [])
+            got, want = [], []
+            for fn, out in ((step, want), (torch.compile(
+                    step, backend="aot_eager", fullgraph=True), got)):
+                hidden = data["hidden"].clone().requires_grad_()
+                weight = data["weight"].clone().requires_grad_()
+                loss_value = fn(hidden, weight)
+                (loss_value * 3).backward()
+                out += [loss_value.detach(), hidden.grad, weight.grad]
+            for a, b in zip(got, want):
+                self.assert_same(a, b, 1e-12, f"compiled {loss}")
+            self.assertEqual(self.states(), [])
+
+    def test_an_inplace_edit_of_the_teacher_is_torchs_error(self):
+        # A split run's backward recomputes the teacher's logits from
+        # teacher_hidden: edited in place between the passes, it would read
+        # other values than the forward did, so autograd saves it and
+        # refuses, as for any tensor a backward needs.
+        for mode in ("checkpoint", "selective"):
+            with self.subTest(mode):
+                data = batch(torch.float64, ("teacher",))
+                hidden = data["hidden"].clone().requires_grad_()
+                teacher = data["teacher_hidden"].clone()
+                terms = dflash_objective(hidden, data["weight"], data["ids"],
+                                         data["mask"], teacher_hidden=teacher,
+                                         loss_type="kl", mode=mode)
+                teacher.add_(1.0)
+                with self.assertRaisesRegex(
+                        RuntimeError, "modified by an inplace operation"):
+                    terms.loss.backward()
 
 
 if __name__ == "__main__":

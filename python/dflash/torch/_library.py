@@ -346,6 +346,22 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
     return specs
 
 
+def split_backward_specs(hidden: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor],
+                         confidence: Optional[torch.Tensor],
+                         correction_inputs: Optional[torch.Tensor],
+                         correction_weight: Optional[torch.Tensor],
+                         trainable: bool
+                         ) -> List[Tuple[Sequence[Any], torch.dtype,
+                                         torch.device]]:
+    """objective_backward's outputs' (shape, dtype, device): a training
+    call's gradient outputs (output_specs), for its real and fake kernels
+    alike."""
+    return output_specs(hidden, weight, bias, confidence, correction_inputs,
+                        correction_weight, 0, False, trainable,
+                        True)[_AT["grad_hidden"]:]
+
+
 _SCHEMA = (
     "(Tensor hidden, Tensor weight, Tensor target_ids, Tensor weight_mask, "
     "Tensor? bias, Tensor? teacher_hidden, Tensor? confidence_logits, "
@@ -355,8 +371,9 @@ _SCHEMA = (
 
 _SPLIT_BACKWARD_SCHEMA = (
     "(Tensor token, Tensor upstream, Tensor hidden, Tensor weight, "
-    "Tensor? bias, Tensor? confidence_logits, Tensor? correction_inputs, "
-    "Tensor? correction_weight, bool trainable) -> ("
+    "Tensor? bias, Tensor? teacher_hidden, Tensor? confidence_logits, "
+    "Tensor? correction_inputs, Tensor? correction_weight, bool trainable) "
+    "-> ("
     + ", ".join(["Tensor"] * 6) + ")")
 
 _BACKWARD_SCHEMA = (
@@ -499,11 +516,16 @@ def _register() -> Tuple[Any, Any]:
                 if correction and correction_weight is not None
                 else weight.new_empty((0,)))
 
+    # teacher_hidden is an input although the state reads it through its
+    # own reference (a split run may recompute the teacher's logits): so
+    # that autograd saves it (an in-place edit before backward is torch's
+    # error) and a compiled graph keeps it for the backward.
     @torch.library.custom_op("dflash::objective_backward", mutates_args=(),
                              schema=_SPLIT_BACKWARD_SCHEMA)
     def objective_backward_op(token: torch.Tensor, upstream: torch.Tensor,
                               hidden: torch.Tensor, weight: torch.Tensor,
                               bias: Optional[torch.Tensor],
+                              teacher_hidden: Optional[torch.Tensor],
                               confidence_logits: Optional[torch.Tensor],
                               correction_inputs: Optional[torch.Tensor],
                               correction_weight: Optional[torch.Tensor],
@@ -511,21 +533,26 @@ def _register() -> Tuple[Any, Any]:
         grads = _objective()._saved_backward(
             token, float(upstream), trainable, hidden, weight, bias,
             confidence_logits, correction_inputs, correction_weight)
-        return tuple(weight.new_empty((0,)) if grads[name] is None
-                     else grads[name] for name in _GRAD_OUTPUTS)
+        # Where the run computes none, the fake kernel's empty outputs.
+        specs = split_backward_specs(hidden, weight, bias, confidence_logits,
+                                     correction_inputs, correction_weight,
+                                     trainable)
+        return tuple(_empty_like_none(dtype, where) if grads[name] is None
+                     else grads[name]
+                     for name, (_, dtype, where) in zip(_GRAD_OUTPUTS, specs))
 
     @objective_backward_op.register_fake
     def _(token: torch.Tensor, upstream: torch.Tensor, hidden: torch.Tensor,
           weight: torch.Tensor, bias: Optional[torch.Tensor],
+          teacher_hidden: Optional[torch.Tensor],
           confidence_logits: Optional[torch.Tensor],
           correction_inputs: Optional[torch.Tensor],
           correction_weight: Optional[torch.Tensor],
           trainable: bool) -> Tuple[torch.Tensor, ...]:
-        specs = output_specs(hidden, weight, bias, confidence_logits,
-                             correction_inputs, correction_weight, 0, False,
-                             trainable, True)[_AT["grad_hidden"]:]
         return tuple(hidden.new_empty(shape, dtype=dtype, device=device)
-                     for shape, dtype, device in specs)
+                     for shape, dtype, device in split_backward_specs(
+                         hidden, weight, bias, confidence_logits,
+                         correction_inputs, correction_weight, trainable))
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...],
                       output: Tuple[torch.Tensor, ...]) -> None:
@@ -540,10 +567,11 @@ def _register() -> Tuple[Any, Any]:
         ctx.split = output[_AT["token"]].numel() > 0
         values = output[_AT["top_k_values"]] if top_k else None
         ids = output[_AT["top_k"]] if top_k else None
+        # The teacher where the backward reads it (objective_backward).
         ctx.save_for_backward(
             *output[_AT["grad_hidden"]:], output[_AT["scale_den"]], hidden,
             weight, bias, values, ids, _confidence, _z, _m,
-            output[_AT["token"]])
+            output[_AT["token"]], _teacher if ctx.split else None)
         ctx.mark_non_differentiable(
             *[t for i, t in enumerate(output)
               if i != 0 and not (top_k and i == _AT["top_k_values"])])
@@ -559,8 +587,8 @@ def _register() -> Tuple[Any, Any]:
             return grads
         # create_graph=True: differentiating these again raises, naming
         # dflash_objective (objective.py's _tie_to_error).
-        hidden, weight, bias, _, _, confidence, z, m, _ = ctx.saved_tensors[
-            len(_GRAD_OUTPUTS) + 1:]
+        hidden, weight, bias, _, _, confidence, z, m, _, _ = (
+            ctx.saved_tensors[len(_GRAD_OUTPUTS) + 1:])
         tied: Tuple[Optional[torch.Tensor], ...] = _objective()._tie_to_error(
             [hidden, weight, bias, confidence, z, m], grad_outputs, grads)
         return tied
@@ -570,8 +598,8 @@ def _register() -> Tuple[Any, Any]:
         saved = ctx.saved_tensors
         g = dict(zip(_GRAD_OUTPUTS, saved))
         den = saved[len(_GRAD_OUTPUTS)]
-        hidden, weight, bias, values, ids, confidence, z, m, token = saved[
-            len(_GRAD_OUTPUTS) + 1:]
+        hidden, weight, bias, values, ids, confidence, z, m, token, teacher = (
+            saved[len(_GRAD_OUTPUTS) + 1:])
         needs = ctx.needs_input_grad
         if not ctx.gradients and any(needs[i] for i in (0, 1, 4, 6, 7, 8)):
             raise RuntimeError(
@@ -590,7 +618,7 @@ def _register() -> Tuple[Any, Any]:
             # scaled.
             made = objective_backward_op(
                 token, upstream.double() * den.double(), hidden,
-                weight, bias, confidence, z, m, ctx.trainable)
+                weight, bias, teacher, confidence, z, m, ctx.trainable)
             g = dict(zip(_GRAD_OUTPUTS, made))
             scale = None
         made_here = ctx.split and grad_outputs[0] is not None

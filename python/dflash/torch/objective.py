@@ -678,11 +678,15 @@ class _Objective(torch.autograd.Function):
         ctx.split = split
         if call.saved is not None:
             call.saved.stats = run_info.stats
+        # The teacher too where the backward reads it (a split run
+        # recomputes its logits): saved, an in-place edit of it before
+        # backward is torch's error, not stale logits.
         ctx.save_for_backward(
             *[grads[name] for name in _GRADIENTS], hidden, weight, bias,
             top_k_values, call.top_k_ids, confidence, correction_inputs,
             correction_weight,
-            _token_of(call.saved) if call.saved is not None else None)
+            _token_of(call.saved) if call.saved is not None else None,
+            teacher if call.saved is not None else None)
         ctx.mark_non_differentiable(
             *[e for i, e in enumerate(returned)
               if i != 0 and i != ctx.values_at])
@@ -701,7 +705,7 @@ class _Objective(torch.autograd.Function):
         if not torch.is_grad_enabled():
             return grads
         saved = ctx.saved_tensors[len(_GRADIENTS):]
-        return _tie_to_error(saved[:3] + saved[5:], grad_outputs, grads)
+        return _tie_to_error(saved[:3] + saved[5:8], grad_outputs, grads)
 
     @staticmethod
     def _gradients(ctx: Any, grad_num: Optional[torch.Tensor],
@@ -713,7 +717,7 @@ class _Objective(torch.autograd.Function):
         # top-k values carry a gradient) they add nothing.
         saved = ctx.saved_tensors
         g = dict(zip(_GRADIENTS, saved))
-        hidden, weight, bias, values, ids, confidence, z, m, token = saved[
+        hidden, weight, bias, values, ids, confidence, z, m, token, _ = saved[
             len(_GRADIENTS):]
         scale: Optional[torch.Tensor] = (
             None if grad_num is None else grad_num * ctx.den)
