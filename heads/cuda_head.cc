@@ -404,6 +404,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
                                    upstream * finished.confidence_scale,
                                    g.confidence.data(), stream);
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
+    // A split run's recomputed chunks are done: it holds no loss scratch
+    // between its passes.
+    loss_->ReleaseScratch();
     DFLASH_RETURN_IF_ERROR(stream_.Synchronize());
     // Rounded into the gradients: a split run does not hold them between
     // its passes (StartGradients allocates them again).

@@ -35,8 +35,8 @@ struct CudaChunkLoss<T>::State {
   CudaStream* stream = nullptr;
   TrackedBuffer<double> totals;
   TrackedBuffer<unsigned long long> error;
-  // Create's scratch for chunks of up to scratch_rows rows (stream order
-  // keeps one chunk's kernels apart from the next's).
+  // The scratch of chunks of up to scratch_rows rows, allocated at the
+  // first (stream order keeps one chunk's kernels apart from the next's).
   TrackedBuffer<char> scratch;
   int64_t scratch_rows = 0;
   // Host copies of the chunks' metadata, alive until the device has read
@@ -79,13 +79,7 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
       TrackedBuffer<unsigned long long> error,
       TrackedBuffer<unsigned long long>::Create(allocator, 1));
   state->error = std::move(error);
-  if (max_rows > 0) {
-    DFLASH_ASSIGN_OR_RETURN(
-        TrackedBuffer<char> scratch,
-        TrackedBuffer<char>::Create(allocator, ScratchBytes(max_rows)));
-    state->scratch = std::move(scratch);
-    state->scratch_rows = max_rows;
-  }
+  state->scratch_rows = std::max<int64_t>(max_rows, 0);
   DFLASH_RETURN_IF_ERROR(
       stream.Zero(state->totals.data(), state->totals.bytes()));
   cuda::LaunchResetError(state->error.data(), stream.stream());
@@ -218,9 +212,14 @@ absl::Status CudaChunkLoss<T>::Launch(const ChunkLossInputs<T>& inputs,
   State& s = *state_;
   const LossParams& loss = s.params.loss;
   const int64_t vocab = inputs.vocab;
-  // The chunk's metadata and scratch: Create's, or a buffer of its own
+  // The chunk's metadata and scratch: the run's, or a buffer of its own
   // freed in stream order when this call returns.
   TrackedBuffer<char> own;
+  if (n <= s.scratch_rows && s.scratch.size() == 0) {
+    DFLASH_ASSIGN_OR_RETURN(
+        s.scratch, TrackedBuffer<char>::Create(s.stream->allocator(),
+                                               ScratchBytes(s.scratch_rows)));
+  }
   char* at = s.scratch.data();
   if (n > s.scratch_rows) {
     DFLASH_ASSIGN_OR_RETURN(
@@ -319,6 +318,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   }
   s.rows.clear();
   s.block_begins.clear();
+  ReleaseScratch();
   if (error != cuda::kNoError) {
     const cuda::ReportedError e = cuda::DecodeErrorCode(error);
     switch (e.kind) {
@@ -352,6 +352,11 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   position_totals += k;
 #include "losses/chunk_terms.inc"
   return terms;
+}
+
+template <typename T>
+void CudaChunkLoss<T>::ReleaseScratch() {
+  state_->scratch.Reset();
 }
 
 template class CudaChunkLoss<float>;

@@ -36,9 +36,10 @@ class CudaChunkLoss {
  public:
   // `params` as ResolveLoss (loss_family.h) makes them. With max_rows > 0
   // the chunks' device scratch (their rows, per-row statistics and terms)
-  // is allocated once, here, for chunks of up to max_rows rows; a larger
-  // chunk, or any with max_rows 0, allocates its own. Queues its work: no
-  // wait for the device.
+  // is allocated once, at the first chunk, for chunks of up to max_rows
+  // rows, and kept until Terms() or ReleaseScratch(); a larger chunk, or
+  // any with max_rows 0, allocates its own. Queues its work: no wait for
+  // the device.
   static absl::StatusOr<std::unique_ptr<CudaChunkLoss>> Create(
       const LossParams& params, const ChunkLossOptions& options,
       CudaStream& stream, int64_t max_rows = 0);
@@ -63,8 +64,13 @@ class CudaChunkLoss {
                              const ChunkLossOutputs& outputs,
                              const int64_t* out_rows, bool record);
 
-  // Waits for the device; the terms of every recorded chunk.
+  // Waits for the device; the terms of every recorded chunk. Releases the
+  // chunks' scratch.
   absl::StatusOr<ChunkTerms> Terms();
+
+  // Frees the chunks' scratch (in stream order) until the next chunk: a
+  // split run's backward pass holds none after it.
+  void ReleaseScratch();
 
  private:
   struct State;
