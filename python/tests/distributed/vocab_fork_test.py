@@ -6,8 +6,10 @@ own, which Python runs before dflash's, lets the exchange go on only once
 the fork has begun), the call completes and equals one process's, the fork
 comes after it (every exchange of the call was made when fork() returned),
 and the child runs a dflash call of its own. Once through os.fork(), once
-through a DataLoader starting its worker with the fork start method.
-A hang fails at the harness's join timeout.
+through a DataLoader starting its worker with the fork start method. And
+dflash.release_cached_memory() from another thread there: it waits for the
+call's host lock with the GIL released. A hang fails at the harness's join
+timeout.
 """
 
 import os
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import dflash  # noqa: E402
 import ranks  # noqa: E402
 from dflash.torch import dflash_objective  # noqa: E402
 from dflash.torch import _vocab_parallel as parallel_module  # noqa: E402
@@ -80,11 +83,13 @@ def _wait_for_child(pid, timeout=30.0):
     return None
 
 
+# What the other thread does during the call; each records the exchanges
+# made when its step returned, and 0 for a child that did its own call.
 def _by_os_fork(expected, out):
     pid = os.fork()
     if pid == 0:
         os._exit(_fork_child(expected))
-    out["exchanges_at_fork"] = out["exchanges"]()
+    out["exchanges_after"] = out["exchanges"]()
     out["child_exit"] = _wait_for_child(pid)
 
 
@@ -93,9 +98,18 @@ def _by_data_loader(expected, out):
         _SmallCalls(), batch_size=None, num_workers=1,
         multiprocessing_context="fork", timeout=30)
     iterator = iter(loader)  # Forks its worker here.
-    out["exchanges_at_fork"] = out["exchanges"]()
+    out["exchanges_after"] = out["exchanges"]()
     out["child_exit"] = 0 if float(next(iterator)) == expected else 1
     del iterator
+
+
+def _by_releasing_memory(expected, out):
+    # The exchange goes on now, and needs the GIL this thread holds until
+    # it blocks on the call's host lock.
+    out["began"].set()
+    dflash.release_cached_memory()
+    out["exchanges_after"] = out["exchanges"]()
+    out["child_exit"] = 0
 
 
 def fork_rank(rank, world, how):
@@ -114,19 +128,20 @@ def fork_rank(rank, world, how):
     reference.loss_num.backward()
 
     armed = threading.Event()
-    fork_began = threading.Event()
+    began = threading.Event()
 
     def before_fork():
         if armed.is_set():
-            fork_began.set()
+            began.set()
 
     # Registered after dflash's hook, so Python runs it first.
     os.register_at_fork(before=before_fork)
     exchanges = []
-    out = {"exchanges": lambda: len(exchanges)}
+    out = {"exchanges": lambda: len(exchanges), "began": began}
     forker = threading.Thread(
         target={"os.fork": _by_os_fork,
-                "DataLoader": _by_data_loader}[how],
+                "DataLoader": _by_data_loader,
+                "release_cached_memory": _by_releasing_memory}[how],
         args=(expected, out))
     real_all_gather_into = parallel_module._all_gather_into
 
@@ -141,7 +156,7 @@ def fork_rank(rank, world, how):
                 # Waits (the GIL released) until the fork has begun: its
                 # wait for this call now runs, and this exchange then
                 # needs the GIL again.
-                out["fork_began"] = fork_began.wait(timeout=30)
+                out["began_inside"] = began.wait(timeout=30)
             real(local, out_)
 
         return all_gather
@@ -155,8 +170,8 @@ def fork_rank(rank, world, how):
     if rank == FORKING:
         forker.join(timeout=60)
         result["forker_hung"] = forker.is_alive()
-        result["fork_began"] = out.get("fork_began")
-        result["exchanges_at_fork"] = out.get("exchanges_at_fork")
+        result["began_inside"] = out.get("began_inside")
+        result["exchanges_after"] = out.get("exchanges_after")
         result["child_exit"] = out.get("child_exit", "no child")
     terms.loss_num.backward()
     result["loss"] = (float(terms.loss_num), float(reference.loss_num))
@@ -166,16 +181,16 @@ def fork_rank(rank, world, how):
     return result
 
 
-class ForkDuringAVocabParallelCallTest(unittest.TestCase):
+class DuringAVocabParallelCallTest(unittest.TestCase):
     def check(self, how):
         results = ranks.run_ranks(fork_rank, 2, how, timeout=100)
         forking = results[FORKING]
         self.assertFalse(forking["forker_hung"])
-        self.assertTrue(forking["fork_began"])
-        # The fork began inside the call, and fork() returned after its
-        # last exchange.
+        self.assertTrue(forking["began_inside"])
+        # The step began inside the call and returned after its last
+        # exchange.
         self.assertGreater(forking["exchanges"], FORK_AT)
-        self.assertEqual(forking["exchanges_at_fork"], forking["exchanges"])
+        self.assertEqual(forking["exchanges_after"], forking["exchanges"])
         self.assertEqual(forking["child_exit"], 0)
         for rank, result in enumerate(results):
             with self.subTest(rank=rank):
@@ -190,6 +205,9 @@ class ForkDuringAVocabParallelCallTest(unittest.TestCase):
 
     def test_data_loader_worker(self):
         self.check("DataLoader")
+
+    def test_release_cached_memory(self):
+        self.check("release_cached_memory")
 
 
 if __name__ == "__main__":
