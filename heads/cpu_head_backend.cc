@@ -150,7 +150,6 @@ class CpuHeadBackend final : public HeadBackend<T> {
     DFLASH_ASSIGN_OR_RETURN(CpuChunkLoss<T> loss,
                             CpuChunkLoss<T>::Create(params_, options_));
     loss_.emplace(std::move(loss));
-    const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     std::fill(o.neg_log_q.begin(), o.neg_log_q.end(), 0.0);
     std::fill(o.argmax.begin(), o.argmax.end(), -1);
@@ -161,8 +160,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
     std::fill(o.loss_weight.begin(), o.loss_weight.end(), 0.0);
     const size_t rows = static_cast<size_t>(RowCount(*spec.inputs));
     row_q_.assign(rows, 0.0);
-    row_confidence_grad_.assign(confidence_ && !g.confidence.empty() ? rows : 0,
-                                0.0);
+    row_confidence_grad_.assign(
+        confidence_ && spec.keeps_confidence_gradient ? rows : 0, 0.0);
     row_rank_.assign(options_.metric_top_k > 0 ? rows : 0, -1);
     row_teacher_.assign(RecordsTeacherAcceptance(config_) ? rows : 0, 0.0);
     const bool greedy = params_.family == LossFamily::kDomino;
@@ -335,6 +334,20 @@ class CpuHeadBackend final : public HeadBackend<T> {
   int threads() const override { return threads_; }
   double prepare_seconds() const override { return prepare_seconds_; }
   std::string gemm_library() const override { return gemm_library_; }
+  int64_t unallocated_bytes() const override {
+    int64_t bytes = own_prepared_ != nullptr ? own_prepared_->packed_bytes() : 0;
+    auto add = [&bytes](const auto& row_state) {
+      bytes += static_cast<int64_t>(row_state.capacity() *
+                                    sizeof(row_state[0]));
+    };
+    add(row_q_);
+    add(row_confidence_grad_);
+    add(row_rank_);
+    add(row_teacher_);
+    add(row_argmax_);
+    add(row_base_argmax_);
+    return bytes;
+  }
 
  private:
   // The laid-out weight for a frozen float head (given, or made here when

@@ -121,7 +121,6 @@ class CudaHeadBackend final : public HeadBackend<T> {
       DFLASH_RETURN_IF_ERROR(stream_.CopyToDevice(
           active_.data(), host_active_.data(), active_.bytes()));
     }
-    const HeadGradients<T>& g = *spec.gradients;
     const HeadRowOutputs& o = *spec.row_outputs;
     for (const auto& [data, bytes] :
          {std::pair<void*, size_t>{o.neg_log_q.data(),
@@ -141,7 +140,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
                             TrackedBuffer<double>::Create(allocator(), rows));
     row_q_ = std::move(q);
     DFLASH_RETURN_IF_ERROR(stream_.Zero(row_q_.data(), row_q_.bytes()));
-    if (confidence_ && !g.confidence.empty()) {
+    if (confidence_ && spec.keeps_confidence_gradient) {
       // The loss writes it in double; ScaleGradients rounds it once.
       DFLASH_ASSIGN_OR_RETURN(TrackedBuffer<double> confidence,
                               TrackedBuffer<double>::Create(allocator(), rows));

@@ -37,6 +37,10 @@ struct HeadRunSpec {
   // The most rows a chunk projects (HeadPlan::max_chunk_rows): what a
   // backend's per-chunk scratch is sized for once.
   int64_t max_chunk_rows = 0;
+  // Whether the backend keeps each row's confidence gradient (in its
+  // per-row state, for ScaleGradients): a loss with one whose gradients
+  // come later (a split run) or are asked for (gradients->confidence).
+  bool keeps_confidence_gradient = false;
 };
 
 // What the head needs from the device it runs on: memory, the projection,
@@ -133,6 +137,11 @@ class HeadBackend {
   virtual int threads() const { return 1; }
   // Seconds Start spent laying the weight out (0 where it did not).
   virtual double prepare_seconds() const { return 0; }
+  // Bytes of the backend's device memory it holds from Start to its end
+  // outside allocator() (the CPU backend's per-row state and its own
+  // laid-out weight); a split run adds them to the allocator's bytes it
+  // holds. Host memory of a device backend is not its device's.
+  virtual int64_t unallocated_bytes() const { return 0; }
   // What runs the projection's GEMMs.
   virtual std::string gemm_library() const = 0;
 };
@@ -190,8 +199,9 @@ class HeadRun;  // head_run.cc.
 //     the logits' stride x sizeof(T); twice with a split correction);
 //   CHECKPOINT, SELECTIVE: what config.checkpoint keeps (nothing under
 //     FULL_RECOMPUTE; SELECTIVE: the teacher logits);
-// plus per-row state (q, ranks, argmaxes, the confidence gradient) and a
-// frozen FLOAT32 CPU head's own laid-out weight when none is given.
+// plus the backend's per-row state (q, ranks, argmaxes, the confidence
+// gradient; on CUDA also the active-row list and ALL_ROWS's row copies) and
+// a frozen FLOAT32 CPU head's own laid-out weight when none is given.
 // Not thread-safe: one call at a time.
 template <typename T>
 class SplitHeadRun {
@@ -211,9 +221,13 @@ class SplitHeadRun {
       const HeadRowOutputs& row_outputs, const HeadOptions& options);
   ~SplitHeadRun();
 
+  // Its stats.saved_bytes is saved_bytes().
   const HeadResult& forward() const { return forward_; }
-  // Bytes of the backend's allocator this run holds now (between the
-  // passes: what the mode keeps plus per-row state).
+  // Bytes of the backend's device this run holds from Forward until it is
+  // destroyed (Backward frees what it allocates): the backend allocator's
+  // bytes the forward pass left live, plus the backend's
+  // unallocated_bytes(). Measured, so the allocator must serve no other
+  // thread during Forward (as RunHeadOn's peak_bytes needs).
   int64_t saved_bytes() const;
 
   // d(upstream * loss)/d(.) into `gradients` (overwritten; sized as for
@@ -234,6 +248,8 @@ class SplitHeadRun {
   std::unique_ptr<HeadBackend<T>> backend_;
   std::unique_ptr<HeadRun<T>> run_;  // Refers to the members above.
   HeadResult forward_;
+  // The allocator's bytes the forward pass left live.
+  int64_t allocated_bytes_ = 0;
   bool broken_ = false;
 };
 

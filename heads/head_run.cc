@@ -98,9 +98,6 @@ class HeadRun {
   void FillForwardStats(HeadStats& stats) const {
     FillStats(Gemms(), base_bytes_, stats);
   }
-  // What the run holds now: the checkpoint context's tensors and its own
-  // buffers.
-  int64_t HeldBytes() const;
 
  private:
   // The sizes of the inputs (with `inputs`) and of `gradients` (unless
@@ -244,11 +241,8 @@ class HeadRun {
   // A split run: the gradients come at Backward.
   const bool deferred_;
   // What the backend's forward pass gets in a forward-only or split run:
-  // no gradient but a confidence span (confidence_ws_), whose presence
-  // tells the backend to keep each row's confidence gradient (in its own
-  // per-row state, which HeldBytes does not count) for a later backward.
+  // no gradient.
   HeadGradients<T> no_gradients_;
-  TrackedBuffer<ConfidenceOf<T>> confidence_ws_;
   // A split run's gradients of its current Backward.
   HeadGradients<T> backward_gradients_;
   // After Forward: the sequences the loss counts, the scale folded at Start
@@ -746,18 +740,14 @@ absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
   const int64_t rows = RowCount(inputs_);
   sequences_ = anchors > 0 ? rows / (anchors * block_size_) : 1;
   const bool own_gradients = forward_only_ || deferred_;
-  if (own_gradients && confidence_) {
-    // The loss writes the confidence gradient of each row it records.
-    DFLASH_ASSIGN_OR_RETURN(
-        TrackedBuffer<ConfidenceOf<T>> created,
-        TrackedBuffer<ConfidenceOf<T>>::Create(allocator_, rows));
-    confidence_ws_ = std::move(created);
-    no_gradients_.confidence = absl::MakeSpan(confidence_ws_.data(), rows);
-  }
+  // The loss writes the confidence gradient of each row it records.
+  const bool keep_confidence =
+      confidence_ && (own_gradients || !gradients_->confidence.empty());
   DFLASH_RETURN_IF_ERROR(backend_.Start(
       {&config_, &params_, &inputs_,
        own_gradients ? &no_gradients_ : gradients_, &row_outputs_, active_,
-       options.prepared_projection, options.vocab_shard, max_chunk_rows_}));
+       options.prepared_projection, options.vocab_shard, max_chunk_rows_,
+       keep_confidence}));
   if (!own_gradients) DFLASH_RETURN_IF_ERROR(backend_.StartGradients(*gradients_));
   stride_ = backend_.projection().logits_stride();
   // The final gradient scale, for a backend that folds it into its
@@ -927,17 +917,6 @@ absl::StatusOr<HeadStats> HeadRun<T>::Backward(
   return stats;
 }
 
-template <typename T>
-int64_t HeadRun<T>::HeldBytes() const {
-  int64_t bytes = confidence_ws_.bytes();
-  for (const TrackedBuffer<T>* buffer :
-       {&logits_ws_, &teacher_ws_, &rows_ws_, &grad_ws_, &z_ws_, &z_grad_ws_}) {
-    bytes += buffer->bytes();
-  }
-  if (context_ != nullptr) bytes += context_->stats().current_kept_bytes;
-  return bytes;
-}
-
 absl::Status NameBatchRowError(const absl::Status& error,
                                const v1::BatchLayout& layout) {
   const std::optional<RowErrorInfo> row = GetRowError(error);
@@ -1081,6 +1060,8 @@ absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> SplitHeadRun<T>::Forward(
     return absl::InvalidArgumentError("backend: must be given, got null");
   }
   std::unique_ptr<SplitHeadRun<T>> split(new SplitHeadRun<T>());
+  TrackingAllocator& allocator = backend->allocator();
+  const int64_t entry_bytes = allocator.current_bytes();
   split->inputs_ = inputs;
   split->row_outputs_ = row_outputs;
   split->backend_ = std::move(backend);
@@ -1094,9 +1075,11 @@ absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> SplitHeadRun<T>::Forward(
     split->backend_->Synchronize().IgnoreError();
     return done;
   }
+  split->allocated_bytes_ = allocator.current_bytes() - entry_bytes;
   split->forward_ = split->run_->result();
   split->forward_.stats.backward_seconds = 0;
   split->run_->FillForwardStats(split->forward_.stats);
+  split->forward_.stats.saved_bytes = split->saved_bytes();
   // The caller's row outputs are written; recomputations record nothing
   // and read only k.
   split->row_outputs_ = HeadRowOutputs{};
@@ -1109,7 +1092,7 @@ SplitHeadRun<T>::~SplitHeadRun() = default;
 
 template <typename T>
 int64_t SplitHeadRun<T>::saved_bytes() const {
-  return run_->HeldBytes();
+  return allocated_bytes_ + backend_->unallocated_bytes();
 }
 
 template <typename T>

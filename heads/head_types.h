@@ -117,6 +117,10 @@ struct HeadStats {
   double gemm_passes = 0;
   int64_t segment_recomputes = 0;
   int64_t peak_bytes = 0;  // Tracking allocator, above its level at entry.
+  // A split run's forward (SplitHeadRun::saved_bytes): the bytes of the
+  // backend's device it holds until the run is destroyed; 0 for RunHead and
+  // a backward pass.
+  int64_t saved_bytes = 0;
   double forward_seconds = 0;
   double backward_seconds = 0;
   double gemm_seconds = 0;     // Of which in GEMMs,

@@ -19,8 +19,10 @@
 #include "base/tracking_allocator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cpu_head.h"
 #include "heads/head_backend.h"
+#include "heads/head_types.h"
 #include "heads/synthetic_batch.h"
 #include "losses/vocab_shard.h"
 #include "proto/config.h"
@@ -159,6 +161,7 @@ void ExpectSplitEqualsRunHead(const Family& family, const char* mode,
   absl::StatusOr<HeadResult> reference = RunHead<T>(
       config, inputs, whole.View(), allocator, whole_rows.View(), {});
   ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_EQ(reference->stats.saved_bytes, 0);  // Nothing outlives RunHead.
   HeadOptions three;
   three.upstream_gradient = 3;
   ASSERT_TRUE(
@@ -185,36 +188,47 @@ void ExpectSplitEqualsRunHead(const Family& family, const char* mode,
   EXPECT_EQ(split_rows.top_k_values, whole_rows.top_k_values);
   EXPECT_EQ(split_rows.loss_weight, whole_rows.loss_weight);
 
-  // Between the passes: what the mode keeps, no gradient-sized buffer.
+  // Between the passes: what the mode keeps in the allocator, no
+  // gradient-sized buffer; and the backend's per-row state in host vectors
+  // of doubles (q; DSpark's confidence gradient; the teacher acceptance
+  // where recorded) and int32s (the target's rank under a top-k metric;
+  // Domino's two argmaxes), and a frozen FLOAT32 head's own laid-out weight.
   const int64_t held = allocator.current_bytes() - base;
-  EXPECT_EQ(run.saved_bytes(), held);
   const int64_t active = forward.stats.projected_rows;
   ASSERT_GT(active, 0);
-  const int64_t confidence_bytes =
-      std::string(family.name) == "DSparkConfidence"
-          ? rows * static_cast<int64_t>(sizeof(ConfidenceOf<T>))
-          : 0;
+  int64_t row_bytes = 8;
+  if (std::string(family.name) == "DSparkConfidence") row_bytes += 8;
+  if (RecordsTeacherAcceptance(config)) row_bytes += 8;
+  if (ChunkLossOptionsOf(config).metric_top_k > 0) row_bytes += 4;
+  if (config.loss().has_domino()) row_bytes += 2 * 4;
+  int64_t weight_bytes = 0;
+  if (forward.stats.gemm_library.find("laid out for this run") !=
+      std::string::npos) {
+    absl::StatusOr<int64_t> laid_out = PredictProjectionBytes(config);
+    ASSERT_TRUE(laid_out.ok()) << laid_out.status();
+    ASSERT_GT(*laid_out, 0);
+    weight_bytes = *laid_out;
+  }
+  EXPECT_EQ(run.saved_bytes(), held + rows * row_bytes + weight_bytes);
+  EXPECT_EQ(forward.stats.saved_bytes, run.saved_bytes());
   const int64_t logits_bytes = (family.correction ? 2 : 1) * active * kVocab *
                                static_cast<int64_t>(sizeof(T));
   const std::string m = mode;
   if (m == "MATERIALIZE" || m == "SAVE_CHUNKS") {
     // Every logits gradient; the teacher logits are dropped after forward.
-    EXPECT_EQ(run.saved_bytes(), logits_bytes + confidence_bytes);
+    EXPECT_EQ(held, logits_bytes);
   } else if (m == "CHECKPOINT") {
-    EXPECT_EQ(run.saved_bytes(), confidence_bytes);
-    EXPECT_LT(run.saved_bytes(),
-              rows * kVocab * static_cast<int64_t>(sizeof(T)) / 8);
+    EXPECT_EQ(held, 0);
   } else {
     // SELECTIVE: the teacher logits where a teacher is projected.
-    EXPECT_LE(run.saved_bytes(),
-              active * kVocab * static_cast<int64_t>(sizeof(T)) +
-                  confidence_bytes);
+    EXPECT_LE(held, active * kVocab * static_cast<int64_t>(sizeof(T)));
   }
 
   // Backward, upstream 1: RunHead's gradients, bitwise.
   Gradients<T> first(config, *batch);
   absl::StatusOr<HeadStats> stats = run.Backward(1.0, first.View(), nullptr);
   ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->saved_bytes, 0);  // A backward pass's stats.
   EXPECT_TRUE(first == whole);
   EXPECT_EQ(first.hidden, whole.hidden);
   EXPECT_EQ(first.weight, whole.weight);
@@ -229,6 +243,7 @@ void ExpectSplitEqualsRunHead(const Family& family, const char* mode,
   ASSERT_TRUE(run.Backward(1.0, second.View(), nullptr).ok());
   EXPECT_TRUE(second == first);
   EXPECT_EQ(allocator.current_bytes() - base, held);
+  EXPECT_EQ(run.saved_bytes(), forward.stats.saved_bytes);
 
   // Upstream 2 scales exactly; upstream 3 is RunHead's with upstream 3.
   Gradients<T> twice(config, *batch);
