@@ -5,6 +5,9 @@
 // RunCudaHead is checked against the float64 CPU head by
 // //tests:cuda_head_parity_test and //tests:cuda_correction_test.
 //
+// saved_bytes is what the stream's counting allocator shows live after the
+// forward pass (the CUDA backend keeps nothing on the device outside it).
+//
 // Not bitwise: RunCudaHead folds the scale the rows decide into its
 // input-gradient GEMMs at Start, the split run upstream x the finished
 // scale at Backward; the two agree to 1e-9 relative, but their FP32 alphas
@@ -120,6 +123,7 @@ void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
   absl::StatusOr<HeadResult> reference =
       RunCudaHead<T>(config, inputs, whole.View(), *gpu.blas);
   ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_EQ(reference->stats.saved_bytes, 0);  // Nothing outlives the run.
   const auto want = whole.Host(stream);
 
   TrackingAllocator& allocator = stream.allocator();
@@ -128,9 +132,14 @@ void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ((*split)->forward().loss, reference->loss);
   const int64_t held = allocator.current_bytes() - base;
+  EXPECT_EQ((*split)->saved_bytes(), held);
+  EXPECT_EQ((*split)->forward().stats.saved_bytes, held);
   if (std::string(mode) == "CHECKPOINT") {
-    // Per-row state only: no logits, no gradient.
-    EXPECT_EQ((*split)->saved_bytes(), 0);
+    // Per-row state only (the active-row list, q, ranks, argmaxes): no
+    // logits, no gradient.
+    EXPECT_GT(held, 0);
+    EXPECT_LT(held, b.num_rows() * head_test::kV *
+                        static_cast<int64_t>(sizeof(T)));
   }
   const double tolerance = std::is_same_v<T, float> ? 1e-6 : 1e-2;
   for (int pass = 0; pass < 2; ++pass) {
@@ -141,6 +150,7 @@ void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
     absl::StatusOr<HeadStats> stats =
         (*split)->Backward(1.0, got.View(), nullptr);
     ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->saved_bytes, 0);  // A backward pass's stats.
     if (std::is_same_v<T, BFloat16>) {
       // The FP32 weight-gradient sum lives in Backward only.
       EXPECT_GE(stats->peak_bytes,
@@ -152,6 +162,7 @@ void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
     }
     // Backward frees what it allocated (the caller's buffers aside).
     EXPECT_EQ(allocator.current_bytes() - base - buffers, held);
+    EXPECT_EQ((*split)->saved_bytes(), held);
   }
   // Upstream 2 doubles every gradient (exact in any precision).
   std::vector<std::vector<double>> one, two;
