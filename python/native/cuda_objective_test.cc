@@ -34,6 +34,8 @@
 #include "base/bfloat16.h"
 #include "base/error_norms.h"
 #include "base/gpu_test.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "heads/head_types.h"
 #include "proto/config_overrides.h"
@@ -49,6 +51,7 @@ constexpr int64_t kB = 1, kN = 3, kK = 4, kH = 16, kV = 37, kTopK = 3;
 
 int64_t ElementBytes(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64") return 8;
+  if (dtype == "bool") return 1;
   if (dtype == "bfloat16") return 2;
   return 4;
 }
@@ -67,6 +70,9 @@ std::vector<char> Encode(const std::vector<double>& values,
     } else if (dtype == "bfloat16") {
       const BFloat16 b = ToBFloat16(static_cast<float>(x));
       std::memcpy(at, &b, 2);
+    } else if (dtype == "bool") {
+      const uint8_t b = x != 0;
+      std::memcpy(at, &b, 1);
     } else if (dtype == "int64") {
       const int64_t n = static_cast<int64_t>(x);
       std::memcpy(at, &n, 8);
@@ -1025,6 +1031,291 @@ TEST(CudaObjectiveRejectsTest, Float64OnCuda) {
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(got.status().message().find("hidden"), std::string::npos)
       << got.status();
+}
+
+// Row metadata on the device: the CUDA head builds the rows there
+// (BuildCudaRows) where the binding made them on the host (RowsOf) from the
+// same metadata there. The host run is the reference: the same rows give
+// the same kernels the same inputs, so terms and gradients agree bit for
+// bit; under head.row_selection ALL_ROWS every row is projected (rows
+// without weight as zeros), so within float32 rounding.
+struct MetadataCase {
+  std::string ids, masks;
+  bool strided = false;
+  bool mask_on_host = false;  // Ids on the device, the mask on the host.
+};
+
+void PrintTo(const MetadataCase& m, std::ostream* os) {
+  *os << m.ids << " " << m.masks << (m.strided ? " strided" : "")
+      << (m.mask_on_host ? " mask on host" : "");
+}
+
+// `values` as a [B, N, K] tensor on `place`: contiguous, or the even
+// elements of a [B, N, 2K] buffer whose odd ones are invalid (an id
+// outside the vocabulary, a NaN mask), so that a read that ignores the
+// strides fails.
+TensorArg MetadataOn(Place& place, const char* name,
+                     const std::vector<double>& values,
+                     const std::string& dtype, bool strided) {
+  if (!strided) return place.Tensor(name, values, dtype, {kB, kN, kK});
+  const bool ids = dtype == "int32" || dtype == "int64";
+  std::vector<double> padded(
+      values.size() * 2,
+      ids ? 1000.0 : dtype == "bool" ? 1.0 : std::nan(""));
+  for (size_t i = 0; i < values.size(); ++i) padded[2 * i] = values[i];
+  TensorArg arg = place.Tensor(name, padded, dtype, {kB, kN, 2 * kK});
+  arg.shape = {kB, kN, kK};
+  arg.strides = {kN * 2 * kK, 2 * kK, 2};
+  return arg;
+}
+
+// Masks that float32 rounds (1/3) and zeros; bool masks are mask > 0.
+std::vector<double> MasksOf(const Batch& batch, const std::string& dtype) {
+  std::vector<double> masks = batch.mask;
+  for (size_t r = 0; r < masks.size(); ++r) {
+    if (masks[r] > 0 && dtype != "bool") masks[r] = (1 + r % 3) / 3.0;
+  }
+  return masks;
+}
+
+// A float32 `mode` training call on `gpu` for `family` with loss `loss`
+// (a LossConfig in text, or empty for the family's), its metadata as `m`
+// on the device, or on the host with `on_host`.
+absl::StatusOr<Call> MetadataCall(DevicePlace& gpu, const Family& family,
+                                  const std::string& loss,
+                                  const std::string& mode, const Batch& batch,
+                                  const std::vector<double>& ids,
+                                  const std::vector<double>& masks,
+                                  const MetadataCase& m, bool on_host,
+                                  v1::HeadConfig::RowSelection selection,
+                                  bool gradients = true) {
+  absl::StatusOr<Call> call = Prepare(gpu, "float32", family, mode, batch,
+                                      /*trainable=*/true, gradients);
+  if (!call.ok()) return call.status();
+  if (!loss.empty() && !google::protobuf::TextFormat::ParseFromString(
+                           loss, call->config.mutable_loss())) {
+    return absl::InvalidArgumentError(absl::StrCat("bad loss: ", loss));
+  }
+  call->config.mutable_head()->set_row_selection(selection);
+  Place& ids_place = on_host ? static_cast<Place&>(*call->host) : gpu;
+  Place& mask_place =
+      on_host || m.mask_on_host ? static_cast<Place&>(*call->host) : gpu;
+  call->tensors.target_ids =
+      MetadataOn(ids_place, "target_ids", ids, m.ids, m.strided);
+  call->tensors.weight_mask =
+      MetadataOn(mask_place, "weight_mask", masks, m.masks, m.strided);
+  return call;
+}
+
+struct MetadataOutcome {
+  HeadResult head;
+  std::vector<double> grad_hidden, grad_weight, grad_confidence, neg_log_q,
+      argmax;
+};
+
+absl::StatusOr<MetadataOutcome> RunMetadataCall(DevicePlace& gpu, Call& call) {
+  absl::StatusOr<HeadResult> head =
+      RunObjective(call.config, call.tensors, call.outputs, call.options);
+  if (!head.ok()) return head.status();
+  const ObjectiveOutputs& o = call.outputs;
+  MetadataOutcome out{*std::move(head)};
+  out.grad_hidden = gpu.Values(*o.grad_hidden);
+  out.grad_weight = gpu.Values(*o.grad_weight);
+  if (o.grad_confidence.has_value()) {
+    out.grad_confidence = gpu.Values(*o.grad_confidence);
+  }
+  out.neg_log_q = gpu.Values(*o.neg_log_q);
+  out.argmax = gpu.Values(*o.argmax);
+  return out;
+}
+
+struct MetadataLoss {
+  const char* name;
+  Family family;
+  std::string loss;  // Text LossConfig; empty: the family's.
+};
+
+std::vector<MetadataLoss> MetadataLosses() {
+  return {{"dflash", {"dflash", false, false}, ""},
+          {"dspark", {"dspark", true, true}, ""},
+          {"dpace_balanced",
+           {"dflash", false, false},
+           "dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }"}};
+}
+
+std::vector<MetadataCase> MetadataCases() {
+  return {{"int64", "float32", false, false},
+          {"int32", "float64", true, false},
+          {"int64", "bool", true, false},
+          {"int32", "float32", false, true}};
+}
+
+double MaxRelative(const std::vector<double>& got,
+                   const std::vector<double>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::abs(got[i] - want[i]) /
+                                std::max(1.0, std::abs(want[i])));
+  }
+  return worst;
+}
+
+TEST(CudaDeviceMetadataTest, EqualsHostMetadata) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch(7);
+  for (const MetadataLoss& l : MetadataLosses()) {
+    for (const MetadataCase& m : MetadataCases()) {
+      SCOPED_TRACE(absl::StrCat(l.name, " ", ::testing::PrintToString(m)));
+      const std::vector<double> masks = MasksOf(batch, m.masks);
+      absl::StatusOr<Call> host =
+          MetadataCall(gpu, l.family, l.loss, "checkpoint", batch, batch.ids,
+                       masks, m, /*on_host=*/true, v1::HeadConfig::COMPACT);
+      ASSERT_TRUE(host.ok()) << host.status();
+      absl::StatusOr<MetadataOutcome> want = RunMetadataCall(gpu, *host);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_GT(want->head.terms.loss_den, 0);
+
+      absl::StatusOr<Call> device =
+          MetadataCall(gpu, l.family, l.loss, "checkpoint", batch, batch.ids,
+                       masks, m, /*on_host=*/false, v1::HeadConfig::COMPACT);
+      ASSERT_TRUE(device.ok()) << device.status();
+      absl::StatusOr<MetadataOutcome> got = RunMetadataCall(gpu, *device);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->head.terms.loss_num, want->head.terms.loss_num);
+      EXPECT_EQ(got->head.terms.loss_den, want->head.terms.loss_den);
+      EXPECT_EQ(got->head.terms.correct, want->head.terms.correct);
+      EXPECT_EQ(got->head.loss, want->head.loss);
+      EXPECT_EQ(got->grad_hidden, want->grad_hidden);
+      EXPECT_EQ(got->grad_weight, want->grad_weight);
+      EXPECT_EQ(got->grad_confidence, want->grad_confidence);
+      EXPECT_EQ(got->neg_log_q, want->neg_log_q);
+      EXPECT_EQ(got->argmax, want->argmax);
+
+      // ALL_ROWS: every row projected, the same values within rounding.
+      absl::StatusOr<Call> all =
+          MetadataCall(gpu, l.family, l.loss, "checkpoint", batch, batch.ids,
+                       masks, m, /*on_host=*/false, v1::HeadConfig::ALL_ROWS);
+      ASSERT_TRUE(all.ok()) << all.status();
+      absl::StatusOr<MetadataOutcome> every = RunMetadataCall(gpu, *all);
+      ASSERT_TRUE(every.ok()) << every.status();
+      EXPECT_EQ(every->head.stats.projected_rows, kB * kN * kK);
+      EXPECT_LT(want->head.stats.projected_rows, kB * kN * kK);
+      EXPECT_NEAR(every->head.terms.loss_num, want->head.terms.loss_num,
+                  1e-6 * std::max(1.0, std::abs(want->head.terms.loss_num)));
+      EXPECT_EQ(every->head.terms.loss_den, want->head.terms.loss_den);
+      EXPECT_NEAR(every->head.loss, want->head.loss,
+                  1e-6 * std::max(1.0, std::abs(want->head.loss)));
+      EXPECT_LT(MaxRelative(every->grad_hidden, want->grad_hidden), 1e-6);
+      EXPECT_LT(MaxRelative(every->grad_weight, want->grad_weight), 1e-6);
+      EXPECT_LT(MaxRelative(every->grad_confidence, want->grad_confidence),
+                1e-6);
+      EXPECT_LT(MaxRelative(every->neg_log_q, want->neg_log_q), 1e-6);
+
+      // The split run from device metadata: the host metadata's forward
+      // and backward, bit for bit.
+      absl::StatusOr<Call> split_host =
+          MetadataCall(gpu, l.family, l.loss, "checkpoint", batch, batch.ids,
+                       masks, m, /*on_host=*/true, v1::HeadConfig::COMPACT,
+                       /*gradients=*/false);
+      absl::StatusOr<Call> split_device =
+          MetadataCall(gpu, l.family, l.loss, "checkpoint", batch, batch.ids,
+                       masks, m, /*on_host=*/false, v1::HeadConfig::COMPACT,
+                       /*gradients=*/false);
+      ASSERT_TRUE(split_host.ok() && split_device.ok());
+      absl::StatusOr<StartedObjective> a =
+          StartObjective(split_host->config, split_host->tensors,
+                         split_host->outputs, split_host->options);
+      ASSERT_TRUE(a.ok()) << a.status();
+      absl::StatusOr<StartedObjective> b =
+          StartObjective(split_device->config, split_device->tensors,
+                         split_device->outputs, split_device->options);
+      ASSERT_TRUE(b.ok()) << b.status();
+      EXPECT_EQ(b->forward.terms.loss_num, a->forward.terms.loss_num);
+      EXPECT_EQ(b->forward.terms.loss_den, a->forward.terms.loss_den);
+      EXPECT_EQ(b->forward.loss, a->forward.loss);
+      absl::StatusOr<Gradients> ga =
+          BackwardOn(gpu, *a->saved, *split_host, 1.0);
+      absl::StatusOr<Gradients> gb =
+          BackwardOn(gpu, *b->saved, *split_device, 1.0);
+      ASSERT_TRUE(ga.ok()) << ga.status();
+      ASSERT_TRUE(gb.ok()) << gb.status();
+      EXPECT_EQ(gb->hidden, ga->hidden);
+      EXPECT_EQ(gb->weight, ga->weight);
+      EXPECT_EQ(gb->confidence, ga->confidence);
+    }
+  }
+}
+
+// Every error RowsOf gives for host metadata, word for word, for the same
+// metadata on the device: a single call, a split forward, and ALL_ROWS
+// (which reads the rows back after its forward pass).
+TEST(CudaDeviceMetadataTest, BadElementsGetRowsOfsMessages) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch(7);
+  const double kNan = std::nan("");
+  struct Bad {
+    const char* what;
+    std::map<int, double> ids, masks;
+    const char* message;  // The start of RowsOf's message.
+  };
+  const std::vector<Bad> bads = {
+      {"nan mask", {}, {{7, kNan}}, "weight_mask[0, 1, 3]: must be finite"},
+      {"negative mask", {}, {{6, -1}}, "weight_mask[0, 1, 2]: must be finite"},
+      {"inf mask", {}, {{9, INFINITY}}, "weight_mask[0, 2, 1]: must be finite"},
+      {"mask sum", {}, {{2, 3e38}, {3, 3e38}},
+       "weight_mask: its values sum to more than float32 holds"},
+      {"target >= V", {{7, kV}}, {}, "target_ids[0, 1, 3]: must lie in [0, V"},
+      {"negative target", {{10, -3}}, {},
+       "target_ids[0, 2, 2]: must lie in [0, V"},
+      // The first bad element wins, whichever tensor it is in.
+      {"first wins", {{2, kV + 4}}, {{9, kNan}},
+       "target_ids[0, 0, 2]: must lie in [0, V"},
+      {"mask before target", {{7, kV}}, {{7, -2}},
+       "weight_mask[0, 1, 3]: must be finite"},
+  };
+  const Family dflash{"dflash", false, false};
+  for (const MetadataCase& m :
+       {MetadataCase{"int64", "float64", false, false},
+        MetadataCase{"int32", "float64", true, false}}) {
+    for (const Bad& bad : bads) {
+      SCOPED_TRACE(absl::StrCat(bad.what, " ", ::testing::PrintToString(m)));
+      std::vector<double> ids = batch.ids, masks = MasksOf(batch, m.masks);
+      for (const auto& [at, id] : bad.ids) ids[at] = id;
+      for (const auto& [at, mask] : bad.masks) masks[at] = mask;
+      absl::StatusOr<Call> host =
+          MetadataCall(gpu, dflash, "", "checkpoint", batch, ids, masks, m,
+                       /*on_host=*/true, v1::HeadConfig::COMPACT);
+      ASSERT_TRUE(host.ok()) << host.status();
+      const absl::Status want =
+          RunObjective(host->config, host->tensors, host->outputs,
+                       host->options)
+              .status();
+      ASSERT_EQ(want.code(), absl::StatusCode::kInvalidArgument) << want;
+      EXPECT_THAT(std::string(want.message()),
+                  ::testing::StartsWith(bad.message));
+      for (const auto selection :
+           {v1::HeadConfig::COMPACT, v1::HeadConfig::ALL_ROWS}) {
+        absl::StatusOr<Call> device =
+            MetadataCall(gpu, dflash, "", "checkpoint", batch, ids, masks, m,
+                         /*on_host=*/false, selection);
+        ASSERT_TRUE(device.ok()) << device.status();
+        EXPECT_EQ(RunObjective(device->config, device->tensors,
+                               device->outputs, device->options)
+                      .status(),
+                  want);
+        absl::StatusOr<Call> split =
+            MetadataCall(gpu, dflash, "", "checkpoint", batch, ids, masks, m,
+                         /*on_host=*/false, selection, /*gradients=*/false);
+        ASSERT_TRUE(split.ok()) << split.status();
+        EXPECT_EQ(StartObjective(split->config, split->tensors, split->outputs,
+                                 split->options)
+                      .status(),
+                  want);
+      }
+    }
+  }
 }
 
 }  // namespace

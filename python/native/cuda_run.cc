@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -212,6 +213,27 @@ auto OnHeadStream(int device, uintptr_t stream, Work work)
   return OrderedOn(*state, stream, work);
 }
 
+cuda::RowsTensor RowsTensorOf(const DeviceMetadataTensor& t) {
+  cuda::RowsTensor out;
+  out.data = reinterpret_cast<const void*>(t.data);
+  out.dtype = t.dtype == "int32"     ? cuda::kRowsInt32
+              : t.dtype == "int64"   ? cuda::kRowsInt64
+              : t.dtype == "float32" ? cuda::kRowsFloat32
+              : t.dtype == "float64" ? cuda::kRowsFloat64
+                                     : cuda::kRowsBool;
+  std::copy_n(t.strides, 3, out.strides);
+  return out;
+}
+
+// The rows of `metadata` made on `stream` (BuildCudaRows), queued, no wait.
+absl::StatusOr<CudaRows> BuildRows(const v1::ObjectiveConfig& config,
+                                   const DeviceMetadata& metadata,
+                                   CudaStream& stream) {
+  return BuildCudaRows(config, RowsTensorOf(metadata.target_ids),
+                       RowsTensorOf(metadata.weight_mask), metadata.batch,
+                       metadata.anchors, stream);
+}
+
 // StartOnTorchStream's run: the split run and the state (stream, cuBLAS
 // handle, allocator) it borrows, kept alive with it.
 template <typename T>
@@ -223,18 +245,18 @@ class SplitOnStream : public TorchStreamRun<T> {
     DeviceScope scope;
     if (!scope.Enter(device_).ok()) {
       // The memory cannot be freed on its device: left to the context.
-      (void)split_.release();
+      (void)held_.release();
       return;
     }
-    if (split_ != nullptr) {
+    if (held_ != nullptr) {
       if (state_->owner.load() == std::this_thread::get_id()) {
         // Destroyed inside a run on this stream (its lent allocator's
         // callback): that run frees it when done. Its destructor reads
         // nothing it borrows.
-        state_->deferred.push_back(std::shared_ptr<void>(std::move(split_)));
+        state_->deferred.push_back(std::shared_ptr<void>(std::move(held_)));
       } else {
         std::lock_guard<std::mutex> lock(state_->mu);
-        split_.reset();
+        held_.reset();
       }
     }
     // Possibly the state's last reference: its stream and events go on
@@ -246,21 +268,36 @@ class SplitOnStream : public TorchStreamRun<T> {
   absl::Status Start(const v1::ObjectiveConfig& config,
                      const HeadInputs<T>& inputs,
                      const HeadRowOutputs& row_outputs, uintptr_t stream,
-                     const HeadOptions& options) {
+                     const HeadOptions& options,
+                     const DeviceMetadata* metadata) {
     return OrderedOn(*state_, stream, [&](DeviceState& state) {
+      auto held = std::make_unique<Held>();
+      HeadInputs<T> with_rows = inputs;
+      if (metadata != nullptr) {
+        absl::StatusOr<CudaRows> rows =
+            BuildRows(config, *metadata, *state.stream);
+        if (!rows.ok()) return rows.status();
+        held->rows = *std::move(rows);
+        with_rows.device_rows = held->rows->view();
+      }
       absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> split =
-          StartCudaHead<T>(config, inputs, *state.blas, row_outputs, options);
+          StartCudaHead<T>(config, with_rows, *state.blas, row_outputs,
+                           options);
       if (!split.ok()) return split.status();
-      split_ = *std::move(split);
+      held->split = *std::move(split);
+      held_ = std::move(held);
       return absl::OkStatus();
     });
   }
 
-  const HeadResult& forward() const override { return split_->forward(); }
+  const HeadResult& forward() const override {
+    return held_->split->forward();
+  }
 
   int64_t saved_bytes() const override {
     std::lock_guard<std::mutex> lock(state_->mu);
-    return split_->saved_bytes();
+    // The device rows are held between the passes too.
+    return held_->split->saved_bytes() + held_->RowBytes();
   }
 
   absl::StatusOr<HeadStats> Backward(
@@ -269,14 +306,24 @@ class SplitOnStream : public TorchStreamRun<T> {
     DeviceScope scope;
     DFLASH_RETURN_IF_ERROR(scope.Enter(device_));
     return OrderedOn(*state_, stream, [&](DeviceState&) {
-      return split_->Backward(upstream, gradients, interrupt);
+      return held_->split->Backward(upstream, gradients, interrupt);
     });
   }
 
  private:
+  // The split run and the device rows it borrows, freed after it.
+  struct Held {
+    std::optional<CudaRows> rows;
+    std::unique_ptr<SplitHeadRun<T>> split;
+    int64_t RowBytes() const {
+      if (!rows.has_value()) return 0;
+      return rows->rows.bytes() + rows->error.bytes() + rows->scratch.bytes();
+    }
+  };
+
   const int device_;
   std::shared_ptr<DeviceState> state_;
-  std::unique_ptr<SplitHeadRun<T>> split_;
+  std::unique_ptr<Held> held_;
 };
 
 }  // namespace
@@ -300,27 +347,37 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadGradients<T>& gradients,
                                             const HeadRowOutputs& row_outputs,
                                             int device, uintptr_t stream,
-                                            bool forward_only) {
+                                            bool forward_only,
+                                            const DeviceMetadata* metadata) {
   HeadOptions options;
   options.forward_only = forward_only;
-  return OnHeadStream(device, stream, [&](DeviceState& state) {
-    return RunCudaHead<T>(config, inputs, gradients, *state.blas, row_outputs,
-                          options);
-  });
+  return OnHeadStream(
+      device, stream, [&](DeviceState& state) -> absl::StatusOr<HeadResult> {
+        if (metadata == nullptr) {
+          return RunCudaHead<T>(config, inputs, gradients, *state.blas,
+                                row_outputs, options);
+        }
+        DFLASH_ASSIGN_OR_RETURN(const CudaRows rows,
+                                BuildRows(config, *metadata, *state.stream));
+        HeadInputs<T> with_rows = inputs;
+        with_rows.device_rows = rows.view();
+        return RunCudaHead<T>(config, with_rows, gradients, *state.blas,
+                              row_outputs, options);
+      });
 }
 
 template <typename T>
 absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
     const HeadRowOutputs& row_outputs, int device, uintptr_t stream,
-    const HeadOptions& options) {
+    const HeadOptions& options, const DeviceMetadata* metadata) {
   DeviceScope scope;
   DFLASH_RETURN_IF_ERROR(scope.Enter(device));
   DFLASH_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> state,
                           StateFor(device, stream));
   auto run = std::make_unique<SplitOnStream<T>>(device, std::move(state));
   DFLASH_RETURN_IF_ERROR(
-      run->Start(config, inputs, row_outputs, stream, options));
+      run->Start(config, inputs, row_outputs, stream, options, metadata));
   return run;
 }
 
@@ -336,27 +393,32 @@ absl::Status AddTopKValueGradientsOnTorchStream(
   });
 }
 
-absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
-                            int64_t bytes) {
+absl::Status CopyFromDevice(int device, uintptr_t stream, uintptr_t source,
+                            void* host, int64_t bytes) {
   DeviceScope scope;
   DFLASH_RETURN_IF_ERROR(scope.Enter(device));
-  return Check(cudaMemcpy(host, reinterpret_cast<const void*>(source),
-                          static_cast<size_t>(bytes), cudaMemcpyDeviceToHost),
-               "cudaMemcpy to the host");
+  const cudaStream_t on = reinterpret_cast<cudaStream_t>(stream);
+  DFLASH_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(host, reinterpret_cast<const void*>(source),
+                            static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
+                            on),
+            "cudaMemcpyAsync to the host"));
+  return Check(cudaStreamSynchronize(on), "cudaStreamSynchronize");
 }
 
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
-    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool);
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool,
+    const DeviceMetadata*);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
-    bool);
+    bool, const DeviceMetadata*);
 #define DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(T)                          \
   template absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>>         \
   StartOnTorchStream<T>(const v1::ObjectiveConfig&, const HeadInputs<T>&, \
                         const HeadRowOutputs&, int, uintptr_t,        \
-                        const HeadOptions&);                          \
+                        const HeadOptions&, const DeviceMetadata*);   \
   template absl::Status AddTopKValueGradientsOnTorchStream<T>(        \
       const v1::ObjectiveConfig&, const HeadInputs<T>&,               \
       absl::Span<const int32_t>, absl::Span<const float>,             \

@@ -44,19 +44,37 @@ struct TorchAllocator {
 // nothing in a build without CUDA.
 void SetTorchAllocator(std::optional<TorchAllocator> allocator);
 
+// A [B, N, K] tensor of row metadata in device memory: its address, dtype
+// ("int32" or "int64" target ids; "float32", "float64" or "bool" masks) and
+// strides in elements.
+struct DeviceMetadataTensor {
+  uintptr_t data = 0;
+  std::string dtype;
+  int64_t strides[3] = {0, 0, 0};
+};
+
+// target_ids and weight_mask on the run's device: the run makes its rows
+// there (BuildCudaRows, heads/cuda_head.h) in its stream's order, and a bad
+// element fails it with InvalidArgument (the head's RowError, about the
+// element's row), nothing read back before the head's work is queued.
+struct DeviceMetadata {
+  DeviceMetadataTensor target_ids, weight_mask;
+  int64_t batch = 0, anchors = 0;  // B, N; K is layout.block_size.
+};
+
 // RunCudaHead (T = float or BFloat16) on CUDA device `device`, ordered
 // after the work already queued on `stream` (torch's current stream there)
 // and before the work queued on it next, through events: nothing waits on
 // the host beyond the head's own two synchronisations. The head's stream
-// and cuBLAS handle are made once per device and kept. Without CUDA in the
+// and cuBLAS handle are made once per device and kept. With `metadata`,
+// the rows come from it and `inputs.rows` is empty. Without CUDA in the
 // build: Unimplemented.
 template <typename T>
-absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
-                                            const HeadInputs<T>& inputs,
-                                            const HeadGradients<T>& gradients,
-                                            const HeadRowOutputs& row_outputs,
-                                            int device, uintptr_t stream,
-                                            bool forward_only = false);
+absl::StatusOr<HeadResult> RunOnTorchStream(
+    const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
+    const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
+    int device, uintptr_t stream, bool forward_only = false,
+    const DeviceMetadata* metadata = nullptr);
 
 // A split CUDA run (StartOnTorchStream): StartCudaHead's SplitHeadRun with
 // the stream it was queued on, kept for its backward. Destroying it frees
@@ -85,13 +103,14 @@ class TorchStreamRun {
 // orders a run (with the lent allocator on that stream itself, else on the
 // head's own stream between two events), `row_outputs` written. The run
 // borrows `config` and the memory of `inputs`, which the caller keeps alive
-// and unchanged until it is destroyed. Without CUDA in the build:
-// Unimplemented.
+// and unchanged until it is destroyed. With `metadata` (RunOnTorchStream's),
+// the rows it makes from it live as long as the run. Without CUDA in the
+// build: Unimplemented.
 template <typename T>
 absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
     const HeadRowOutputs& row_outputs, int device, uintptr_t stream,
-    const HeadOptions& options);
+    const HeadOptions& options, const DeviceMetadata* metadata = nullptr);
 
 // AddCudaTopKValueGradients (heads/cuda_head.h) ordered on torch's
 // `stream` as RunOnTorchStream is.
@@ -103,9 +122,11 @@ absl::Status AddTopKValueGradientsOnTorchStream(
     const HeadGradients<T>& gradients, int device, uintptr_t stream);
 
 // Copies `bytes` from device memory at `source` on `device` to `host`,
-// waiting for the device. Without CUDA in the build: Unimplemented.
-absl::Status CopyFromDevice(int device, uintptr_t source, void* host,
-                            int64_t bytes);
+// ordered after the work queued on torch's `stream` (which may still be
+// writing it), and waits for the copy. Without CUDA in the build:
+// Unimplemented.
+absl::Status CopyFromDevice(int device, uintptr_t stream, uintptr_t source,
+                            void* host, int64_t bytes);
 
 }  // namespace dflash::python
 

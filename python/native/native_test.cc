@@ -294,6 +294,34 @@ TEST(RunObjectiveTest, ChecksEveryTensorBeforeWork) {
       "grad_weight: required (with a trainable head), got None");
 }
 
+// Row metadata lives on the CPU, or beside a CUDA hidden on its device;
+// a third device is refused, naming the tensor, its device and hidden's.
+TEST(RunObjectiveTest, MetadataOnTheCpuOrHiddensDevice) {
+  Tiny tiny;
+  ObjectiveTensors tensors = tiny.Tensors();
+  tensors.target_ids.device = "cuda:0";
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tensors, tiny.Outputs(), {})
+                .status()
+                .message(),
+            "target_ids: must be on the CPU as hidden is, got cuda:0");
+  tensors = tiny.Tensors();
+  tensors.hidden.device = "cuda:0";
+  tensors.weight.device = "cuda:0";
+  tensors.weight_mask.device = "cuda:1";
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tensors, tiny.Outputs(), {})
+                .status()
+                .message(),
+            "weight_mask: must be on the CPU or on hidden's device (cuda:0), "
+            "got cuda:1");
+  tensors.weight_mask.device = "cpu";
+  tensors.target_ids.device = "cuda:1";
+  EXPECT_EQ(RunObjective(*DefaultConfig(), tensors, tiny.Outputs(), {})
+                .status()
+                .message(),
+            "target_ids: must be on the CPU or on hidden's device (cuda:0), "
+            "got cuda:1");
+}
+
 TEST(RunObjectiveTest, RunsOnTheCpu) {
   Tiny tiny;
   absl::StatusOr<HeadResult> result =

@@ -16,7 +16,8 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
                                             const HeadInputs<T>&,
                                             const HeadGradients<T>&,
                                             const HeadRowOutputs&, int,
-                                            uintptr_t, bool) {
+                                            uintptr_t, bool,
+                                            const DeviceMetadata*) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
@@ -24,7 +25,7 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
 template <typename T>
 absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>> StartOnTorchStream(
     const v1::ObjectiveConfig&, const HeadInputs<T>&, const HeadRowOutputs&,
-    int, uintptr_t, const HeadOptions&) {
+    int, uintptr_t, const HeadOptions&, const DeviceMetadata*) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
@@ -38,27 +39,28 @@ absl::Status AddTopKValueGradientsOnTorchStream(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
 
-absl::Status CopyFromDevice(int, uintptr_t, void*, int64_t) {
+absl::Status CopyFromDevice(int, uintptr_t, uintptr_t, void*, int64_t) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
 
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
-    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool);
+    const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool,
+    const DeviceMetadata*);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
-    bool);
+    bool, const DeviceMetadata*);
 template absl::StatusOr<std::unique_ptr<TorchStreamRun<float>>>
 StartOnTorchStream<float>(const v1::ObjectiveConfig&, const HeadInputs<float>&,
                           const HeadRowOutputs&, int, uintptr_t,
-                          const HeadOptions&);
+                          const HeadOptions&, const DeviceMetadata*);
 template absl::StatusOr<std::unique_ptr<TorchStreamRun<BFloat16>>>
 StartOnTorchStream<BFloat16>(const v1::ObjectiveConfig&,
                              const HeadInputs<BFloat16>&,
                              const HeadRowOutputs&, int, uintptr_t,
-                             const HeadOptions&);
+                             const HeadOptions&, const DeviceMetadata*);
 template absl::Status AddTopKValueGradientsOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     absl::Span<const int32_t>, absl::Span<const float>, absl::Span<const float>,

@@ -99,15 +99,17 @@ class HostLock {
   std::lock_guard<std::mutex> lock_;
 };
 
-// The tensor's values as doubles, copied from its device when on one.
-absl::StatusOr<std::vector<double>> HostValues(const TensorArg& t) {
+// The tensor's values as doubles, copied from its device when on one (in
+// the order of torch's `stream`).
+absl::StatusOr<std::vector<double>> HostValues(const TensorArg& t,
+                                               uintptr_t stream) {
   const int64_t bytes = t.numel() * (t.dtype == "float64"    ? 8
                                      : t.dtype == "bfloat16" ? 2
                                                              : 4);
   std::vector<char> raw(static_cast<size_t>(bytes));
   if (t.on_cuda()) {
     DFLASH_RETURN_IF_ERROR(
-        CopyFromDevice(t.cuda_index(), t.data, raw.data(), bytes));
+        CopyFromDevice(t.cuda_index(), stream, t.data, raw.data(), bytes));
   } else {
     std::copy_n(t.as<const char>(), bytes, raw.data());
   }
@@ -140,7 +142,8 @@ std::string ElementAt(const TensorArg& t, int64_t index) {
 // Runs on failure only, so a correct run never pays for the scan.
 absl::Status ExplainFailure(const absl::Status& failure,
                             const ObjectiveTensors& t,
-                            absl::Span<const RowMeta> rows) {
+                            absl::Span<const RowMeta> rows,
+                            uintptr_t cuda_stream) {
   struct Scanned {
     const TensorArg* tensor;
     int64_t row_width;  // Values per row; 0 where the tensor is not per row.
@@ -160,7 +163,8 @@ absl::Status ExplainFailure(const absl::Status& failure,
   scanned.push_back({&t.weight, 0});
   if (t.bias.has_value()) scanned.push_back({&*t.bias, 0});
   for (const auto& [tensor, width] : scanned) {
-    absl::StatusOr<std::vector<double>> values = HostValues(*tensor);
+    absl::StatusOr<std::vector<double>> values =
+        HostValues(*tensor, cuda_stream);
     if (!values.ok()) return failure;  // Unreadable: the head's error stands.
     for (size_t j = 0; j < values->size(); ++j) {
       const double x = (*values)[j];
@@ -270,6 +274,7 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
                                const ObjectiveTensors& t,
                                const ObjectiveOutputs& o,
                                absl::Span<const RowMeta> rows,
+                               const std::optional<DeviceMetadata>& metadata,
                                const ObjectiveOptions& objective_options) {
   const uintptr_t cuda_stream = objective_options.cuda_stream;
   const HeadInputs<T> inputs = InputsOf<T>(t, rows);
@@ -278,9 +283,10 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
-      return RunOnTorchStream<T>(config, inputs, gradients, row_outputs,
-                                 t.hidden.cuda_index(), cuda_stream,
-                                 objective_options.forward_only);
+      return RunOnTorchStream<T>(
+          config, inputs, gradients, row_outputs, t.hidden.cuda_index(),
+          cuda_stream, objective_options.forward_only,
+          metadata.has_value() ? &*metadata : nullptr);
     }
   }
   if constexpr (std::is_same_v<T, BFloat16>) {
@@ -406,11 +412,86 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
 
 namespace {
 
+int64_t MetadataElementBytes(const std::string& dtype) {
+  return dtype == "int64" || dtype == "float64" ? 8
+         : dtype == "bool"                      ? 1
+                                                : 4;
+}
+
+// Row metadata copied to the host when it lives on a device: `arg` reads
+// `bytes`, at the tensor's strides.
+struct HostMetadata {
+  std::vector<int64_t> bytes;  // int64_t: aligned for every dtype.
+  TensorArg arg;
+};
+
+absl::StatusOr<HostMetadata> OnHost(const TensorArg& t, uintptr_t stream) {
+  HostMetadata host;
+  host.arg = t;
+  if (!t.on_cuda()) return host;
+  // The elements the strides reach (CheckTensors: one stride per dimension).
+  int64_t extent = 1;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    extent += (t.shape[d] - 1) * t.strides[d];
+  }
+  const int64_t bytes = extent * MetadataElementBytes(t.dtype);
+  host.bytes.resize(static_cast<size_t>((bytes + 7) / 8));
+  DFLASH_RETURN_IF_ERROR(
+      CopyFromDevice(t.cuda_index(), stream, t.data, host.bytes.data(),
+                     bytes));
+  host.arg.device = "cpu";
+  host.arg.data = reinterpret_cast<uintptr_t>(host.bytes.data());
+  return host;
+}
+
+// RowsOf for the bound config, the metadata read on the host (copied there
+// from a device in the order of torch's `stream`).
+absl::StatusOr<std::vector<RowMeta>> HostRowsOf(
+    const v1::ObjectiveConfig& bound, const ObjectiveTensors& tensors,
+    const VocabShard* shard, uintptr_t stream) {
+  DFLASH_ASSIGN_OR_RETURN(const HostMetadata ids,
+                          OnHost(tensors.target_ids, stream));
+  DFLASH_ASSIGN_OR_RETURN(const HostMetadata masks,
+                          OnHost(tensors.weight_mask, stream));
+  return RowsOf(ids.arg, masks.arg,
+                shard != nullptr ? shard->vocab : bound.head().vocab_size(),
+                bound.loss().cross_entropy().ignore_index(),
+                LossParamsOf(bound.loss()).count_ignored,
+                tensors.hidden.dtype == "float64");
+}
+
+DeviceMetadataTensor DeviceTensorOf(const TensorArg& t) {
+  DeviceMetadataTensor out;
+  out.data = t.data;
+  out.dtype = t.dtype;
+  std::copy_n(t.strides.begin(), 3, out.strides);
+  return out;
+}
+
+// After a run from device metadata failed: RowsOf's error where the
+// metadata has a bad element (the head reports it about its row alone),
+// else ExplainFailure's with the rows read on the host. Runs on failure
+// only: a correct run never copies the metadata.
+absl::Status ExplainDeviceFailure(const absl::Status& failure,
+                                  const v1::ObjectiveConfig& bound,
+                                  const ObjectiveTensors& tensors,
+                                  uintptr_t cuda_stream) {
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      HostRowsOf(bound, tensors, /*shard=*/nullptr, cuda_stream);
+  if (rows.ok()) return ExplainFailure(failure, tensors, *rows, cuda_stream);
+  if (rows.status().code() == absl::StatusCode::kInvalidArgument) {
+    return rows.status();
+  }
+  return failure;  // Unreadable: the head's error stands.
+}
+
 // RunObjective's checks and the rows, for a run (RunObjective) or a split
-// forward (StartObjective).
+// forward (StartObjective): on the host, or `metadata` where the CUDA head
+// builds them on the device (rows empty).
 struct Checked {
   v1::ObjectiveConfig bound;
   std::vector<RowMeta> rows;
+  std::optional<DeviceMetadata> metadata;
 };
 
 // A split forward's state: on the CPU the SplitHeadRun itself, under the
@@ -420,10 +501,12 @@ template <typename T>
 class SavedObjectiveOf : public SavedObjective {
  public:
   SavedObjectiveOf(v1::ObjectiveConfig config, const ObjectiveTensors& tensors,
-                   std::vector<RowMeta> rows)
+                   std::vector<RowMeta> rows,
+                   std::optional<DeviceMetadata> metadata)
       : config_(std::move(config)),
         tensors_(tensors),
         rows_(std::move(rows)),
+        metadata_(std::move(metadata)),
         pid_(getpid()) {}
 
   ~SavedObjectiveOf() override {
@@ -451,7 +534,8 @@ class SavedObjectiveOf : public SavedObjective {
   }
 
   // The forward pass into `o`'s row outputs (on CUDA ordered on
-  // `cuda_stream`); the run borrows `rows_` and `config_`.
+  // `cuda_stream`); the run borrows `rows_` and `config_` (on CUDA from
+  // `metadata_`, it makes and keeps its rows).
   absl::StatusOr<HeadResult> Forward(const ObjectiveOutputs& o,
                                      const HeadOptions& options,
                                      uintptr_t cuda_stream) {
@@ -463,9 +547,10 @@ class SavedObjectiveOf : public SavedObjective {
       if (tensors_.hidden.on_cuda()) {
         DFLASH_ASSIGN_OR_RETURN(
             cuda_run_,
-            StartOnTorchStream<T>(config_, inputs, row_outputs,
-                                  tensors_.hidden.cuda_index(), cuda_stream,
-                                  options));
+            StartOnTorchStream<T>(
+                config_, inputs, row_outputs, tensors_.hidden.cuda_index(),
+                cuda_stream, options,
+                metadata_.has_value() ? &*metadata_ : nullptr));
         return cuda_run_->forward();
       }
     }
@@ -534,6 +619,7 @@ class SavedObjectiveOf : public SavedObjective {
   const v1::ObjectiveConfig config_;
   const ObjectiveTensors tensors_;
   const std::vector<RowMeta> rows_;
+  const std::optional<DeviceMetadata> metadata_;
   const pid_t pid_;
   std::unique_ptr<SplitHeadRun<T>> run_;         // On the CPU.
   std::unique_ptr<TorchStreamRun<T>> cuda_run_;  // On CUDA.
@@ -566,13 +652,23 @@ absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
       CheckOutputs(outputs, tensors, checked.bound, options.forward_only));
   DFLASH_RETURN_IF_ERROR(
       CheckPrepared(options.prepared_projection, tensors, checked.bound));
+  // Metadata on a CUDA hidden's device (CheckTensors: hidden's) stays
+  // there: the head builds the rows (nothing read back before its work is
+  // queued). Otherwise the rows are made on the host, a lone device tensor
+  // copied there.
+  if (tensors.hidden.on_cuda() && tensors.target_ids.on_cuda() &&
+      tensors.weight_mask.on_cuda()) {
+    const std::vector<int64_t>& s = tensors.hidden.shape;
+    DeviceMetadata& metadata = checked.metadata.emplace();
+    metadata.target_ids = DeviceTensorOf(tensors.target_ids);
+    metadata.weight_mask = DeviceTensorOf(tensors.weight_mask);
+    metadata.batch = s[0];
+    metadata.anchors = s[1];
+    return checked;
+  }
   DFLASH_ASSIGN_OR_RETURN(
       checked.rows,
-      RowsOf(tensors.target_ids, tensors.weight_mask,
-             shard != nullptr ? shard->vocab : checked.bound.head().vocab_size(),
-             checked.bound.loss().cross_entropy().ignore_index(),
-             LossParamsOf(checked.bound.loss()).count_ignored,
-             tensors.hidden.dtype == "float64"));
+      HostRowsOf(checked.bound, tensors, shard, options.cuda_stream));
   return checked;
 }
 
@@ -585,7 +681,8 @@ absl::StatusOr<StartedObjective> Start(Checked checked,
   options.prepared_projection = objective_options.prepared_projection;
   options.interrupt = objective_options.interrupt;
   auto saved = std::make_unique<SavedObjectiveOf<T>>(
-      std::move(checked.bound), t, std::move(checked.rows));
+      std::move(checked.bound), t, std::move(checked.rows),
+      std::move(checked.metadata));
   absl::StatusOr<HeadResult> forward =
       saved->Forward(o, options, objective_options.cuda_stream);
   if (!forward.ok()) return forward.status();
@@ -603,15 +700,21 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
                           CheckObjective(config, tensors, outputs, options));
   const v1::ObjectiveConfig& bound = checked.bound;
   const std::vector<RowMeta>& rows = checked.rows;
+  const std::optional<DeviceMetadata>& metadata = checked.metadata;
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<HeadResult> result =
       dtype == "float64"
-          ? Run<double>(bound, tensors, outputs, rows, options)
-      : dtype == "bfloat16" ? Run<BFloat16>(bound, tensors, outputs, rows, options)
-                            : Run<float>(bound, tensors, outputs, rows, options);
+          ? Run<double>(bound, tensors, outputs, rows, metadata, options)
+      : dtype == "bfloat16"
+          ? Run<BFloat16>(bound, tensors, outputs, rows, metadata, options)
+          : Run<float>(bound, tensors, outputs, rows, metadata, options);
   if (!result.ok() &&
       result.status().code() == absl::StatusCode::kInvalidArgument) {
-    return ExplainFailure(result.status(), tensors, rows);
+    if (metadata.has_value()) {
+      return ExplainDeviceFailure(result.status(), bound, tensors,
+                                  options.cuda_stream);
+    }
+    return ExplainFailure(result.status(), tensors, rows, options.cuda_stream);
   }
   return result;
 }
@@ -637,6 +740,8 @@ absl::StatusOr<StartedObjective> StartObjective(
   DFLASH_RETURN_IF_ERROR(
       CheckPrepared(options.prepared_projection, tensors, checked.bound));
   const std::vector<RowMeta> rows = checked.rows;
+  const bool device_rows = checked.metadata.has_value();
+  const v1::ObjectiveConfig bound = checked.bound;
   const std::string& dtype = tensors.hidden.dtype;
   absl::StatusOr<StartedObjective> started =
       dtype == "float64"
@@ -646,7 +751,12 @@ absl::StatusOr<StartedObjective> StartObjective(
           : Start<float>(std::move(checked), tensors, outputs, options);
   if (!started.ok() &&
       started.status().code() == absl::StatusCode::kInvalidArgument) {
-    return ExplainFailure(started.status(), tensors, rows);
+    if (device_rows) {
+      return ExplainDeviceFailure(started.status(), bound, tensors,
+                                  options.cuda_stream);
+    }
+    return ExplainFailure(started.status(), tensors, rows,
+                          options.cuda_stream);
   }
   return started;
 }

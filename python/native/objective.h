@@ -25,8 +25,12 @@ struct ObjectiveTensors {
   // bfloat16 on CUDA.
   TensorArg hidden;
   TensorArg weight;  // [V, H], contiguous, hidden's dtype and device.
-  // [B, N, K] on the CPU, any strides: int64 or int32, and float32, float64
-  // or bool.
+  // [B, N, K], any strides: int64 or int32, and float32, float64 or bool.
+  // On the CPU (RowsOf reads them there), or with CUDA hidden on hidden's
+  // device, where the CUDA head builds the rows (BuildCudaRows,
+  // heads/cuda_head.h) and a bad element gets RowsOf's error (the metadata
+  // is read back on failure only). One on the device beside one on the CPU
+  // is copied to the host.
   TensorArg target_ids;
   TensorArg weight_mask;
   std::optional<TensorArg> bias;               // [V], like weight.

@@ -68,12 +68,21 @@ absl::Status CheckBeside(const TensorArg& t, const TensorArg& hidden,
 
 namespace {
 
-// Row metadata, read on the host at any strides.
-absl::Status CheckMetadata(const TensorArg& t, const std::vector<int64_t>& bnk,
+// Row metadata, at any strides: on the host (read there), or on a CUDA
+// hidden's device (the CUDA head builds the rows there).
+absl::Status CheckMetadata(const TensorArg& t, const TensorArg& hidden,
+                           const std::vector<int64_t>& bnk,
                            absl::Span<const string_view> dtypes) {
   DFLASH_RETURN_IF_ERROR(ExpectDType(t, dtypes));
-  DFLASH_RETURN_IF_ERROR(
-      ExpectDevice(t, "cpu", "row metadata is read on the host"));
+  if (t.device != "cpu" && !(hidden.on_cuda() && t.device == hidden.device)) {
+    return Invalid(t, hidden.on_cuda()
+                          ? absl::StrCat("must be on the CPU or on hidden's "
+                                         "device (",
+                                         hidden.device, "), got ", t.device)
+                          : absl::StrCat("must be on the CPU as hidden is, "
+                                         "got ",
+                                         t.device));
+  }
   DFLASH_RETURN_IF_ERROR(ExpectShape(t, bnk, "[B, N, K] (hidden's)"));
   if (t.strides.size() != 3) {
     return Invalid(t, absl::StrCat("needs one stride per dimension, got ",
@@ -125,8 +134,8 @@ absl::Status CheckTensors(const ObjectiveTensors& t) {
   DFLASH_RETURN_IF_ERROR(CheckWeight(w, t.hidden));
   static constexpr string_view kIds[] = {"int64", "int32"};
   static constexpr string_view kMasks[] = {"float32", "float64", "bool"};
-  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.target_ids, bnk, kIds));
-  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.weight_mask, bnk, kMasks));
+  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.target_ids, t.hidden, bnk, kIds));
+  DFLASH_RETURN_IF_ERROR(CheckMetadata(t.weight_mask, t.hidden, bnk, kMasks));
   if (t.bias.has_value()) {
     DFLASH_RETURN_IF_ERROR(CheckBeside(*t.bias, t.hidden, {w.shape[0]}, "[V]"));
   }

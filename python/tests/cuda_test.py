@@ -292,6 +292,110 @@ class CudaSplitTest(unittest.TestCase):
                      weight, None, teacher, confidence, None, None, False))
 
 
+@unittest.skipIf(SKIP is not None, SKIP)
+class CudaDeviceMetadataTest(unittest.TestCase):
+    """target_ids and weight_mask on hidden's device: the CUDA head builds
+    the rows there, with no host copy; the same results and errors as the
+    same metadata on the CPU."""
+
+    def call(self, data, ids, mask, all_rows=False, f=None):
+        f = f or reference.FAMILIES[0]
+        hidden = data["hidden"].float().cuda().requires_grad_()
+        weight = data["weight"].float().cuda().requires_grad_()
+        config = f.config_text("CHECKPOINT", 2, 2)
+        if all_rows:
+            config = config.replace("head { ", "head { row_selection: ALL_ROWS ")
+        terms = dflash_objective(hidden, weight, ids, mask, config=config,
+                                 return_rows=True)
+        (terms.loss_num / terms.loss_den).backward()
+        return terms, hidden.grad, weight.grad
+
+    def test_equals_host_metadata_without_a_copy(self):
+        data = reference.batch(seed=40)
+        ids, mask = data["target_ids"], data["weight_mask"]
+        cases = [(ids, mask), (ids.int(), mask.double()),
+                 (ids, mask > 0),
+                 # Non-contiguous: every other block of a batch twice as long.
+                 (ids.repeat_interleave(2, 1)[:, ::2],
+                  mask.repeat_interleave(2, 1)[:, ::2])]
+        copies = []
+        real_cpu = torch.Tensor.cpu
+
+        def counting_cpu(tensor, *args, **kwargs):
+            copies.append(tensor)
+            return real_cpu(tensor, *args, **kwargs)
+
+        for host_ids, host_mask in cases:
+            with self.subTest(ids=host_ids.dtype, mask=host_mask.dtype,
+                              contiguous=host_ids.is_contiguous()):
+                want, want_hidden, want_weight = self.call(data, host_ids,
+                                                          host_mask)
+                device_ids = host_ids.cuda()
+                device_mask = host_mask.cuda()
+                if not host_ids.is_contiguous():
+                    device_ids = ids.repeat_interleave(2, 1).cuda()[:, ::2]
+                    device_mask = mask.repeat_interleave(2, 1).cuda()[:, ::2]
+                copies.clear()
+                torch.Tensor.cpu = counting_cpu
+                try:
+                    got, got_hidden, got_weight = self.call(data, device_ids,
+                                                           device_mask)
+                finally:
+                    torch.Tensor.cpu = real_cpu
+                # Neither tensor (nor a view of one) was copied to the host.
+                for copied in copies:
+                    for metadata in (device_ids, device_mask):
+                        self.assertNotEqual(copied.data_ptr(),
+                                            metadata.data_ptr())
+                self.assertTrue(torch.equal(got.loss_num, want.loss_num))
+                self.assertTrue(torch.equal(got.loss_den, want.loss_den))
+                self.assertTrue(torch.equal(got_hidden, want_hidden))
+                self.assertTrue(torch.equal(got_weight, want_weight))
+
+    def test_all_rows_equals_compact(self):
+        data = reference.batch(seed=41)
+        ids, mask = data["target_ids"].cuda(), data["weight_mask"].cuda()
+        for f in reference.FAMILIES:
+            with self.subTest(family=f.name):
+                want, want_hidden, want_weight = self.call(data, ids, mask,
+                                                          f=f)
+                got, got_hidden, got_weight = self.call(
+                    data, ids, mask, all_rows=True, f=f)
+                torch.testing.assert_close(got.loss_num, want.loss_num,
+                                           rtol=1e-6, atol=1e-6)
+                self.assertTrue(torch.equal(got.loss_den, want.loss_den))
+                torch.testing.assert_close(got_hidden, want_hidden,
+                                           rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(got_weight, want_weight,
+                                           rtol=1e-6, atol=1e-6)
+
+    def test_bad_elements_get_the_host_metadatas_message(self):
+        data = reference.batch(seed=42)
+        V = data["weight"].shape[0]
+        ids, mask = data["target_ids"].clone(), data["weight_mask"].clone()
+        mask[1, 0, 3] = 1
+        ids[1, 0, 3] = V
+        for all_rows in (False, True):
+            with self.subTest(all_rows=all_rows):
+                with self.assertRaises(ValueError) as host:
+                    self.call(data, ids, mask, all_rows)
+                with self.assertRaises(ValueError) as device:
+                    self.call(data, ids.cuda(), mask.cuda(), all_rows)
+                self.assertIn(f"target_ids[1, 0, 3]: must lie in [0, V = {V})",
+                              str(host.exception))
+                self.assertEqual(str(device.exception), str(host.exception))
+
+    @unittest.skipIf(torch.cuda.device_count() < 2 if SKIP is None else True,
+                     "needs two CUDA devices")
+    def test_metadata_on_another_device(self):
+        data = reference.batch(seed=43)
+        with self.assertRaisesRegex(
+                ValueError, r"target_ids: must be on the CPU or on hidden's "
+                r"device \(cuda:0\), got cuda:1"):
+            self.call(data, data["target_ids"].to("cuda:1"),
+                     data["weight_mask"].cuda())
+
+
 class TorchAllocatorArgumentsTest(unittest.TestCase):
     # CPU-checkable: lending and taking back an allocator, and what is not
     # one (a clear TypeError).

@@ -408,7 +408,7 @@ def _register() -> Tuple[Any, Any]:
         run = objective._run_head(
             resolved, top_k, return_rows, trainable, gradients,
             hidden, weight, bias, teacher_hidden, confidence_logits,
-            objective._on_host(target_ids), objective._on_host(weight_mask),
+            target_ids, weight_mask,
             correction_inputs, correction_weight,
             _prepared_of(prepared, weight, bias), split=split)
         device = hidden.device

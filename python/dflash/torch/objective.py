@@ -303,11 +303,6 @@ def _vocab_parallel() -> Any:
     return module
 
 
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    # Row metadata is read on the host: one small copy from a CUDA device.
-    return tensor.cpu() if tensor.is_cuda else tensor
-
-
 # The head's gradient buffers, in the order they are saved for backward.
 _GRADIENTS = ("grad_hidden", "grad_weight", "grad_bias", "grad_confidence",
               "grad_correction_inputs", "grad_correction_weight")
@@ -372,7 +367,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               shard: Optional[Any] = None, summed: bool = True,
               split: bool = False) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
-    the host). `gradients` false: the forward pass alone, no gradient
+    the host, or on a CUDA hidden's device, where the head builds its rows:
+    never copied). `gradients` false: the forward pass alone, no gradient
     computed and no gradient buffer (every grads value None). `shard`
     (_vocab_parallel.Shard): this rank's rows of a vocab-parallel head; the
     gradient of hidden and of the correction's inputs (and float64 top-k
@@ -1335,7 +1331,7 @@ def _objective_terms(
         results = function.apply(
             resolved, top_k, return_rows, gradients, run_info, hidden,
             lm_head_weight, lm_head_bias, teacher_hidden, confidence_logits,
-            _on_host(target_ids), _on_host(weight_mask), correction_inputs,
+            target_ids, weight_mask, correction_inputs,
             correction_weight, prepared_projection, shard)
         lk_kl_weight, metrics = run_info.lk_kl_weight, run_info.metrics
         family_terms, stats = run_info.family_terms, run_info.stats
