@@ -335,7 +335,8 @@ class CpuHeadBackend final : public HeadBackend<T> {
   double prepare_seconds() const override { return prepare_seconds_; }
   std::string gemm_library() const override { return gemm_library_; }
   int64_t unallocated_bytes() const override {
-    int64_t bytes = own_prepared_ != nullptr ? own_prepared_->packed_bytes() : 0;
+    int64_t bytes =
+        own_prepared_ != nullptr ? own_prepared_->held_bytes() : 0;
     auto add = [&bytes](const auto& row_state) {
       bytes += static_cast<int64_t>(row_state.capacity() *
                                     sizeof(row_state[0]));

@@ -221,13 +221,15 @@ class SplitHeadRun {
       const HeadRowOutputs& row_outputs, const HeadOptions& options);
   ~SplitHeadRun();
 
-  // Its stats.saved_bytes is saved_bytes().
+  // Its stats.saved_bytes is saved_bytes() after Forward.
   const HeadResult& forward() const { return forward_; }
-  // Bytes of the backend's device this run holds from Forward until it is
-  // destroyed (Backward frees what it allocates): the backend allocator's
-  // bytes the forward pass left live, plus the backend's
-  // unallocated_bytes(). Measured, so the allocator must serve no other
-  // thread during Forward (as RunHeadOn's peak_bytes needs).
+  // Bytes of the backend's device this run holds now, from Forward until
+  // it is destroyed (Backward frees what it allocates): the backend
+  // allocator's bytes the forward pass left live, plus the backend's
+  // unallocated_bytes() (which grow by the tile copy of a frozen FLOAT32
+  // CPU head's own weight where head.gradient_filter makes it, at the
+  // first Backward). Measured, so the allocator must serve no other thread
+  // during Forward (as RunHeadOn's peak_bytes needs).
   int64_t saved_bytes() const;
 
   // d(upstream * loss)/d(.) into `gradients` (overwritten; sized as for

@@ -453,6 +453,17 @@ int64_t PreparedProjection::packed_bytes() const {
                               impl_->input_gradient.packed.get_size());
 }
 
+int64_t PreparedProjection::held_bytes() const {
+  int64_t bytes = packed_bytes();
+  std::lock_guard<std::mutex> lock(impl_->tiles_mu);
+  if (impl_->tiles != nullptr) {
+    for (const dnnl::memory& tile : impl_->tiles->weights) {
+      bytes += static_cast<int64_t>(tile.get_desc().get_size());
+    }
+  }
+  return bytes;
+}
+
 double PreparedProjection::prepare_seconds() const { return impl_->seconds; }
 
 bool PreparedProjection::PreparedFrom(absl::Span<const float> weight,

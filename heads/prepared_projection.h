@@ -53,6 +53,9 @@ class PreparedProjection {
   // Bytes of the two laid-out copies, and the seconds laying them out (or
   // out again) took.
   int64_t packed_bytes() const;
+  // packed_bytes() and the gradient filter's tile copy where made (at the
+  // first filtered GEMM): what this object holds now.
+  int64_t held_bytes() const;
   double prepare_seconds() const;
 
   // Whether it was prepared from exactly these spans (same memory and

@@ -320,6 +320,43 @@ TEST(SplitHeadRunTest, CheckpointRulesAndSegments) {
   }
 }
 
+// A frozen FLOAT32 head's own laid-out weight is held between the passes;
+// with head.gradient_filter, its tile copy too once the first Backward has
+// made it (PredictProjectionBytes counts both copies and the tiles).
+TEST(SplitHeadRunTest, SavedBytesCountTheOwnLaidOutWeightAndItsTiles) {
+  v1::ObjectiveConfig config =
+      Config("dflash { gamma: 7 }", "CHECKPOINT", false, false, false);
+  config.mutable_head()->set_gradient_filter(0.5);
+  v1::ObjectiveConfig unfiltered = config;
+  unfiltered.mutable_head()->clear_gradient_filter();
+  absl::StatusOr<HeadBatch<float>> batch =
+      MakeSyntheticBatch<float>(config, {2, 64, 4}, 11);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  const int64_t rows = static_cast<int64_t>(batch->rows.size());
+  TrackingAllocator allocator;
+  auto split = StartHead<float>(config, batch->Inputs(config), allocator);
+  ASSERT_TRUE(split.ok()) << split.status();
+  if ((*split)->forward().stats.gemm_library.find("laid out for this run") ==
+      std::string::npos) {
+    GTEST_SKIP() << "no optimised oneDNN kernel here: "
+                 << (*split)->forward().stats.gemm_library;
+  }
+  absl::StatusOr<int64_t> packed = PredictProjectionBytes(unfiltered);
+  absl::StatusOr<int64_t> with_tiles = PredictProjectionBytes(config);
+  ASSERT_TRUE(packed.ok() && with_tiles.ok());
+  ASSERT_GT(*with_tiles, *packed);
+  // CHECKPOINT keeps nothing in the allocator; q and the target's rank (a
+  // top-k metric) a row outside it.
+  int64_t row_bytes = 8;
+  if (ChunkLossOptionsOf(config).metric_top_k > 0) row_bytes += 4;
+  EXPECT_EQ(allocator.current_bytes(), 0);
+  EXPECT_EQ((*split)->saved_bytes(), rows * row_bytes + *packed);
+  Gradients<float> gradients(config, *batch);
+  ASSERT_TRUE((*split)->Backward(1.0, gradients.View(), nullptr).ok());
+  EXPECT_EQ((*split)->saved_bytes(), rows * row_bytes + *with_tiles);
+  EXPECT_EQ((*split)->forward().stats.saved_bytes, rows * row_bytes + *packed);
+}
+
 class SplitHeadRunRefusalTest : public ::testing::Test {
  protected:
   void SetUp() override {
