@@ -237,7 +237,10 @@ class SplitHeadRun {
   // a second call gives the same gradients. Cancelled once *interrupt is
   // set (null: never). A failed or cancelled call breaks the run: the next
   // one is FailedPrecondition. The stats are this pass's (GEMMs, seconds,
-  // checkpoint counts so far, peak bytes above the level at its entry).
+  // checkpoint counts so far), peak_bytes the allocator's peak during it
+  // above its level before Forward (what the forward pass left live
+  // included, as in RunHeadOn; saved_bytes' memory outside the allocator
+  // is not).
   absl::StatusOr<HeadStats> Backward(double upstream,
                                      const HeadGradients<T>& gradients,
                                      const std::atomic<bool>* interrupt);

@@ -1116,7 +1116,10 @@ absl::StatusOr<HeadStats> SplitHeadRun<T>::Backward(
     broken_ = true;
     // Nothing queued writes the caller's gradients after the error.
     backend_->Synchronize().IgnoreError();
+    return stats;
   }
+  // Above the level before Forward, as RunHeadOn's backward peak is.
+  stats->peak_bytes += allocated_bytes_;
   return stats;
 }
 

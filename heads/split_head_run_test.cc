@@ -226,9 +226,12 @@ void ExpectSplitEqualsRunHead(const Family& family, const char* mode,
 
   // Backward, upstream 1: RunHead's gradients, bitwise.
   Gradients<T> first(config, *batch);
+  allocator.ResetPeak();
   absl::StatusOr<HeadStats> stats = run.Backward(1.0, first.View(), nullptr);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->saved_bytes, 0);  // A backward pass's stats.
+  // Its peak above the level before Forward, the forward's bytes included.
+  EXPECT_EQ(stats->peak_bytes, allocator.peak_bytes() - base);
   EXPECT_TRUE(first == whole);
   EXPECT_EQ(first.hidden, whole.hidden);
   EXPECT_EQ(first.weight, whole.weight);

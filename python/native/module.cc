@@ -237,6 +237,7 @@ py::dict ResultOf(const HeadResult& r) {
   stats["gemm_passes"] = r.stats.gemm_passes;
   stats["segment_recomputes"] = r.stats.segment_recomputes;
   stats["peak_bytes"] = r.stats.peak_bytes;
+  stats["saved_bytes"] = r.stats.saved_bytes;
   stats["forward_seconds"] = r.stats.forward_seconds;
   stats["backward_seconds"] = r.stats.backward_seconds;
   stats["threads"] = r.stats.threads;

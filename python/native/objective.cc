@@ -601,18 +601,11 @@ class SavedObjectiveOf : public SavedObjective {
     DFLASH_RETURN_IF_ERROR(
         CheckOutputs(gradients, tensors_, config_, /*forward_only=*/false));
     const HeadGradients<T> into = GradientsOf<T>(gradients);
-    int64_t held = 0;
-    absl::StatusOr<HeadStats> stats;
     if (cuda_run_ != nullptr) {
-      held = cuda_run_->saved_bytes();
-      stats = cuda_run_->Backward(upstream, into, cuda_stream, interrupt);
-    } else {
-      HostLock lock;
-      held = run_->saved_bytes();
-      stats = run_->Backward(upstream, into, interrupt);
+      return cuda_run_->Backward(upstream, into, cuda_stream, interrupt);
     }
-    if (stats.ok()) stats->peak_bytes += held;
-    return stats;
+    HostLock lock;
+    return run_->Backward(upstream, into, interrupt);
   }
 
  private:

@@ -196,11 +196,37 @@ class SplitTest(unittest.TestCase):
             del terms
             # Freed with the graph once backward has run.
             self.assertEqual(self.states(), [], mode)
-        # CHECKPOINT keeps no gradient and no logits; MATERIALIZE and
-        # SAVE_CHUNKS every active row's logits gradient (float32).
-        self.assertEqual(held["checkpoint"], 0)
-        self.assertEqual(held["materialize"], active * V * 4)
-        self.assertEqual(held["save"], active * V * 4)
+        # CHECKPOINT keeps no gradient and no logits: the rows' state (q,
+        # float64, and the target's rank, int32) and, this frozen float32
+        # head having no PreparedProjection, its own laid-out weight (as
+        # large as a PreparedProjection's). MATERIALIZE and SAVE_CHUNKS add
+        # every active row's logits gradient (float32).
+        rows = B * N * K
+        prepared = dflash.PreparedProjection(data["weight"])
+        self.assertEqual(held["checkpoint"],
+                         prepared.packed_bytes + rows * (8 + 4))
+        self.assertEqual(held["materialize"] - held["checkpoint"],
+                         active * V * 4)
+        self.assertEqual(held["save"] - held["checkpoint"], active * V * 4)
+        # With a PreparedProjection given the head lays out nothing of its
+        # own: the rows' state alone.
+        hidden = data["hidden"].clone().requires_grad_()
+        terms = dflash_objective(hidden, data["weight"], data["ids"],
+                                 data["mask"], mode="checkpoint",
+                                 prepared_projection=prepared)
+        states = self.states()
+        self.assertEqual(len(states), 1)
+        self.assertEqual(states[0].saved_bytes, rows * (8 + 4))
+        saved = states[0].saved_bytes
+        self.assertEqual(terms.diagnostics.stats["saved_bytes"], saved)
+        del states
+        terms.loss.backward()
+        # Still the forward's figure; a single call's is 0.
+        self.assertEqual(terms.diagnostics.stats["saved_bytes"], saved)
+        fused = dflash_objective(data["hidden"].clone().requires_grad_(),
+                                 data["weight"], data["ids"], data["mask"],
+                                 mode="fused")
+        self.assertEqual(fused.diagnostics.stats["saved_bytes"], 0)
 
     def test_no_split_forward_only_or_fused(self):
         data = batch(torch.float64, ())

@@ -56,10 +56,10 @@ _INPUTS = ("hidden", "weight", "target_ids", "weight_mask", "bias",
 # an operator's outputs are a function of its inputs (torch.library.opcheck
 # runs it twice and compares), so they go beside it (_TIMES).
 _STATS = ("mode", "chunks", "projected_rows", "gemm_calls", "gemm_passes",
-          "segment_recomputes", "peak_bytes", "threads")
+          "segment_recomputes", "peak_bytes", "saved_bytes", "threads")
 _TIMED = ("forward_seconds", "backward_seconds")
 _INT_STATS = ("chunks", "projected_rows", "gemm_calls", "segment_recomputes",
-              "peak_bytes", "threads")
+              "peak_bytes", "saved_bytes", "threads")
 _MODES = ("MODE_UNSPECIFIED", "MATERIALIZE", "SAVE_CHUNKS", "CHECKPOINT",
           "SELECTIVE", "FUSED")
 # FamilyTerms: scalars, then [K] lists.
@@ -145,8 +145,9 @@ def decode_info(info: torch.Tensor, k: int,
         stats[name] = int(stats[name])
     stats.update(times)
     # HeadStats' order.
-    order = ("mode", "chunks", "projected_rows", "gemm_calls", "gemm_passes",
-             "segment_recomputes", "peak_bytes") + _TIMED + ("threads",)
+    order = (("mode", "chunks", "projected_rows", "gemm_calls",
+              "gemm_passes", "segment_recomputes", "peak_bytes",
+              "saved_bytes") + _TIMED + ("threads",))
     stats = {name: stats[name] for name in order}
     has_lk, lk, _offset = take(3)
     family: Dict[str, Any] = dict(zip(_FAMILY_SCALARS,

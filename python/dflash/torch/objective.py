@@ -44,6 +44,10 @@ class HeadStats(TypedDict):
     gemm_passes: float
     segment_recomputes: int
     peak_bytes: int  # The head's own buffers.
+    # What a split run (every mode but FUSED, with gradients) holds from its
+    # forward to its backward: saved logits, per-row state, a laid-out
+    # weight; 0 for a single call.
+    saved_bytes: int
     forward_seconds: float
     backward_seconds: float
     # The config's threads, at most the usable CPUs; 1 in a forked child.
