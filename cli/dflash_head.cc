@@ -2,6 +2,10 @@
 // on a synthetic batch or on .npy tensors; see the README.
 #include <unistd.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -238,6 +242,14 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   // An interrupted run leaves no temporaries in --out.
   dflash::RemoveTemporariesOnSignals();
+#if defined(__GLIBC__)
+  // Buffers of 1 MiB and more go back to the system when freed. glibc
+  // otherwise raises its mmap threshold to each large block freed (up to 32
+  // MiB) and keeps later ones of that size in its heap, so one run after
+  // another (--compare_modes) grows the resident peak past what the runs
+  // hold at once, which --memory_limit and the prediction are about.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+#endif
   // Sizes are checked before they are allocated; anything that still
   // escapes is reported, not an abort.
   try {
