@@ -306,7 +306,12 @@ class CpuHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status ScaleGradients(double upstream,
+                              const DeviceUpstream* device_upstream,
                               const FinishedLoss& finished) override {
+    if (device_upstream != nullptr) {
+      return absl::InvalidArgumentError(
+          "upstream: the CPU head takes its upstream on the host");
+    }
     const HeadGradients<T>& g = *spec_.gradients;
     const int64_t hidden = config_.head().hidden_size();
     const double scale = upstream * finished.gradient_scale;

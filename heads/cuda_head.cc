@@ -1,6 +1,7 @@
 #include "heads/cuda_head.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -19,6 +20,8 @@
 #include "losses/accepted_length.h"
 #include "losses/cuda_chunk_loss.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/device_results.h"
+#include "losses/loss_math.h"
 #include "losses/loss_family.h"
 #include "losses/row_error.h"
 
@@ -55,7 +58,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
   CudaHeadBackend(const v1::ObjectiveConfig& config, CublasHandle& blas)
       : config_(config),
         blas_(blas),
-        stream_(blas.stream()) {}
+        stream_(blas.stream()),
+        device_results_(config.head().device_results()) {}
 
   Device device() const override { return Device::kCuda; }
   TrackingAllocator& allocator() override { return stream_.allocator(); }
@@ -161,6 +165,16 @@ class CudaHeadBackend final : public HeadBackend<T> {
       row_teacher_ = std::move(teacher);
       DFLASH_RETURN_IF_ERROR(
           stream_.Zero(row_teacher_.data(), row_teacher_.bytes()));
+    }
+    if (device_results_) {
+      for (auto [buffer, size] :
+           {std::pair<TrackedBuffer<double>*, int64_t>{&finish_, kFinishSlots},
+            {&block_terms_, kBlockTermsSize}}) {
+        DFLASH_ASSIGN_OR_RETURN(
+            TrackedBuffer<double> created,
+            TrackedBuffer<double>::Create(allocator(), size));
+        *buffer = std::move(created);
+      }
     }
     if (traits_.splits_correction) {
       // Domino's greedy accepted lengths read both argmaxes of every row.
@@ -303,7 +317,25 @@ class CudaHeadBackend final : public HeadBackend<T> {
     return host;
   }
 
-  bool folds_gradient_scale() const override { return true; }
+  // Not with the scale on the device (head.device_results): cuBLAS's alpha
+  // is a host value here, so ScaleGradients scales the input gradients
+  // (a BF16 one is rounded twice, as FUSED's is).
+  bool folds_gradient_scale() const override { return !device_results_; }
+
+  absl::Status FinishOnDevice(int64_t sequences, double* results) override {
+    const HeadInputs<T>& in = *spec_.inputs;
+    const int64_t rows = RowCount(in);
+    cuda::LaunchBlockTerms(
+        device_meta_, rows, config_.layout().block_size(),
+        traits_.first_accepted_position, *spec_.params, row_q_.data(),
+        row_rank_.size() > 0 ? row_rank_.data() : nullptr,
+        row_teacher_.size() > 0 ? row_teacher_.data() : nullptr,
+        block_terms_.data(), stream_.stream());
+    DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("accepted lengths"));
+    return loss_->FinishOnDevice(
+        in.rows.empty() ? in.device_rows.error : nullptr, block_terms_.data(),
+        sequences, results, finish_.data());
+  }
   void InputGradientScale(double scale) override {
     input_scale_ = scale;
     input_alpha_ = static_cast<float>(scale);
@@ -355,7 +387,13 @@ class CudaHeadBackend final : public HeadBackend<T> {
   }
 
   absl::Status ScaleGradients(double upstream,
+                              const DeviceUpstream* device_upstream,
                               const FinishedLoss& finished) override {
+    if (device_results_) return ScaleOnDevice(upstream, device_upstream);
+    if (device_upstream != nullptr) {
+      return absl::InvalidArgumentError(
+          "upstream: an upstream in device memory needs head.device_results");
+    }
     const HeadGradients<T>& g = *spec_.gradients;
     const double scale = upstream * finished.gradient_scale;
     const std::optional<double>& kl_weight = finished.lk_kl_weight;
@@ -419,6 +457,58 @@ class CudaHeadBackend final : public HeadBackend<T> {
   std::string gemm_library() const override { return "cuBLAS"; }
 
  private:
+  // ScaleGradients from the device's finish (head.device_results): the
+  // final scales made on the device, every scaling kernel reading them
+  // there; queued, no wait (frees are stream-ordered).
+  absl::Status ScaleOnDevice(double upstream,
+                             const DeviceUpstream* device_upstream) {
+    const HeadGradients<T>& g = *spec_.gradients;
+    CUstream_st* stream = stream_.stream();
+    cuda::LaunchDeviceScales(
+        finish_.data(), upstream,
+        device_upstream != nullptr ? device_upstream->value : nullptr,
+        device_upstream != nullptr && device_upstream->is_float,
+        device_upstream != nullptr && device_upstream->of_loss_num, stream);
+    const double* scale = finish_.data() + kFinishScaledGradient;
+    if (spec_.params->lk == LkMode::kLambdaBatch) {
+      cuda::LaunchScaleRowsByLkFactor<T>(
+          g.hidden.data(), config_.head().hidden_size(), active_.data(),
+          active_.size(), row_q_.data(), 0, 0, stream, finish_.data());
+    } else {
+      cuda::LaunchScale<T>(g.hidden.data(), g.hidden.size(), 1, stream, scale);
+    }
+    if (weight_sum_.size() > 0) {
+      cuda::LaunchScaleToStorage<T>(weight_sum_.data(), g.weight.size(), 1,
+                                    g.weight.data(), stream, scale);
+      cuda::LaunchScaleToStorage<T>(weight_sum_.data() + g.weight.size(),
+                                    g.bias.size(), 1, g.bias.data(), stream,
+                                    scale);
+    } else {
+      cuda::LaunchScale<T>(g.weight.data(), g.weight.size(), 1, stream, scale);
+      cuda::LaunchScale<T>(g.bias.data(), g.bias.size(), 1, stream, scale);
+    }
+    cuda::LaunchScale<T>(g.correction_inputs.data(),
+                         g.correction_inputs.size(), 1, stream, scale);
+    if (correction_sum_.size() > 0) {
+      cuda::LaunchScaleToStorage<T>(correction_sum_.data(),
+                                    correction_sum_.size(), 1,
+                                    g.correction_weight.data(), stream, scale);
+    } else {
+      cuda::LaunchScale<T>(g.correction_weight.data(),
+                           g.correction_weight.size(), 1, stream, scale);
+    }
+    cuda::LaunchScaleDoubleToFloat(row_confidence_.data(),
+                                   row_confidence_.size(), 1,
+                                   g.confidence.data(), stream,
+                                   finish_.data() + kFinishScaledConfidence);
+    DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("gradient scaling"));
+    loss_->ReleaseScratch();
+    weight_sum_.Reset();
+    correction_sum_.Reset();
+    weight_sum_ptr_ = correction_sum_ptr_ = nullptr;
+    return absl::OkStatus();
+  }
+
   // The gather and scatter list: ALL_ROWS's weighted rows (-1 elsewhere),
   // else the active rows.
   const int64_t* RowList() const {
@@ -475,6 +565,10 @@ class CudaHeadBackend final : public HeadBackend<T> {
   const RowMeta* device_meta_ = nullptr;
   TrackedBuffer<RowMeta> own_meta_;
   TrackedBuffer<int64_t> weighted_;
+  // head.device_results: the finish's scales (DeviceFinishSlot) and the
+  // accepted-length terms before it (kBlockTermsSize), on the device.
+  const bool device_results_;
+  TrackedBuffer<double> finish_, block_terms_;
 };
 
 // RunCudaHead's and StartCudaHead's checks of the target and the options.
@@ -494,6 +588,28 @@ absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
     return absl::InvalidArgumentError(
         "vocab_shard: the CUDA head does not run vocab-parallel yet (run the "
         "CPU head, or set none)");
+  }
+  if (config.head().device_results() && config.loss().has_domino()) {
+    return absl::InvalidArgumentError(
+        "head.device_results: loss.domino's greedy accepted lengths are taken "
+        "on the host, so it does not finish on the device; got true with "
+        "loss.domino");
+  }
+  return absl::OkStatus();
+}
+
+// The status words of a device results buffer as the synchronous run
+// reports them: the rows' error first (HostRows), then the loss's (Terms).
+absl::Status DeviceResultsStatus(const v1::ObjectiveConfig& config,
+                                 const double* words) {
+  unsigned long long rows_word = 0, loss_word = 0;
+  std::memcpy(&rows_word, words + kResultRowsStatus, sizeof(rows_word));
+  std::memcpy(&loss_word, words + kResultLossStatus, sizeof(loss_word));
+  if (rows_word != cuda::kNoRowsError) {
+    return NameBatchRowError(RowsError(config, rows_word), config.layout());
+  }
+  if (loss_word != cuda::kNoError) {
+    return NameBatchRowError(CudaLossError(loss_word), config.layout());
   }
   return absl::OkStatus();
 }
@@ -554,6 +670,48 @@ absl::StatusOr<CudaRows> BuildCudaRows(const v1::ObjectiveConfig& config,
                         stream.stream());
   DFLASH_RETURN_IF_ERROR(stream.LaunchStatus("row build"));
   return rows;
+}
+
+absl::Status CheckDeviceResults(const v1::ObjectiveConfig& config,
+                                const double* results, CudaStream& stream) {
+  double words[2];
+  static_assert(kResultRowsStatus == 0 && kResultLossStatus == 1);
+  DFLASH_RETURN_IF_ERROR(stream.CopyToHost(words, results, sizeof(words)));
+  return DeviceResultsStatus(config, words);
+}
+
+absl::StatusOr<HeadResult> ReadDeviceResults(const v1::ObjectiveConfig& config,
+                                             const double* results,
+                                             CudaStream& stream) {
+  const int64_t k = config.layout().block_size();
+  std::vector<double> host(static_cast<size_t>(DeviceResultsSize(k)));
+  DFLASH_RETURN_IF_ERROR(stream.CopyToHost(
+      host.data(), results, static_cast<int64_t>(host.size() * sizeof(double))));
+  DFLASH_RETURN_IF_ERROR(DeviceResultsStatus(config, host.data()));
+  HeadResult r;
+  r.loss = host[kResultLoss];
+  r.loss_denominator = host[kResultDenominator];
+  r.loss_den_offset = LossDenOffset(LossParamsOf(config.loss()).family);
+  r.accuracy = host[kResultAccuracy];
+  if (!std::isnan(host[kResultLkKlWeight])) {
+    r.lk_kl_weight = host[kResultLkKlWeight];
+  }
+  int summed = 0, position = 0, block = 0;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) \
+  r.terms.field = host[DeviceSummedResult(summed++)];
+#define DFLASH_POSITION_TERM(field, slot, dict, key)                  \
+  r.terms.field.assign(host.begin() + DevicePositionResult(position, 0, k), \
+                       host.begin() + DevicePositionResult(position, k, k)); \
+  ++position;
+#define DFLASH_BLOCK_TERM(field, dict, key) \
+  r.terms.accepted_length.field = host[DeviceBlockResult(block++, k)];
+#include "losses/chunk_terms.inc"
+  for (int64_t p = 0; p < k; ++p) {
+    const double mass = r.terms.mask_per_position[p];
+    r.accuracy_per_position.push_back(
+        mass > 0 ? r.terms.correct_per_position[p] / mass : 0);
+  }
+  return r;
 }
 
 absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(

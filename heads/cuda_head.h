@@ -37,7 +37,8 @@ namespace dflash {
 // HeadStats.peak_bytes are the run's device bytes, measured as on the CPU.
 // The chunk loop never waits for the device: the run synchronises once at
 // the end of forward and once at the end of backward, where it reads the
-// terms; gradients are scaled on the device. GEMM and loss seconds are not
+// terms; gradients are scaled on the device. With head.device_results it
+// never waits nor reads: see CheckDeviceResults below. GEMM and loss seconds are not
 // measured (0); forward and backward seconds are.
 template <typename T>
 absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
@@ -82,6 +83,21 @@ struct CudaRowsError {
 };
 absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(
     const DeviceRows& rows, CudaStream& stream);
+
+// head.device_results (docs/cuda.md, "Results on the device"): the run
+// writes its results into HeadOptions::device_results
+// (losses/device_results.h) on the device and never reads them. These read
+// them back (one wait for `stream`, which must be ordered after the run's):
+// CheckDeviceResults returns the Status the synchronous run would have
+// returned (the status words: a bad row BuildCudaRows found, then a
+// non-finite logit or the like, each naming its batch row with the same
+// message); ReadDeviceResults that error, else the loss, terms, accuracy
+// and kl_w as RunCudaHead's HeadResult has them (no plan or stats).
+absl::Status CheckDeviceResults(const v1::ObjectiveConfig& config,
+                                const double* results, CudaStream& stream);
+absl::StatusOr<HeadResult> ReadDeviceResults(const v1::ObjectiveConfig& config,
+                                             const double* results,
+                                             CudaStream& stream);
 
 // RunCudaHead with its forward and backward passes apart (SplitHeadRun,
 // heads/head_backend.h; StartHead's twin): the same checks, every mode but

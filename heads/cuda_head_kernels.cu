@@ -3,6 +3,7 @@
 #include "base/bfloat16.h"
 #include "base/cuda_launch.h"
 #include "heads/cuda_head_kernels.h"
+#include "losses/device_results.h"
 #include "losses/loss_math.h"
 
 namespace dflash {
@@ -205,6 +206,72 @@ __global__ void RowListsKernel(const RowMeta* rows, int64_t count,
   }
 }
 
+// BlockTermsKernel's threads: one CUDA block, so that its sums are taken
+// in one fixed order (a result does not depend on scheduling).
+constexpr int kBlockTermsThreads = 256;
+
+// The accepted lengths (AcceptedLengths, losses/accepted_length.h) and
+// SEQUENCE_BALANCED's weighted sequences (WeightedSequences) of rows in
+// batch order (row r at block r / K, position r % K), by the host's
+// formulas (AcceptanceOfSlot, ChainLength: loss_math.h): each thread sums
+// its anchor blocks, then a tree over the threads.
+__global__ void BlockTermsKernel(const RowMeta* rows, int64_t count,
+                                 int64_t block_size, int64_t first_position,
+                                 LossParams loss, const double* q,
+                                 const int32_t* rank, const double* teacher,
+                                 double* out) {
+  DFLASH_SHARED_ARRAY(double, sums, kBlockTermsSize * kBlockTermsThreads);
+  double mine[kBlockTermsSize] = {};
+  const int64_t blocks = count / block_size;
+  for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x) {
+    const int64_t base = b * block_size;
+    auto slot = [&](int64_t k) {
+      const int64_t r = base + k;
+      return AcceptanceOfSlot(rows[r].mask, q[r],
+                              rank == nullptr ? -1 : rank[r],
+                              teacher == nullptr ? 0.0 : teacher[r]);
+    };
+    bool valid = false, weighted = false;
+    for (int64_t k = 0; k < block_size; ++k) {
+      if (k >= first_position) valid = valid || slot(k).supervised;
+      const RowMeta& row = rows[base + k];
+      weighted = weighted || EffectiveMask(loss, row.target, row.mask) > 0;
+    }
+    if (weighted) mine[kBlockWeightedSequences] += rows[base].sequence_share;
+    if (!valid) continue;
+    mine[0] += 1;  // block_den
+    mine[1] += ChainLength([&](int64_t k) { return slot(k).expected; },
+                           first_position, block_size);
+    if (rank != nullptr) {
+      mine[2] += ChainLength([&](int64_t k) { return slot(k).oracle; },
+                             first_position, block_size);
+    }
+    if (teacher != nullptr) {
+      mine[3] += ChainLength([&](int64_t k) { return slot(k).teacher; },
+                             first_position, block_size);
+    }
+  }
+  const int t = static_cast<int>(threadIdx.x);
+  for (int i = 0; i < kBlockTermsSize; ++i) {
+    sums[i * kBlockTermsThreads + t] = mine[i];
+  }
+  __syncthreads();
+  for (int half = kBlockTermsThreads / 2; half > 0; half /= 2) {
+    if (t < half) {
+      for (int i = 0; i < kBlockTermsSize; ++i) {
+        sums[i * kBlockTermsThreads + t] +=
+            sums[i * kBlockTermsThreads + t + half];
+      }
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    for (int i = 0; i < kBlockTermsSize; ++i) {
+      out[i] = sums[i * kBlockTermsThreads];
+    }
+  }
+}
+
 unsigned Blocks(int64_t count) {
   const int64_t blocks = (count + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 65535 ? (blocks > 0 ? blocks : 1)
@@ -374,7 +441,9 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
 
 template <typename T>
 __global__ void ScaleToStorageKernel(const float* sum, int64_t count,
-                                     float scale, T* out) {
+                                     float scale, const double* device_scale,
+                                     T* out) {
+  if (device_scale != nullptr) scale = static_cast<float>(*device_scale);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     out[i] = FromFloat<T>(sum[i] * scale);
@@ -383,14 +452,18 @@ __global__ void ScaleToStorageKernel(const float* sum, int64_t count,
 
 template <typename T>
 void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
-                          T* out, CUstream_st* stream) {
+                          T* out, CUstream_st* stream,
+                          const double* device_scale) {
   if (count == 0) return;
   DFLASH_LAUNCH(ScaleToStorageKernel<T>, Blocks(count), kThreads, 0, stream)
-  (sum, count, static_cast<float>(scale), out);
+  (sum, count, static_cast<float>(scale), device_scale, out);
 }
 
 __global__ void ScaleDoubleToFloatKernel(const double* values, int64_t count,
-                                         double scale, float* out) {
+                                         double scale,
+                                         const double* device_scale,
+                                         float* out) {
+  if (device_scale != nullptr) scale = *device_scale;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     out[i] = static_cast<float>(values[i] * scale);
@@ -398,10 +471,20 @@ __global__ void ScaleDoubleToFloatKernel(const double* values, int64_t count,
 }
 
 void LaunchScaleDoubleToFloat(const double* values, int64_t count,
-                              double scale, float* out, CUstream_st* stream) {
+                              double scale, float* out, CUstream_st* stream,
+                              const double* device_scale) {
   if (count == 0) return;
   DFLASH_LAUNCH(ScaleDoubleToFloatKernel, Blocks(count), kThreads, 0, stream)
-  (values, count, scale, out);
+  (values, count, scale, device_scale, out);
+}
+
+void LaunchBlockTerms(const RowMeta* rows, int64_t count, int64_t block_size,
+                      int64_t first_position, const LossParams& loss,
+                      const double* q, const int32_t* rank,
+                      const double* teacher, double* out,
+                      CUstream_st* stream) {
+  DFLASH_LAUNCH(BlockTermsKernel, 1, kBlockTermsThreads, 0, stream)
+  (rows, count, block_size, first_position, loss, q, rank, teacher, out);
 }
 
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,
@@ -455,7 +538,7 @@ void LaunchRowLists(const RowMeta* rows, int64_t count, const LossParams& loss,
       int32_t, int64_t, double, double, T*, T*, T*, const T*, const T*,        \
       int64_t, T*, T*, CUstream_st*);                                          \
   template void LaunchScaleToStorage<T>(const float*, int64_t, double, T*,     \
-                                        CUstream_st*);
+                                        CUstream_st*, const double*);
 DFLASH_INSTANTIATE_HEAD_KERNELS(float)
 DFLASH_INSTANTIATE_HEAD_KERNELS(BFloat16)
 // A BF16 head's bias gradient summed over chunks in FP32, rounded once.

@@ -65,14 +65,31 @@ void LaunchAddTopKValueGradients(const T* hidden, const T* weight,
 
 // out[i] = sum[i] * scale rounded to T once, i < count: a gradient summed
 // in FP32 and stored in T.
+// (*device_scale instead of scale where given.)
 template <typename T>
 void LaunchScaleToStorage(const float* sum, int64_t count, double scale,
-                          T* out, CUstream_st* stream);
+                          T* out, CUstream_st* stream,
+                          const double* device_scale = nullptr);
 
 // out[i] = values[i] * scale rounded to float once, i < count: the
-// confidence gradient, written per row in double by the loss.
+// confidence gradient, written per row in double by the loss
+// (*device_scale instead of scale where given).
 void LaunchScaleDoubleToFloat(const double* values, int64_t count,
-                              double scale, float* out, CUstream_st* stream);
+                              double scale, float* out, CUstream_st* stream,
+                              const double* device_scale = nullptr);
+
+// head.device_results: out[kBlockTermsSize] (losses/device_results.h) =
+// the accepted-length terms (AcceptedLengths, losses/accepted_length.h)
+// of `count` rows in batch order (row r at block r / K, position r % K)
+// from their q, rank (null: no oracle length) and teacher acceptance
+// (null: none), then the weighted sequences of SEQUENCE_BALANCED D-PACE
+// (WeightedSequences); the host's formulas (loss_math.h), summed in a
+// fixed order. One CUDA block, queued.
+void LaunchBlockTerms(const RowMeta* rows, int64_t count, int64_t block_size,
+                      int64_t first_position, const LossParams& loss,
+                      const double* q, const int32_t* rank,
+                      const double* teacher, double* out,
+                      CUstream_st* stream);
 
 // data[i] = value for i < count (e.g. -1 for argmax and top-k outputs).
 void LaunchFillInt32(int32_t* data, int64_t count, int32_t value,

@@ -113,13 +113,24 @@ class HeadBackend {
   // After all chunks: waits for the device and returns the run's terms.
   virtual absl::StatusOr<ChunkTerms> Terms() = 0;
 
+  // head.device_results, after all chunks instead of Terms(): queues the
+  // finish on the device into `results` (HeadOptions::device_results),
+  // keeping the scales for ScaleGradients there; no wait, nothing read.
+  virtual absl::Status FinishOnDevice(int64_t sequences, double* results) {
+    return absl::InvalidArgumentError(
+        "head.device_results: this backend finishes its terms on the host");
+  }
+
   // Multiplies the confidence gradient by upstream *
   // finished.confidence_scale and every other by upstream *
   // finished.gradient_scale, each row's hidden-state gradient also by
   // LkDeferredFactor(kl_w, q of the row) when finished.lk_kl_weight is set
   // (the batch-level LK lambda; the loss recorded each row's q). Returns
-  // when the gradients are final.
+  // when the gradients are final. After FinishOnDevice the scales are the
+  // device's (`finished` unused) and `device_upstream` (or null) multiplies
+  // upstream on the device; the work is queued, not waited for.
   virtual absl::Status ScaleGradients(double upstream,
+                                      const DeviceUpstream* device_upstream,
                                       const FinishedLoss& finished) = 0;
 
   // Whether the backend folds upstream x the final gradient scale into its
@@ -244,9 +255,20 @@ class SplitHeadRun {
   absl::StatusOr<HeadStats> Backward(double upstream,
                                      const HeadGradients<T>& gradients,
                                      const std::atomic<bool>* interrupt);
+  // Backward with the upstream in device memory, under head.device_results
+  // (refused, naming it, otherwise): read and folded into the gradients'
+  // scale on the backend's stream, so the pass neither reads the device nor
+  // waits for it; the gradients are final once its stream's work is.
+  absl::StatusOr<HeadStats> Backward(const DeviceUpstream& upstream,
+                                     const HeadGradients<T>& gradients,
+                                     const std::atomic<bool>* interrupt);
 
  private:
   SplitHeadRun() = default;
+  absl::StatusOr<HeadStats> BackwardWith(double upstream,
+                                         const DeviceUpstream* device_upstream,
+                                         const HeadGradients<T>& gradients,
+                                         const std::atomic<bool>* interrupt);
 
   HeadInputs<T> inputs_;
   HeadRowOutputs row_outputs_;

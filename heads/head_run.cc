@@ -2,6 +2,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "heads/head_backend.h"
 #include "heads/head_plan.h"
 #include "heads/projection.h"
+#include "losses/device_results.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
@@ -71,7 +73,8 @@ class HeadRun {
         confidence_(LossTraitsOf(params_).needs_confidence),
         split_(SplitsCorrection(config)),
         forward_only_(forward_only),
-        deferred_(gradients == nullptr) {}
+        deferred_(gradients == nullptr),
+        device_results_(head_.device_results()) {}
 
   absl::Status Validate() const { return CheckSizes(gradients_, true); }
   // A split run's gradients, before its Backward.
@@ -91,9 +94,12 @@ class HeadRun {
   // A split run's backward pass into `gradients`, scaled by `upstream`;
   // repeatable (frees only what it recomputed).
   absl::StatusOr<HeadStats> Backward(double upstream,
+                                     const DeviceUpstream* device_upstream,
                                      const HeadGradients<T>& gradients,
                                      const std::atomic<bool>* interrupt);
   const HeadResult& result() const { return result_; }
+  // head.device_results: the terms are finished on the device.
+  bool device_results() const { return device_results_; }
   // The forward pass's stats (GEMMs, checkpoint, peak bytes so far).
   void FillForwardStats(HeadStats& stats) const {
     FillStats(Gemms(), base_bytes_, stats);
@@ -240,6 +246,9 @@ class HeadRun {
   const bool forward_only_;
   // A split run: the gradients come at Backward.
   const bool deferred_;
+  // head.device_results: nothing is read from the device (the terms are
+  // finished there, into HeadOptions::device_results).
+  const bool device_results_;
   // What the backend's forward pass gets in a forward-only or split run:
   // no gradient.
   HeadGradients<T> no_gradients_;
@@ -769,7 +778,9 @@ absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
     DFLASH_RETURN_IF_ERROR(ForwardChunk(c));
     if (options.progress) options.progress(c + 1, steps);
   }
-  DFLASH_RETURN_IF_ERROR(backend_.Synchronize());
+  // Results on the device: the work stays queued (forward_seconds is the
+  // host's time to queue it).
+  if (!device_results_) DFLASH_RETURN_IF_ERROR(backend_.Synchronize());
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result_.stats.forward_seconds = Since(forward);
   logits_ws_.Reset();
@@ -778,6 +789,24 @@ absl::Status HeadRun<T>::Forward(const HeadOptions& options) {
     // The backward pass allocates its own.
     rows_ws_.Reset();
     z_ws_.Reset();
+  }
+  if (device_results_) {
+    // The terms, loss and scales are finished on the device; the host's
+    // copy of them is NaN, so that nothing reads it as a result.
+    DFLASH_RETURN_IF_ERROR(
+        backend_.FinishOnDevice(sequences_, options.device_results));
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    ChunkTerms& terms = result_.terms;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) terms.field = nan;
+#define DFLASH_POSITION_TERM(field, slot, dict, key) \
+  terms.field.assign(block_size_, nan);
+#define DFLASH_BLOCK_TERM(field, dict, key) terms.accepted_length.field = nan;
+#include "losses/chunk_terms.inc"
+    result_.loss = result_.loss_denominator = result_.accuracy = nan;
+    result_.loss_den_offset = LossDenOffset(params_.family);
+    result_.accuracy_per_position.assign(block_size_, nan);
+    result_.plan = plan_;
+    return absl::OkStatus();
   }
   // Device rows of ALL_ROWS: on the host now, for the terms (accepted
   // lengths) and the finish; their errors before the loss's.
@@ -870,8 +899,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
         }));
   }
   if (!forward_only_) {
-    DFLASH_RETURN_IF_ERROR(
-        backend_.ScaleGradients(options.upstream_gradient, finished_));
+    DFLASH_RETURN_IF_ERROR(backend_.ScaleGradients(
+        options.upstream_gradient, /*device_upstream=*/nullptr, finished_));
   }
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   result_.stats.backward_seconds = Since(backward);
@@ -881,8 +910,8 @@ absl::StatusOr<HeadResult> HeadRun<T>::Run(const HeadOptions& options) {
 
 template <typename T>
 absl::StatusOr<HeadStats> HeadRun<T>::Backward(
-    double upstream, const HeadGradients<T>& gradients,
-    const std::atomic<bool>* interrupt) {
+    double upstream, const DeviceUpstream* device_upstream,
+    const HeadGradients<T>& gradients, const std::atomic<bool>* interrupt) {
   interrupt_ = interrupt;
   const int64_t base_bytes = allocator_.current_bytes();
   allocator_.ResetPeak();
@@ -896,7 +925,8 @@ absl::StatusOr<HeadStats> HeadRun<T>::Backward(
   DFLASH_RETURN_IF_ERROR(backend_.StartGradients(backward_gradients_));
   DFLASH_RETURN_IF_ERROR(
       BackwardPass(upstream, /*release_kept=*/false, [] {}));
-  DFLASH_RETURN_IF_ERROR(backend_.ScaleGradients(upstream, finished_));
+  DFLASH_RETURN_IF_ERROR(
+      backend_.ScaleGradients(upstream, device_upstream, finished_));
   DFLASH_RETURN_IF_ERROR(backend_.projection().status());
   // Between backward passes the run holds what forward kept alone.
   rows_ws_.Reset();
@@ -971,6 +1001,25 @@ absl::Status CheckHeadTarget(const v1::HeadConfig& head,
 
 namespace {
 
+// HeadOptions::device_results against head.device_results: given exactly
+// when it is set.
+absl::Status CheckDeviceResultsOption(const v1::ObjectiveConfig& config,
+                                      const HeadOptions& options) {
+  if (config.head().device_results() && options.device_results == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.device_results: head.device_results is set, so must be a "
+        "device buffer of DeviceResultsSize(layout.block_size) = ",
+        DeviceResultsSize(config.layout().block_size()),
+        " doubles (losses/device_results.h), got null"));
+  }
+  if (!config.head().device_results() && options.device_results != nullptr) {
+    return absl::InvalidArgumentError(
+        "options.device_results: a buffer is given but head.device_results "
+        "is not set (the results are returned on the host)");
+  }
+  return absl::OkStatus();
+}
+
 // RunHeadOn's checks and run; vocab-parallel, the run's handshake first.
 template <typename T>
 absl::StatusOr<HeadResult> RunHeadOnce(const v1::ObjectiveConfig& config,
@@ -981,6 +1030,7 @@ absl::StatusOr<HeadResult> RunHeadOnce(const v1::ObjectiveConfig& config,
                                        const HeadOptions& options) {
   const VocabShard* shard = options.vocab_shard;
   DFLASH_RETURN_IF_ERROR(ValidateObjectiveConfig(config));
+  DFLASH_RETURN_IF_ERROR(CheckDeviceResultsOption(config, options));
   if (!std::isfinite(options.upstream_gradient)) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.upstream_gradient: must be finite, got ",
@@ -1059,6 +1109,7 @@ absl::StatusOr<std::unique_ptr<SplitHeadRun<T>>> SplitHeadRun<T>::Forward(
   if (backend == nullptr) {
     return absl::InvalidArgumentError("backend: must be given, got null");
   }
+  DFLASH_RETURN_IF_ERROR(CheckDeviceResultsOption(config, options));
   std::unique_ptr<SplitHeadRun<T>> split(new SplitHeadRun<T>());
   TrackingAllocator& allocator = backend->allocator();
   const int64_t entry_bytes = allocator.current_bytes();
@@ -1099,6 +1150,29 @@ template <typename T>
 absl::StatusOr<HeadStats> SplitHeadRun<T>::Backward(
     double upstream, const HeadGradients<T>& gradients,
     const std::atomic<bool>* interrupt) {
+  return BackwardWith(upstream, nullptr, gradients, interrupt);
+}
+
+template <typename T>
+absl::StatusOr<HeadStats> SplitHeadRun<T>::Backward(
+    const DeviceUpstream& upstream, const HeadGradients<T>& gradients,
+    const std::atomic<bool>* interrupt) {
+  if (!run_->device_results()) {
+    return absl::InvalidArgumentError(
+        "upstream: an upstream in device memory needs head.device_results "
+        "(the scales are on the host otherwise; pass a double)");
+  }
+  if (upstream.value == nullptr) {
+    return absl::InvalidArgumentError(
+        "upstream.value: must be device memory, got null");
+  }
+  return BackwardWith(1.0, &upstream, gradients, interrupt);
+}
+
+template <typename T>
+absl::StatusOr<HeadStats> SplitHeadRun<T>::BackwardWith(
+    double upstream, const DeviceUpstream* device_upstream,
+    const HeadGradients<T>& gradients, const std::atomic<bool>* interrupt) {
   if (broken_) {
     return absl::FailedPreconditionError(
         "SplitHeadRun::Backward: an earlier Backward of this run failed or "
@@ -1111,7 +1185,7 @@ absl::StatusOr<HeadStats> SplitHeadRun<T>::Backward(
   }
   DFLASH_RETURN_IF_ERROR(run_->ValidateGradients(gradients));
   absl::StatusOr<HeadStats> stats =
-      run_->Backward(upstream, gradients, interrupt);
+      run_->Backward(upstream, device_upstream, gradients, interrupt);
   if (!stats.ok()) {
     broken_ = true;
     // Nothing queued writes the caller's gradients after the error.

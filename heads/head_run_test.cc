@@ -72,7 +72,8 @@ class ScriptedBackend final : public HeadBackend<double> {
     if (!terms_.ok()) return terms_;
     return ChunkTerms::Zero(2);
   }
-  absl::Status ScaleGradients(double, const FinishedLoss&) override {
+  absl::Status ScaleGradients(double, const DeviceUpstream*,
+                              const FinishedLoss&) override {
     return absl::OkStatus();
   }
   double loss_seconds() const override { return 0; }

@@ -221,6 +221,23 @@ struct HeadOptions {
   // process must recompute the same ones). Not with loss.domino or a split
   // correction; the CUDA head refuses a shard.
   const VocabShard* vocab_shard = nullptr;
+  // With head.device_results (required then, refused otherwise): the
+  // caller's device buffer of DeviceResultsSize(layout.block_size) doubles
+  // (losses/device_results.h) that the run's finish writes on the device;
+  // borrowed. ReadDeviceResults (heads/cuda_head.h) reads it.
+  double* device_results = nullptr;
+};
+
+// A split run's upstream gradient in device memory (SplitHeadRun::Backward
+// under head.device_results): one float or double that the backward reads
+// on its stream, never on the host.
+struct DeviceUpstream {
+  const void* value = nullptr;
+  bool is_float = false;  // float32, else float64.
+  // `value` is d(objective)/d(terms.loss_num) (an autograd grad of the
+  // terms): the head multiplies it by the finished loss denominator, as
+  // the binding does on the host. Else d(objective)/d(loss).
+  bool of_loss_num = false;
 };
 
 }  // namespace dflash

@@ -3,22 +3,9 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "losses/loss_math.h"
 
 namespace dflash {
-
-namespace {
-
-// 1 + sum_{k>=first} prod_{j=first..k} a[j] over a block's slots.
-double ChainLength(const double* a, int64_t first, int64_t block_size) {
-  double alive = 1, length = 1;
-  for (int64_t k = first; k < block_size; ++k) {
-    alive *= a[k];
-    length += alive;
-  }
-  return length;
-}
-
-}  // namespace
 
 AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
                                     absl::Span<const double> q,
@@ -44,25 +31,31 @@ AcceptedLengthTerms AcceptedLengths(absl::Span<const RowMeta> rows,
       valid.push_back(false);
     }
     const int64_t slot = at->second * block_size + meta.position;
-    const bool supervised = meta.mask > 0.5f;
-    valid[at->second] = valid[at->second] || supervised;
-    expected[slot] = supervised ? q[r] : 0.0;
-    oracle[slot] = supervised && !rank.empty() && rank[r] >= 0 ? 1.0 : 0.0;
-    teacher_expected[slot] = supervised && !teacher.empty() ? teacher[r] : 0.0;
+    const SlotAcceptance a =
+        AcceptanceOfSlot(meta.mask, q[r], rank.empty() ? -1 : rank[r],
+                         teacher.empty() ? 0.0 : teacher[r]);
+    valid[at->second] = valid[at->second] || a.supervised;
+    expected[slot] = a.expected;
+    oracle[slot] = a.oracle;
+    teacher_expected[slot] = a.teacher;
   }
   AcceptedLengthTerms terms;
   for (size_t b = 0; b < valid.size(); ++b) {
     if (!valid[b]) continue;
     const int64_t at = static_cast<int64_t>(b) * block_size;
     terms.block_den += 1;
-    terms.expected_num += ChainLength(expected.data() + at, first_position, block_size);
+    auto slots = [at](const std::vector<double>& a) {
+      return [&a, at](int64_t k) { return a[at + k]; };
+    };
+    terms.expected_num += ChainLength(slots(expected), first_position,
+                                      block_size);
     if (!rank.empty()) {
-      terms.oracle_num += ChainLength(oracle.data() + at, first_position, block_size);
+      terms.oracle_num += ChainLength(slots(oracle), first_position,
+                                      block_size);
     }
     if (!teacher.empty()) {
       terms.teacher_expected_num +=
-          ChainLength(teacher_expected.data() + at, first_position,
-                      block_size);
+          ChainLength(slots(teacher_expected), first_position, block_size);
     }
   }
   return terms;

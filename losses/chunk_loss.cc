@@ -1637,41 +1637,25 @@ void ChunkTerms::Add(const ChunkTerms& other) {
 
 FinishedLoss FinishTerms(const LossParams& params, ChunkTerms& terms,
                          int64_t sequences) {
+  FinishTotals totals;
+  totals.loss_num = terms.loss_num;
+  totals.loss_den = terms.loss_den;
+  totals.correct = terms.correct;
+  totals.accuracy_den = terms.accuracy_den;
+  totals.target_probability = terms.target_probability;
+  totals.ce_num = terms.ce_num;
+  totals.tv_num = terms.tv_num;
+  totals.dpard_num = terms.dpard_num;
+  totals.confidence_num = terms.confidence_num;
+  const FinishedScalars s = FinishScalars(params, totals, sequences);
+  terms.loss_num = totals.loss_num;
   FinishedLoss f;
-  if (params.family == LossFamily::kDomino) {
-    constexpr double kEps = kDominoDenominatorOffset;
-    const double den = terms.loss_den + kEps;
-    f.denominator = den;
-    f.loss = terms.loss_num / den;
-    f.gradient_scale = f.confidence_scale = 1 / den;
-    f.accuracy = terms.correct / (terms.accuracy_den + kEps);
-    return f;
-  }
-  const double den = FlooredLossDen(terms.loss_den);
-  f.denominator = den;
-  f.accuracy = terms.accuracy_den > 0 ? terms.correct / terms.accuracy_den : 0;
-  if (params.family == LossFamily::kDSpark) {
-    f.accuracy = terms.correct / std::max(terms.accuracy_den, 1.0);
-  }
-  f.gradient_scale = f.confidence_scale = 1 / den;
-  if (params.lk == LkMode::kLambdaBatch) {
-    f.lk_kl_weight =
-        BatchLkKlWeight(params, terms.target_probability, terms.accuracy_den);
-    terms.loss_num =
-        *f.lk_kl_weight * terms.ce_num + (1 - *f.lk_kl_weight) * terms.tv_num;
-  }
-  if (params.dpard) {
-    // SpecForge: dpard_loss_num / sequences + alpha_conf * confidence_num /
-    // loss_den, the first part per sequence.
-    const double per_sequence = 1.0 / static_cast<double>(std::max<int64_t>(
-                                          sequences, 1));
-    f.loss = terms.dpard_num * per_sequence +
-             params.confidence_weight * terms.confidence_num / den;
-    f.gradient_scale = per_sequence;
-    terms.loss_num = f.loss * den;
-    return f;
-  }
-  f.loss = terms.loss_num / den;
+  f.loss = s.loss;
+  f.denominator = s.denominator;
+  f.accuracy = s.accuracy;
+  f.gradient_scale = s.gradient_scale;
+  f.confidence_scale = s.confidence_scale;
+  if (s.has_lk_kl_weight) f.lk_kl_weight = s.lk_kl_weight;
   return f;
 }
 

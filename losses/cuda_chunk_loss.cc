@@ -87,6 +87,25 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
   return std::unique_ptr<CudaChunkLoss>(new CudaChunkLoss(std::move(state)));
 }
 
+absl::Status CudaLossError(unsigned long long code) {
+  const cuda::ReportedError e = cuda::DecodeErrorCode(code);
+  switch (e.kind) {
+    case cuda::kTeacherNotFinite:
+      return RowError(e.row, absl::StrCat("teacher logits: logit ", e.logit,
+                                          " is not finite (", e.value, ")"));
+    case cuda::kConfidenceNotFinite:
+      return RowError(e.row, absl::StrCat("confidence logit is not finite (",
+                                          e.value, ")"));
+    case cuda::kGradientNotFinite:
+      return RowError(e.row,
+                      "d(loss)/d(logits) overflows float32; masks and loss "
+                      "weights this large need rescaling");
+    default:
+      return RowError(e.row, absl::StrCat("logit ", e.logit,
+                                          " is not finite (", e.value, ")"));
+  }
+}
+
 absl::Status CheckCudaChunkLimits(int64_t vocab, int64_t rows) {
   if (vocab < cuda::kMaxErrorIndex && rows < cuda::kMaxErrorIndex) {
     return absl::OkStatus();
@@ -319,24 +338,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   s.rows.clear();
   s.block_begins.clear();
   ReleaseScratch();
-  if (error != cuda::kNoError) {
-    const cuda::ReportedError e = cuda::DecodeErrorCode(error);
-    switch (e.kind) {
-      case cuda::kTeacherNotFinite:
-        return RowError(e.row, absl::StrCat("teacher logits: logit ", e.logit,
-                                            " is not finite (", e.value, ")"));
-      case cuda::kConfidenceNotFinite:
-        return RowError(e.row, absl::StrCat("confidence logit is not finite (",
-                                            e.value, ")"));
-      case cuda::kGradientNotFinite:
-        return RowError(e.row,
-                        "d(loss)/d(logits) overflows float32; masks and loss "
-                        "weights this large need rescaling");
-      default:
-        return RowError(e.row, absl::StrCat("logit ", e.logit,
-                                            " is not finite (", e.value, ")"));
-    }
-  }
+  if (error != cuda::kNoError) return CudaLossError(error);
   std::vector<double> totals(s.totals.size());
   DFLASH_RETURN_IF_ERROR(
       s.stream->CopyToHost(totals.data(), s.totals.data(), s.totals.bytes()));
@@ -352,6 +354,24 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   position_totals += k;
 #include "losses/chunk_terms.inc"
   return terms;
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::FinishOnDevice(
+    const unsigned long long* rows_error, const double* block_terms,
+    int64_t sequences, double* results, double* finish) {
+  State& s = *state_;
+  if (!s.rows.empty()) {
+    return absl::FailedPreconditionError(
+        "chunk loss: a device finish takes device-row chunks (RunDeviceRows); "
+        "host-row chunks keep host metadata until Terms() reads the device");
+  }
+  cuda::LaunchDeviceFinish(
+      s.params.loss, static_cast<int32_t>(s.params.options.block_size),
+      s.totals.data(), s.error.data(), rows_error, block_terms, sequences,
+      results, finish, s.stream->stream());
+  ReleaseScratch();
+  return s.stream->LaunchStatus("device finish");
 }
 
 template <typename T>

@@ -68,6 +68,18 @@ class CudaChunkLoss {
   // chunks' scratch.
   absl::StatusOr<ChunkTerms> Terms();
 
+  // head.device_results' finish instead of Terms(): queues
+  // LaunchDeviceFinish (cuda_row_kernels.h) over the recorded chunks'
+  // totals and error word, with the rows' error word (null: none) and
+  // `block_terms` (kBlockTermsSize, losses/device_results.h), into
+  // `results` (DeviceResultsSize(K)) and `finish` (kFinishSlots); `sequences`
+  // as FinishTerms takes it. No wait, nothing read back; the chunks' scratch
+  // is released in stream order. Only after device-row chunks
+  // (RunDeviceRows), whose metadata the host does not keep.
+  absl::Status FinishOnDevice(const unsigned long long* rows_error,
+                              const double* block_terms, int64_t sequences,
+                              double* results, double* finish);
+
   // Frees the chunks' scratch (in stream order) until the next chunk: a
   // split run's backward pass holds none after it.
   void ReleaseScratch();
@@ -90,6 +102,10 @@ class CudaChunkLoss {
                      const int64_t* out_rows) const;
   std::unique_ptr<State> state_;
 };
+
+// The loss's error word (cuda::kNoError excepted) as Terms() reports it: a
+// RowError about the batch row (out_rows) with the CPU's message.
+absl::Status CudaLossError(unsigned long long code);
 
 // The device's error codes hold rows and logits below 2^30: Run checks
 // the chunk with it; a caller that copies inputs first checks before.

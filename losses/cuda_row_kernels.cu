@@ -12,6 +12,7 @@
 #include "base/bfloat16.h"
 #include "base/cuda_launch.h"
 #include "losses/cuda_row_kernels.h"
+#include "losses/device_results.h"
 #include "losses/family_passes.h"
 #include "losses/loss_math.h"
 #include "losses/top_k_cursor.h"
@@ -908,10 +909,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-__global__ void ScaleKernel(T* data, int64_t count, float scale) {
+__global__ void ScaleKernel(T* data, int64_t count, float scale,
+                            const double* device_scale) {
+  const float s =
+      device_scale == nullptr ? scale : static_cast<float>(*device_scale);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    data[i] = FromFloat<T>(ToFloat(data[i]) * scale);
+    data[i] = FromFloat<T>(ToFloat(data[i]) * s);
   }
 }
 
@@ -919,7 +923,12 @@ template <typename T>
 __global__ void ScaleRowsByLkFactorKernel(T* data, int64_t width,
                                           const int64_t* rows, int64_t count,
                                           const double* q, double kl_weight,
-                                          double scale) {
+                                          double scale,
+                                          const double* device_finish) {
+  if (device_finish != nullptr) {
+    kl_weight = device_finish[kFinishLkKlWeight];
+    scale = device_finish[kFinishScaledGradient];
+  }
   for (int64_t i = blockIdx.x; i < count; i += gridDim.x) {
     const int64_t row = rows[i];
     const float factor =
@@ -988,6 +997,85 @@ __global__ void ResetErrorKernel(unsigned long long* error) {
   *error = kNoError;
 }
 
+// One thread: the finish of head.device_results (losses/device_results.h).
+__global__ void DeviceFinishKernel(LossParams loss, int32_t block_size,
+                                   const double* totals,
+                                   const unsigned long long* loss_error,
+                                   const unsigned long long* rows_error,
+                                   const double* block_terms,
+                                   int64_t sequences, double* results,
+                                   double* finish) {
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(results);
+  const unsigned long long rows_word =
+      rows_error == nullptr ? kNoError : *rows_error;
+  const unsigned long long loss_word = *loss_error;
+  words[kResultRowsStatus] = rows_word;
+  words[kResultLossStatus] = loss_word;
+  const int64_t size = DeviceResultsSize(block_size);
+  if (rows_word != kNoError || loss_word != kNoError) {
+    // Poisoned: no term of a failed run reads as a number, and the
+    // gradients its scales multiply are NaN too.
+    const double poison = nan("");
+    for (int64_t i = kResultLoss; i < size; ++i) results[i] = poison;
+    for (int i = 0; i < kFinishSlots; ++i) finish[i] = poison;
+    return;
+  }
+  FinishTotals t;
+  t.loss_num = totals[kLossNum];
+  t.loss_den = loss.sequence_balanced ? block_terms[kBlockWeightedSequences]
+                                      : totals[kLossDen];
+  t.correct = totals[kCorrect];
+  t.accuracy_den = totals[kAccuracyDen];
+  t.target_probability = totals[kTargetProbability];
+  t.ce_num = totals[kCeNum];
+  t.tv_num = totals[kTvNum];
+  t.dpard_num = totals[kDPardNum];
+  t.confidence_num = totals[kConfidenceNum];
+  const FinishedScalars f = FinishScalars(loss, t, sequences);
+  results[kResultLoss] = f.loss;
+  results[kResultDenominator] = f.denominator;
+  results[kResultAccuracy] = f.accuracy;
+  results[kResultGradientScale] = f.gradient_scale;
+  results[kResultConfidenceScale] = f.confidence_scale;
+  results[kResultLkKlWeight] = f.has_lk_kl_weight ? f.lk_kl_weight : nan("");
+  for (int i = 0; i < kSummedTerms; ++i) {
+    results[DeviceSummedResult(i)] = totals[SummedSlot(i)];
+  }
+  // Finished as HeadResult's terms are.
+  results[DeviceSummedResult(kSummedLossNum)] = t.loss_num;
+  results[DeviceSummedResult(kSummedLossDen)] = t.loss_den;
+  for (int p = 0; p < kPositionTerms; ++p) {
+    for (int64_t k = 0; k < block_size; ++k) {
+      results[DevicePositionResult(p, k, block_size)] =
+          totals[kTermSlots + p * int64_t{block_size} + k];
+    }
+  }
+  for (int b = 0; b < kBlockTerms; ++b) {
+    results[DeviceBlockResult(b, block_size)] = block_terms[b];
+  }
+  finish[kFinishGradientScale] = f.gradient_scale;
+  finish[kFinishConfidenceScale] = f.confidence_scale;
+  finish[kFinishLkKlWeight] = f.lk_kl_weight;
+  finish[kFinishDenominator] = f.denominator;
+}
+
+// One thread: the final scales of ScaleGradients from the finish and the
+// upstream (a host factor times an optional device scalar).
+__global__ void DeviceScalesKernel(double* finish, double upstream,
+                                   const void* device_upstream,
+                                   bool upstream_float,
+                                   bool times_denominator) {
+  double u = upstream;
+  if (device_upstream != nullptr) {
+    u *= upstream_float
+             ? static_cast<double>(*static_cast<const float*>(device_upstream))
+             : *static_cast<const double*>(device_upstream);
+    if (times_denominator) u *= finish[kFinishDenominator];
+  }
+  finish[kFinishScaledGradient] = u * finish[kFinishGradientScale];
+  finish[kFinishScaledConfidence] = u * finish[kFinishConfidenceScale];
+}
+
 }  // namespace
 
 void LaunchRowsFromMeta(const LossParams& loss, const RowMeta* rows,
@@ -1005,26 +1093,46 @@ void LaunchResetError(unsigned long long* error, CUstream_st* stream) {
   DFLASH_LAUNCH(ResetErrorKernel, 1, 1, 0, stream)(error);
 }
 
+void LaunchDeviceFinish(const LossParams& loss, int32_t block_size,
+                        const double* totals,
+                        const unsigned long long* loss_error,
+                        const unsigned long long* rows_error,
+                        const double* block_terms, int64_t sequences,
+                        double* results, double* finish, CUstream_st* stream) {
+  DFLASH_LAUNCH(DeviceFinishKernel, 1, 1, 0, stream)
+  (loss, block_size, totals, loss_error, rows_error, block_terms, sequences,
+   results, finish);
+}
+
+void LaunchDeviceScales(double* finish, double upstream,
+                        const void* device_upstream, bool upstream_float,
+                        bool times_denominator, CUstream_st* stream) {
+  DFLASH_LAUNCH(DeviceScalesKernel, 1, 1, 0, stream)
+  (finish, upstream, device_upstream, upstream_float, times_denominator);
+}
+
 template <typename T>
-void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream) {
+void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream,
+                 const double* device_scale) {
   if (count == 0) return;
   constexpr int kBlock = 256;
   const int64_t blocks = (count + kBlock - 1) / kBlock;
   DFLASH_LAUNCH(ScaleKernel<T>,
                 static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock, 0,
                 stream)
-  (data, count, static_cast<float>(scale));
+  (data, count, static_cast<float>(scale), device_scale);
 }
 
 template <typename T>
 void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
                                int64_t count, const double* q, double kl_weight,
-                               double scale, CUstream_st* stream) {
+                               double scale, CUstream_st* stream,
+                               const double* device_finish) {
   if (count == 0) return;
   const int64_t blocks = count < 65535 ? count : 65535;
   DFLASH_LAUNCH(ScaleRowsByLkFactorKernel<T>, static_cast<unsigned>(blocks),
                 256, 0, stream)
-  (data, width, rows, count, q, kl_weight, scale);
+  (data, width, rows, count, q, kl_weight, scale, device_finish);
 }
 
 template void LaunchChunkLoss<float>(const KernelParams&,
@@ -1032,15 +1140,18 @@ template void LaunchChunkLoss<float>(const KernelParams&,
 template void LaunchChunkLoss<BFloat16>(const KernelParams&,
                                         const ChunkArgs<BFloat16>&,
                                         CUstream_st*);
-template void LaunchScale<float>(float*, int64_t, double, CUstream_st*);
-template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*);
+template void LaunchScale<float>(float*, int64_t, double, CUstream_st*,
+                                 const double*);
+template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*,
+                                    const double*);
 template void LaunchScaleRowsByLkFactor<float>(float*, int64_t, const int64_t*,
                                                int64_t, const double*, double,
-                                               double, CUstream_st*);
+                                               double, CUstream_st*,
+                                               const double*);
 template void LaunchScaleRowsByLkFactor<BFloat16>(BFloat16*, int64_t,
                                                   const int64_t*, int64_t,
                                                   const double*, double, double,
-                                                  CUstream_st*);
+                                                  CUstream_st*, const double*);
 
 }  // namespace cuda
 }  // namespace dflash

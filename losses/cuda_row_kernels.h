@@ -170,18 +170,44 @@ void LaunchRowsFromMeta(const LossParams& loss, const RowMeta* rows,
 // *error = kNoError, queued (no host memory to keep alive).
 void LaunchResetError(unsigned long long* error, CUstream_st* stream);
 
-// data[i] *= scale for i < count: the gradients' final scale. T is float
-// or BFloat16.
+// data[i] *= scale for i < count: the gradients' final scale, or
+// *device_scale instead where given (head.device_results: the scale never
+// reaches the host). T is float or BFloat16.
 template <typename T>
-void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream);
+void LaunchScale(T* data, int64_t count, double scale, CUstream_st* stream,
+                 const double* device_scale = nullptr);
 
 // The batch-level LK lambda's deferred factor: data[rows[i], :] *=
 // scale * LkDeferredFactor(kl_weight, q[rows[i]]) for i < count, rows of
-// `width` values. T is float or BFloat16.
+// `width` values; with `device_finish` (DeviceFinishSlot,
+// losses/device_results.h) kl_weight and scale are read there instead.
+// T is float or BFloat16.
 template <typename T>
 void LaunchScaleRowsByLkFactor(T* data, int64_t width, const int64_t* rows,
                                int64_t count, const double* q, double kl_weight,
-                               double scale, CUstream_st* stream);
+                               double scale, CUstream_st* stream,
+                               const double* device_finish = nullptr);
+
+// head.device_results' finish, one thread, queued: reads the chunks'
+// `totals` (TotalsSize(block_size)), the loss's and the rows' error words
+// (rows_error null: host rows) and `block_terms` (kBlockTermsSize: the
+// accepted lengths and weighted sequences), and writes `results`
+// (DeviceResultsSize(block_size), losses/device_results.h) by FinishScalars
+// (loss_math.h), the formula FinishTerms runs on the host, and `finish`
+// (kFinishSlots). A set error word poisons both with NaN.
+void LaunchDeviceFinish(const LossParams& loss, int32_t block_size,
+                        const double* totals,
+                        const unsigned long long* loss_error,
+                        const unsigned long long* rows_error,
+                        const double* block_terms, int64_t sequences,
+                        double* results, double* finish, CUstream_st* stream);
+
+// finish[kFinishScaled*] = upstream x *device_upstream (a float or a
+// double; 1 where null; times finish[kFinishDenominator] with
+// times_denominator) x the finished scale, queued.
+void LaunchDeviceScales(double* finish, double upstream,
+                        const void* device_upstream, bool upstream_float,
+                        bool times_denominator, CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace dflash

@@ -8,6 +8,7 @@
 // in where the backends differ (float rows on the GPU, double on the CPU).
 
 #include <cmath>
+#include <cstdint>
 
 #include "base/host_device.h"
 #include "losses/loss_params.h"
@@ -357,6 +358,99 @@ DFLASH_HOST_DEVICE inline R DistillationGradientAt(Divergence divergence,
     default:
       return g * (exp(ls) - exp(lt));
   }
+}
+
+// The batch's finish (FinishTerms, chunk_loss.h) over the totals it reads,
+// written once for the host (FinishTerms) and the CUDA head's device finish
+// (head.device_results, a one-thread kernel), so both give the same loss
+// and scales: composes loss_num where it needs the whole batch (the LK
+// lambda's kl_w * ce_num + (1 - kl_w) * tv_num; D-PARD's) and divides as
+// the family does. `t.loss_num` is updated in place.
+struct FinishTotals {
+  double loss_num = 0, loss_den = 0, correct = 0, accuracy_den = 0,
+         target_probability = 0, ce_num = 0, tv_num = 0, dpard_num = 0,
+         confidence_num = 0;
+};
+struct FinishedScalars {
+  double loss = 0;
+  double denominator = 1;
+  double accuracy = 0;
+  double gradient_scale = 0;
+  double confidence_scale = 0;
+  // The batch-level LK lambda's kl_w, where has_lk_kl_weight.
+  bool has_lk_kl_weight = false;
+  double lk_kl_weight = 0;
+};
+DFLASH_HOST_DEVICE inline FinishedScalars FinishScalars(const LossParams& p,
+                                                        FinishTotals& t,
+                                                        int64_t sequences) {
+  FinishedScalars f;
+  if (p.family == LossFamily::kDomino) {
+    const double den = t.loss_den + kDominoDenominatorOffset;
+    f.denominator = den;
+    f.loss = t.loss_num / den;
+    f.gradient_scale = f.confidence_scale = 1 / den;
+    f.accuracy = t.correct / (t.accuracy_den + kDominoDenominatorOffset);
+    return f;
+  }
+  const double den = FlooredLossDen(t.loss_den);
+  f.denominator = den;
+  f.accuracy = t.accuracy_den > 0 ? t.correct / t.accuracy_den : 0;
+  if (p.family == LossFamily::kDSpark) {
+    f.accuracy = t.correct / (t.accuracy_den > 1.0 ? t.accuracy_den : 1.0);
+  }
+  f.gradient_scale = f.confidence_scale = 1 / den;
+  if (p.lk == LkMode::kLambdaBatch) {
+    f.has_lk_kl_weight = true;
+    f.lk_kl_weight = BatchLkKlWeight(p, t.target_probability, t.accuracy_den);
+    t.loss_num = f.lk_kl_weight * t.ce_num + (1 - f.lk_kl_weight) * t.tv_num;
+  }
+  if (p.dpard) {
+    // SpecForge: dpard_loss_num / sequences + alpha_conf * confidence_num /
+    // loss_den, the first part per sequence.
+    const double per_sequence =
+        1.0 / static_cast<double>(sequences > 1 ? sequences : 1);
+    f.loss = t.dpard_num * per_sequence +
+             p.confidence_weight * t.confidence_num / den;
+    f.gradient_scale = per_sequence;
+    t.loss_num = f.loss * den;
+    return f;
+  }
+  f.loss = t.loss_num / den;
+  return f;
+}
+
+// The accepted-length chains (losses/accepted_length.h), for the host's
+// AcceptedLengths and the CUDA head's device finish. A slot with a mask
+// above 0.5 is supervised; its acceptance is q for the expected length,
+// [target among the top-k] (rank >= 0) for the oracle length and the
+// teacher acceptance for DSpark's; 0 where unsupervised.
+struct SlotAcceptance {
+  bool supervised = false;
+  double expected = 0, oracle = 0, teacher = 0;
+};
+DFLASH_HOST_DEVICE inline SlotAcceptance AcceptanceOfSlot(double mask,
+                                                          double q,
+                                                          int32_t rank,
+                                                          double teacher) {
+  SlotAcceptance s;
+  s.supervised = mask > 0.5f;
+  s.expected = s.supervised ? q : 0.0;
+  s.oracle = s.supervised && rank >= 0 ? 1.0 : 0.0;
+  s.teacher = s.supervised ? teacher : 0.0;
+  return s;
+}
+
+// 1 + sum_{k>=first} prod_{j=first..k} a(j) over a block's slots k < K.
+template <typename A>
+DFLASH_HOST_DEVICE inline double ChainLength(A a, int64_t first,
+                                             int64_t block_size) {
+  double alive = 1, length = 1;
+  for (int64_t k = first; k < block_size; ++k) {
+    alive *= a(k);
+    length += alive;
+  }
+  return length;
 }
 
 }  // namespace dflash

@@ -43,6 +43,22 @@ void AddHeadConfigProblems(const v1::HeadConfig& head, ProblemList& problems) {
                  "ALL_ROWS is CUDA only (a CPU head projects the rows with "
                  "weight, COMPACT), got ALL_ROWS");
   }
+  if (head.device_results()) {
+    if (head.backend() != v1::HeadConfig::CUDA) {
+      problems.Add("head.device_results",
+                   "is CUDA only (a CPU head's results are on the host "
+                   "already), got true");
+    } else if (head.row_selection() != v1::HeadConfig::ALL_ROWS) {
+      // COMPACT finds the weighted rows on the host, before the first
+      // chunk.
+      problems.Add("head.device_results",
+                   absl::StrCat("needs head.row_selection ALL_ROWS (COMPACT "
+                                "reads the rows back before its first "
+                                "chunk), got true with ",
+                                v1::HeadConfig::RowSelection_Name(
+                                    head.row_selection())));
+    }
+  }
   if (head.has_logit_softcap()) {
     problems.AtLeast("head.logit_softcap", head.logit_softcap(), 0);
   }
