@@ -405,7 +405,8 @@ def _register() -> Tuple[Any, Any]:
                      ) -> Tuple[torch.Tensor, ...]:
         objective = _objective()
         resolved = config_of_text(config)
-        split = objective._splits(resolved, gradients, None)
+        split = objective._splits(resolved, gradients, None, hidden,
+                                  trainable, prepared != 0)
         run = objective._run_head(
             resolved, top_k, return_rows, trainable, gradients,
             hidden, weight, bias, teacher_hidden, confidence_logits,
@@ -455,7 +456,7 @@ def _register() -> Tuple[Any, Any]:
           top_k: int, return_rows: bool, trainable: bool, gradients: bool,
           prepared: int) -> Tuple[torch.Tensor, ...]:
         split = _objective()._splits(config_of_text(config), gradients,
-                                     None)
+                                     None, hidden, trainable, prepared != 0)
         return tuple(
             hidden.new_empty(shape, dtype=dtype, device=device)
             for shape, dtype, device in output_specs(

@@ -503,11 +503,18 @@ _SAVED: "weakref.WeakValueDictionary[int, _core.SavedHead]" = (
 
 
 def _splits(config: _core.ObjectiveConfig, gradients: bool,
-            shard: Optional[Any]) -> bool:
+            shard: Optional[Any], hidden: torch.Tensor, trainable: bool,
+            prepared: bool) -> bool:
     """Whether the run's forward and backward run apart: gradients wanted,
-    a mode other than FUSED, not vocab-parallel (docs/python.md, "Split
-    forward and backward")."""
-    return gradients and shard is None and _core.splits_backward(config)
+    a mode other than FUSED, not vocab-parallel, and not a frozen float32
+    CPU head given no PreparedProjection (`prepared`): that head lays out
+    its own copy of the weight (2 x V x H floats), which a split state
+    would keep to the backward where a single call frees it before
+    returning (docs/python.md, "Split forward and backward")."""
+    own_layout = (not hidden.is_cuda and hidden.dtype == torch.float32
+                  and not trainable and not prepared)
+    return (gradients and shard is None and not own_layout
+            and _core.splits_backward(config))
 
 
 def _token_of(saved: _core.SavedHead) -> torch.Tensor:
@@ -649,7 +656,8 @@ class _Objective(torch.autograd.Function):
                 ) -> Tuple[torch.Tensor, ...]:
         # needs_input_grad follows the argument order above.
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
-        split = _splits(config, gradients, shard)
+        split = _splits(config, gradients, shard, hidden, trainable,
+                        prepared is not None)
         call = _run_head(config, top_k, return_rows, trainable, gradients,
                          hidden, weight, bias, teacher, confidence,
                          target_ids, weight_mask, correction_inputs,
