@@ -14,35 +14,48 @@
 namespace dflash {
 namespace {
 
-// Calls in progress hold it shared; a fork holds it exclusively from
-// HoldCallsForFork or fork()'s prepare handler to the parent's and the
-// child's handlers. Writer-preferring, so a fork is not starved by calls
-// that overlap.
-pthread_rwlock_t calls = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+// Who is inside the library and who forks, under `mu`: a call waits while
+// a fork holds or waits (a fork is not starved by calls that overlap), a
+// fork waits until no call is inside. Forks of several threads at once
+// share the hold: one whose thread does not hold yet (a fork() from C code
+// while another thread's before-fork hook holds) joins it, since no call
+// is inside, instead of waiting for a hold that may wait for it (through
+// the GIL); calls are let in again when the last holder's fork() is done.
+// Counts, not a pthread rwlock, whose writer must be the thread that took
+// it: each holder lets go of its own share here.
+pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
+int calls_inside = 0;   // Outermost calls in progress, holders' included.
+int forks_holding = 0;  // Threads holding calls out for their fork().
+int forks_waiting = 0;  // Threads waiting in HoldCallsForFork.
 std::atomic<bool> forked_child{false};
 thread_local int call_depth = 0;
-// Whether this thread's outermost call holds `calls` shared (not while the
-// thread holds it for a fork, which keeps every other call out already).
-thread_local bool call_holds_lock = false;
-// Whether this thread holds `calls` exclusively for its coming fork().
+// Whether this thread's outermost call is counted in calls_inside.
+thread_local bool call_counted = false;
+// Whether this thread holds calls out for its coming fork().
 thread_local bool holds_for_fork = false;
 
 void AfterForkInParent() {
   if (!holds_for_fork) return;
   holds_for_fork = false;
-  pthread_rwlock_unlock(&calls);
+  pthread_mutex_lock(&mu);
+  if (--forks_holding == 0) pthread_cond_broadcast(&changed);
+  pthread_mutex_unlock(&mu);
 }
 
 void AfterForkInChild() {
   forked_child.store(true, std::memory_order_relaxed);
-  // The lock names its writer by thread id, which the child's only thread
-  // does not share: made anew (no other thread exists to hold it). A call
-  // this thread was inside (a fork from within it) no longer holds it.
-  const pthread_rwlock_t fresh =
-      PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
-  std::memcpy(&calls, &fresh, sizeof(calls));
+  // The child's only thread: no other holds, waits or calls here. `mu` may
+  // have been held by a thread that does not exist here, so both are made
+  // anew. A call this thread was inside (a fork from within it) is no
+  // longer counted, and its end uncounts nothing.
+  const pthread_mutex_t fresh_mu = PTHREAD_MUTEX_INITIALIZER;
+  const pthread_cond_t fresh_changed = PTHREAD_COND_INITIALIZER;
+  std::memcpy(&mu, &fresh_mu, sizeof(mu));
+  std::memcpy(&changed, &fresh_changed, sizeof(changed));
+  calls_inside = forks_holding = forks_waiting = 0;
   holds_for_fork = false;
-  call_holds_lock = false;
+  call_counted = false;
 }
 
 [[maybe_unused]] const bool fork_handlers_registered = [] {
@@ -110,24 +123,37 @@ absl::StatusOr<int> ResolveThreads(int64_t requested, const char* what) {
 }
 
 ScopedLibraryCall::ScopedLibraryCall() {
-  if (call_depth++ == 0 && !holds_for_fork) {
-    pthread_rwlock_rdlock(&calls);
-    call_holds_lock = true;
+  if (call_depth++ > 0) return;
+  pthread_mutex_lock(&mu);
+  // A holder's own calls do not wait: its fork() keeps other calls out,
+  // and the hold would wait for itself. They are counted, so another
+  // thread's fork still waits for them.
+  while (!holds_for_fork && (forks_holding > 0 || forks_waiting > 0)) {
+    pthread_cond_wait(&changed, &mu);
   }
+  ++calls_inside;
+  call_counted = true;
+  pthread_mutex_unlock(&mu);
 }
 
 ScopedLibraryCall::~ScopedLibraryCall() {
-  if (--call_depth == 0 && call_holds_lock) {
-    call_holds_lock = false;
-    pthread_rwlock_unlock(&calls);
-  }
+  if (--call_depth > 0 || !call_counted) return;
+  call_counted = false;
+  pthread_mutex_lock(&mu);
+  if (--calls_inside == 0) pthread_cond_broadcast(&changed);
+  pthread_mutex_unlock(&mu);
 }
 
 void HoldCallsForFork() {
   // Inside a call this thread would wait for itself.
   if (holds_for_fork || call_depth > 0) return;
-  pthread_rwlock_wrlock(&calls);
+  pthread_mutex_lock(&mu);
+  ++forks_waiting;
+  while (calls_inside > 0) pthread_cond_wait(&changed, &mu);
+  --forks_waiting;
+  ++forks_holding;
   holds_for_fork = true;
+  pthread_mutex_unlock(&mu);
 }
 
 }  // namespace dflash

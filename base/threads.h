@@ -57,8 +57,13 @@ class ScopedLibraryCall {
 // released. Returns once no call is inside and keeps new calls out until
 // this thread's next fork(), which then does not wait again and lets them
 // in in the parent (the child starts with none); so fork() must follow on
-// this thread. Does nothing on a thread inside a call (fork() from there
-// waits for no one either) or already holding.
+// this thread. Calls this thread makes meanwhile do not wait. Does nothing
+// on a thread inside a call (fork() from there waits for no one either) or
+// already holding. Forks on several threads at once share the hold: a
+// fork() on another thread meanwhile (C code's, which runs no hook, say
+// with the GIL held while this thread waits for the GIL) waits only for
+// the calls in progress, this thread's included, not for this thread's
+// fork(); calls are let in again when the last holder's fork() is done.
 void HoldCallsForFork();
 
 }  // namespace dflash

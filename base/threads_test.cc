@@ -208,5 +208,95 @@ TEST(ThreadsTest, AChildForkedInsideACallCallsAgain) {
   { ScopedLibraryCall scope; }  // The parent's lock was left free.
 }
 
+TEST(ThreadsTest, AForkJoiningAHoldWaitsForTheHoldersCall) {
+  // A call the holding thread makes before its fork() (a later before-fork
+  // hook) does not wait, but another thread's fork still waits for it.
+  struct State {
+    std::atomic<bool> inside{false}, left{false}, forked{false},
+        left_before_fork{false}, child_ok{false}, holder_child_ok{false};
+  };
+  auto state = std::make_shared<State>();
+  const bool finished = Finishes([state] {
+    std::thread holder([state] {
+      HoldCallsForFork();
+      {
+        ScopedLibraryCall own;
+        state->inside = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        state->left = true;
+      }
+      while (!state->forked) std::this_thread::yield();
+      const pid_t pid = fork();
+      if (pid == 0) _exit(0);
+      state->holder_child_ok = pid > 0 && ExitedCleanly(pid);
+    });
+    while (!state->inside) std::this_thread::yield();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      alarm(20);  // A hang kills the child.
+      { ScopedLibraryCall scope; }
+      _exit(0);
+    }
+    state->left_before_fork = state->left.load();
+    state->forked = true;
+    state->child_ok = pid > 0 && ExitedCleanly(pid);
+    holder.join();
+  });
+  // On a hang the threads left behind keep calls out: these tests come last.
+  ASSERT_TRUE(finished) << "a fork waits for another thread's hold";
+  EXPECT_TRUE(state->left_before_fork);
+  EXPECT_TRUE(state->child_ok);
+  EXPECT_TRUE(state->holder_child_ok);
+  { ScopedLibraryCall scope; }
+}
+
+TEST(ThreadsTest, AForkDuringAnotherThreadsHoldSharesIt) {
+  // Thread `hook` has held calls for its fork (os.fork()'s before-fork hook)
+  // and needs `gil` back before its fork(); the other thread holds `gil`
+  // through a fork() of its own (C code, no hooks). The second fork joins
+  // the hold instead of waiting for it, both forks go through, and calls
+  // enter again once both are done.
+  struct State {
+    std::mutex gil;
+    std::atomic<bool> holding{false}, hook_child_ok{false},
+        forker_child_ok{false}, entered_after{false};
+  };
+  // Shared, so that threads a hang leaves behind outlive the test safely.
+  auto state = std::make_shared<State>();
+  const bool finished = Finishes([state] {
+    std::unique_lock<std::mutex> held(state->gil);
+    std::thread hook([state] {
+      HoldCallsForFork();
+      state->holding = true;
+      std::lock_guard<std::mutex> taken(state->gil);
+      const pid_t pid = fork();  // Does not wait again.
+      if (pid == 0) {
+        alarm(20);  // A hang kills the child.
+        { ScopedLibraryCall scope; }
+        _exit(0);
+      }
+      state->hook_child_ok = pid > 0 && ExitedCleanly(pid);
+    });
+    while (!state->holding) std::this_thread::yield();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      alarm(20);
+      { ScopedLibraryCall scope; }  // Nothing is held in the child.
+      _exit(0);
+    }
+    held.unlock();
+    state->forker_child_ok = pid > 0 && ExitedCleanly(pid);
+    hook.join();
+    { ScopedLibraryCall scope; }  // Both holds were let go.
+    state->entered_after = true;
+  });
+  // On a hang the threads left behind keep calls out: these tests come last.
+  ASSERT_TRUE(finished) << "a fork waits for another thread's hold, which "
+                           "waits for it";
+  EXPECT_TRUE(state->hook_child_ok);
+  EXPECT_TRUE(state->forker_child_ok);
+  EXPECT_TRUE(state->entered_after);
+}
+
 }  // namespace
 }  // namespace dflash

@@ -710,7 +710,10 @@ void SetTorchAllocatorFromPython(py::object allocate, py::object free) {
 // to finish (a vocab-parallel exchange, torch's allocator) and would never
 // get it. This before-fork hook does that wait with the GIL released, so
 // such a call finishes, and fork() then waits no more: the child still
-// inherits no call's locks or caches. (Releasing the library's locks
+// inherits no call's locks or caches. Between this hook and fork() the
+// thread takes the GIL back and runs the other hooks; a fork() that
+// another thread makes meanwhile without hooks (C code, with the GIL held)
+// shares the hold rather than waiting for it. (Releasing the library's locks
 // around the callback instead would let another run start on the shared
 // host allocator and thread pools mid-run.) Hence every entry point takes
 // ScopedLibraryCall with the GIL released: one that waited for this hook
