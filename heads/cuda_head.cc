@@ -598,8 +598,8 @@ absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
   return absl::OkStatus();
 }
 
-// The status words of a device results buffer as the synchronous run
-// reports them: the rows' error first (HostRows), then the loss's (Terms).
+}  // namespace
+
 absl::Status DeviceResultsStatus(const v1::ObjectiveConfig& config,
                                  const double* words) {
   unsigned long long rows_word = 0, loss_word = 0;
@@ -613,6 +613,8 @@ absl::Status DeviceResultsStatus(const v1::ObjectiveConfig& config,
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 }  // namespace
 

@@ -28,9 +28,10 @@ namespace dflash {
 // memory; the rows' metadata is `inputs.rows` on the host, or
 // `inputs.device_rows` (BuildCudaRows) with `inputs.rows` empty: under
 // head.row_selection COMPACT the run reads device rows back once before
-// its first chunk, under ALL_ROWS once after its last forward chunk (for
-// the terms), and nothing of them reaches the host before the head's work
-// is queued. A bad element the build found is reported then, as a
+// its first chunk (Plan waits for the build, before any chunk's work is
+// queued); under ALL_ROWS once after its last forward chunk (for the
+// terms), nothing of them reaching the host before the head's work is
+// queued. A bad element the build found is reported then, as a
 // RowError about its row (InvalidArgument, "row (b, n, k) = (...):
 // weight_mask: must be finite and >= 0" and the like). Work goes on
 // `blas`'s stream, and device memory comes from that stream's allocator, so
@@ -95,6 +96,10 @@ absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(
 // and kl_w as RunCudaHead's HeadResult has them (no plan or stats).
 absl::Status CheckDeviceResults(const v1::ObjectiveConfig& config,
                                 const double* results, CudaStream& stream);
+// The same from the buffer's two status words already on the host
+// (`words`: its first two doubles, kResultRowsStatus and kResultLossStatus).
+absl::Status DeviceResultsStatus(const v1::ObjectiveConfig& config,
+                                 const double* words);
 absl::StatusOr<HeadResult> ReadDeviceResults(const v1::ObjectiveConfig& config,
                                              const double* results,
                                              CudaStream& stream);

@@ -75,7 +75,8 @@ def run_objective(
     forward_only: bool = ...,
     vocab_shard: Optional[VocabShard] = ...,
     base_argmax: Optional[object] = ...,
-    teacher_argmax: Optional[object] = ...) -> Dict[str, Any]: ...
+    teacher_argmax: Optional[object] = ...,
+    device_results: Optional[object] = ...) -> Dict[str, Any]: ...
 class SavedHead:
     """A split forward's state, kept for its backward (start_objective);
     its 8-byte buffer names it (torch.frombuffer makes its token)."""
@@ -90,6 +91,15 @@ class SavedHead:
                  grad_correction_weight: Optional[object],
                  interruptible: bool = ...,
                  cuda_stream: int = ...) -> Dict[str, Any]: ...
+    def backward_on_device(self, upstream: object, grad_hidden: object,
+                           grad_weight: Optional[object],
+                           grad_bias: Optional[object],
+                           grad_confidence: Optional[object],
+                           grad_correction_inputs: Optional[object],
+                           grad_correction_weight: Optional[object],
+                           of_loss_num: bool = ...,
+                           interruptible: bool = ...,
+                           cuda_stream: int = ...) -> Dict[str, Any]: ...
 
 def start_objective(
     config: ObjectiveConfig, hidden: object, weight: object,
@@ -101,8 +111,18 @@ def start_objective(
     correction_weight: Optional[object],
     prepared: Optional[PreparedProjection], trainable: bool,
     interruptible: bool = ..., base_argmax: Optional[object] = ...,
-    teacher_argmax: Optional[object] = ..., cuda_stream: int = ...
+    teacher_argmax: Optional[object] = ..., cuda_stream: int = ...,
+    device_results: Optional[object] = ...
 ) -> Tuple[Dict[str, Any], SavedHead]: ...
+def check_objective_results(
+    config: ObjectiveConfig, hidden: object, weight: object,
+    target_ids: object, weight_mask: object, device_results: object,
+    cuda_stream: int, bias: Optional[object] = ...,
+    teacher_hidden: Optional[object] = ...,
+    confidence_logits: Optional[object] = ...,
+    correction_inputs: Optional[object] = ...,
+    correction_weight: Optional[object] = ...) -> None: ...
+def device_results_layout(block_size: int) -> Dict[str, Tuple[int, int]]: ...
 def splits_backward(config: ObjectiveConfig) -> bool: ...
 def top_k_value_backward(
     config: ObjectiveConfig, hidden: object, weight: object,

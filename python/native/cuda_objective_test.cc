@@ -38,6 +38,7 @@
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "heads/head_types.h"
+#include "losses/device_results.h"
 #include "proto/config_overrides.h"
 #include "python/native/config_sources.h"
 #include "python/native/cuda_run.h"
@@ -129,6 +130,11 @@ class Place {
     TensorArg arg = Describe(name, dtype, std::move(shape));
     arg.data = Allocate(arg.numel() * ElementBytes(dtype));
     return arg;
+  }
+  // New values into `arg`'s memory (a captured graph's inputs).
+  void Overwrite(const TensorArg& arg, const std::vector<double>& values) {
+    keep_.push_back(Encode(values, arg.dtype));
+    Write(arg.data, keep_.back());
   }
   std::vector<double> Values(const TensorArg& arg) {
     return Decode(Read(arg.data, arg.numel() * ElementBytes(arg.dtype)),
@@ -1347,6 +1353,310 @@ TEST(CudaDeviceMetadataTest, BadElementsGetRowsOfsMessages) {
       }
     }
   }
+}
+
+
+// head.device_results through the binding: a run captured in a CUDA graph
+// on the caller's stream with a lent allocator, as torch.cuda.graph
+// captures a training step. The allocator serves a capture as torch's
+// caching allocator does, stream-ordered (cudaMallocAsync and
+// cudaFreeAsync on the stream it is asked for), and counts what it serves.
+struct StreamOrderedAllocator {
+  struct Counts {
+    int64_t live = 0, calls = 0;
+    std::map<uintptr_t, std::pair<int64_t, uintptr_t>> blocks;
+    std::vector<uintptr_t> streams;
+  };
+  std::shared_ptr<Counts> counts = std::make_shared<Counts>();
+
+  TorchAllocator Lent() const {
+    TorchAllocator lent;
+    lent.allocate = [counts = counts](int64_t bytes, int device,
+                                      uintptr_t stream)
+        -> absl::StatusOr<uintptr_t> {
+      EXPECT_EQ(device, 0);
+      void* p = nullptr;
+      if (cudaMallocAsync(&p, bytes, reinterpret_cast<cudaStream_t>(
+                                         stream)) != cudaSuccess) {
+        return absl::ResourceExhaustedError("test allocator: full");
+      }
+      counts->live += bytes;
+      ++counts->calls;
+      counts->streams.push_back(stream);
+      counts->blocks[reinterpret_cast<uintptr_t>(p)] = {bytes, stream};
+      return reinterpret_cast<uintptr_t>(p);
+    };
+    lent.free = [counts = counts](uintptr_t data) {
+      const auto [bytes, stream] = counts->blocks.at(data);
+      counts->live -= bytes;
+      counts->blocks.erase(data);
+      EXPECT_EQ(cudaFreeAsync(reinterpret_cast<void*>(data),
+                              reinterpret_cast<cudaStream_t>(stream)),
+                cudaSuccess);
+    };
+    return lent;
+  }
+};
+
+// A float32 training call on `gpu` with its metadata there and
+// row_selection ALL_ROWS; with `device`, head.device_results and its
+// buffer.
+absl::StatusOr<Call> DeviceResultsCall(DevicePlace& gpu, const Family& family,
+                                       const std::string& mode,
+                                       const Batch& batch, bool device,
+                                       bool gradients) {
+  absl::StatusOr<Call> call = Prepare(gpu, "float32", family, mode, batch,
+                                      /*trainable=*/true, gradients);
+  if (!call.ok()) return call.status();
+  call->config.mutable_head()->set_row_selection(v1::HeadConfig::ALL_ROWS);
+  call->config.mutable_head()->set_device_results(device);
+  call->tensors.target_ids =
+      gpu.Tensor("target_ids", batch.ids, "int64", {kB, kN, kK});
+  call->tensors.weight_mask =
+      gpu.Tensor("weight_mask", batch.mask, "float32", {kB, kN, kK});
+  if (device) {
+    call->options.device_results =
+        gpu.Zeros("device_results", "float64", {DeviceResultsSize(kK)});
+  }
+  return call;
+}
+
+// `batch`'s hidden states and labels into `call`'s buffers.
+void Reload(DevicePlace& gpu, const Call& call, const Batch& batch) {
+  gpu.Overwrite(call.tensors.hidden, batch.hidden);
+  gpu.Overwrite(call.tensors.target_ids, batch.ids);
+  gpu.Overwrite(call.tensors.weight_mask, batch.mask);
+  if (call.tensors.teacher_hidden.has_value()) {
+    gpu.Overwrite(*call.tensors.teacher_hidden, batch.teacher);
+  }
+  if (call.tensors.confidence_logits.has_value()) {
+    gpu.Overwrite(*call.tensors.confidence_logits, batch.confidence);
+  }
+}
+
+void ExpectResultsMatch(const std::vector<double>& results,
+                        const HeadResult& want) {
+  auto near = [](double got, double expected, const char* what) {
+    EXPECT_LE(std::abs(got - expected), 1e-9 * (1 + std::abs(expected)))
+        << what << ": " << got << " vs " << expected;
+  };
+  near(results[kResultLoss], want.loss, "loss");
+  near(results[kResultDenominator], want.loss_denominator, "denominator");
+  near(results[kResultAccuracy], want.accuracy, "accuracy");
+  near(results[DeviceSummedResult(kSummedLossNum)], want.terms.loss_num,
+       "loss_num");
+  near(results[DeviceSummedResult(kSummedLossDen)], want.terms.loss_den,
+       "loss_den");
+  int block = 0;
+#define DFLASH_BLOCK_TERM(field, dict, key)                                \
+  near(results[DeviceBlockResult(block++, kK)],                            \
+       want.terms.accepted_length.field, key);
+#include "losses/chunk_terms.inc"
+  for (int64_t k = 0; k < kK; ++k) {
+    near(results[DevicePositionResult(1, k, kK)],
+         want.terms.mask_per_position[k], "mask_per_position");
+  }
+}
+
+// The whole call captured (a single run; a split run's forward, its
+// backward with the upstream on the device, and the state freed), then
+// launched with new inputs against the synchronous call; every byte the
+// capture allocates is the lent allocator's, on the caller's stream, and
+// handed back within it. A bad label latches RowsOf's own error.
+TEST(CudaDeviceResultsObjectiveTest, CapturedCallsEqualTheSynchronousCalls) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(gpu.stream());
+  StreamOrderedAllocator lent;
+  SetTorchAllocator(lent.Lent());
+  struct Captured {
+    Family family;
+    const char* mode;
+    bool split;
+  };
+  for (const Captured& c :
+       {Captured{{"dflash", false, false}, "fused", false},
+        Captured{{"dspark", true, true}, "checkpoint", true}}) {
+    SCOPED_TRACE(absl::StrCat(c.family.loss, " ", c.mode));
+    const Batch first(3);
+    absl::StatusOr<Call> call = DeviceResultsCall(
+        gpu, c.family, c.mode, first, /*device=*/true, !c.split);
+    ASSERT_TRUE(call.ok()) << call.status();
+    absl::StatusOr<Call> reference = DeviceResultsCall(
+        gpu, c.family, c.mode, first, /*device=*/false, !c.split);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    const TensorArg upstream = gpu.Tensor("upstream", {0.75}, "float32", {1});
+    ObjectiveOutputs grads;
+    grads.grad_hidden = gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH});
+    grads.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
+    if (c.family.confidence) {
+      grads.grad_confidence =
+          gpu.Zeros("grad_confidence", "float32", {kB, kN, kK});
+    }
+    const ObjectiveOutputs& run_grads = c.split ? grads : call->outputs;
+    auto enqueue = [&]() -> absl::Status {
+      if (!c.split) {
+        absl::StatusOr<HeadResult> run = RunObjective(
+            call->config, call->tensors, call->outputs, call->options);
+        if (run.ok() && !std::isnan(run->loss)) {
+          return absl::InternalError("the host's loss should be NaN");
+        }
+        return run.status();
+      }
+      absl::StatusOr<StartedObjective> started = StartObjective(
+          call->config, call->tensors, call->outputs, call->options);
+      if (!started.ok()) return started.status();
+      return started->saved
+          ->BackwardFromDevice(upstream, /*of_loss_num=*/true, grads,
+                               gpu.stream(), nullptr)
+          .status();
+    };
+    // Uncaptured first: the stream's state (its cuBLAS handle) is made.
+    ASSERT_TRUE(enqueue().ok());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const int64_t live = lent.counts->live, calls = lent.counts->calls;
+    const size_t streams = lent.counts->streams.size();
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+              cudaSuccess);
+    const absl::Status captured = enqueue();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    ASSERT_TRUE(captured.ok()) << captured;
+    ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+    EXPECT_GT(lent.counts->calls, calls);
+    EXPECT_EQ(lent.counts->live, live);
+    for (size_t i = streams; i < lent.counts->streams.size(); ++i) {
+      EXPECT_EQ(lent.counts->streams[i], gpu.stream());
+    }
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (uint32_t seed : {11u, 12u}) {
+      SCOPED_TRACE(seed);
+      const Batch batch(seed);
+      Reload(gpu, *call, batch);
+      gpu.Overwrite(upstream, {0.5 + seed % 3});
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_TRUE(CheckObjectiveResults(call->config, call->tensors,
+                                        *call->options.device_results,
+                                        gpu.stream())
+                      .ok());
+      const std::vector<double> results =
+          gpu.Values(*call->options.device_results);
+      Reload(gpu, *reference, batch);
+      HeadResult want;
+      ObjectiveOutputs want_grads = reference->outputs;
+      if (!c.split) {
+        absl::StatusOr<HeadResult> run =
+            RunObjective(reference->config, reference->tensors,
+                         reference->outputs, reference->options);
+        ASSERT_TRUE(run.ok()) << run.status();
+        want = *run;
+      } else {
+        absl::StatusOr<StartedObjective> started =
+            StartObjective(reference->config, reference->tensors,
+                           reference->outputs, reference->options);
+        ASSERT_TRUE(started.ok()) << started.status();
+        want = started->forward;
+        want_grads.grad_hidden =
+            gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH});
+        want_grads.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
+        if (c.family.confidence) {
+          want_grads.grad_confidence =
+              gpu.Zeros("grad_confidence", "float32", {kB, kN, kK});
+        }
+        ASSERT_TRUE(started->saved
+                        ->Backward((0.5 + seed % 3) * want.loss_denominator,
+                                   want_grads, gpu.stream(), nullptr)
+                        .ok());
+      }
+      ExpectResultsMatch(results, want);
+      EXPECT_LT(MaxRelative(gpu.Values(*run_grads.grad_hidden),
+                            gpu.Values(*want_grads.grad_hidden)),
+                1e-6);
+      EXPECT_LT(MaxRelative(gpu.Values(*run_grads.grad_weight),
+                            gpu.Values(*want_grads.grad_weight)),
+                1e-6);
+      if (c.family.confidence) {
+        EXPECT_LT(MaxRelative(gpu.Values(*run_grads.grad_confidence),
+                              gpu.Values(*want_grads.grad_confidence)),
+                  1e-6);
+      }
+    }
+    if (!c.split) {
+      // A weighted target outside [0, V): NaN terms, and the synchronous
+      // call's ValueError text (RowsOf's, from the metadata) on request.
+      Batch bad(13);
+      bad.ids[6] = kV;
+      bad.mask[6] = 1;
+      Reload(gpu, *call, bad);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      const absl::Status got = CheckObjectiveResults(
+          call->config, call->tensors, *call->options.device_results,
+          gpu.stream());
+      Reload(gpu, *reference, bad);
+      const absl::StatusOr<HeadResult> want = RunObjective(
+          reference->config, reference->tensors, reference->outputs,
+          reference->options);
+      ASSERT_FALSE(want.ok());
+      EXPECT_EQ(got, want.status());
+      EXPECT_THAT(std::string(got.message()), ::testing::HasSubstr("target_ids"));
+      EXPECT_TRUE(std::isnan(gpu.Values(*call->options.device_results)[kResultLoss]));
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  SetTorchAllocator(std::nullopt);
+}
+
+// The binding's refusals: the buffer without the field and the field
+// without the buffer, a wrong buffer, a tensor upstream for a state
+// without device results.
+TEST(CudaDeviceResultsObjectiveTest, Refusals) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch(3);
+  const Family dflash{"dflash", false, false};
+  absl::StatusOr<Call> call =
+      DeviceResultsCall(gpu, dflash, "fused", batch, /*device=*/true, true);
+  ASSERT_TRUE(call.ok()) << call.status();
+  Call missing = *std::move(call);
+  const TensorArg buffer = *missing.options.device_results;
+  missing.options.device_results.reset();
+  absl::StatusOr<HeadResult> run = RunObjective(
+      missing.config, missing.tensors, missing.outputs, missing.options);
+  EXPECT_EQ(run.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(run.status().message()),
+              ::testing::HasSubstr("device_results: head.device_results is set"));
+  missing.options.device_results =
+      gpu.Zeros("device_results", "float32", {DeviceResultsSize(kK)});
+  run = RunObjective(missing.config, missing.tensors, missing.outputs,
+                     missing.options);
+  EXPECT_THAT(std::string(run.status().message()),
+              ::testing::HasSubstr("must be a contiguous float64 tensor"));
+  missing.config.mutable_head()->set_device_results(false);
+  missing.options.device_results = buffer;
+  run = RunObjective(missing.config, missing.tensors, missing.outputs,
+                     missing.options);
+  EXPECT_THAT(std::string(run.status().message()),
+              ::testing::HasSubstr("head.device_results is not set"));
+  absl::StatusOr<Call> split =
+      DeviceResultsCall(gpu, dflash, "checkpoint", batch, /*device=*/false,
+                        /*gradients=*/false);
+  ASSERT_TRUE(split.ok()) << split.status();
+  absl::StatusOr<StartedObjective> started = StartObjective(
+      split->config, split->tensors, split->outputs, split->options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ObjectiveOutputs grads;
+  grads.grad_hidden = gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH});
+  grads.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
+  const TensorArg upstream = gpu.Tensor("upstream", {1.0}, "float32", {1});
+  const absl::Status refused =
+      started->saved
+          ->BackwardFromDevice(upstream, true, grads, gpu.stream(), nullptr)
+          .status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr("needs head.device_results"));
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "base/status_macros.h"
 #include "heads/cuda_head.h"
 #include "heads/cuda_projection.h"
+#include "losses/device_results.h"
 
 namespace dflash::python {
 namespace {
@@ -310,6 +311,16 @@ class SplitOnStream : public TorchStreamRun<T> {
     });
   }
 
+  absl::StatusOr<HeadStats> BackwardFromDevice(
+      const DeviceUpstream& upstream, const HeadGradients<T>& gradients,
+      uintptr_t stream, const std::atomic<bool>* interrupt) override {
+    DeviceScope scope;
+    DFLASH_RETURN_IF_ERROR(scope.Enter(device_));
+    return OrderedOn(*state_, stream, [&](DeviceState&) {
+      return held_->split->Backward(upstream, gradients, interrupt);
+    });
+  }
+
  private:
   // The split run and the device rows it borrows, freed after it.
   struct Held {
@@ -348,9 +359,11 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             const HeadRowOutputs& row_outputs,
                                             int device, uintptr_t stream,
                                             bool forward_only,
-                                            const DeviceMetadata* metadata) {
+                                            const DeviceMetadata* metadata,
+                                            double* device_results) {
   HeadOptions options;
   options.forward_only = forward_only;
+  options.device_results = device_results;
   return OnHeadStream(
       device, stream, [&](DeviceState& state) -> absl::StatusOr<HeadResult> {
         if (metadata == nullptr) {
@@ -393,6 +406,16 @@ absl::Status AddTopKValueGradientsOnTorchStream(
   });
 }
 
+absl::Status ReadDeviceResultsStatus(const v1::ObjectiveConfig& config,
+                                     int device, uintptr_t stream,
+                                     uintptr_t results) {
+  double words[2];
+  static_assert(kResultRowsStatus == 0 && kResultLossStatus == 1);
+  DFLASH_RETURN_IF_ERROR(
+      CopyFromDevice(device, stream, results, words, sizeof(words)));
+  return DeviceResultsStatus(config, words);
+}
+
 absl::Status CopyFromDevice(int device, uintptr_t stream, uintptr_t source,
                             void* host, int64_t bytes) {
   DeviceScope scope;
@@ -409,11 +432,11 @@ absl::Status CopyFromDevice(int device, uintptr_t stream, uintptr_t source,
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool,
-    const DeviceMetadata*);
+    const DeviceMetadata*, double*);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
-    bool, const DeviceMetadata*);
+    bool, const DeviceMetadata*, double*);
 #define DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(T)                          \
   template absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>>         \
   StartOnTorchStream<T>(const v1::ObjectiveConfig&, const HeadInputs<T>&, \

@@ -56,7 +56,10 @@ struct DeviceMetadataTensor {
 // target_ids and weight_mask on the run's device: the run makes its rows
 // there (BuildCudaRows, heads/cuda_head.h) in its stream's order, and a bad
 // element fails it with InvalidArgument (the head's RowError, about the
-// element's row), nothing read back before the head's work is queued.
+// element's row). Under head.row_selection COMPACT (the default) the rows
+// are read back once before the first chunk, a wait for the build, to
+// project the weighted rows alone; under ALL_ROWS nothing is read back
+// before the head's work is queued.
 struct DeviceMetadata {
   DeviceMetadataTensor target_ids, weight_mask;
   int64_t batch = 0, anchors = 0;  // B, N; K is layout.block_size.
@@ -74,7 +77,8 @@ absl::StatusOr<HeadResult> RunOnTorchStream(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
     const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
     int device, uintptr_t stream, bool forward_only = false,
-    const DeviceMetadata* metadata = nullptr);
+    const DeviceMetadata* metadata = nullptr,
+    double* device_results = nullptr);
 
 // A split CUDA run (StartOnTorchStream): StartCudaHead's SplitHeadRun with
 // the stream it was queued on, kept for its backward. Destroying it frees
@@ -96,6 +100,12 @@ class TorchStreamRun {
   virtual absl::StatusOr<HeadStats> Backward(
       double upstream, const HeadGradients<T>& gradients, uintptr_t stream,
       const std::atomic<bool>* interrupt) = 0;
+  // Backward with the upstream in device memory (head.device_results:
+  // SplitHeadRun::Backward(DeviceUpstream)), ordered as Backward is; reads
+  // nothing back and does not wait.
+  virtual absl::StatusOr<HeadStats> BackwardFromDevice(
+      const DeviceUpstream& upstream, const HeadGradients<T>& gradients,
+      uintptr_t stream, const std::atomic<bool>* interrupt) = 0;
 };
 
 // RunOnTorchStream with its passes apart (StartCudaHead, T = float or
@@ -120,6 +130,15 @@ absl::Status AddTopKValueGradientsOnTorchStream(
     absl::Span<const int32_t> ids, absl::Span<const float> values,
     absl::Span<const float> grad_values, int32_t k,
     const HeadGradients<T>& gradients, int device, uintptr_t stream);
+
+// The Status a head.device_results run latched in its results buffer at
+// `results` (device memory on `device`), read after the work queued on
+// torch's `stream` (one wait): OK, or the head's error as the synchronous
+// run returns it (DeviceResultsStatus, heads/cuda_head.h). Without CUDA in
+// the build: Unimplemented.
+absl::Status ReadDeviceResultsStatus(const v1::ObjectiveConfig& config,
+                                     int device, uintptr_t stream,
+                                     uintptr_t results);
 
 // Copies `bytes` from device memory at `source` on `device` to `host`,
 // ordered after the work queued on torch's `stream` (which may still be

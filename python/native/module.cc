@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "losses/device_results.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "losses/vocab_shard.h"
@@ -451,7 +452,7 @@ py::dict RunObjectiveFromPython(
     const PreparedHandle* prepared, bool trainable, uintptr_t cuda_stream,
     bool interruptible, bool forward_only,
     VocabShardHandle* vocab_shard, py::handle base_argmax,
-    py::handle teacher_argmax) {
+    py::handle teacher_argmax, py::handle device_results) {
   const ObjectiveTensors tensors =
       TensorsOf(hidden, weight, target_ids, weight_mask, bias,
                 teacher_hidden, confidence_logits, correction_inputs,
@@ -471,6 +472,8 @@ py::dict RunObjectiveFromPython(
                                  grad_correction_inputs),
                            ArgOf("grad_correction_weight",
                                  grad_correction_weight)};
+  const std::optional<TensorArg> results =
+      ArgOf("device_results", device_results);
   absl::StatusOr<HeadResult> result;
   // Vocab-parallel: every process of the group stops together, whatever
   // fails where (docs/scaling.md, "Stopping together").
@@ -488,12 +491,13 @@ py::dict RunObjectiveFromPython(
     std::optional<ScopedInterrupt> interrupt;
     if (interruptible) interrupt.emplace();
     py::gil_scoped_release release;
-    result = RunObjective(
-        config, tensors, outputs,
-        {trainable, cuda_stream,
-         prepared != nullptr ? prepared->projection.get() : nullptr,
-         interrupt ? interrupt->flag() : nullptr, forward_only,
-         vocab_shard != nullptr ? &shard : nullptr});
+    ObjectiveOptions options{
+        trainable, cuda_stream,
+        prepared != nullptr ? prepared->projection.get() : nullptr,
+        interrupt ? interrupt->flag() : nullptr, forward_only,
+        vocab_shard != nullptr ? &shard : nullptr};
+    options.device_results = results;
+    result = RunObjective(config, tensors, outputs, options);
     if (exchange && !result.ok() && exchange->gathers() == 0) {
       // Refused before the head's first gather (a check of the binding's
       // the agreement does not cover): the others wait in the run's
@@ -547,7 +551,8 @@ py::tuple StartObjectiveFromPython(
     py::handle top_k_values, py::handle loss_weight,
     py::handle correction_inputs, py::handle correction_weight,
     py::object prepared, bool trainable, bool interruptible,
-    py::handle base_argmax, py::handle teacher_argmax, uintptr_t cuda_stream) {
+    py::handle base_argmax, py::handle teacher_argmax, uintptr_t cuda_stream,
+    py::handle device_results) {
   const ObjectiveTensors tensors =
       TensorsOf(hidden, weight, target_ids, weight_mask, bias,
                 teacher_hidden, confidence_logits, correction_inputs,
@@ -562,6 +567,8 @@ py::tuple StartObjectiveFromPython(
   outputs.loss_weight = ArgOf("loss_weight", loss_weight);
   const PreparedHandle* handle =
       prepared.is_none() ? nullptr : prepared.cast<const PreparedHandle*>();
+  const std::optional<TensorArg> results =
+      ArgOf("device_results", device_results);
   absl::StatusOr<StartedObjective> started;
   {
     std::optional<ScopedInterrupt> interrupt;
@@ -573,6 +580,7 @@ py::tuple StartObjectiveFromPython(
     options.prepared_projection =
         handle != nullptr ? handle->projection.get() : nullptr;
     options.interrupt = interrupt ? interrupt->flag() : nullptr;
+    options.device_results = results;
     started = StartObjective(config, tensors, outputs, options);
   }
   StartedObjective value = CancelledOrValue(std::move(started));
@@ -589,12 +597,12 @@ py::tuple StartObjectiveFromPython(
   return py::make_tuple(ResultOf(value.forward), std::move(state));
 }
 
-py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
-                             py::handle grad_hidden, py::handle grad_weight,
-                             py::handle grad_bias, py::handle grad_confidence,
-                             py::handle grad_correction_inputs,
-                             py::handle grad_correction_weight,
-                             bool interruptible, uintptr_t cuda_stream) {
+// A backward's gradient buffers, as SavedHead.backward takes them.
+ObjectiveOutputs BackwardBuffersOf(py::handle grad_hidden,
+                                   py::handle grad_weight, py::handle grad_bias,
+                                   py::handle grad_confidence,
+                                   py::handle grad_correction_inputs,
+                                   py::handle grad_correction_weight) {
   ObjectiveOutputs gradients;
   gradients.grad_hidden = ArgOf("grad_hidden", grad_hidden);
   gradients.grad_weight = ArgOf("grad_weight", grad_weight);
@@ -604,6 +612,98 @@ py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
       ArgOf("grad_correction_inputs", grad_correction_inputs);
   gradients.grad_correction_weight =
       ArgOf("grad_correction_weight", grad_correction_weight);
+  return gradients;
+}
+
+py::dict BackwardStatsOf(const HeadStats& stats) {
+  py::dict d;
+  d["gemm_calls"] = stats.gemm_calls;
+  d["gemm_passes"] = stats.gemm_passes;
+  d["segment_recomputes"] = stats.segment_recomputes;
+  d["peak_bytes"] = stats.peak_bytes;
+  d["backward_seconds"] = stats.backward_seconds;
+  return d;
+}
+
+py::dict SavedBackwardOnDeviceFromPython(
+    SavedHead& state, py::handle upstream, py::handle grad_hidden,
+    py::handle grad_weight, py::handle grad_bias, py::handle grad_confidence,
+    py::handle grad_correction_inputs, py::handle grad_correction_weight,
+    bool of_loss_num, bool interruptible, uintptr_t cuda_stream) {
+  const ObjectiveOutputs gradients = BackwardBuffersOf(
+      grad_hidden, grad_weight, grad_bias, grad_confidence,
+      grad_correction_inputs, grad_correction_weight);
+  const TensorArg on_device = RequiredArgOf("upstream", upstream);
+  absl::StatusOr<HeadStats> done;
+  {
+    std::optional<ScopedInterrupt> interrupt;
+    if (interruptible) interrupt.emplace();
+    py::gil_scoped_release release;
+    done = state.saved->BackwardFromDevice(
+        on_device, of_loss_num, gradients, cuda_stream,
+        interrupt ? interrupt->flag() : nullptr);
+  }
+  return BackwardStatsOf(CancelledOrValue(std::move(done)));
+}
+
+void CheckObjectiveResultsFromPython(
+    const v1::ObjectiveConfig& config, py::handle hidden, py::handle weight,
+    py::handle target_ids, py::handle weight_mask, py::handle device_results,
+    uintptr_t cuda_stream, py::handle bias, py::handle teacher_hidden,
+    py::handle confidence_logits, py::handle correction_inputs,
+    py::handle correction_weight) {
+  const ObjectiveTensors tensors =
+      TensorsOf(hidden, weight, target_ids, weight_mask, bias,
+                teacher_hidden, confidence_logits, correction_inputs,
+                correction_weight);
+  const TensorArg results = RequiredArgOf("device_results", device_results);
+  absl::Status latched;
+  {
+    py::gil_scoped_release release;
+    latched = CheckObjectiveResults(config, tensors, results, cuda_stream);
+  }
+  if (!latched.ok()) Raise(latched);
+}
+
+// Where each value lies in a head.device_results buffer of blocks of
+// `block_size` positions (losses/device_results.h): name -> (first index,
+// count), the terms under the binding's keys (losses/chunk_terms.inc).
+py::dict DeviceResultsLayout(int64_t block_size) {
+  if (block_size < 1) {
+    Raise(absl::InvalidArgumentError(absl::StrCat(
+        "block_size: must be >= 1, got ", block_size)));
+  }
+  py::dict d;
+  d["size"] = py::make_tuple(0, DeviceResultsSize(block_size));
+  d["rows_status"] = py::make_tuple(int{kResultRowsStatus}, 1);
+  d["loss_status"] = py::make_tuple(int{kResultLossStatus}, 1);
+  d["loss"] = py::make_tuple(int{kResultLoss}, 1);
+  d["loss_denominator"] = py::make_tuple(int{kResultDenominator}, 1);
+  d["accuracy"] = py::make_tuple(int{kResultAccuracy}, 1);
+  d["gradient_scale"] = py::make_tuple(int{kResultGradientScale}, 1);
+  d["confidence_scale"] = py::make_tuple(int{kResultConfidenceScale}, 1);
+  d["lk_kl_weight"] = py::make_tuple(int{kResultLkKlWeight}, 1);
+  int summed = 0, position = 0, block = 0;
+#define DFLASH_SUMMED_TERM(field, slot, dict, key) \
+  d[key] = py::make_tuple(DeviceSummedResult(summed++), 1);
+#define DFLASH_POSITION_TERM(field, slot, dict, key) \
+  d[key] = py::make_tuple(                           \
+      DevicePositionResult(position++, 0, block_size), block_size);
+#define DFLASH_BLOCK_TERM(field, dict, key) \
+  d[key] = py::make_tuple(DeviceBlockResult(block++, block_size), 1);
+#include "losses/chunk_terms.inc"
+  return d;
+}
+
+py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
+                             py::handle grad_hidden, py::handle grad_weight,
+                             py::handle grad_bias, py::handle grad_confidence,
+                             py::handle grad_correction_inputs,
+                             py::handle grad_correction_weight,
+                             bool interruptible, uintptr_t cuda_stream) {
+  const ObjectiveOutputs gradients = BackwardBuffersOf(
+      grad_hidden, grad_weight, grad_bias, grad_confidence,
+      grad_correction_inputs, grad_correction_weight);
   absl::StatusOr<HeadStats> done;
   {
     std::optional<ScopedInterrupt> interrupt;
@@ -612,14 +712,7 @@ py::dict SavedBackwardFromPython(SavedHead& state, double upstream,
     done = state.saved->Backward(upstream, gradients, cuda_stream,
                                  interrupt ? interrupt->flag() : nullptr);
   }
-  const HeadStats stats = CancelledOrValue(std::move(done));
-  py::dict d;
-  d["gemm_calls"] = stats.gemm_calls;
-  d["gemm_passes"] = stats.gemm_passes;
-  d["segment_recomputes"] = stats.segment_recomputes;
-  d["peak_bytes"] = stats.peak_bytes;
-  d["backward_seconds"] = stats.backward_seconds;
-  return d;
+  return BackwardStatsOf(CancelledOrValue(std::move(done)));
 }
 
 void TopKValueBackwardFromPython(const v1::ObjectiveConfig& config,
@@ -819,6 +912,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("vocab_shard").none(true) = py::none(),
         py::arg("base_argmax").none(true) = py::none(),
         py::arg("teacher_argmax").none(true) = py::none(),
+        py::arg("device_results").none(true) = py::none(),
         "Runs the head once, forward and backward, into the given buffers; "
         "gradients are of loss_num / loss_denominator. With forward_only the "
         "forward pass alone: no gradient buffer (every grad_* None), no "
@@ -829,7 +923,11 @@ PYBIND11_MODULE(_core, m) {
         "vocab_shard (a VocabShard) the weight, bias and correction weight "
         "are this process's rows of the vocabulary, the ids global, and the "
         "gradient of hidden (and of correction_inputs) this process's part "
-        "of a sum over the shard's processes.");
+        "of a sum over the shard's processes. With head.device_results "
+        "(CUDA, ALL_ROWS) the terms go to device_results, a float64 tensor "
+        "laid out as device_results_layout says, and the run never waits "
+        "for the device (the returned terms are NaN; "
+        "check_objective_results raises its error).");
   m.def("start_objective", &dp::StartObjectiveFromPython, py::arg("config"),
         py::arg("hidden"), py::arg("weight"), py::arg("target_ids"),
         py::arg("weight_mask"), py::arg("bias"), py::arg("teacher_hidden"),
@@ -841,6 +939,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("base_argmax").none(true) = py::none(),
         py::arg("teacher_argmax").none(true) = py::none(),
         py::arg("cuda_stream") = 0,
+        py::arg("device_results").none(true) = py::none(),
         "The forward pass of a split run (a mode other than FUSED, "
         "gradients wanted, no vocab shard; splits_backward): run_objective's "
         "checks and row outputs, no gradient buffer; CUDA tensors' work "
@@ -893,7 +992,39 @@ PYBIND11_MODULE(_core, m) {
            "(torch's current stream now). Returns this pass's stats "
            "(gemm_calls, gemm_passes, segment_recomputes so far, peak_bytes "
            "above the level before the forward, backward_seconds). The GIL "
-           "is released while it runs.");
+           "is released while it runs.")
+      .def("backward_on_device", &dp::SavedBackwardOnDeviceFromPython,
+           py::arg("upstream"), py::arg("grad_hidden"),
+           py::arg("grad_weight").none(true), py::arg("grad_bias").none(true),
+           py::arg("grad_confidence").none(true),
+           py::arg("grad_correction_inputs").none(true),
+           py::arg("grad_correction_weight").none(true),
+           py::arg("of_loss_num") = true, py::arg("interruptible") = false,
+           py::arg("cuda_stream") = 0,
+           "backward with upstream a one-value float32 or float64 CUDA "
+           "tensor, read on the device (a state started with "
+           "device_results): d(objective)/d(loss_num) with of_loss_num (the "
+           "head multiplies it by the loss denominator there), else "
+           "d(objective)/d(loss). Neither reads the device nor waits.");
+  m.def("check_objective_results", &dp::CheckObjectiveResultsFromPython,
+        py::arg("config"), py::arg("hidden"), py::arg("weight"),
+        py::arg("target_ids"), py::arg("weight_mask"),
+        py::arg("device_results"), py::arg("cuda_stream"),
+        py::arg("bias").none(true) = py::none(),
+        py::arg("teacher_hidden").none(true) = py::none(),
+        py::arg("confidence_logits").none(true) = py::none(),
+        py::arg("correction_inputs").none(true) = py::none(),
+        py::arg("correction_weight").none(true) = py::none(),
+        "After a run with device_results: raises the error run_objective "
+        "would have raised without them (same type and message), read from "
+        "the buffer's status words after the work queued on cuda_stream "
+        "(one wait); returns None where the run latched none.");
+  m.def("device_results_layout", &dp::DeviceResultsLayout,
+        py::arg("block_size"),
+        "Where each value of a device_results buffer lies for blocks of "
+        "block_size positions: name -> (first index, count); 'size' is "
+        "(0, the buffer's length). The status words hold 64-bit codes, "
+        "all ones where no error was latched.");
   m.def("top_k_value_backward", &dp::TopKValueBackwardFromPython,
         py::arg("config"), py::arg("hidden"), py::arg("weight"),
         py::arg("bias"), py::arg("top_k"), py::arg("top_k_values"),

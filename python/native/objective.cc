@@ -22,6 +22,7 @@
 #include "base/threads.h"
 #include "base/tracking_allocator.h"
 #include "heads/top_k_gradient.h"
+#include "losses/device_results.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
 #include "proto/config.h"
@@ -283,10 +284,14 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
   // CheckHidden allows float64 on the CPU only, bfloat16 on CUDA only.
   if constexpr (!std::is_same_v<T, double>) {
     if (t.hidden.on_cuda()) {
+      const std::optional<TensorArg>& results =
+          objective_options.device_results;
       return RunOnTorchStream<T>(
           config, inputs, gradients, row_outputs, t.hidden.cuda_index(),
           cuda_stream, objective_options.forward_only,
-          metadata.has_value() ? &*metadata : nullptr);
+          metadata.has_value() ? &*metadata : nullptr,
+          results.has_value() ? reinterpret_cast<double*>(results->data)
+                              : nullptr);
     }
   }
   if constexpr (std::is_same_v<T, BFloat16>) {
@@ -608,6 +613,36 @@ class SavedObjectiveOf : public SavedObjective {
     return run_->Backward(upstream, into, interrupt);
   }
 
+  absl::StatusOr<HeadStats> BackwardFromDevice(
+      const TensorArg& upstream, bool of_loss_num,
+      const ObjectiveOutputs& gradients, uintptr_t cuda_stream,
+      const std::atomic<bool>* interrupt) override {
+    ScopedLibraryCall call;
+    if (cuda_run_ == nullptr || getpid() != pid_) {
+      return absl::InvalidArgumentError(
+          "upstream: a tensor upstream is read on the device, by a CUDA run "
+          "started in this process with head.device_results; pass a float");
+    }
+    if (!upstream.on_cuda() || upstream.device != tensors_.hidden.device ||
+        (upstream.dtype != "float32" && upstream.dtype != "float64") ||
+        upstream.numel() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "upstream: must be one float32 or float64 value on hidden's device "
+          "(",
+          tensors_.hidden.device, "), got ", upstream.dtype, " with ",
+          upstream.numel(), " values on ", upstream.device));
+    }
+    DFLASH_RETURN_IF_ERROR(
+        CheckOutputs(gradients, tensors_, config_, /*forward_only=*/false));
+    const HeadGradients<T> into = GradientsOf<T>(gradients);
+    DeviceUpstream on_device;
+    on_device.value = reinterpret_cast<const void*>(upstream.data);
+    on_device.is_float = upstream.dtype == "float32";
+    on_device.of_loss_num = of_loss_num;
+    return cuda_run_->BackwardFromDevice(on_device, into, cuda_stream,
+                                         interrupt);
+  }
+
  private:
   const v1::ObjectiveConfig config_;
   const ObjectiveTensors tensors_;
@@ -617,6 +652,36 @@ class SavedObjectiveOf : public SavedObjective {
   std::unique_ptr<SplitHeadRun<T>> run_;         // On the CPU.
   std::unique_ptr<TorchStreamRun<T>> cuda_run_;  // On CUDA.
 };
+
+// options.device_results against the bound config: exactly with
+// head.device_results, float64 [DeviceResultsSize(K)], contiguous, on
+// hidden's device.
+absl::Status CheckDeviceResultsTensor(const std::optional<TensorArg>& results,
+                                      const ObjectiveTensors& tensors,
+                                      const v1::ObjectiveConfig& bound) {
+  const int64_t size = DeviceResultsSize(bound.layout().block_size());
+  if (!bound.head().device_results()) {
+    if (!results.has_value()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "device_results: given, but head.device_results is not set (the "
+        "terms are returned on the host)");
+  }
+  if (!results.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device_results: head.device_results is set, so a float64 tensor of ",
+        size, " values on hidden's device (", tensors.hidden.device,
+        ") is required, got None"));
+  }
+  if (results->device != tensors.hidden.device || results->dtype != "float64" ||
+      results->shape != std::vector<int64_t>{size} ||
+      (size > 1 && results->strides[0] != 1)) {
+    return Invalid(*results,
+                   absl::StrCat("must be a contiguous float64 tensor [", size,
+                                "] on hidden's device (", tensors.hidden.device,
+                                ")"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
                                        const ObjectiveTensors& tensors,
@@ -645,6 +710,8 @@ absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
       CheckOutputs(outputs, tensors, checked.bound, options.forward_only));
   DFLASH_RETURN_IF_ERROR(
       CheckPrepared(options.prepared_projection, tensors, checked.bound));
+  DFLASH_RETURN_IF_ERROR(
+      CheckDeviceResultsTensor(options.device_results, tensors, checked.bound));
   // Metadata on a CUDA hidden's device (CheckTensors: hidden's) stays
   // there: the head builds the rows (nothing read back before its work is
   // queued). Otherwise the rows are made on the host, a lone device tensor
@@ -673,6 +740,10 @@ absl::StatusOr<StartedObjective> Start(Checked checked,
   HeadOptions options;
   options.prepared_projection = objective_options.prepared_projection;
   options.interrupt = objective_options.interrupt;
+  if (objective_options.device_results.has_value()) {
+    options.device_results =
+        reinterpret_cast<double*>(objective_options.device_results->data);
+  }
   auto saved = std::make_unique<SavedObjectiveOf<T>>(
       std::move(checked.bound), t, std::move(checked.rows),
       std::move(checked.metadata));
@@ -710,6 +781,29 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
     return ExplainFailure(result.status(), tensors, rows, options.cuda_stream);
   }
   return result;
+}
+
+absl::Status CheckObjectiveResults(const v1::ObjectiveConfig& config,
+                                   const ObjectiveTensors& tensors,
+                                   const TensorArg& device_results,
+                                   uintptr_t cuda_stream) {
+  ScopedLibraryCall call;
+  DFLASH_RETURN_IF_ERROR(CheckTensors(tensors));
+  DFLASH_ASSIGN_OR_RETURN(const v1::ObjectiveConfig bound,
+                          BindConfig(config, tensors, /*trainable=*/false));
+  DFLASH_RETURN_IF_ERROR(
+      CheckDeviceResultsTensor(device_results, tensors, bound));
+  const absl::Status latched = ReadDeviceResultsStatus(
+      bound, tensors.hidden.cuda_index(), cuda_stream, device_results.data);
+  // RunObjective's explanation of a failed run, the same way.
+  if (latched.code() != absl::StatusCode::kInvalidArgument) return latched;
+  if (tensors.target_ids.on_cuda() && tensors.weight_mask.on_cuda()) {
+    return ExplainDeviceFailure(latched, bound, tensors, cuda_stream);
+  }
+  absl::StatusOr<std::vector<RowMeta>> rows =
+      HostRowsOf(bound, tensors, /*shard=*/nullptr, cuda_stream);
+  if (!rows.ok()) return rows.status();
+  return ExplainFailure(latched, tensors, *rows, cuda_stream);
 }
 
 absl::StatusOr<StartedObjective> StartObjective(

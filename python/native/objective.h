@@ -90,6 +90,12 @@ struct ObjectiveOptions {
   // vocab_shard->vocab classes; target and top-k ids are global. CPU only.
   // Borrowed; null: the whole vocabulary.
   const VocabShard* vocab_shard = nullptr;
+  // With head.device_results (required then, refused otherwise): float64
+  // [DeviceResultsSize(K)] (losses/device_results.h), contiguous, on
+  // hidden's CUDA device, where the run writes its terms; the run then
+  // reads nothing back and never waits (the returned HeadResult is NaN).
+  // CheckObjectiveResults turns its status words into the run's error.
+  std::optional<TensorArg> device_results;
 };
 
 // A PreparedProjection of a torch weight and bias: CPU, float32,
@@ -143,8 +149,13 @@ absl::StatusOr<HeadResult> RunObjective(const v1::ObjectiveConfig& config,
 class SavedObjective {
  public:
   virtual ~SavedObjective() = default;
-  // The bytes the state holds between the passes (what its mode keeps):
-  // of the host allocator on the CPU, of the device on CUDA.
+  // The bytes the state holds between the passes (docs/heads.md): what
+  // its forward left live in the backend's allocator (what its mode keeps
+  // and the per-row state; the host allocator on the CPU, the device's on
+  // CUDA) plus the backend's memory outside it: on the CPU the per-row
+  // vectors and a frozen FLOAT32 head's own laid-out weight (no
+  // PreparedProjection given); on CUDA the device rows made from device
+  // metadata.
   virtual int64_t saved_bytes() const = 0;
   // d(upstream * loss_num / loss_den)/d(.) into `gradients`' grad_* buffers
   // (the rest unused; overwritten; checked as RunObjective checks them).
@@ -156,7 +167,27 @@ class SavedObjective {
   virtual absl::StatusOr<HeadStats> Backward(
       double upstream, const ObjectiveOutputs& gradients,
       uintptr_t cuda_stream, const std::atomic<bool>* interrupt) = 0;
+  // Backward of a CUDA state started with device_results, its upstream a
+  // float32 or float64 one-element tensor on hidden's device, read there
+  // (never on the host): d(objective)/d(loss_num) with `of_loss_num` (the
+  // head multiplies it by the loss denominator on the device, as callers
+  // of Backward do on the host), else d(objective)/d(loss).
+  virtual absl::StatusOr<HeadStats> BackwardFromDevice(
+      const TensorArg& upstream, bool of_loss_num,
+      const ObjectiveOutputs& gradients, uintptr_t cuda_stream,
+      const std::atomic<bool>* interrupt) = 0;
 };
+
+// After a run with options.device_results: the error RunObjective (or
+// StartObjective) would have returned had it run without them, word for
+// word (a bad label named as RowsOf names it, a non-finite input named by
+// ExplainFailure), from the buffer's status words, read after the work
+// queued on `cuda_stream` (one wait); OK where the run latched none.
+// `config` and `tensors` as the run was given them.
+absl::Status CheckObjectiveResults(const v1::ObjectiveConfig& config,
+                                   const ObjectiveTensors& tensors,
+                                   const TensorArg& device_results,
+                                   uintptr_t cuda_stream);
 
 struct StartedObjective {
   HeadResult forward;
