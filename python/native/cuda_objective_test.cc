@@ -1599,8 +1599,31 @@ TEST(CudaDeviceResultsObjectiveTest, CapturedCallsEqualTheSynchronousCalls) {
           reference->options);
       ASSERT_FALSE(want.ok());
       EXPECT_EQ(got, want.status());
-      EXPECT_THAT(std::string(got.message()), ::testing::HasSubstr("target_ids"));
-      EXPECT_TRUE(std::isnan(gpu.Values(*call->options.device_results)[kResultLoss]));
+      EXPECT_THAT(std::string(got.message()),
+                  ::testing::HasSubstr("target_ids"));
+      EXPECT_TRUE(
+          std::isnan(gpu.Values(*call->options.device_results)[kResultLoss]));
+      // A NaN hidden state in a weighted row: the synchronous call's
+      // ExplainFailure text, naming the element.
+      Batch nan(14);
+      nan.mask[9] = 1;
+      nan.hidden[9 * kH + 2] = std::nan("");
+      Reload(gpu, *call, nan);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      const absl::Status got_nan = CheckObjectiveResults(
+          call->config, call->tensors, *call->options.device_results,
+          gpu.stream());
+      Reload(gpu, *reference, nan);
+      const absl::StatusOr<HeadResult> want_nan = RunObjective(
+          reference->config, reference->tensors, reference->outputs,
+          reference->options);
+      ASSERT_FALSE(want_nan.ok());
+      EXPECT_EQ(got_nan, want_nan.status());
+      EXPECT_THAT(std::string(got_nan.message()),
+                  ::testing::HasSubstr("hidden[0, 2, 1, 2]: must be finite"));
+      for (double g : gpu.Values(*call->outputs.grad_hidden)) {
+        ASSERT_TRUE(std::isnan(g));
+      }
     }
     EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
     EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
