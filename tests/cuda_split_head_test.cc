@@ -5,8 +5,10 @@
 // RunCudaHead is checked against the float64 CPU head by
 // //tests:cuda_head_parity_test and //tests:cuda_correction_test.
 //
-// saved_bytes is what the stream's counting allocator shows live after the
-// forward pass (the CUDA backend keeps nothing on the device outside it).
+// saved_bytes is the sum of the buffers the CUDA backend keeps between the
+// passes, from their sizes (HeldBytes), and what the stream's allocator
+// shows live after the forward pass (the backend keeps nothing on the
+// device outside it).
 //
 // Not bitwise: RunCudaHead folds the scale the rows decide into its
 // input-gradient GEMMs at Start, the split run upstream x the finished
@@ -28,7 +30,13 @@
 #include "base/gpu_test.h"
 #include "base/tracking_allocator.h"
 #include "gtest/gtest.h"
+#include "heads/config/head_facts.h"
 #include "heads/cuda_head.h"
+#include "heads/head_types.h"
+#include "losses/loss_family.h"
+#include "losses/loss_math.h"
+#include "losses/row_meta.h"
+#include "losses/term_slots.h"
 #include "losses/vocab_shard.h"
 #include "tests/cuda_test_util.h"
 #include "tests/head_test_util.h"
@@ -93,6 +101,35 @@ double Relative(const std::vector<double>& a, const std::vector<double>& b) {
   return RelativeMaxError<double>(a, b);
 }
 
+// The device bytes a split run of `mode` keeps between its passes, from the
+// buffers' sizes (host rows, COMPACT): the loss's term totals (doubles, the
+// slots then [K] per position term) and its error word; the active-row
+// list (int64); per row, q (double), the target's rank under a top-k
+// metric (int32), the teacher acceptance where recorded (double) and
+// Domino's two argmaxes (int32); SAVE_CHUNKS adds every active row's
+// logits gradient, rows padded to 16 bytes, twice with a split correction.
+template <typename T>
+int64_t HeldBytes(const v1::ObjectiveConfig& config, const Batch& b,
+                  const std::string& mode) {
+  const LossParams loss = LossParamsOf(config.loss());
+  int64_t active = 0;
+  for (const RowMeta& row : b.rows) {
+    active += EffectiveMask(loss, row.target, row.mask) > 0;
+  }
+  int64_t row_bytes = 8;
+  if (ChunkLossOptionsOf(config).metric_top_k > 0) row_bytes += 4;
+  if (RecordsTeacherAcceptance(config)) row_bytes += 8;
+  if (config.loss().has_domino()) row_bytes += 2 * 4;
+  int64_t held = TotalsSize(config.layout().block_size()) * 8 + 8 +
+                 active * 8 + b.num_rows() * row_bytes;
+  if (mode == "SAVE_CHUNKS") {
+    const int64_t element = sizeof(T);
+    const int64_t row = (head_test::kV * element + 15) / 16 * 16;
+    held += (config.head().correction_rank() > 0 ? 2 : 1) * active * row;
+  }
+  return held;
+}
+
 template <typename T>
 void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
                         Gpu& gpu) {
@@ -131,16 +168,11 @@ void ExpectSplitMatches(const char* loss, const char* mode, bool correction,
   auto split = StartCudaHead<T>(config, inputs, *gpu.blas);
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ((*split)->forward().loss, reference->loss);
-  const int64_t held = allocator.current_bytes() - base;
+  // CHECKPOINT: per-row state only, no logits, no gradient.
+  const int64_t held = HeldBytes<T>(config, b, mode);
+  EXPECT_EQ(allocator.current_bytes() - base, held);
   EXPECT_EQ((*split)->saved_bytes(), held);
   EXPECT_EQ((*split)->forward().stats.saved_bytes, held);
-  if (std::string(mode) == "CHECKPOINT") {
-    // Per-row state only (the active-row list, q, ranks, argmaxes): no
-    // logits, no gradient.
-    EXPECT_GT(held, 0);
-    EXPECT_LT(held, b.num_rows() * head_test::kV *
-                        static_cast<int64_t>(sizeof(T)));
-  }
   const double tolerance = std::is_same_v<T, float> ? 1e-6 : 1e-2;
   for (int pass = 0; pass < 2; ++pass) {
     SCOPED_TRACE(pass);
