@@ -397,7 +397,8 @@ DFLASH_HOST_DEVICE inline FinishedScalars FinishScalars(const LossParams& p,
   f.denominator = den;
   f.accuracy = t.accuracy_den > 0 ? t.correct / t.accuracy_den : 0;
   if (p.family == LossFamily::kDSpark) {
-    f.accuracy = t.correct / (t.accuracy_den > 1.0 ? t.accuracy_den : 1.0);
+    // std::max(accuracy_den, 1.0), spelled for the device.
+    f.accuracy = t.correct / (t.accuracy_den < 1.0 ? 1.0 : t.accuracy_den);
   }
   f.gradient_scale = f.confidence_scale = 1 / den;
   if (p.lk == LkMode::kLambdaBatch) {
