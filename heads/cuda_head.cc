@@ -663,13 +663,13 @@ absl::StatusOr<CudaRows> BuildCudaRows(const v1::ObjectiveConfig& config,
                           TrackedBuffer<RowMeta>::Create(allocator, total));
   DFLASH_ASSIGN_OR_RETURN(
       rows.error, TrackedBuffer<unsigned long long>::Create(allocator, 1));
+  // Freed as this returns, after the build in the stream's order.
   DFLASH_ASSIGN_OR_RETURN(
-      rows.scratch,
+      TrackedBuffer<double> tile_sums,
       TrackedBuffer<double>::Create(
           allocator, (total + cuda::kRowsSumTile - 1) / cuda::kRowsSumTile));
   cuda::LaunchBuildRows(target_ids, weight_mask, params, rows.rows.data(),
-                        rows.error.data(), rows.scratch.data(),
-                        stream.stream());
+                        rows.error.data(), tile_sums.data(), stream.stream());
   DFLASH_RETURN_IF_ERROR(stream.LaunchStatus("row build"));
   return rows;
 }

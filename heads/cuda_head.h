@@ -50,11 +50,14 @@ absl::StatusOr<HeadResult> RunCudaHead(const v1::ObjectiveConfig& config,
                                        const HeadOptions& options = {});
 
 // Row metadata made on the device (BuildCudaRows); owns its memory, from
-// the stream's allocator. view() goes into HeadInputs::device_rows.
+// the stream's allocator. view() goes into HeadInputs::device_rows. The
+// build's tile sums of the masks are not kept: nothing reads them after the
+// build, so they go back to the allocator, in stream order, as it returns.
 struct CudaRows {
   TrackedBuffer<RowMeta> rows;
   TrackedBuffer<unsigned long long> error;
-  TrackedBuffer<double> scratch;  // The mask sums' tiles.
+  // The device bytes held: what a run keeping the rows holds with them.
+  int64_t bytes() const { return rows.bytes() + error.bytes(); }
   DeviceRows view() const { return {rows.data(), rows.size(), error.data()}; }
 };
 

@@ -1284,6 +1284,66 @@ TEST(CudaDeviceMetadataTest, EqualsHostMetadata) {
   }
 }
 
+// A split state from device metadata keeps the rows built on the device
+// to its backward: the forward's stats.saved_bytes is the state's
+// saved_bytes, both within a lent counting allocator's live bytes (less
+// each allocation's rounding up to 64 bytes), and exceed the same state
+// from host metadata by the rows (B N K x 32-byte RowMeta) and their error
+// word, no more: the build's tile sums are freed once it has run. The
+// backward's peak_bytes (above the level before the forward) counts the
+// rows too: its excess over saved_bytes is the host metadata state's.
+TEST(CudaDeviceMetadataTest, SplitStateCountsItsRows) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Batch batch(7);
+  const MetadataCase m{"int64", "float32", false, false};
+  const Family family{"dspark", true, true};
+  const std::vector<double> masks = MasksOf(batch, m.masks);
+  struct Held {
+    int64_t stat = 0, saved = 0, live = 0, allocations = 0, excess = 0;
+  };
+  auto held_by = [&](bool on_host) -> absl::StatusOr<Held> {
+    absl::StatusOr<Call> call =
+        MetadataCall(gpu, family, "", "checkpoint", batch, batch.ids, masks, m,
+                     on_host, v1::HeadConfig::COMPACT, /*gradients=*/false);
+    if (!call.ok()) return call.status();
+    CountingAllocator allocator;
+    SetTorchAllocator(allocator.Lent());
+    absl::StatusOr<StartedObjective> started = StartObjective(
+        call->config, call->tensors, call->outputs, call->options);
+    SetTorchAllocator(std::nullopt);
+    if (!started.ok()) return started.status();
+    Held h;
+    h.stat = started->forward.stats.saved_bytes;
+    h.saved = started->saved->saved_bytes();
+    h.live = allocator.counts->live;
+    h.allocations = static_cast<int64_t>(allocator.counts->sizes.size());
+    ObjectiveOutputs g;
+    g.grad_hidden = gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH});
+    g.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
+    if (call->tensors.confidence_logits.has_value()) {
+      g.grad_confidence =
+          gpu.Zeros("grad_confidence", "float32", {kB, kN, kK});
+    }
+    absl::StatusOr<HeadStats> stats =
+        started->saved->Backward(1.0, g, gpu.stream(), nullptr);
+    if (!stats.ok()) return stats.status();
+    h.excess = stats->peak_bytes - h.saved;
+    return h;
+  };
+  absl::StatusOr<Held> host = held_by(/*on_host=*/true);
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<Held> device = held_by(/*on_host=*/false);
+  ASSERT_TRUE(device.ok()) << device.status();
+  for (const Held* h : {&*host, &*device}) {
+    EXPECT_EQ(h->stat, h->saved);
+    EXPECT_LE(h->saved, h->live);
+    EXPECT_GE(h->saved, h->live - 63 * h->allocations);
+  }
+  EXPECT_EQ(device->saved - host->saved, kB * kN * kK * 32 + 8);
+  EXPECT_EQ(device->excess, host->excess);
+}
+
 // Every error RowsOf gives for host metadata, word for word, for the same
 // metadata on the device: a single call, a split forward, and ALL_ROWS
 // (which reads the rows back after its forward pass).

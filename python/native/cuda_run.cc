@@ -287,13 +287,15 @@ class SplitOnStream : public TorchStreamRun<T> {
       if (!split.ok()) return split.status();
       held->split = *std::move(split);
       held_ = std::move(held);
+      // What the split run reports it holds leaves out the rows, which it
+      // borrows: the state holds them too (saved_bytes()).
+      forward_ = held_->split->forward();
+      forward_.stats.saved_bytes += held_->RowBytes();
       return absl::OkStatus();
     });
   }
 
-  const HeadResult& forward() const override {
-    return held_->split->forward();
-  }
+  const HeadResult& forward() const override { return forward_; }
 
   int64_t saved_bytes() const override {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -307,7 +309,7 @@ class SplitOnStream : public TorchStreamRun<T> {
     DeviceScope scope;
     DFLASH_RETURN_IF_ERROR(scope.Enter(device_));
     return OrderedOn(*state_, stream, [&](DeviceState&) {
-      return held_->split->Backward(upstream, gradients, interrupt);
+      return WithRows(held_->split->Backward(upstream, gradients, interrupt));
     });
   }
 
@@ -317,7 +319,7 @@ class SplitOnStream : public TorchStreamRun<T> {
     DeviceScope scope;
     DFLASH_RETURN_IF_ERROR(scope.Enter(device_));
     return OrderedOn(*state_, stream, [&](DeviceState&) {
-      return held_->split->Backward(upstream, gradients, interrupt);
+      return WithRows(held_->split->Backward(upstream, gradients, interrupt));
     });
   }
 
@@ -326,15 +328,21 @@ class SplitOnStream : public TorchStreamRun<T> {
   struct Held {
     std::optional<CudaRows> rows;
     std::unique_ptr<SplitHeadRun<T>> split;
-    int64_t RowBytes() const {
-      if (!rows.has_value()) return 0;
-      return rows->rows.bytes() + rows->error.bytes() + rows->scratch.bytes();
-    }
+    int64_t RowBytes() const { return rows.has_value() ? rows->bytes() : 0; }
   };
+
+  // A backward's stats with its peak above the level before the forward,
+  // the rows included as the state's other memory is (SplitHeadRun counts
+  // from its own start, after the rows were built).
+  absl::StatusOr<HeadStats> WithRows(absl::StatusOr<HeadStats> stats) const {
+    if (stats.ok()) stats->peak_bytes += held_->RowBytes();
+    return stats;
+  }
 
   const int device_;
   std::shared_ptr<DeviceState> state_;
   std::unique_ptr<Held> held_;
+  HeadResult forward_;
 };
 
 }  // namespace
