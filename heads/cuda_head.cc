@@ -323,6 +323,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
   bool folds_gradient_scale() const override { return !device_results_; }
 
   absl::Status FinishOnDevice(int64_t sequences, double* results) override {
+    results_ = results;
     const HeadInputs<T>& in = *spec_.inputs;
     const int64_t rows = RowCount(in);
     cuda::LaunchBlockTerms(
@@ -332,9 +333,26 @@ class CudaHeadBackend final : public HeadBackend<T> {
         row_teacher_.size() > 0 ? row_teacher_.data() : nullptr,
         block_terms_.data(), stream_.stream());
     DFLASH_RETURN_IF_ERROR(stream_.LaunchStatus("accepted lengths"));
-    return loss_->FinishOnDevice(
+    DFLASH_RETURN_IF_ERROR(loss_->FinishOnDevice(
         in.rows.empty() ? in.device_rows.error : nullptr, block_terms_.data(),
-        sequences, results, finish_.data());
+        sequences, results, finish_.data()));
+    const HeadRowOutputs& o = *spec_.row_outputs;
+    cuda::RowOutputs poisoned;
+    poisoned.neg_log_q = o.neg_log_q.data();
+    poisoned.neg_log_q_count = static_cast<int64_t>(o.neg_log_q.size());
+    poisoned.top_k_values = o.top_k_values.data();
+    poisoned.top_k_values_count = static_cast<int64_t>(o.top_k_values.size());
+    poisoned.loss_weight = o.loss_weight.data();
+    poisoned.loss_weight_count = static_cast<int64_t>(o.loss_weight.size());
+    poisoned.argmax = o.argmax.data();
+    poisoned.argmax_count = static_cast<int64_t>(o.argmax.size());
+    poisoned.top_k = o.top_k.data();
+    poisoned.top_k_count = static_cast<int64_t>(o.top_k.size());
+    poisoned.teacher_argmax = o.teacher_argmax.data();
+    poisoned.teacher_argmax_count =
+        static_cast<int64_t>(o.teacher_argmax.size());
+    cuda::LaunchPoisonRowOutputs(results, poisoned, stream_.stream());
+    return stream_.LaunchStatus("row output poisoning");
   }
   void InputGradientScale(double scale) override {
     input_scale_ = scale;
@@ -445,6 +463,11 @@ class CudaHeadBackend final : public HeadBackend<T> {
     // between its passes.
     loss_->ReleaseScratch();
     DFLASH_RETURN_IF_ERROR(stream_.Synchronize());
+    // The device has read the recomputed chunks' host rows (a split run's
+    // backward reads no terms, which would free them). ScaleOnDevice's
+    // chunks are device rows (head.device_results needs ALL_ROWS), which
+    // leave none.
+    loss_->ReleaseHostRows();
     // Rounded into the gradients: a split run does not hold them between
     // its passes (StartGradients allocates them again).
     weight_sum_.Reset();
@@ -465,7 +488,7 @@ class CudaHeadBackend final : public HeadBackend<T> {
     const HeadGradients<T>& g = *spec_.gradients;
     CUstream_st* stream = stream_.stream();
     cuda::LaunchDeviceScales(
-        finish_.data(), upstream,
+        finish_.data(), results_, config_.layout().block_size(), upstream,
         device_upstream != nullptr ? device_upstream->value : nullptr,
         device_upstream != nullptr && device_upstream->is_float,
         device_upstream != nullptr && device_upstream->of_loss_num, stream);
@@ -569,6 +592,9 @@ class CudaHeadBackend final : public HeadBackend<T> {
   // accepted-length terms before it (kBlockTermsSize), on the device.
   const bool device_results_;
   TrackedBuffer<double> finish_, block_terms_;
+  // The caller's results (FinishOnDevice's), where ScaleOnDevice latches a
+  // non-finite device upstream.
+  double* results_ = nullptr;
 };
 
 // RunCudaHead's and StartCudaHead's checks of the target and the options.
@@ -600,23 +626,29 @@ absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
 
 }  // namespace
 
+// The kernels test both status words against kResultStatusClear.
+static_assert(cuda::kNoRowsError == kResultStatusClear &&
+              cuda::kNoError == kResultStatusClear);
+
 absl::Status DeviceResultsStatus(const v1::ObjectiveConfig& config,
                                  const double* words) {
   unsigned long long rows_word = 0, loss_word = 0;
   std::memcpy(&rows_word, words + kResultRowsStatus, sizeof(rows_word));
   std::memcpy(&loss_word, words + kResultLossStatus, sizeof(loss_word));
-  if (rows_word != cuda::kNoRowsError) {
+  if (rows_word != kResultStatusClear) {
     return NameBatchRowError(RowsError(config, rows_word), config.layout());
   }
-  if (loss_word != cuda::kNoError) {
+  if (cuda::IsUpstreamErrorCode(loss_word)) {
+    // SplitHeadRun::Backward's refusal of a host upstream, word for word.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "upstream: must be finite, got ",
+        static_cast<double>(cuda::DecodeErrorCode(loss_word).value)));
+  }
+  if (loss_word != kResultStatusClear) {
     return NameBatchRowError(CudaLossError(loss_word), config.layout());
   }
   return absl::OkStatus();
 }
-
-namespace {
-
-}  // namespace
 
 absl::StatusOr<CudaRows> BuildCudaRows(const v1::ObjectiveConfig& config,
                                        const cuda::RowsTensor& target_ids,

@@ -335,8 +335,7 @@ absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
       !ok.ok()) {
     return ok;
   }
-  s.rows.clear();
-  s.block_begins.clear();
+  ReleaseHostRows();
   ReleaseScratch();
   if (error != cuda::kNoError) return CudaLossError(error);
   std::vector<double> totals(s.totals.size());
@@ -377,6 +376,17 @@ absl::Status CudaChunkLoss<T>::FinishOnDevice(
 template <typename T>
 void CudaChunkLoss<T>::ReleaseScratch() {
   state_->scratch.Reset();
+}
+
+template <typename T>
+void CudaChunkLoss<T>::ReleaseHostRows() {
+  state_->rows.clear();
+  state_->block_begins.clear();
+}
+
+template <typename T>
+int64_t CudaChunkLoss<T>::host_row_chunks() const {
+  return static_cast<int64_t>(state_->rows.size());
 }
 
 template class CudaChunkLoss<float>;

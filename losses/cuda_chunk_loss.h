@@ -84,6 +84,17 @@ class CudaChunkLoss {
   // split run's backward pass holds none after it.
   void ReleaseScratch();
 
+  // Frees the host copies of the metadata of the chunks Run queued, which
+  // their copies to the device read: call only once the stream has run
+  // every chunk queued (after a Synchronize). Terms() frees them itself; a
+  // split run's backward, whose chunks record nothing and read no terms,
+  // calls this after its final wait, else they would pile up with every
+  // backward.
+  void ReleaseHostRows();
+  // The chunks whose host metadata is held (Run's, until Terms() or
+  // ReleaseHostRows()).
+  int64_t host_row_chunks() const;
+
  private:
   struct State;
   explicit CudaChunkLoss(std::unique_ptr<State> state);

@@ -614,6 +614,54 @@ TEST(CudaChunkLossLayoutTest, CompactedRowsWithRecordedAndUnrecordedRuns) {
   }
 }
 
+// A split run's backward recomputes chunks (record false) and reads no
+// terms: the host copies of their metadata are held until the stream has
+// run them, then ReleaseHostRows frees them, so repeated backwards hold no
+// more than one; Terms() frees them too, and the terms are the recorded
+// chunk's alone (the CPU's).
+TEST(CudaChunkLossLayoutTest, HostRowsAreFreedAfterTheWait) {
+  SKIP_WITHOUT_GPU(gpu);
+  const ChunkLossOptions options{kK, 1, 0};
+  const Problem p = MakeProblem(300, 57);
+  const v1::LossConfig config = Loss("dflash { gamma: 7 }");
+  const Outcome cpu = RunLoss<float>(config, options, p, nullptr);
+  ASSERT_TRUE(cpu.terms.ok()) << cpu.terms.status();
+  absl::StatusOr<LossParams> params = ResolveChunkLoss(config);
+  ASSERT_TRUE(params.ok()) << params.status();
+  auto loss = CudaChunkLoss<float>::Create(*params, options, *gpu);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  const int64_t count = kRows * p.vocab;
+  auto logits = TrackedBuffer<float>::Create(gpu->allocator(), count);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  const std::vector<float> host = FromDoubles<float>(p.logits);
+  auto run = [&](bool record) {
+    // Each run overwrites the logits with their gradient.
+    ASSERT_TRUE(gpu->CopyToDevice(logits->data(), host.data(),
+                                  count * sizeof(float))
+                    .ok());
+    const ChunkLossInputs<float> inputs{
+        absl::MakeSpan(logits->data(), count), {}, {}, p.rows, p.vocab};
+    ASSERT_TRUE((*loss)->Run(inputs, ChunkLossOutputs{}, nullptr, record).ok());
+  };
+  for (int backward = 0; backward < 3; ++backward) {
+    for (int64_t chunk = 1; chunk <= 2; ++chunk) {
+      run(/*record=*/false);
+      EXPECT_EQ((*loss)->host_row_chunks(), chunk);
+    }
+    ASSERT_TRUE(gpu->Synchronize().ok());
+    (*loss)->ReleaseHostRows();
+    EXPECT_EQ((*loss)->host_row_chunks(), 0) << "backward " << backward;
+  }
+  run(/*record=*/true);
+  EXPECT_EQ((*loss)->host_row_chunks(), 1);
+  const absl::StatusOr<ChunkTerms> terms = (*loss)->Terms();
+  EXPECT_EQ((*loss)->host_row_chunks(), 0);
+  ASSERT_TRUE(terms.ok()) << terms.status();
+  EXPECT_NEAR(terms->loss_num, cpu.terms->loss_num,
+              1e-5 * std::abs(cpu.terms->loss_num));
+  EXPECT_EQ(terms->correct, cpu.terms->correct);
+}
+
 // One loss chunk of more than 2^31 logits (16400 rows x V 131072 in FP32,
 // filled on the device): sampled rows, among them the first whose logits
 // lie past the 2^31st, against the CPU loss on the same rows' logits.
