@@ -10,7 +10,8 @@ import torch
 
 import dflash
 import reference
-from dflash.torch import _library, dflash_objective
+from dflash import _core
+from dflash.torch import _library, check_objective_results, dflash_objective
 
 if not dflash.built_with_cuda():
     SKIP = "this dflash was built without CUDA (no toolkit at build time)"
@@ -394,6 +395,391 @@ class CudaDeviceMetadataTest(unittest.TestCase):
                 r"device \(cuda:0\), got cuda:1"):
             self.call(data, data["target_ids"].to("cuda:1"),
                      data["weight_mask"].cuda())
+
+
+def device_results_config(f, mode, device=True):
+    """f's config in `mode` with head.row_selection ALL_ROWS and, with
+    `device`, head.device_results."""
+    extra = "row_selection: ALL_ROWS " + ("device_results: true "
+                                          if device else "")
+    return f.config_text(mode, 2, 2).replace("head { ", "head { " + extra)
+
+
+# The families head.device_results runs (Domino's greedy accepted lengths
+# are host code: refused), with a teacher or confidence where they read one.
+DEVICE_RESULTS_FAMILIES = [f for f in reference.FAMILIES
+                           if f.name in ("dflash", "dpace", "lk-lambda",
+                                         "dspark", "kl")]
+
+
+@unittest.skipIf(SKIP is not None, SKIP)
+class DeviceResultsTest(unittest.TestCase):
+    """head { row_selection: ALL_ROWS device_results: true } through
+    dflash.torch (issue 30 item 4): the terms come from the head's device
+    buffer, the split backward reads its upstream on the device, nothing
+    is read back, and a step captured in a CUDA graph replays with new
+    inputs. What runs without a GPU is checked by DeviceResultsOnTheCpuTest
+    and, for the binding, by the emulated //python/native:cuda_objective_test
+    (CudaDeviceResultsObjectiveTest); the GPU run is pending where none is
+    lent."""
+
+    def inputs(self, data, dtype, f):
+        hidden = data["hidden"].to(dtype).cuda().requires_grad_()
+        weight = data["weight"].to(dtype).cuda().requires_grad_()
+        teacher = data["teacher"].to(dtype).cuda() if f.teacher else None
+        confidence = (data["confidence"].cuda().requires_grad_()
+                      if f.confidence else None)
+        return (hidden, weight, data["target_ids"].cuda(),
+                data["weight_mask"].cuda(), teacher, confidence)
+
+    def step(self, f, mode, inputs, device=True):
+        hidden, weight, ids, mask, teacher, confidence = inputs
+        terms = dflash_objective(hidden, weight, ids, mask,
+                                 config=device_results_config(f, mode, device),
+                                 teacher_hidden=teacher,
+                                 confidence_logits=confidence)
+        terms.loss.backward()
+        return terms
+
+    def assert_same_step(self, got, want, got_inputs, want_inputs, tol):
+        for name in ("loss_num", "loss_den", "correct_num", "accuracy_den"):
+            torch.testing.assert_close(getattr(got, name),
+                                       getattr(want, name), rtol=tol,
+                                       atol=tol, msg=name)
+        d, w = got.diagnostics, want.diagnostics
+        for name in ("position_correct", "position_den",
+                     "target_probability_num", "ce_loss_num", "tv_loss_num"):
+            torch.testing.assert_close(getattr(d, name), getattr(w, name),
+                                       rtol=tol, atol=tol, msg=name)
+        for name, value in w.metrics.items():
+            self.assertEqual(d.metrics[name].device, got.loss_num.device)
+            torch.testing.assert_close(d.metrics[name].cpu(), value,
+                                       rtol=tol, atol=tol, msg=name)
+        for name, value in w.family_terms.items():
+            torch.testing.assert_close(
+                d.family_terms[name].cpu(),
+                torch.tensor(value, dtype=torch.float64), rtol=tol, atol=tol,
+                msg=name)
+        if w.lk_kl_weight is None:
+            self.assertTrue(torch.isnan(d.lk_kl_weight))
+        else:
+            self.assertAlmostEqual(float(d.lk_kl_weight), w.lk_kl_weight,
+                                   delta=tol)
+        for a, b in zip(got_inputs, want_inputs):
+            if a is not None and a.grad is not None:
+                error = ((a.grad.double() - b.grad.double()).norm()
+                         / b.grad.double().norm().clamp_min(1e-30))
+                self.assertLess(error.item(), tol)
+
+    def test_equals_the_synchronous_call(self):
+        # bfloat16 input gradients are rounded twice (the scale read on
+        # the device), so within 1e-2 there.
+        data = reference.batch(seed=44)
+        for f in DEVICE_RESULTS_FAMILIES:
+            for mode in ("FUSED", "CHECKPOINT"):
+                for dtype, tol in ((torch.float32, 1e-6),
+                                   (torch.bfloat16, 1e-2)):
+                    with self.subTest(family=f.name, mode=mode, dtype=dtype):
+                        inputs = self.inputs(data, dtype, f)
+                        got = self.step(f, mode, inputs)
+                        self.assertEqual(
+                            tuple(got.diagnostics.device_results.shape),
+                            (_core.device_results_layout(4)["size"][1],))
+                        self.assertIsNone(check_objective_results(got))
+                        others = self.inputs(data, dtype, f)
+                        want = self.step(f, mode, others, device=False)
+                        self.assertIsNone(want.diagnostics.device_results)
+                        self.assert_same_step(got, want, inputs, others, tol)
+
+    def test_no_host_synchronisation(self):
+        data = reference.batch(seed=45)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                # The first call lends the allocator and opens cuBLAS.
+                self.step(f, mode, self.inputs(data, torch.float32, f))
+                inputs = self.inputs(data, torch.float32, f)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    terms = self.step(f, mode, inputs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                self.assertFalse(torch.isnan(terms.loss_num))
+
+    def test_captured_in_a_cuda_graph(self):
+        # torch.cuda.graph's recipe: warm up on a side stream, capture the
+        # whole step (forward and backward, the gradients' buffers made
+        # inside), replay with new inputs copied into the captured ones.
+        f = DEVICE_RESULTS_FAMILIES[0]
+        batches = [reference.batch(seed=46 + i) for i in range(3)]
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                inputs = self.inputs(batches[0], torch.float32, f)
+                hidden, weight, ids, mask = inputs[:4]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        hidden.grad = weight.grad = None
+                        self.step(f, mode, inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                hidden.grad = weight.grad = None
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    terms = self.step(f, mode, inputs)
+                for data in batches[1:]:
+                    with torch.no_grad():
+                        hidden.copy_(data["hidden"].float())
+                        weight.copy_(data["weight"].float())
+                        ids.copy_(data["target_ids"])
+                        mask.copy_(data["weight_mask"])
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    others = self.inputs(data, torch.float32, f)
+                    want = self.step(f, mode, others)
+                    self.assert_same_step(terms, want, inputs, others, 1e-6)
+                    self.assertIsNone(check_objective_results(terms))
+
+    def test_errors_are_nan_then_the_synchronous_error(self):
+        data = reference.batch(seed=47)
+        V = data["weight"].shape[0]
+        f = DEVICE_RESULTS_FAMILIES[0]
+        bad_label = dict(data, target_ids=data["target_ids"].clone(),
+                         weight_mask=data["weight_mask"].clone())
+        bad_label["target_ids"][1, 0, 3] = V
+        bad_label["weight_mask"][1, 0, 3] = 1
+        bad_hidden = dict(data, hidden=data["hidden"].clone())
+        bad_hidden["hidden"][0, 2, 1, 2] = float("nan")
+        for name, bad in (("label", bad_label), ("hidden", bad_hidden)):
+            for mode in ("FUSED", "CHECKPOINT"):
+                with self.subTest(bad=name, mode=mode):
+                    with self.assertRaises(ValueError) as synchronous:
+                        self.step(f, mode, self.inputs(bad, torch.float32, f),
+                                  device=False)
+                    inputs = self.inputs(bad, torch.float32, f)
+                    terms = self.step(f, mode, inputs)
+                    self.assertTrue(torch.isnan(terms.loss_num))
+                    self.assertTrue(torch.isnan(inputs[0].grad).all())
+                    with self.assertRaises(ValueError) as latched:
+                        check_objective_results(terms)
+                    self.assertEqual(str(latched.exception),
+                                     str(synchronous.exception))
+
+    def test_top_k_is_refused(self):
+        data = reference.batch(seed=48)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        hidden, weight, ids, mask = self.inputs(data, torch.float32, f)[:4]
+        with self.assertRaisesRegex(ValueError, "top_k: not with "
+                                    "head.device_results"):
+            dflash_objective(hidden, weight, ids, mask, top_k=2,
+                             config=device_results_config(f, "FUSED"))
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_a_compiled_step_equals_eager(self):
+        data = reference.batch(seed=49)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                torch._dynamo.reset()
+                compiled = torch.compile(
+                    lambda inputs: self.step(f, mode, inputs),
+                    backend="aot_eager", fullgraph=True)
+                inputs = self.inputs(data, torch.float32, f)
+                got = compiled(inputs)
+                others = self.inputs(data, torch.float32, f)
+                want = self.step(f, mode, others)
+                self.assert_same_step(got, want, inputs, others, 1e-6)
+
+
+class DeviceResultsOnTheCpuTest(unittest.TestCase):
+    """What of head.device_results runs without a GPU: the refusals, the
+    terms' names in the buffer against the synchronous call's report, and
+    the operator's fake kernels."""
+
+    def test_a_cpu_hidden_is_refused_naming_the_option(self):
+        # Both torch paths: the operator under torch >= 2.4, the
+        # autograd.Function under 1.13 (this test runs under both).
+        data = reference.batch(seed=50, dtype=torch.float32)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        hidden = data["hidden"].clone().requires_grad_()
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                with self.assertRaisesRegex(
+                        ValueError, r"head.device_results: is CUDA only"):
+                    dflash_objective(hidden, data["weight"],
+                                     data["target_ids"], data["weight_mask"],
+                                     config=device_results_config(f, mode))
+
+    def test_the_option_is_read_from_the_config(self):
+        f = DEVICE_RESULTS_FAMILIES[0]
+        for text, want in (
+                (device_results_config(f, "FUSED"), True),
+                (device_results_config(f, "FUSED", device=False), False),
+                (None, False)):
+            with self.subTest(text=text):
+                resolved = dflash.objective_config(text).text
+                self.assertEqual(_library.device_results_of(resolved), want)
+
+    def test_terms_read_from_the_buffer_are_the_reports(self):
+        # A buffer laid out by the binding's layout, filled with a CPU run's
+        # report under the report's names: the terms and diagnostics read
+        # from it are the synchronous call's, bitwise, and they are fresh
+        # tensors (not views of the buffer).
+        from dflash.torch import objective
+        data = reference.batch(seed=51, dtype=torch.float32)
+        K = data["hidden"].shape[2]
+        layout = _core.device_results_layout(K)
+        for f in (reference.FAMILIES[6], reference.FAMILIES[7]):
+            with self.subTest(family=f.name):
+                call = objective._run_head(
+                    dflash.objective_config(f.config_text("FUSED", 2, 2)), 0,
+                    False, False, True, data["hidden"], data["weight"], None,
+                    data["teacher"],
+                    data["confidence"] if f.confidence else None,
+                    data["target_ids"], data["weight_mask"], None, None,
+                    None)
+                result = call.result
+                report = dict(result, **result["family_terms"],
+                              **result["diagnostics"])
+                buffer = torch.full((layout["size"][1],), float("nan"),
+                                    dtype=torch.float64)
+                for name, (at, n) in layout.items():
+                    if name in report and report[name] is not None:
+                        buffer[at:at + n] = torch.tensor(report[name],
+                                                         dtype=torch.float64)
+                terms = _library.device_terms(buffer, K, torch.float32)
+                for got, want in zip(terms, call.terms):
+                    self.assertTrue(torch.equal(got, want))
+                self.assertEqual(
+                    float(_library.device_denominator(buffer, K,
+                                                      torch.float64)),
+                    result["loss_denominator"])
+                lk, family, metrics = _library.device_report(buffer, K)
+                if result["lk_kl_weight"] is None:
+                    self.assertTrue(torch.isnan(lk))
+                else:
+                    self.assertEqual(float(lk), result["lk_kl_weight"])
+                self.assertEqual(set(family), set(result["family_terms"]))
+                for name, value in result["family_terms"].items():
+                    self.assertTrue(torch.equal(
+                        family[name], torch.tensor(value,
+                                                   dtype=torch.float64)))
+                self.assertEqual(set(metrics), set(result["diagnostics"]))
+                for name, value in result["diagnostics"].items():
+                    self.assertTrue(torch.equal(
+                        metrics[name], torch.tensor(value,
+                                                    dtype=torch.float64)))
+                buffer.fill_(0.0)
+                for got, want in zip(terms, call.terms):
+                    self.assertTrue(torch.equal(got, want))
+        # Every value of the buffer is read but the status words and the
+        # finish's own (the loss, accuracy and gradient scales, which the
+        # terms give).
+        unread = set(layout) - set(report)
+        self.assertEqual(unread, {"size", "rows_status", "loss_status",
+                                  "loss", "accuracy", "gradient_scale",
+                                  "confidence_scale"})
+
+    def test_check_objective_results_of_a_synchronous_call(self):
+        data = reference.batch(seed=52, dtype=torch.float32)
+        terms = dflash_objective(data["hidden"], data["weight"],
+                                 data["target_ids"], data["weight_mask"])
+        self.assertIsNone(terms.diagnostics.device_results)
+        self.assertIsNone(check_objective_results(terms))
+        with self.assertRaisesRegex(TypeError, "terms: must be the "
+                                    "ObjectiveTerms"):
+            check_objective_results(tuple(terms))
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_fake_kernels(self):
+        # Fake CUDA tensors need no GPU: every output's shape, dtype and
+        # device for a FUSED and a split (CHECKPOINT) training call, and
+        # the split backward with its upstream on the device.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        B, N, K, H, V = 2, 3, 4, 8, 13
+        size = _core.device_results_layout(K)["size"][1]
+        f = DEVICE_RESULTS_FAMILIES[0]
+        for mode in ("FUSED", "CHECKPOINT"):
+            text = dflash.objective_config(
+                device_results_config(f, mode)).text
+            with self.subTest(mode=mode), FakeTensorMode():
+                cuda = torch.device("cuda", 0)
+                hidden = torch.empty(B, N, K, H, device=cuda,
+                                     dtype=torch.bfloat16)
+                weight = torch.empty(V, H, device=cuda, dtype=torch.bfloat16)
+                ids = torch.empty(B, N, K, device=cuda, dtype=torch.int64)
+                mask = torch.empty(B, N, K, device=cuda)
+                out = dict(zip(_library.OUTPUTS, torch.ops.dflash.objective(
+                    hidden, weight, ids, mask, None, None, None, None, None,
+                    text, 0, False, True, True, 0)))
+                self.assertEqual((out["results"].shape, out["results"].dtype,
+                                  out["results"].device),
+                                 ((size,), torch.float64, cuda))
+                for name in _library.OUTPUTS[:9] + ("scale_den",):
+                    self.assertEqual((out[name].dtype, out[name].device),
+                                     (torch.float32, cuda), name)
+                split = mode != "FUSED"
+                self.assertEqual(out["token"].shape, (1,) if split else (0,))
+                self.assertEqual(out["grad_hidden"].shape,
+                                 (0,) if split else hidden.shape)
+                if split:
+                    grads = torch.ops.dflash.objective_backward(
+                        out["token"], torch.empty((), device=cuda), hidden,
+                        weight, None, None, None, None, None, True, True)
+                    self.assertEqual(
+                        [(g.shape, g.dtype, g.device) for g in grads[:2]],
+                        [(hidden.shape, torch.bfloat16, cuda),
+                         (weight.shape, torch.bfloat16, cuda)])
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_the_buffer_size_of_a_symbolic_block(self):
+        # Traced with K symbolic (dynamic shapes), the fake results buffer's
+        # length is the binding's at every K.
+        from torch.fx.experimental.proxy_tensor import make_fx
+        f = DEVICE_RESULTS_FAMILIES[0]
+        text = dflash.objective_config(device_results_config(f, "FUSED")).text
+
+        def call(hidden, weight, ids, mask):
+            return torch.ops.dflash.objective(
+                hidden, weight, ids, mask, None, None, None, None, None, text,
+                0, False, False, True, 0)[_library.OUTPUTS.index("results")]
+
+        B, N, K, H, V = 2, 3, 4, 8, 13
+        traced = make_fx(call, tracing_mode="symbolic")(
+            torch.randn(B, N, K, H), torch.randn(V, H),
+            torch.zeros(B, N, K, dtype=torch.int64), torch.ones(B, N, K))
+        nodes = list(traced.graph.nodes)
+        k = [n for n in nodes if n.op == "placeholder"][0].meta["val"].shape[2]
+        length = [n for n in nodes if n.op == "output"][0].args[0]
+        length = (length[0] if isinstance(length, (list, tuple))
+                  else length).meta["val"].shape[0]
+        self.assertIsInstance(length, torch.SymInt)
+        for block in (1, 2, 7, 16):
+            self.assertEqual(
+                int(length.node.expr.subs(k.node.expr, block)),
+                _core.device_results_layout(block)["size"][1])
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_top_k_is_refused_before_the_head_runs(self):
+        # On fake CUDA tensors (no GPU needed): refused in dflash.torch,
+        # before the operator.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        f = DEVICE_RESULTS_FAMILIES[0]
+        with FakeTensorMode():
+            hidden = torch.empty(2, 3, 4, 8, device="cuda")
+            weight = torch.empty(13, 8, device="cuda")
+            ids = torch.zeros(2, 3, 4, device="cuda", dtype=torch.int64)
+            mask = torch.ones(2, 3, 4, device="cuda")
+            with self.assertRaisesRegex(
+                    ValueError, r"top_k: not with head.device_results \(the "
+                    r"top-k values' backward reads their ids on the host"):
+                dflash_objective(hidden, weight, ids, mask, top_k=2,
+                                 config=device_results_config(f, "FUSED"))
 
 
 class TorchAllocatorArgumentsTest(unittest.TestCase):

@@ -3,6 +3,8 @@
 - dflash_objective: the DFlash-family objective's chunk terms through the
   fused C++ head, autograd-correct, zero-copy: ObjectiveTerms (the core
   terms) and their ObjectiveDiagnostics (HeadStats, FamilyTerms).
+  check_objective_results raises the error a head.device_results call
+  latched on the device.
 - FusedHead: an nn.Module over a frozen nn.Linear lm_head and a config.
 - chunked_reduce: SpecForge's checkpointed_chunk_reduce for any chunk
   function, with segments of chunks as the recompute boundary.
@@ -30,6 +32,7 @@ from dflash.torch.chunking import chunked_reduce
 from dflash.torch.head import FusedHead
 from dflash.torch.objective import (FamilyTerms, HeadStats,
                                     ObjectiveDiagnostics, ObjectiveTerms,
+                                    check_objective_results,
                                     dflash_objective)
 from dflash.torch.selector import (SelectorGreedyTerms, SelectorPositionTerms,
                                    SelectorTerms, selector_greedy_terms,
@@ -48,6 +51,7 @@ __all__ = [
     "SelectorPositionTerms",
     "SelectorTerms",
     "accepted_prefix_lengths",
+    "check_objective_results",
     "checkpoint_options",
     "chunked_reduce",
     "dflash_objective",

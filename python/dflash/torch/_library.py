@@ -7,10 +7,14 @@ The operators take only what torch's schemas carry: tensors, the resolved
 config as text, ints and bools. They return fixed lists of fresh tensors
 (an output a call does not ask for is empty): the terms, the per-row
 outputs, the run's report packed into one float64 CPU tensor (`info`,
-decoded by `decode_info`), the gradient scale, and the head's gradients
-(of loss_num / loss_den, computed in forward as the FUSED head computes
-them; autograd's backward scales them). With `gradients` false the head
-runs forward only and the gradient outputs are empty.
+decoded by `decode_info`), the gradient scale, a split run's token, a
+head.device_results run's results buffer, and the head's gradients (of
+loss_num / loss_den, computed in forward as the FUSED head computes them;
+autograd's backward scales them). With `gradients` false the head runs
+forward only and the gradient outputs are empty. Under head.device_results
+the terms, the gradient scale and the report's terms are read from the
+results buffer on the device (device_terms, device_report), never on the
+host.
 
 torch 1.13 (no torch.library.custom_op) keeps objective.py's
 autograd.Function: `SUPPORTED` says which is in use.
@@ -33,13 +37,14 @@ SUPPORTED = all(hasattr(getattr(torch, "library", None), name)
                 for name in ("custom_op", "register_fake",
                              "register_autograd"))
 
-# The outputs of dflash::objective, in order.
+# The outputs of dflash::objective, in order. `results` is a
+# head.device_results run's buffer (device_results_of), empty otherwise.
 OUTPUTS = ("loss_num", "loss_den", "correct_num", "accuracy_den",
            "position_correct", "position_den", "target_probability_num",
            "ce_loss_num", "tv_loss_num", "neg_log_q", "argmax", "top_k",
            "top_k_values", "loss_weight", "base_argmax", "teacher_argmax",
-           "info", "scale_den", "token", "grad_hidden", "grad_weight", "grad_bias",
-           "grad_confidence",
+           "info", "scale_den", "token", "results", "grad_hidden",
+           "grad_weight", "grad_bias", "grad_confidence",
            "grad_correction_inputs", "grad_correction_weight")
 _AT = {name: i for i, name in enumerate(OUTPUTS)}
 _GRAD_OUTPUTS = OUTPUTS[_AT["grad_hidden"]:]
@@ -102,9 +107,12 @@ def latest_times() -> Dict[str, float]:
     return dict(getattr(_TIMES, "value", dict.fromkeys(_TIMED, 0.0)))
 
 
-def encode_info(result: Dict[str, Any], k: int) -> torch.Tensor:
+def encode_info(result: Dict[str, Any], k: int,
+                device_results: bool = False) -> torch.Tensor:
     """The head's report (run_objective's dict) as `info`; its times kept
-    apart (latest_times)."""
+    apart (latest_times). With `device_results` (a head.device_results
+    run, whose report holds NaN for every term) the terms' part is 0: they
+    are read from the `results` output instead (device_report)."""
     stats = result["stats"]
     _TIMES.value = {name: float(stats[name]) for name in _TIMED}
     family = result["family_terms"]
@@ -112,6 +120,10 @@ def encode_info(result: Dict[str, Any], k: int) -> torch.Tensor:
     lk = result["lk_kl_weight"]
     values: List[float] = [float(_MODES.index(stats["mode"]))]
     values += [float(stats[name]) for name in _STATS[1:]]
+    if device_results:
+        values += [0.0, 0.0, float(result["loss_den_offset"])]
+        values += [0.0] * (info_size(k) - len(values))
+        return torch.tensor(values, dtype=torch.float64)
     values += [0.0 if lk is None else 1.0, 0.0 if lk is None else float(lk),
                float(result["loss_den_offset"])]
     values += [float(family[name]) for name in _FAMILY_SCALARS]
@@ -213,6 +225,102 @@ def lazy_report(info: torch.Tensor, k: Any) -> Tuple[
     return LazyReport(info, k, 0), lk, LazyReport(info, k, 2), metrics
 
 
+# head.device_results (docs/python.md, "Results on the device"): the CUDA
+# head writes its terms into a float64 buffer on hidden's device and never
+# reads the device; the terms are sliced and cast from it there.
+
+
+@functools.lru_cache(maxsize=64)
+def device_results_of(text: str) -> bool:
+    """Whether the resolved config `text` (ObjectiveConfig.text) sets
+    head.device_results. The binding shows a config's fields only as this
+    text, printed by protobuf's TextFormat: one field a line, a nested
+    message's fields indented two spaces under `name {` (so a string
+    holding the words is quoted on another field's line, never this one)."""
+    depth = 0
+    in_head = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("{"):
+            depth += 1
+            if depth == 1:
+                in_head = stripped == "head {"
+        elif stripped == "}":
+            depth -= 1
+        elif depth == 1 and in_head and stripped == "device_results: true":
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _results_layout(k: int) -> Dict[str, Tuple[int, int]]:
+    return _core.device_results_layout(k)
+
+
+def results_slot(name: str, k: Any) -> Tuple[Any, Any]:
+    """(first index, count) of `name` in a device_results buffer for blocks
+    of k positions (an int or, traced, a SymInt): the binding's layout
+    (_core.device_results_layout, losses/device_results.h), whose indices
+    and counts are linear in k, so a symbolic k takes the line through k =
+    1 and 2. 'size' is (0, the buffer's length)."""
+    if isinstance(k, int):
+        return _results_layout(k)[name]
+    (at1, n1), (at2, n2) = _results_layout(1)[name], _results_layout(2)[name]
+    return at1 + (at2 - at1) * (k - 1), n1 + (n2 - n1) * (k - 1)
+
+
+def results_size(k: Any) -> Any:
+    """The doubles a device_results buffer holds for blocks of k."""
+    return results_slot("size", k)[1]
+
+
+# The terms (OUTPUTS' first nine) under the binding's names, and whether
+# each is per block position ([K]) or a scalar.
+_DEVICE_TERMS = (("loss_num", False), ("loss_den", False), ("correct", False),
+                 ("accuracy_den", False), ("correct_per_position", True),
+                 ("mask_per_position", True), ("target_probability", False),
+                 ("ce_num", False), ("tv_num", False))
+
+
+def _result(results: torch.Tensor, name: str, k: Any,
+            per_position: bool) -> torch.Tensor:
+    at, n = results_slot(name, k)
+    return results[at:at + n] if per_position else results[at]
+
+
+def device_terms(results: torch.Tensor, k: Any, dtype: torch.dtype
+                 ) -> List[torch.Tensor]:
+    """The nine terms dflash::objective returns first, from a
+    device_results buffer: each a fresh tensor (not a view: a caller may
+    all_reduce one in place) cast to `dtype` on the buffer's device."""
+    return [_result(results, name, k, per_position).to(dtype, copy=True)
+            for name, per_position in _DEVICE_TERMS]
+
+
+def device_denominator(results: torch.Tensor, k: Any, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """The loss's finished denominator (the head's gradients are of
+    loss_num / it), 0-dim in `dtype` on the buffer's device."""
+    return _result(results, "loss_denominator", k, False).to(dtype, copy=True)
+
+
+def device_report(results: torch.Tensor, k: Any) -> Tuple[
+        torch.Tensor, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """(lk_kl_weight, family_terms, metrics) from a device_results buffer:
+    fresh float64 tensors on its device, 0-dim or [K] per position;
+    lk_kl_weight NaN where the loss has none (the buffer's slot)."""
+    lk = _result(results, "lk_kl_weight", k, False).clone()
+    family = {name: _result(results, name, k, False).clone()
+              for name in _FAMILY_SCALARS}
+    family.update({name: _result(results, name, k, True).clone()
+                   for name in _FAMILY_POSITIONS})
+    metrics = {name: _result(results, name, k, True).clone()
+               for name in _METRIC_POSITIONS}
+    metrics.update({name: _result(results, name, k, False).clone()
+                    for name in _METRIC_SCALARS})
+    return lk, family, metrics
+
+
 @functools.lru_cache(maxsize=64)
 def config_of_text(text: str) -> _core.ObjectiveConfig:
     """The resolved config an op call names by its text (parsed once)."""
@@ -299,11 +407,13 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
                  correction_inputs: Optional[torch.Tensor],
                  correction_weight: Optional[torch.Tensor], top_k: int,
                  return_rows: bool, trainable: bool, gradients: bool,
-                 split: bool = False
+                 split: bool = False, device_results: bool = False
                  ) -> List[Tuple[Sequence[Any], torch.dtype, torch.device]]:
     """Each output's (shape, dtype, device); shape (0,) where not asked for.
     `split` (objective._splits): a token, and no gradient.
-    Shapes may be symbolic (fake tensors)."""
+    `device_results` (head.device_results): the results buffer, float64
+    [results_size(K)] on hidden's device. Shapes may be symbolic (fake
+    tensors)."""
     device = hidden.device
     cpu = torch.device("cpu")
     rows = tuple(hidden.shape[:3])
@@ -325,6 +435,8 @@ def output_specs(hidden: torch.Tensor, weight: torch.Tensor,
         ((info_size(k),), torch.float64, cpu),
         ((), scalar, device),
         ((1,) if split else none, torch.int64, cpu),
+        ((results_size(k),) if device_results else none, torch.float64,
+         device),
     ]
     gradients = gradients and not split
     train = gradients and trainable
@@ -373,8 +485,8 @@ _SCHEMA = (
 _SPLIT_BACKWARD_SCHEMA = (
     "(Tensor token, Tensor upstream, Tensor hidden, Tensor weight, "
     "Tensor? bias, Tensor? teacher_hidden, Tensor? confidence_logits, "
-    "Tensor? correction_inputs, Tensor? correction_weight, bool trainable) "
-    "-> ("
+    "Tensor? correction_inputs, Tensor? correction_weight, bool trainable, "
+    "bool of_loss_num=False) -> ("
     + ", ".join(["Tensor"] * 6) + ")")
 
 _BACKWARD_SCHEMA = (
@@ -405,6 +517,7 @@ def _register() -> Tuple[Any, Any]:
                      ) -> Tuple[torch.Tensor, ...]:
         objective = _objective()
         resolved = config_of_text(config)
+        on_device = device_results_of(config)
         split = objective._splits(resolved, gradients, None, hidden,
                                   trainable, prepared != 0)
         run = objective._run_head(
@@ -428,16 +541,24 @@ def _register() -> Tuple[Any, Any]:
             value = extras[name]
             outputs.append(_empty_like_none(dtype, where) if value is None
                            else value)
-        outputs.append(encode_info(run.result, k))
+        outputs.append(encode_info(run.result, k, run.results is not None))
         scalar = outputs[0].dtype
-        outputs.append(torch.tensor(run.result["loss_denominator"],
-                                    dtype=torch.float64).to(device, scalar))
+        if run.results is None:
+            outputs.append(torch.tensor(
+                run.result["loss_denominator"],
+                dtype=torch.float64).to(device, scalar))
+        else:
+            # Read on the device, never on the host.
+            outputs.append(device_denominator(run.results, k, scalar))
         outputs.append(_empty_like_none(torch.int64, torch.device("cpu"))
                        if run.saved is None
                        else objective._token_of(run.saved))
+        outputs.append(_empty_like_none(torch.float64, device)
+                       if run.results is None else run.results)
         specs = output_specs(hidden, weight, bias, confidence_logits,
                              correction_inputs, correction_weight, top_k,
-                             return_rows, trainable, gradients, split)
+                             return_rows, trainable, gradients, split,
+                             on_device)
         for name, (_, dtype, where) in zip(_GRAD_OUTPUTS,
                                            specs[_AT["grad_hidden"]:]):
             value = run.grads[name] if gradients else None
@@ -462,7 +583,7 @@ def _register() -> Tuple[Any, Any]:
             for shape, dtype, device in output_specs(
                 hidden, weight, bias, confidence_logits, correction_inputs,
                 correction_weight, top_k, return_rows, trainable, gradients,
-                split))
+                split, device_results_of(config)))
 
     @torch.library.custom_op("dflash::top_k_value_backward", mutates_args=(),
                              schema=_BACKWARD_SCHEMA)
@@ -521,7 +642,11 @@ def _register() -> Tuple[Any, Any]:
     # teacher_hidden is an input although the state reads it through its
     # own reference (a split run may recompute the teacher's logits): so
     # that autograd saves it (an in-place edit before backward is torch's
-    # error) and a compiled graph keeps it for the backward.
+    # error) and a compiled graph keeps it for the backward. With
+    # of_loss_num (a head.device_results run) `upstream` is
+    # d(objective)/d(loss_num), read on the device, which the head
+    # multiplies by its finished denominator there; else the float64 scale
+    # of the head's gradients of loss_num / loss_den, read on the host.
     @torch.library.custom_op("dflash::objective_backward", mutates_args=(),
                              schema=_SPLIT_BACKWARD_SCHEMA)
     def objective_backward_op(token: torch.Tensor, upstream: torch.Tensor,
@@ -531,10 +656,12 @@ def _register() -> Tuple[Any, Any]:
                               confidence_logits: Optional[torch.Tensor],
                               correction_inputs: Optional[torch.Tensor],
                               correction_weight: Optional[torch.Tensor],
-                              trainable: bool) -> Tuple[torch.Tensor, ...]:
+                              trainable: bool, of_loss_num: bool = False
+                              ) -> Tuple[torch.Tensor, ...]:
         grads = _objective()._saved_backward(
-            token, float(upstream), trainable, hidden, weight, bias,
-            confidence_logits, correction_inputs, correction_weight)
+            token, upstream if of_loss_num else float(upstream), trainable,
+            hidden, weight, bias, confidence_logits, correction_inputs,
+            correction_weight)
         # Where the run computes none, the fake kernel's empty outputs.
         specs = split_backward_specs(hidden, weight, bias, confidence_logits,
                                      correction_inputs, correction_weight,
@@ -550,7 +677,8 @@ def _register() -> Tuple[Any, Any]:
           confidence_logits: Optional[torch.Tensor],
           correction_inputs: Optional[torch.Tensor],
           correction_weight: Optional[torch.Tensor],
-          trainable: bool) -> Tuple[torch.Tensor, ...]:
+          trainable: bool, of_loss_num: bool = False
+          ) -> Tuple[torch.Tensor, ...]:
         return tuple(hidden.new_empty(shape, dtype=dtype, device=device)
                      for shape, dtype, device in split_backward_specs(
                          hidden, weight, bias, confidence_logits,
@@ -567,6 +695,9 @@ def _register() -> Tuple[Any, Any]:
         # A split run's token, not gradients: between forward and backward
         # only what its mode keeps is held (in the state the token holds).
         ctx.split = output[_AT["token"]].numel() > 0
+        # head.device_results: the split backward reads its upstream on
+        # the device.
+        ctx.device_results = output[_AT["results"]].numel() > 0
         values = output[_AT["top_k_values"]] if top_k else None
         ids = output[_AT["top_k"]] if top_k else None
         # The teacher where the backward reads it (objective_backward).
@@ -614,7 +745,15 @@ def _register() -> Tuple[Any, Any]:
         scale: Optional[torch.Tensor] = (
             None if grad_outputs[0] is None else grad_outputs[0] * den)
         upstream = grad_outputs[0]
-        if ctx.split and upstream is not None:
+        if ctx.split and upstream is not None and ctx.device_results:
+            # The head's backward reads the upstream on the device and
+            # multiplies it by its own denominator there: no host read.
+            made = objective_backward_op(
+                token, upstream, hidden, weight, bias, teacher, confidence,
+                z, m, ctx.trainable, True)
+            g = dict(zip(_GRAD_OUTPUTS, made))
+            scale = None
+        elif ctx.split and upstream is not None:
             # The head's backward takes the upstream (float64, read on the
             # host: on CUDA one synchronisation) and gives the gradients
             # scaled.

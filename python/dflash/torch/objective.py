@@ -24,7 +24,7 @@ import signal
 import threading
 import weakref
 from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Set,
-                    Tuple, TypedDict)
+                    Tuple, TypedDict, Union, cast)
 
 import torch
 
@@ -78,6 +78,24 @@ class FamilyTerms(TypedDict):
     accept_den: float
 
 
+class _ResultsCheck(NamedTuple):
+    """A head.device_results call's config (its resolved text) and inputs
+    (detached, as the head took them): what the binding reads to explain a
+    latched error as the synchronous call would have
+    (check_objective_results)."""
+
+    config: str
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    target_ids: torch.Tensor
+    weight_mask: torch.Tensor
+    bias: Optional[torch.Tensor]
+    teacher_hidden: Optional[torch.Tensor]
+    confidence_logits: Optional[torch.Tensor]
+    correction_inputs: Optional[torch.Tensor]
+    correction_weight: Optional[torch.Tensor]
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveDiagnostics:
     """Everything of one batch beyond the core terms: additive numerators to
@@ -96,8 +114,11 @@ class ObjectiveDiagnostics:
             tv_loss_num (sum of w * (1 - q); 0 unless the LK composition has
             a tv part); loss_num is composed from them.
         lk_kl_weight: with lk_loss_type="lambda", the batch's CE weight kl_w;
-            else None.
-        metrics: SpecForge's DFlash diagnostics as float64 CPU numerators:
+            else None. Under torch.compile and with head.device_results a
+            0-dim float64 tensor (on hidden's device with device_results),
+            NaN where the loss has none.
+        metrics: SpecForge's DFlash diagnostics as float64 CPU numerators
+            (with head.device_results on hidden's device):
             target_probability_per_position, top_k_recall_per_position and
             top_k_mass_per_position [K] over position_den;
             loss_weight_per_position [K] over its sum;
@@ -110,8 +131,11 @@ class ObjectiveDiagnostics:
             teacher_agreement_per_position and
             teacher_top_k_mass_per_position [K] over position_den, and
             teacher_expected_accepted_length_num over block_den.
-        family_terms: SpecForge's DSpark and Domino terms (FamilyTerms).
-        stats: the head's run (HeadStats).
+        family_terms: SpecForge's DSpark and Domino terms (FamilyTerms);
+            with head.device_results each a float64 tensor on hidden's
+            device (0-dim, [K] for the per-position lists).
+        stats: the head's run (HeadStats); with head.device_results
+            forward_seconds is the time to queue the forward's work.
         neg_log_q: [B, N, K] float64 whatever hidden's dtype (the loss's
             own double), with return_rows; else None.
         argmax: [B, N, K] int64, -1 where a row has no weight, with
@@ -144,6 +168,14 @@ class ObjectiveDiagnostics:
         loss_weight: [B, N, K] float64 whatever hidden's dtype, each row's
             loss weight (SpecForge's loss_weights, D-PACE's block weights),
             with return_rows or top_k; else None.
+        device_results: with head.device_results (CUDA), the float64
+            buffer the head wrote its terms to on hidden's device (laid out
+            as dflash._core.device_results_layout(K) says; every term above
+            is sliced and cast from it there); else None.
+            check_objective_results reads its status words.
+        _results_check: internal, beside device_results: the call's config
+            and inputs, from which check_objective_results explains a
+            latched error.
     """
 
     position_correct: torch.Tensor
@@ -151,7 +183,7 @@ class ObjectiveDiagnostics:
     target_probability_num: torch.Tensor
     ce_loss_num: torch.Tensor
     tv_loss_num: torch.Tensor
-    lk_kl_weight: Optional[float]
+    lk_kl_weight: Union[None, float, torch.Tensor]
     metrics: Dict[str, torch.Tensor]
     family_terms: FamilyTerms
     stats: HeadStats
@@ -164,6 +196,10 @@ class ObjectiveDiagnostics:
     loss_weight: Optional[torch.Tensor] = None
     base_argmax: Optional[torch.Tensor] = None
     teacher_argmax: Optional[torch.Tensor] = None
+    device_results: Optional[torch.Tensor] = None
+    # What check_objective_results gives the binding beside the buffer.
+    _results_check: Optional[_ResultsCheck] = dataclasses.field(
+        default=None, repr=False, compare=False)
 
     @property
     def accuracy_per_position(self) -> torch.Tensor:
@@ -326,17 +362,28 @@ class _RunInfo:
     filled in by _Objective.forward."""
 
     stats: HeadStats
-    lk_kl_weight: Optional[float]
+    lk_kl_weight: Union[None, float, torch.Tensor]
     family_terms: FamilyTerms
     loss_den_offset: float
     metrics: Dict[str, torch.Tensor]
+    results: Optional[torch.Tensor] = None
 
-    def fill(self, result: Dict[str, Any]) -> None:
-        """From a head run's report (run_objective's dict)."""
+    def fill(self, result: Dict[str, Any],
+             results: Optional[torch.Tensor] = None) -> None:
+        """From a head run's report (run_objective's dict) and, under
+        head.device_results, its buffer `results` (the report's terms are
+        NaN then: they are taken from the buffer, on the device)."""
         self.stats = result["stats"]
+        self.loss_den_offset = result["loss_den_offset"]
+        self.results = results
+        if results is not None:
+            lk, family, self.metrics = _library.device_report(
+                results, len(result["correct_per_position"]))
+            self.lk_kl_weight = lk
+            self.family_terms = cast(FamilyTerms, family)
+            return
         self.lk_kl_weight = result["lk_kl_weight"]
         self.family_terms = result["family_terms"]
-        self.loss_den_offset = result["loss_den_offset"]
         self.metrics = {
             name: torch.tensor(value, dtype=torch.float64)
             for name, value in result["diagnostics"].items()}
@@ -357,6 +404,10 @@ class _HeadCall(NamedTuple):
     # A split forward's state (`split`): its backward gives the gradients,
     # every grads value then None.
     saved: Optional[_core.SavedHead] = None
+    # head.device_results: the float64 buffer the head wrote its terms to
+    # on hidden's device (the terms are made from it there; `result`'s
+    # terms are NaN).
+    results: Optional[torch.Tensor] = None
 
 
 def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
@@ -379,7 +430,11 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
     values, computed by their owners) are then summed over its group, unless
     not `summed` (rows="local": _LocalRows reduce-scatters them). `split`
     (_splits): the forward pass alone, its state kept for a backward that
-    makes the gradients (no gradient buffer before it)."""
+    makes the gradients (no gradient buffer before it). With
+    head.device_results and a CUDA hidden the head writes its terms into a
+    float64 buffer on hidden's device (`results`) and the terms are sliced
+    and cast from it there: nothing is read from the device (a CPU hidden
+    is refused by the binding, naming head.device_results)."""
     # The head reads hidden and the per-row tensors beside it as whole
     # rows, one after the other: a view that is not laid out so (a slice of
     # a longer batch along N, as SpecForge's chunks are) is copied here.
@@ -426,6 +481,13 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         _lend_torchs_allocator()
     stream = (torch.cuda.current_stream(device).cuda_stream
               if hidden.is_cuda else 0)
+    results = None
+    if (hidden.is_cuda and hidden.dim() == 4
+            and _library.device_results_of(config.text)):
+        # (A hidden of another shape is the binding's ValueError.)
+        results = _empty("the device results",
+                         (_library.results_size(hidden.shape[2]),),
+                         torch.float64, device)
     saved = None
     if split:
         result, saved = _core.start_objective(
@@ -433,7 +495,7 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
             confidence, correction_inputs=correction_inputs,
             correction_weight=correction_weight, prepared=prepared,
             trainable=trainable, interruptible=_interruptible(),
-            cuda_stream=stream, **outputs)
+            cuda_stream=stream, device_results=results, **outputs)
     else:
         result = _core.run_objective(
             config, hidden, weight, target_ids, weight_mask, bias, teacher,
@@ -444,8 +506,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
             # the others waiting in the next: Ctrl-C is taken after the call.
             interruptible=_interruptible() and shard is None,
             forward_only=not gradients,
-            vocab_shard=None if shard is None else shard.core, **grads,
-            **outputs)
+            vocab_shard=None if shard is None else shard.core,
+            device_results=results, **grads, **outputs)
     if shard is not None and summed:
         # The head's gradient of hidden (and z) is this rank's vocabulary's
         # part; float64 top-k values are 0 at the ids other ranks own.
@@ -455,29 +517,29 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
             grads["grad_hidden"], grads["grad_correction_inputs"],
             float64_values])
 
-    # One host-to-device copy for every scalar term, then a tensor of its
-    # own for each (not views of one: a caller may all_reduce one in
-    # place).
     scalar_dtype = (torch.float32 if hidden.dtype == torch.bfloat16
                     else hidden.dtype)
-    if scalar_dtype == torch.float32:
-        for term in ("loss_num", "ce_num", "tv_num"):
-            if abs(result[term]) > torch.finfo(torch.float32).max:
-                raise ValueError(
-                    f"weight_mask: the {term} it weighs, "
-                    f"{result[term]:.6g}, overflows float32 (the terms' "
-                    "dtype); scale weight_mask down")
-    values = torch.tensor(
-        [result["loss_num"], result["loss_den"], result["correct"],
-         result["accuracy_den"], result["target_probability"],
-         result["ce_num"], result["tv_num"]]
-        + result["correct_per_position"] + result["mask_per_position"],
-        dtype=torch.float64)
-    values = values.to(device=device, dtype=scalar_dtype)
     k = len(result["correct_per_position"])
-    terms = [t.clone() for t in (values[0], values[1], values[2], values[3],
-                                 values[7:7 + k], values[7 + k:],
-                                 values[4], values[5], values[6])]
+    if results is not None:
+        # On the device: a float32 overflow is check_objective_results'.
+        terms = _library.device_terms(results, k, scalar_dtype)
+    else:
+        if scalar_dtype == torch.float32:
+            _refuse_float32_overflow(result)
+        # One host-to-device copy for every scalar term, then a tensor of
+        # its own for each (not views of one: a caller may all_reduce one
+        # in place).
+        values = torch.tensor(
+            [result["loss_num"], result["loss_den"], result["correct"],
+             result["accuracy_den"], result["target_probability"],
+             result["ce_num"], result["tv_num"]]
+            + result["correct_per_position"] + result["mask_per_position"],
+            dtype=torch.float64)
+        values = values.to(device=device, dtype=scalar_dtype)
+        terms = [t.clone() for t in (values[0], values[1], values[2],
+                                     values[3], values[7:7 + k],
+                                     values[7 + k:], values[4], values[5],
+                                     values[6])]
     extras = [
         outputs["neg_log_q"],
         None if outputs["argmax"] is None else outputs["argmax"].long(),
@@ -492,7 +554,18 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
         else outputs["teacher_argmax"].long(),
     ]
     return _HeadCall(result, grads, terms, extras, stream, outputs["top_k"],
-                     saved)
+                     saved, results)
+
+
+def _refuse_float32_overflow(values: Dict[str, Any]) -> None:
+    """The ValueError of a float32 run whose loss_num, ce_num or tv_num
+    (float64 in `values`, the binding's names) overflows float32."""
+    for term in ("loss_num", "ce_num", "tv_num"):
+        if abs(values[term]) > torch.finfo(torch.float32).max:
+            raise ValueError(
+                f"weight_mask: the {term} it weighs, {values[term]:.6g}, "
+                "overflows float32 (the terms' dtype); scale weight_mask "
+                "down")
 
 
 # Split forwards' states by their token's value (the tensor that holds each:
@@ -524,7 +597,8 @@ def _token_of(saved: _core.SavedHead) -> torch.Tensor:
     return token
 
 
-def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
+def _saved_backward(token: torch.Tensor,
+                    upstream: Union[float, torch.Tensor], trainable: bool,
                     hidden: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor],
                     confidence: Optional[torch.Tensor],
@@ -532,9 +606,12 @@ def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
                     ) -> Dict[str, Optional[torch.Tensor]]:
     """The split run's gradients of upstream * loss_num / loss_den, into
     fresh buffers (None where the run computes none); on CUDA ordered on
-    torch's current stream now. The forward's stats (the state's `stats`,
-    HeadStats, where the caller gave them) get the backward's work, as a
-    single run reports both passes."""
+    torch's current stream now. A tensor `upstream` (a head.device_results
+    state) is d(objective)/d(loss_num) on hidden's device, read there: the
+    head multiplies it by its finished denominator on the device
+    (SavedHead.backward_on_device), nothing read back. The forward's stats
+    (the state's `stats`, HeadStats, where the caller gave them) get the
+    backward's work, as a single run reports both passes."""
     saved = _SAVED.get(int(token[0]))
     if saved is None:
         raise RuntimeError(
@@ -555,18 +632,25 @@ def _saved_backward(token: torch.Tensor, upstream: float, trainable: bool,
     grads = {name: None if spec is None else _empty(
                  _BUFFER_NAMES[name], *spec, hidden.device)
              for name, spec in specs.items()}
-    finite = math.isfinite(upstream)
-    # A non-finite upstream (a GradScaler's overflow) multiplies the
-    # gradients afterwards, so that inf and NaN reach them as in FUSED.
     stream = (torch.cuda.current_stream(hidden.device).cuda_stream
               if hidden.is_cuda else 0)
-    done = saved.backward(upstream if finite else 1.0,
-                          interruptible=_interruptible(), cuda_stream=stream,
-                          **grads)
-    if not finite:
-        for grad in grads.values():
-            if grad is not None:
-                grad.mul_(upstream)
+    if isinstance(upstream, torch.Tensor):
+        # Not read here: a non-finite upstream is the head's to latch on
+        # the device (docs/cuda.md, "Results on the device").
+        done = saved.backward_on_device(
+            upstream, of_loss_num=True, interruptible=_interruptible(),
+            cuda_stream=stream, **grads)
+    else:
+        finite = math.isfinite(upstream)
+        # A non-finite upstream (a GradScaler's overflow) multiplies the
+        # gradients afterwards, so that inf and NaN reach them as in FUSED.
+        done = saved.backward(upstream if finite else 1.0,
+                              interruptible=_interruptible(),
+                              cuda_stream=stream, **grads)
+        if not finite:
+            for grad in grads.values():
+                if grad is not None:
+                    grad.mul_(upstream)
     stats = saved.stats
     if stats is not None:
         stats["gemm_calls"] += done["gemm_calls"]
@@ -663,10 +747,14 @@ class _Objective(torch.autograd.Function):
                          target_ids, weight_mask, correction_inputs,
                          correction_weight, prepared, shard, split=split)
         result, grads, terms, extras = call[:4]
-        run_info.fill(result)
+        run_info.fill(result, call.results)
         stream = call.stream
-        # The head's gradients are of loss_num / loss_denominator.
-        ctx.den = result["loss_denominator"]
+        # The head's gradients are of loss_num / loss_denominator: a float,
+        # or under head.device_results a 0-dim tensor on the device.
+        ctx.den = (result["loss_denominator"] if call.results is None
+                   else _library.device_denominator(
+                       call.results, hidden.shape[2], terms[0].dtype))
+        ctx.device_results = call.results is not None
         ctx.config = config
         ctx.trainable = trainable
         ctx.stream = stream
@@ -731,11 +819,13 @@ class _Objective(torch.autograd.Function):
             None if grad_num is None else grad_num * ctx.den)
         if ctx.split and grad_num is not None:
             # The head's backward takes the upstream: its gradients come
-            # scaled (the scale in float64 on the host; a CUDA grad_num is
-            # read there, one synchronisation).
-            g = _saved_backward(token, float(grad_num) * ctx.den,
-                                ctx.trainable, hidden, weight, bias,
-                                confidence, z, m)
+            # scaled (the scale in float64 on the host, a CUDA grad_num
+            # read there, one synchronisation; under head.device_results
+            # grad_num itself, read and scaled on the device).
+            g = _saved_backward(
+                token, grad_num if ctx.device_results
+                else float(grad_num) * ctx.den, ctx.trainable, hidden,
+                weight, bias, confidence, z, m)
             scale = None
         made_here = ctx.split and grad_num is not None
 
@@ -987,8 +1077,8 @@ def dflash_objective(
     target_ids: [B, N, K] int64 or int32; weight_mask: [B, N, K] float32,
         float64 or bool; both at any strides (slices, transposed or expanded
         views are read in place). Row (b, n, k) is position k of block
-        b*N + n. On a CUDA device they are copied to the host (small; waits
-        for them).
+        b*N + n. On a CUDA hidden's device the head builds its rows there
+        (no host copy); on the CPU they are read there.
     config: None (the default: dflash, gamma 7, 128 blocks a chunk, fused),
         an ObjectiveConfig, text format or a file; overrides such as
         loss_type=, gamma=, mode=, chunk_blocks= go on top
@@ -1044,7 +1134,21 @@ def dflash_objective(
         from every rank's rows (every rank runs backward from its loss_num
         then: they gather each other's factor). top_k is refused.
 
-    Returns ObjectiveTerms: the core terms, the rest in its diagnostics. Every bad input raises ValueError (TypeError for
+    With `head { row_selection: ALL_ROWS device_results: true }` in the
+    config (CUDA; docs/python.md, "Results on the device") the call never
+    reads the device nor waits for it: the head writes its terms into a
+    float64 buffer on hidden's device (diagnostics.device_results), every
+    term and diagnostic is sliced and cast from it there, and a split
+    backward reads its upstream there, so a whole step can be captured in
+    a CUDA graph (with target_ids and weight_mask on hidden's device).
+    Errors the head finds while running (a bad target or mask element, a
+    non-finite input) then make the terms and gradients NaN instead of
+    raising; check_objective_results(terms) raises them. top_k is refused
+    (its values' backward reads their ids on the host), and a CPU hidden
+    (ValueError naming head.device_results).
+
+    Returns ObjectiveTerms: the core terms, the rest in its diagnostics.
+    Every bad input raises ValueError (TypeError for
     a wrong type, MemoryError when memory runs out) naming the argument.
     From the main thread under Python's default SIGINT handler, Ctrl-C
     stops the call before its next GEMM and raises KeyboardInterrupt. In a
@@ -1059,6 +1163,51 @@ def dflash_objective(
         prepared_projection=prepared_projection, prepare=False,
         return_rows=return_rows, top_k=top_k, vocab_group=vocab_group,
         rows=rows)
+
+
+def check_objective_results(terms: ObjectiveTerms) -> None:
+    """Raises the error the call that returned `terms` would have raised
+    without head.device_results, read from the status words the head
+    latched in its results buffer: the same ValueError and message (a bad
+    target or mask element named as the synchronous call names it, a
+    non-finite input by its index, a float32 overflow of loss_num, ce_num
+    or tv_num); returns None where the run latched none.
+
+    A failed head.device_results step raises nothing by itself: its terms
+    and gradients are NaN, never a wrong number (a GradScaler skips such a
+    step). This waits for torch's current stream (one synchronisation,
+    after the work queued there, so call it on the stream the step ran on,
+    as after a CUDA graph's replay) and then reads the buffer: call it where
+    a host read is acceptable (every n steps, at the end). The call's
+    inputs must still hold what it was given (its error is explained from
+    them). Terms of a call without head.device_results return None (that
+    call raised its errors itself).
+    """
+    if not isinstance(terms, ObjectiveTerms):
+        raise TypeError("terms: must be the ObjectiveTerms dflash_objective "
+                        f"returned, got {type(terms).__name__}")
+    check = terms.diagnostics._results_check
+    results = terms.diagnostics.device_results
+    if check is None or results is None:
+        return
+    hidden = check.hidden
+    contiguous = [None if t is None else t.contiguous()
+                  for t in (check.teacher_hidden, check.confidence_logits,
+                            check.correction_inputs)]
+    _core.check_objective_results(
+        _library.config_of_text(check.config), hidden.contiguous(),
+        check.weight, check.target_ids, check.weight_mask, results,
+        torch.cuda.current_stream(hidden.device).cuda_stream, bias=check.bias,
+        teacher_hidden=contiguous[0], confidence_logits=contiguous[1],
+        correction_inputs=contiguous[2],
+        correction_weight=check.correction_weight)
+    if terms.loss_num.dtype == torch.float32:
+        # The synchronous call's float32 refusal, from the float64 terms.
+        host = results.cpu()
+        k = hidden.shape[2]
+        _refuse_float32_overflow({
+            name: float(host[_library.results_slot(name, k)[0]])
+            for name in ("loss_num", "ce_num", "tv_num")})
 
 
 def _checked_objective(
@@ -1284,12 +1433,14 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
 
 
 def _config_facts(config: ConfigSource, overrides: Tuple[Tuple[str, Any], ...]
-                  ) -> Tuple[str, float]:
-    """The resolved config's text and loss_den_offset. Under torch.compile a
-    constant of the trace (torch.compiler.assume_constant_result): the
-    config is read once per compiled graph."""
+                  ) -> Tuple[str, float, bool]:
+    """The resolved config's text, loss_den_offset and whether it sets
+    head.device_results. Under torch.compile a constant of the trace
+    (torch.compiler.assume_constant_result): the config is read once per
+    compiled graph."""
     resolved = objective_config(config, **dict(overrides))
-    return resolved.text, resolved.loss_den_offset
+    return (resolved.text, resolved.loss_den_offset,
+            _library.device_results_of(resolved.text))
 
 
 if _library.SUPPORTED:
@@ -1328,15 +1479,22 @@ def _objective_terms(
         t is not None and t.requires_grad
         for t in (hidden, lm_head_weight, lm_head_bias, confidence_logits,
                   correction_inputs, correction_weight))
+    buffer: Optional[torch.Tensor]
     if _library.SUPPORTED and shard is None:
-        results, report = _through_operator(
-            hidden, lm_head_weight, target_ids, weight_mask, config,
-            overrides, lm_head_bias, teacher_hidden, confidence_logits,
+        text, loss_den_offset, on_device = _config_facts(
+            config, tuple(sorted(overrides.items())))
+        _refuse_top_k_on_device(on_device, hidden, top_k)
+        results, report, buffer = _through_operator(
+            hidden, lm_head_weight, target_ids, weight_mask, text,
+            lm_head_bias, teacher_hidden, confidence_logits,
             correction_inputs, correction_weight, prepared_projection,
-            prepare, return_rows, top_k, gradients)
-        lk_kl_weight, metrics, family_terms, stats, loss_den_offset = report
+            prepare, return_rows, top_k, gradients, on_device)
+        lk_kl_weight, metrics, family_terms, stats = report
     else:
         resolved = objective_config(config, **overrides)
+        text = resolved.text
+        _refuse_top_k_on_device(_library.device_results_of(text), hidden,
+                                top_k)
         run_info = _RunInfo()
         function = (_LocalRows if shard is not None and shard.local
                     else _Objective)
@@ -1348,6 +1506,7 @@ def _objective_terms(
         lk_kl_weight, metrics = run_info.lk_kl_weight, run_info.metrics
         family_terms, stats = run_info.family_terms, run_info.stats
         loss_den_offset = run_info.loss_den_offset
+        buffer = run_info.results
     loss_num, loss_den, correct_num, accuracy_den = results[:4]
     position_correct, position_den, probability, ce_num, tv_num = results[4:9]
     extras = iter(results[9:])
@@ -1371,7 +1530,14 @@ def _objective_terms(
         stats=stats, neg_log_q=neg_log_q, argmax=argmax, top_k=ids,
         top_k_values=values, target_is_candidate=is_candidate,
         target_candidate_index=index, loss_weight=loss_weight,
-        base_argmax=base_argmax, teacher_argmax=teacher_argmax)
+        base_argmax=base_argmax, teacher_argmax=teacher_argmax,
+        device_results=buffer,
+        _results_check=None if buffer is None else _ResultsCheck(
+            text, hidden.detach(), lm_head_weight.detach(),
+            target_ids.detach(), weight_mask.detach(), *[
+                None if t is None else t.detach()
+                for t in (lm_head_bias, teacher_hidden, confidence_logits,
+                          correction_inputs, correction_weight)]))
     return ObjectiveTerms(loss_num, loss_den, correct_num, accuracy_den,
                           loss_den_offset=loss_den_offset,
                           diagnostics=diagnostics)
@@ -1379,19 +1545,20 @@ def _objective_terms(
 
 def _through_operator(
         hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
-        weight_mask: torch.Tensor, config: ConfigSource,
-        overrides: Dict[str, Override], bias: Optional[torch.Tensor],
+        weight_mask: torch.Tensor, text: str, bias: Optional[torch.Tensor],
         teacher: Optional[torch.Tensor], confidence: Optional[torch.Tensor],
         correction_inputs: Optional[torch.Tensor],
         correction_weight: Optional[torch.Tensor],
         prepared: Optional[_core.PreparedProjection], prepare: bool,
-        return_rows: bool, top_k: int, gradients: bool
-        ) -> Tuple[List[torch.Tensor], Tuple[Any, ...]]:
-    """The run as torch.ops.dflash.objective: the results _Objective
-    returns (the terms, then the per-row outputs asked for) and the report
-    (lk_kl_weight, metrics, family_terms, stats, loss_den_offset)."""
-    text, loss_den_offset = _config_facts(
-        config, tuple(sorted(overrides.items())))
+        return_rows: bool, top_k: int, gradients: bool,
+        device_results: bool
+        ) -> Tuple[List[torch.Tensor], Tuple[Any, ...],
+                   Optional[torch.Tensor]]:
+    """The run as torch.ops.dflash.objective (`text`: the resolved
+    config's, `device_results` whether it sets head.device_results): the
+    results _Objective returns (the terms, then the per-row outputs asked
+    for), the report (lk_kl_weight, metrics, family_terms, stats) and a
+    head.device_results run's buffer (else None)."""
     trainable = gradients and (weight.requires_grad or (
         bias is not None and bias.requires_grad))
     handle = _library.AUTO if prepare else _library.prepared_handle(prepared)
@@ -1420,5 +1587,23 @@ def _through_operator(
         if token.numel() > 0 and int(token[0]) in _SAVED:
             _SAVED[int(token[0])].stats = report[0]
     stats, lk_kl_weight, family_terms, metrics = report
-    return results, (lk_kl_weight, metrics, family_terms, stats,
-                     loss_den_offset)
+    buffer: Optional[torch.Tensor] = None
+    if device_results:
+        # The report's terms are the buffer's, on the device (info holds 0
+        # for them).
+        buffer = outputs[at("results")]
+        lk_kl_weight, family_terms, metrics = _library.device_report(buffer,
+                                                                     k)
+    return results, (lk_kl_weight, metrics, family_terms, stats), buffer
+
+
+def _refuse_top_k_on_device(device_results: bool, hidden: torch.Tensor,
+                            top_k: int) -> None:
+    """top_k under head.device_results on CUDA: refused, since the top-k
+    values' backward reads their ids on the host (a wait for the device).
+    (A CPU hidden is the binding's refusal of head.device_results.)"""
+    if device_results and top_k and hidden.is_cuda:
+        raise ValueError(
+            "top_k: not with head.device_results (the top-k values' "
+            "backward reads their ids on the host, a wait for the device), "
+            f"got {top_k}; pass 0")
