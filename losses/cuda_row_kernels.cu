@@ -1007,12 +1007,12 @@ __global__ void DeviceFinishKernel(LossParams loss, int32_t block_size,
                                    double* finish) {
   unsigned long long* words = reinterpret_cast<unsigned long long*>(results);
   const unsigned long long rows_word =
-      rows_error == nullptr ? kNoError : *rows_error;
+      rows_error == nullptr ? kResultStatusClear : *rows_error;
   const unsigned long long loss_word = *loss_error;
   words[kResultRowsStatus] = rows_word;
   words[kResultLossStatus] = loss_word;
   const int64_t size = DeviceResultsSize(block_size);
-  if (rows_word != kNoError || loss_word != kNoError) {
+  if (rows_word != kResultStatusClear || loss_word != kResultStatusClear) {
     // Poisoned: no term of a failed run reads as a number, and the
     // gradients its scales multiply are NaN too.
     const double poison = nan("");
@@ -1060,8 +1060,11 @@ __global__ void DeviceFinishKernel(LossParams loss, int32_t block_size,
 }
 
 // One thread: the final scales of ScaleGradients from the finish and the
-// upstream (a host factor times an optional device scalar).
-__global__ void DeviceScalesKernel(double* finish, double upstream,
+// upstream (a host factor times an optional device scalar). A non-finite
+// upstream is latched as SplitHeadRun::Backward refuses a host one, unless
+// the forward's error came first (its poison already NaNs the scales).
+__global__ void DeviceScalesKernel(double* finish, double* results,
+                                   int32_t block_size, double upstream,
                                    const void* device_upstream,
                                    bool upstream_float,
                                    bool times_denominator) {
@@ -1072,11 +1075,63 @@ __global__ void DeviceScalesKernel(double* finish, double upstream,
              : *static_cast<const double*>(device_upstream);
     if (times_denominator) u *= finish[kFinishDenominator];
   }
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(results);
+  if (!isfinite(u) && words[kResultRowsStatus] == kResultStatusClear &&
+      words[kResultLossStatus] == kResultStatusClear) {
+    words[kResultLossStatus] = UpstreamErrorCode(u);
+    const double poison = nan("");
+    for (int64_t i = kResultLoss; i < DeviceResultsSize(block_size); ++i) {
+      results[i] = poison;
+    }
+    // NaN, not u x scale: an infinite upstream times a zero scale would
+    // leave a gradient of 0 or inf.
+    finish[kFinishScaledGradient] = finish[kFinishScaledConfidence] = poison;
+    return;
+  }
   finish[kFinishScaledGradient] = u * finish[kFinishGradientScale];
   finish[kFinishScaledConfidence] = u * finish[kFinishConfidenceScale];
 }
 
+// Grid-stride over the longest output; every thread reads the words.
+__global__ void PoisonRowOutputsKernel(const double* results, RowOutputs out,
+                                       int64_t longest) {
+  const unsigned long long* words =
+      reinterpret_cast<const unsigned long long*>(results);
+  if (words[kResultRowsStatus] == kResultStatusClear &&
+      words[kResultLossStatus] == kResultStatusClear) {
+    return;
+  }
+  const double nan_double = nan("");
+  const float nan_float = nanf("");
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       i < longest; i += int64_t{gridDim.x} * blockDim.x) {
+    if (i < out.neg_log_q_count) out.neg_log_q[i] = nan_double;
+    if (i < out.top_k_values_count) out.top_k_values[i] = nan_float;
+    if (i < out.loss_weight_count) out.loss_weight[i] = nan_double;
+    if (i < out.argmax_count) out.argmax[i] = -1;
+    if (i < out.top_k_count) out.top_k[i] = -1;
+    if (i < out.teacher_argmax_count) out.teacher_argmax[i] = -1;
+  }
+}
+
 }  // namespace
+
+void LaunchPoisonRowOutputs(const double* results, const RowOutputs& out,
+                            CUstream_st* stream) {
+  int64_t longest = 0;
+  for (int64_t count :
+       {out.neg_log_q_count, out.top_k_values_count, out.loss_weight_count,
+        out.argmax_count, out.top_k_count, out.teacher_argmax_count}) {
+    longest = count > longest ? count : longest;
+  }
+  if (longest == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (longest + kBlock - 1) / kBlock;
+  DFLASH_LAUNCH(PoisonRowOutputsKernel,
+                static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
+                0, stream)
+  (results, out, longest);
+}
 
 void LaunchRowsFromMeta(const LossParams& loss, const RowMeta* rows,
                         int64_t count, Row* out, CUstream_st* stream) {
@@ -1104,11 +1159,13 @@ void LaunchDeviceFinish(const LossParams& loss, int32_t block_size,
    results, finish);
 }
 
-void LaunchDeviceScales(double* finish, double upstream,
-                        const void* device_upstream, bool upstream_float,
-                        bool times_denominator, CUstream_st* stream) {
+void LaunchDeviceScales(double* finish, double* results, int32_t block_size,
+                        double upstream, const void* device_upstream,
+                        bool upstream_float, bool times_denominator,
+                        CUstream_st* stream) {
   DFLASH_LAUNCH(DeviceScalesKernel, 1, 1, 0, stream)
-  (finish, upstream, device_upstream, upstream_float, times_denominator);
+  (finish, results, block_size, upstream, device_upstream, upstream_float,
+   times_denominator);
 }
 
 template <typename T>

@@ -87,6 +87,23 @@ DFLASH_HOST_DEVICE inline unsigned long long ErrorCode(int64_t row,
          (static_cast<unsigned long long>(logit) << 2) | value_class;
 }
 
+// head.device_results: a device upstream that is not finite (times the
+// loss denominator where it is d(objective)/d(loss_num)), which
+// LaunchDeviceScales latches into the loss's error word: row field all
+// ones, which no row reaches (CheckCudaChunkLimits keeps chunk rows below
+// kMaxErrorIndex - 1), logit field 0 (kNoError's is all ones), the class
+// of the upstream's value. SplitHeadRun::Backward refuses a host upstream
+// that is not finite; this is that refusal, found on the device.
+constexpr int64_t kUpstreamErrorRow = kMaxErrorIndex - 1;
+DFLASH_HOST_DEVICE inline unsigned long long UpstreamErrorCode(
+    double upstream) {
+  return ErrorCode(kUpstreamErrorRow, kLogitNotFinite, 0,
+                   static_cast<float>(upstream));
+}
+DFLASH_HOST_DEVICE inline bool IsUpstreamErrorCode(unsigned long long code) {
+  return code >> 2 == UpstreamErrorCode(0) >> 2;
+}
+
 struct ReportedError {
   int64_t row;
   ErrorKind kind;
@@ -202,12 +219,40 @@ void LaunchDeviceFinish(const LossParams& loss, int32_t block_size,
                         const double* block_terms, int64_t sequences,
                         double* results, double* finish, CUstream_st* stream);
 
+// A head's per-row outputs (HeadRowOutputs), device memory; null or
+// count 0 where not asked.
+struct RowOutputs {
+  double* neg_log_q = nullptr;
+  int64_t neg_log_q_count = 0;
+  float* top_k_values = nullptr;
+  int64_t top_k_values_count = 0;
+  double* loss_weight = nullptr;
+  int64_t loss_weight_count = 0;
+  int32_t* argmax = nullptr;
+  int64_t argmax_count = 0;
+  int32_t* top_k = nullptr;
+  int64_t top_k_count = 0;
+  int32_t* teacher_argmax = nullptr;
+  int64_t teacher_argmax_count = 0;
+};
+
+// head.device_results, queued after LaunchDeviceFinish: where a status word
+// of `results` is set, the row outputs of that failed run read NaN (values)
+// and -1 (ids), as its terms read NaN, instead of numbers the synchronous
+// run would never have returned.
+void LaunchPoisonRowOutputs(const double* results, const RowOutputs& out,
+                            CUstream_st* stream);
+
 // finish[kFinishScaled*] = upstream x *device_upstream (a float or a
 // double; 1 where null; times finish[kFinishDenominator] with
-// times_denominator) x the finished scale, queued.
-void LaunchDeviceScales(double* finish, double upstream,
-                        const void* device_upstream, bool upstream_float,
-                        bool times_denominator, CUstream_st* stream);
+// times_denominator) x the finished scale, queued. Where that upstream is
+// not finite and `results`' status words (DeviceResultsSize(block_size)
+// doubles) are clear, UpstreamErrorCode goes into its loss word and NaN
+// into its other slots and both scales, as DeviceFinish's poisoning does.
+void LaunchDeviceScales(double* finish, double* results, int32_t block_size,
+                        double upstream, const void* device_upstream,
+                        bool upstream_float, bool times_denominator,
+                        CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace dflash

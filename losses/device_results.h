@@ -19,6 +19,15 @@
 //   [DevicePositionResult(t, k, K)]  the per-position terms, [K] each;
 //   [DeviceBlockResult(b, K)]  the accepted-length terms.
 // Where a status word is set, every other slot is NaN.
+//
+// The status words are 64-bit codes stored bitwise in double slots, not
+// numbers: kResultStatusClear (no error, all ones) reads as a NaN, and an
+// error code may read as any double (a canonicalising conversion could
+// even change it). So the buffer is read with CheckDeviceResults /
+// ReadDeviceResults (heads/cuda_head.h) or the binding's
+// check_objective_results, never tested with isfinite as a whole, and
+// never summed or all-reduced across ranks: only the slots from
+// kResultLoss on are numbers (the terms' slices are the ones to reduce).
 
 #include <cstdint>
 
@@ -48,6 +57,35 @@ constexpr int kBlockTerms = 0
 #define DFLASH_BLOCK_TERM(field, dict, key) +1
 #include "losses/chunk_terms.inc"
     ;
+
+// A status word's "no error", the same bits for both words:
+// cuda::kNoRowsError (heads/cuda_head_kernels.h) and cuda::kNoError
+// (losses/cuda_row_kernels.h), which heads/cuda_head.cc asserts equal this.
+constexpr unsigned long long kResultStatusClear = ~0ull;
+
+// The block terms BlockTermsKernel (heads/cuda_head_kernels.cu) sums, by
+// their index in the table (DeviceBlockResult's b), checked against the
+// table's names below so that a reordered table fails to compile.
+enum DeviceBlockTerm : int {
+  kDeviceBlockDen = 0,
+  kDeviceBlockExpectedNum,
+  kDeviceBlockOracleNum,
+  kDeviceBlockTeacherExpectedNum,
+};
+constexpr const char* kBlockTermNames[kBlockTerms] = {
+#define DFLASH_BLOCK_TERM(field, dict, key) #field,
+#include "losses/chunk_terms.inc"
+};
+constexpr bool SameBlockTermName(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || SameBlockTermName(a + 1, b + 1));
+}
+static_assert(
+    SameBlockTermName(kBlockTermNames[kDeviceBlockDen], "block_den") &&
+    SameBlockTermName(kBlockTermNames[kDeviceBlockExpectedNum],
+                      "expected_num") &&
+    SameBlockTermName(kBlockTermNames[kDeviceBlockOracleNum], "oracle_num") &&
+    SameBlockTermName(kBlockTermNames[kDeviceBlockTeacherExpectedNum],
+                      "teacher_expected_num"));
 
 // The TermSlot of the i-th summed term.
 DFLASH_HOST_DEVICE constexpr int SummedSlot(int i) {

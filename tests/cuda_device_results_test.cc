@@ -14,13 +14,22 @@
 //   the same kernels, only the finish's sums in another order) and the
 //   gradients its gradients (float32 within 1e-6, bfloat16 1e-2 normwise:
 //   the synchronous run folds the scale into the input-gradient GEMM's
-//   alpha, the device run scales afterwards) for dflash, D-PACE, the
-//   batch-level LK lambda, dspark with a confidence term, KL with a teacher,
-//   in FUSED, CHECKPOINT and SAVE_CHUNKS;
+//   alpha, the device run scales afterwards), and the row outputs
+//   (neg_log_q, loss_weight, top_k_values, argmax, top_k) its row outputs,
+//   for dflash, D-PACE, the
+//   batch-level LK lambda, dspark with a confidence term, D-PARD (its
+//   confidence scale differs from its gradient scale), KL with a teacher,
+//   a correction head (correction_rank 4), in FUSED, CHECKPOINT,
+//   SAVE_CHUNKS, MATERIALIZE and SELECTIVE, split SEQUENCE_BALANCED D-PACE
+//   among them;
 // - a launch whose labels hold a weighted target outside [0, V), or whose
-//   hidden state holds a NaN, leaves NaN terms and NaN gradients, and
+//   hidden state holds a NaN, leaves NaN terms, NaN gradients and row
+//   outputs (neg_log_q, loss_weight, top_k_values NaN, argmax, top_k -1),
+//   and
 //   CheckDeviceResults returns the synchronous run's Status, word for
 //   word; the next good launch is correct again;
+// - a split launch whose device upstream is NaN, inf or -inf: the same, with
+//   the synchronous Backward's refusal of that upstream;
 // - the refusals: a CPU head, COMPACT, domino, a missing or unwanted
 //   buffer, a device upstream without the option.
 // Skipped, with the reason, where no GPU is usable.
@@ -29,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -60,6 +70,8 @@ using head_test::MakeBatch;
 
 constexpr int64_t kB = 2, kN = 3;  // MakeBatch's batch and anchors.
 constexpr int64_t kRows = kB * kN * kK;
+constexpr int64_t kR = 4;  // The correction's rank, where a case has one.
+constexpr int32_t kOutK = 2;  // The row outputs' top-k width.
 
 template <typename T>
 std::vector<T> Cast(const std::vector<double>& host) {
@@ -105,6 +117,8 @@ struct Data {
   std::vector<int64_t> ids;
   std::vector<float> masks;
   float upstream = 1;
+  // The correction's z [rows, kR] and M [V, kR], where a case has one.
+  std::vector<double> z, m;
 };
 
 // Labels in [0, V) (a few ignore_index), masks 0 at k = 0, else 1, 0.5 or
@@ -119,6 +133,9 @@ Data MakeData(uint32_t seed) {
     d.masks.push_back(e % kK == 0 ? 0 : masks[rng() % 4]);
   }
   d.upstream = 0.5f + 0.25f * static_cast<float>(seed % 4);
+  std::uniform_real_distribution<double> unit(-1, 1);
+  for (int64_t i = 0; i < kRows * kR; ++i) d.z.push_back(unit(rng));
+  for (int64_t i = 0; i < kV * kR; ++i) d.m.push_back(0.5 * unit(rng));
   return d;
 }
 
@@ -127,6 +144,9 @@ bool NeedsTeacher(const v1::ObjectiveConfig& c) {
 }
 bool NeedsConfidence(const v1::ObjectiveConfig& c) {
   return c.loss().has_dspark() && c.loss().dspark().confidence_weight() > 0;
+}
+int64_t Rank(const v1::ObjectiveConfig& c) {
+  return c.head().correction_rank();
 }
 
 // A run's buffers on the device, written before each launch.
@@ -148,7 +168,16 @@ struct Buffers {
         grad_confidence(Allocate<float>(NeedsConfidence(config) ? kRows : 0,
                                         stream)),
         upstream(Allocate<float>(1, stream)),
-        results(Allocate<double>(DeviceResultsSize(kK), stream)) {}
+        results(Allocate<double>(DeviceResultsSize(kK), stream)),
+        z(Allocate<T>(kRows * Rank(config), stream)),
+        m(Allocate<T>(kV * Rank(config), stream)),
+        grad_z(Allocate<T>(kRows * Rank(config), stream)),
+        grad_m(Allocate<T>(kV * Rank(config), stream)),
+        neg_log_q(Allocate<double>(kRows, stream)),
+        loss_weight(Allocate<double>(kRows, stream)),
+        top_k_values(Allocate<float>(kRows * kOutK, stream)),
+        argmax(Allocate<int32_t>(kRows, stream)),
+        top_k(Allocate<int32_t>(kRows * kOutK, stream)) {}
 
   void Load(const Data& d, CudaStream& stream) {
     Write(hidden, Cast<T>(d.batch.hidden), stream);
@@ -161,13 +190,24 @@ struct Buffers {
     Write(ids, d.ids, stream);
     Write(masks, d.masks, stream);
     Write(upstream, std::vector<float>{d.upstream}, stream);
+    if (z.size() > 0) {
+      Write(z, Cast<T>(d.z), stream);
+      Write(m, Cast<T>(d.m), stream);
+    }
     // Not zeros: a gradient left unwritten would show.
-    for (TrackedBuffer<T>* g : {&grad_hidden, &grad_weight, &grad_bias}) {
+    for (TrackedBuffer<T>* g :
+         {&grad_hidden, &grad_weight, &grad_bias, &grad_z, &grad_m}) {
+      if (g->size() == 0) continue;
       Write(*g, Cast<T>(std::vector<double>(g->size(), 7)), stream);
     }
     if (grad_confidence.size() > 0) {
       Write(grad_confidence, std::vector<float>(kRows, 7), stream);
     }
+    Write(neg_log_q, std::vector<double>(kRows, 7), stream);
+    Write(loss_weight, std::vector<double>(kRows, 7), stream);
+    Write(top_k_values, std::vector<float>(kRows * kOutK, 7), stream);
+    Write(argmax, std::vector<int32_t>(kRows, 7), stream);
+    Write(top_k, std::vector<int32_t>(kRows * kOutK, 7), stream);
   }
 
   HeadInputs<T> Inputs(const DeviceRows& rows) {
@@ -177,16 +217,35 @@ struct Buffers {
     in.confidence_logits = Span(confidence);
     in.weight = Span(weight);
     in.bias = Span(bias);
+    in.correction_inputs = Span(z);
+    in.correction_weight = Span(m);
     in.device_rows = rows;
     return in;
   }
   HeadGradients<T> Gradients() {
     return {Span(grad_hidden), Span(grad_weight), Span(grad_bias),
-            Span(grad_confidence)};
+            Span(grad_confidence), Span(grad_z), Span(grad_m)};
+  }
+  HeadRowOutputs RowOutputs() {
+    HeadRowOutputs o;
+    o.neg_log_q = Span(neg_log_q);
+    o.argmax = Span(argmax);
+    o.top_k = Span(top_k);
+    o.k = kOutK;
+    o.top_k_values = Span(top_k_values);
+    o.loss_weight = Span(loss_weight);
+    return o;
+  }
+  // neg_log_q, loss_weight, top_k_values, argmax, top_k.
+  std::vector<std::vector<double>> HostRowOutputs(CudaStream& stream) const {
+    return {Read(neg_log_q, stream), Read(loss_weight, stream),
+            Read(top_k_values, stream), Read(argmax, stream),
+            Read(top_k, stream)};
   }
   std::vector<std::vector<double>> HostGradients(CudaStream& stream) const {
     return {Read(grad_hidden, stream), Read(grad_weight, stream),
-            Read(grad_bias, stream), Read(grad_confidence, stream)};
+            Read(grad_bias, stream), Read(grad_confidence, stream),
+            Read(grad_z, stream), Read(grad_m, stream)};
   }
 
   TrackedBuffer<T> hidden, teacher;
@@ -197,6 +256,10 @@ struct Buffers {
   TrackedBuffer<T> grad_hidden, grad_weight, grad_bias;
   TrackedBuffer<float> grad_confidence, upstream;
   TrackedBuffer<double> results;
+  TrackedBuffer<T> z, m, grad_z, grad_m;  // The correction's, or empty.
+  TrackedBuffer<double> neg_log_q, loss_weight;
+  TrackedBuffer<float> top_k_values;
+  TrackedBuffer<int32_t> argmax, top_k;
 };
 
 // The labels' tensors over `b`'s buffers, row-major [B, N, K].
@@ -223,12 +286,12 @@ absl::StatusOr<HeadResult> RunOnce(const v1::ObjectiveConfig& config,
   if (device) options.device_results = b.results.data();
   const HeadInputs<T> inputs = b.Inputs(rows.view());
   if (!split) {
-    return RunCudaHead<T>(config, inputs, b.Gradients(), *gpu.blas, {},
-                          options);
+    return RunCudaHead<T>(config, inputs, b.Gradients(), *gpu.blas,
+                          b.RowOutputs(), options);
   }
   DFLASH_ASSIGN_OR_RETURN(
       std::unique_ptr<SplitHeadRun<T>> run,
-      StartCudaHead<T>(config, inputs, *gpu.blas, {}, options));
+      StartCudaHead<T>(config, inputs, *gpu.blas, b.RowOutputs(), options));
   HeadResult forward = run->forward();
   if (device) {
     DeviceUpstream upstream;
@@ -282,13 +345,14 @@ void ExpectSameResult(const HeadResult& got, const HeadResult& want) {
 }
 
 template <typename T>
-v1::ObjectiveConfig CudaConfig(const std::string& loss,
-                               const std::string& mode) {
+v1::ObjectiveConfig CudaConfig(const std::string& loss, const std::string& mode,
+                               const std::string& extra_head = "") {
   // Trainable but for the batch-level LK lambda, which needs a frozen head.
   v1::ObjectiveConfig config =
       ConfigBuilder(loss)
           .Mode(mode)
           .Trainable(loss.find("lk { type: LAMBDA") == std::string::npos)
+          .ExtraHead(extra_head)
           .Build();
   config.mutable_head()->set_backend(v1::HeadConfig::CUDA);
   config.mutable_head()->set_dtype(std::is_same_v<T, float>
@@ -339,12 +403,14 @@ void Capture(const v1::ObjectiveConfig& config, bool split, Buffers<T>& b,
 template <typename T>
 void ExpectGraphMatchesSynchronousRuns(const std::string& loss,
                                        const std::string& mode, bool split,
-                                       Gpu& gpu) {
-  SCOPED_TRACE(absl::StrCat(loss, " ", mode, split ? " split" : " single",
+                                       Gpu& gpu,
+                                       const std::string& extra_head = "") {
+  SCOPED_TRACE(absl::StrCat(loss, " ", extra_head, " ", mode,
+                            split ? " split" : " single",
                             std::is_same_v<T, float> ? " float32"
                                                      : " bfloat16"));
   CudaStream& stream = *gpu.stream;
-  const v1::ObjectiveConfig config = CudaConfig<T>(loss, mode);
+  const v1::ObjectiveConfig config = CudaConfig<T>(loss, mode, extra_head);
   Buffers<T> b(config, stream), reference(config, stream);
   b.Load(MakeData(1), stream);
   Graph graph;
@@ -371,6 +437,16 @@ void ExpectGraphMatchesSynchronousRuns(const std::string& loss,
       EXPECT_LE(RelativeMaxError<double>(have[i], expected[i]), tolerance)
           << "gradient " << i;
     }
+    // The forward's row outputs: the same kernels on the same logits.
+    const auto rows_got = b.HostRowOutputs(stream);
+    const auto rows_want = reference.HostRowOutputs(stream);
+    for (size_t i = 0; i < rows_got.size(); ++i) {
+      ASSERT_EQ(rows_got[i].size(), rows_want[i].size());
+      for (size_t j = 0; j < rows_got[i].size(); ++j) {
+        ExpectNear(rows_got[i][j], rows_want[i][j],
+                   absl::StrCat("row output ", i, " [", j, "]"));
+      }
+    }
   }
 }
 
@@ -384,6 +460,7 @@ TEST(CudaDeviceResultsTest, CapturedRunsEqualTheSynchronousRuns) {
   struct Case {
     const char* loss;
     const char* mode;
+    const char* extra_head = "";
   };
   const Case cases[] = {
       {"dflash { gamma: 7 }", "FUSED"},
@@ -397,12 +474,33 @@ TEST(CudaDeviceResultsTest, CapturedRunsEqualTheSynchronousRuns) {
       {"dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }", "FUSED"},
       {"distillation { divergence: FORWARD_KL temperature: 2 }",
        "SAVE_CHUNKS"},
+      // Split SEQUENCE_BALANCED: the device upstream times the floored
+      // weighted-sequence denominator.
+      {"dpace { alpha: 0.3 denominator: SEQUENCE_BALANCED }", "CHECKPOINT"},
+      {"dflash { gamma: 7 }", "MATERIALIZE"},
+      {"dflash { gamma: 7 }", "SELECTIVE"},
+      // D-PARD: the confidence scale differs from the gradient scale, and
+      // loss_num is loss x den.
+      {"dspark { gamma: 7 objective: DPARD ce_weight: 0 l1_weight: 0 "
+       "confidence_weight: 0.3 }",
+       "CHECKPOINT"},
+      {"dspark { gamma: 7 objective: DPARD ce_weight: 0 l1_weight: 0 "
+       "confidence_weight: 0.3 }",
+       "FUSED"},
+      // A correction: its input gradient is scaled after the GEMM here,
+      // where the synchronous run folds the scale into alpha.
+      {"dflash { gamma: 7 }", "FUSED", "correction_rank: 4"},
+      {"dflash { gamma: 7 }", "CHECKPOINT", "correction_rank: 4"},
+      {"dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }",
+       "SAVE_CHUNKS", "correction_rank: 4"},
   };
   for (const Case& c : cases) {
     const bool splits = std::string(c.mode) != "FUSED";
-    ExpectGraphMatchesSynchronousRuns<float>(c.loss, c.mode, false, *gpu);
+    ExpectGraphMatchesSynchronousRuns<float>(c.loss, c.mode, false, *gpu,
+                                             c.extra_head);
     if (splits) {
-      ExpectGraphMatchesSynchronousRuns<float>(c.loss, c.mode, true, *gpu);
+      ExpectGraphMatchesSynchronousRuns<float>(c.loss, c.mode, true, *gpu,
+                                               c.extra_head);
     }
   }
   ExpectGraphMatchesSynchronousRuns<BFloat16>("dflash { gamma: 7 }",
@@ -455,6 +553,16 @@ TEST(CudaDeviceResultsTest, ErrorsAreLatchedAndReportedAsSynchronously) {
       for (double g : Read(b.grad_hidden, stream)) {
         ASSERT_TRUE(std::isnan(g));
       }
+      // The row outputs the synchronous run never returns: NaN values, -1
+      // ids.
+      const auto rows = b.HostRowOutputs(stream);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const bool ids = i >= 3;
+        for (double x : rows[i]) {
+          ASSERT_TRUE(ids ? x == -1 : std::isnan(x))
+              << "row output " << i << ": " << x;
+        }
+      }
     }
     // Each launch starts clean.
     const Data good = MakeData(4);
@@ -466,6 +574,73 @@ TEST(CudaDeviceResultsTest, ErrorsAreLatchedAndReportedAsSynchronously) {
     reference.Load(good, stream);
     absl::StatusOr<HeadResult> want =
         RunOnce<float>(config, split, false, reference, *gpu);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ExpectSameResult(*got, *want);
+  }
+}
+
+// A device upstream that is not finite: the synchronous Backward refuses
+// it ("upstream: must be finite"); the device run latches that refusal,
+// poisons the results and leaves every gradient NaN (an inf upstream too,
+// where inf x scale would read as a number).
+TEST(CudaDeviceResultsTest, NonFiniteDeviceUpstreamIsLatched) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  CudaStream& stream = *gpu->stream;
+  constexpr int64_t kWorkspace = int64_t{4} << 20;
+  TrackedBuffer<char> workspace = Allocate<char>(kWorkspace, stream);
+  ASSERT_TRUE(gpu->blas->SetWorkspace(workspace.data(), kWorkspace).ok());
+  for (const char* loss :
+       {"dflash { gamma: 7 }",
+        "dspark { gamma: 7 l1_weight: 0.5 confidence_weight: 0.3 }"}) {
+    SCOPED_TRACE(loss);
+    const v1::ObjectiveConfig config = CudaConfig<float>(loss, "CHECKPOINT");
+    Buffers<float> b(config, stream), reference(config, stream);
+    b.Load(MakeData(1), stream);
+    Graph graph;
+    Capture<float>(config, true, b, *gpu, graph);
+    if (::testing::Test::HasFatalFailure()) return;
+    for (float upstream :
+         {std::nanf(""), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()}) {
+      SCOPED_TRACE(absl::StrCat("upstream ", upstream));
+      Data data = MakeData(5);
+      data.upstream = upstream;
+      b.Load(data, stream);
+      ASSERT_EQ(cudaGraphLaunch(graph.exec, stream.stream()), cudaSuccess);
+      const absl::Status got =
+          CheckDeviceResults(config, b.results.data(), stream);
+      reference.Load(data, stream);
+      const absl::StatusOr<HeadResult> want =
+          RunOnce<float>(config, true, false, reference, *gpu);
+      ASSERT_FALSE(want.ok());
+      EXPECT_NE(want.status().message().find("upstream: must be finite"),
+                std::string::npos)
+          << want.status();
+      EXPECT_EQ(got, want.status());
+      EXPECT_EQ(ReadDeviceResults(config, b.results.data(), stream).status(),
+                want.status());
+      std::vector<double> raw = Read(b.results, stream);
+      for (int64_t i = kResultLoss; i < DeviceResultsSize(kK); ++i) {
+        EXPECT_TRUE(std::isnan(raw[i])) << "slot " << i;
+      }
+      const auto gradients = b.HostGradients(stream);
+      for (size_t i = 0; i < gradients.size(); ++i) {
+        for (double g : gradients[i]) {
+          ASSERT_TRUE(std::isnan(g)) << "gradient " << i << ": " << g;
+        }
+      }
+    }
+    // The next launch with a finite upstream is clean again.
+    const Data good = MakeData(6);
+    b.Load(good, stream);
+    ASSERT_EQ(cudaGraphLaunch(graph.exec, stream.stream()), cudaSuccess);
+    absl::StatusOr<HeadResult> got =
+        ReadDeviceResults(config, b.results.data(), stream);
+    ASSERT_TRUE(got.ok()) << got.status();
+    reference.Load(good, stream);
+    absl::StatusOr<HeadResult> want =
+        RunOnce<float>(config, true, false, reference, *gpu);
     ASSERT_TRUE(want.ok()) << want.status();
     ExpectSameResult(*got, *want);
   }
