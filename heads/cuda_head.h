@@ -95,8 +95,14 @@ absl::StatusOr<std::optional<CudaRowsError>> ReadCudaRowsError(
 // CheckDeviceResults returns the Status the synchronous run would have
 // returned (the status words: a bad row BuildCudaRows found, then a
 // non-finite logit or the like, each naming its batch row with the same
-// message); ReadDeviceResults that error, else the loss, terms, accuracy
-// and kl_w as RunCudaHead's HeadResult has them (no plan or stats).
+// message, or a split run's non-finite device upstream, with
+// SplitHeadRun::Backward's refusal); ReadDeviceResults that error, else
+// the loss, terms, accuracy and kl_w as RunCudaHead's HeadResult has them
+// (no plan or stats). Where it is an error, the terms and gradients are
+// NaN, and so are a failed forward's row outputs (neg_log_q, top_k_values,
+// loss_weight; argmax, top_k and teacher_argmax -1). The status words are
+// bit patterns (no error reads as a NaN double): these, not isfinite or a
+// sum across ranks, are how the buffer is checked.
 absl::Status CheckDeviceResults(const v1::ObjectiveConfig& config,
                                 const double* results, CudaStream& stream);
 // The same from the buffer's two status words already on the host

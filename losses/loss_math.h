@@ -362,8 +362,9 @@ DFLASH_HOST_DEVICE inline R DistillationGradientAt(Divergence divergence,
 
 // The batch's finish (FinishTerms, chunk_loss.h) over the totals it reads,
 // written once for the host (FinishTerms) and the CUDA head's device finish
-// (head.device_results, a one-thread kernel), so both give the same loss
-// and scales: composes loss_num where it needs the whole batch (the LK
+// (head.device_results, a one-thread kernel), so both run the same formula
+// (equal within rounding, not bitwise: nvcc contracts a*b + c*d into FMAs):
+// composes loss_num where it needs the whole batch (the LK
 // lambda's kl_w * ce_num + (1 - kl_w) * tv_num; D-PARD's) and divides as
 // the family does. `t.loss_num` is updated in place.
 struct FinishTotals {
