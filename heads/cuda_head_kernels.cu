@@ -129,7 +129,10 @@ __global__ void BuildRowsKernel(RowsTensor target_ids, RowsTensor weight_mask,
   }
 }
 
-// The raw masks' sum of each tile, in element order.
+// The raw masks' sum of each tile, in element order; +inf for a tile with
+// a bad mask (negative or not finite), which MaskSumKernel then scans
+// element by element: a negative mask could bring a tile's sum back under
+// max_sum after an element whose running sum passed it.
 __global__ void TileSumsKernel(RowsTensor weight_mask, BuildRowsParams p,
                                int64_t total, double* tile_sums) {
   const int64_t tiles = (total + kRowsSumTile - 1) / kRowsSumTile;
@@ -138,7 +141,12 @@ __global__ void TileSumsKernel(RowsTensor weight_mask, BuildRowsParams p,
     double sum = 0;
     const int64_t end = Min(total, (t + 1) * kRowsSumTile);
     for (int64_t e = t * kRowsSumTile; e < end; ++e) {
-      sum += ReadMask(weight_mask, Offset(weight_mask, p, e));
+      const double mask = ReadMask(weight_mask, Offset(weight_mask, p, e));
+      if (!(mask >= 0) || isinf(mask)) {
+        sum = INFINITY;
+        break;
+      }
+      sum += mask;
     }
     tile_sums[t] = sum;
   }
@@ -148,8 +156,10 @@ __global__ void TileSumsKernel(RowsTensor weight_mask, BuildRowsParams p,
 // the tile where it passes max_sum, so the first element past it is found
 // in a fixed order. (Not RowsOf's exact additions, which go one element at
 // a time: the two can differ in the last bits of a sum right at the
-// limit.) A bad mask met here is reported by BuildRowsKernel at a smaller
-// or equal code.
+// limit.) The tiles skipped hold valid masks only, so every running sum
+// inside them is at most the tile's end's; the scan of a tile with a bad
+// mask reaches the masks before it as RowsOf does, and whatever it reports
+// at or after the bad mask BuildRowsKernel reports at a smaller code.
 __global__ void MaskSumKernel(RowsTensor weight_mask, BuildRowsParams p,
                               int64_t total, const double* tile_sums,
                               unsigned long long* error) {

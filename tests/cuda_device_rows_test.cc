@@ -303,6 +303,11 @@ TEST(CudaDeviceRowsTest, ReportsRowsOfFirstBadElement) {
       // Overflow at 14, then a bad mask at 20: the overflow is first.
       {"overflow before bad mask", {{3, big}, {14, big}, {20, -1}}, {}, 14,
        cuda::kRowsMaskSumOverflow, "weight_mask"},
+      // The negative mask brings the tile's sum back under float32's
+      // largest: the overflow at 14 is still first.
+      {"overflow before a negative that cancels it",
+       {{3, big}, {14, big}, {20, -big}}, {}, 14, cuda::kRowsMaskSumOverflow,
+       "sum to more than float32"},
   };
   for (const BadCase& c : cases) {
     for (const auto selection :
