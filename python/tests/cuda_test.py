@@ -583,14 +583,18 @@ class DeviceResultsTest(unittest.TestCase):
         for mode in ("FUSED", "CHECKPOINT"):
             with self.subTest(mode=mode):
                 torch._dynamo.reset()
+                config = device_results_config(f, mode)
                 compiled = torch.compile(
-                    lambda inputs: self.step(f, mode, inputs),
+                    lambda h, w, ids, mask: dflash_objective(
+                        h, w, ids, mask, config=config),
                     backend="aot_eager", fullgraph=True)
                 inputs = self.inputs(data, torch.float32, f)
-                got = compiled(inputs)
+                got = compiled(*inputs[:4])
+                got.loss.backward()
                 others = self.inputs(data, torch.float32, f)
                 want = self.step(f, mode, others)
                 self.assert_same_step(got, want, inputs, others, 1e-6)
+                self.assertIsNone(check_objective_results(got))
 
 
 class DeviceResultsOnTheCpuTest(unittest.TestCase):
@@ -611,6 +615,37 @@ class DeviceResultsOnTheCpuTest(unittest.TestCase):
                     dflash_objective(hidden, data["weight"],
                                      data["target_ids"], data["weight_mask"],
                                      config=device_results_config(f, mode))
+
+    def test_the_layout_at_every_block_size(self):
+        # dflash.torch reads the binding's layout at K = 1 and 2 and takes
+        # every other K on the line through them.
+        for k in range(1, 21):
+            layout = _core.device_results_layout(k)
+            self.assertEqual(
+                {name: _library.results_slot(name, k) for name in layout},
+                layout, k)
+
+    @unittest.skipUnless(_library.SUPPORTED, "needs torch.library.custom_op "
+                         f"(torch >= 2.4), this is torch {torch.__version__}")
+    def test_a_compiled_call_traces_without_a_graph_break(self):
+        # fullgraph=True: the results output, the report sliced from it and
+        # the check's record are traced (a graph break would raise
+        # torch._dynamo's Unsupported); the CPU run is then refused.
+        data = reference.batch(seed=53, dtype=torch.float32)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        hidden = data["hidden"].clone().requires_grad_()
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                torch._dynamo.reset()
+                config = device_results_config(f, mode)
+                compiled = torch.compile(
+                    lambda h: dflash_objective(
+                        torch.tanh(h), data["weight"], data["target_ids"],
+                        data["weight_mask"], config=config),
+                    backend="aot_eager", fullgraph=True)
+                with self.assertRaisesRegex(
+                        ValueError, r"head.device_results: is CUDA only"):
+                    compiled(hidden)
 
     def test_the_option_is_read_from_the_config(self):
         f = DEVICE_RESULTS_FAMILIES[0]

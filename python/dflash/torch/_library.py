@@ -252,20 +252,20 @@ def device_results_of(text: str) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
-def _results_layout(k: int) -> Dict[str, Tuple[int, int]]:
-    return _core.device_results_layout(k)
+# The binding's layout (_core.device_results_layout,
+# losses/device_results.h) at K = 1 and 2, read once: its indices and counts
+# are linear in K, so every K's is on the line through these (a plain
+# Python constant, which torch.compile traces; the extension it is not).
+_LAYOUT_AT_1 = _core.device_results_layout(1)
+_LAYOUT_AT_2 = _core.device_results_layout(2)
 
 
 def results_slot(name: str, k: Any) -> Tuple[Any, Any]:
     """(first index, count) of `name` in a device_results buffer for blocks
-    of k positions (an int or, traced, a SymInt): the binding's layout
-    (_core.device_results_layout, losses/device_results.h), whose indices
-    and counts are linear in k, so a symbolic k takes the line through k =
-    1 and 2. 'size' is (0, the buffer's length)."""
-    if isinstance(k, int):
-        return _results_layout(k)[name]
-    (at1, n1), (at2, n2) = _results_layout(1)[name], _results_layout(2)[name]
+    of k positions (an int or, traced, a SymInt), as
+    _core.device_results_layout(k)[name] gives it. 'size' is (0, the
+    buffer's length)."""
+    (at1, n1), (at2, n2) = _LAYOUT_AT_1[name], _LAYOUT_AT_2[name]
     return at1 + (at2 - at1) * (k - 1), n1 + (n2 - n1) * (k - 1)
 
 
