@@ -249,16 +249,19 @@ __global__ void BlockTermsKernel(const RowMeta* rows, int64_t count,
     }
     if (weighted) mine[kBlockWeightedSequences] += rows[base].sequence_share;
     if (!valid) continue;
-    mine[0] += 1;  // block_den
-    mine[1] += ChainLength([&](int64_t k) { return slot(k).expected; },
-                           first_position, block_size);
+    mine[kDeviceBlockDen] += 1;
+    mine[kDeviceBlockExpectedNum] +=
+        ChainLength([&](int64_t k) { return slot(k).expected; },
+                    first_position, block_size);
     if (rank != nullptr) {
-      mine[2] += ChainLength([&](int64_t k) { return slot(k).oracle; },
-                             first_position, block_size);
+      mine[kDeviceBlockOracleNum] +=
+          ChainLength([&](int64_t k) { return slot(k).oracle; },
+                      first_position, block_size);
     }
     if (teacher != nullptr) {
-      mine[3] += ChainLength([&](int64_t k) { return slot(k).teacher; },
-                             first_position, block_size);
+      mine[kDeviceBlockTeacherExpectedNum] +=
+          ChainLength([&](int64_t k) { return slot(k).teacher; },
+                      first_position, block_size);
     }
   }
   const int t = static_cast<int>(threadIdx.x);
