@@ -5,6 +5,7 @@
 #include "heads/cuda_head_kernels.h"
 #include "losses/device_results.h"
 #include "losses/loss_math.h"
+#include "losses/row_rules.h"
 
 namespace dflash {
 namespace cuda {
@@ -98,32 +99,24 @@ __global__ void FillErrorKernel(unsigned long long* error) {
   *error = kNoRowsError;
 }
 
-// RowsOf's loop body, one element a thread.
+// RowsOf's loop body (its rules: row_rules.h), one element a thread.
 __global__ void BuildRowsKernel(RowsTensor target_ids, RowsTensor weight_mask,
                                 BuildRowsParams p, int64_t total,
                                 RowMeta* rows, unsigned long long* error) {
+  const RowRules rules{p.vocab, p.ignore_index, p.count_ignored,
+                       p.float64_terms};
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
        e += int64_t{gridDim.x} * blockDim.x) {
     RowMeta meta;
     meta.position = static_cast<int32_t>(e % p.block);
     meta.block = e / p.block;
     const double mask = ReadMask(weight_mask, Offset(weight_mask, p, e));
-    if (!(mask >= 0) || isinf(mask)) {
+    if (!ValidMask(mask)) {
       atomicMin(error, RowsErrorCode(e, kRowsMaskInvalid));
-    } else {
-      const int64_t target = ReadId(target_ids, Offset(target_ids, p, e));
-      // An ignored target carries nothing unless the loss counts it.
-      const bool ignored = target == p.ignore_index;
-      if (mask > 0 && (!ignored || p.count_ignored)) {
-        if (!ignored && (target < 0 || target >= p.vocab)) {
-          atomicMin(error, RowsErrorCode(e, kRowsTargetInvalid));
-        } else {
-          meta.target = static_cast<int32_t>(target);
-          meta.mask = p.float64_terms
-                          ? mask
-                          : static_cast<double>(static_cast<float>(mask));
-        }
-      }
+    } else if (!RowOfElement(mask,
+                             ReadId(target_ids, Offset(target_ids, p, e)),
+                             meta.position, meta.block, rules, meta)) {
+      atomicMin(error, RowsErrorCode(e, kRowsTargetInvalid));
     }
     rows[e] = meta;
   }
@@ -142,7 +135,7 @@ __global__ void TileSumsKernel(RowsTensor weight_mask, BuildRowsParams p,
     const int64_t end = Min(total, (t + 1) * kRowsSumTile);
     for (int64_t e = t * kRowsSumTile; e < end; ++e) {
       const double mask = ReadMask(weight_mask, Offset(weight_mask, p, e));
-      if (!(mask >= 0) || isinf(mask)) {
+      if (!ValidMask(mask)) {
         sum = INFINITY;
         break;
       }
@@ -189,18 +182,7 @@ __global__ void SequenceSharesKernel(BuildRowsParams p, int64_t total,
        s < sequences; s += int64_t{gridDim.x} * blockDim.x) {
     const int64_t begin = s * p.sequence_rows;
     const int64_t end = Min(total, begin + p.sequence_rows);
-    int64_t weighted_blocks = 0;
-    for (int64_t b = begin; b < end; b += p.block) {
-      for (int64_t r = b; r < Min(end, b + p.block); ++r) {
-        if (EffectiveMask(p.loss, rows[r].target, rows[r].mask) > 0) {
-          ++weighted_blocks;
-          break;
-        }
-      }
-    }
-    // SpecForge's clamp_min(1), as on the host.
-    const double share =
-        1.0 / static_cast<double>(weighted_blocks > 1 ? weighted_blocks : 1);
+    const double share = SequenceShareOf(p.loss, rows, begin, end, p.block);
     for (int64_t r = begin; r < end; ++r) rows[r].sequence_share = share;
   }
 }

@@ -13,6 +13,7 @@
 #include "losses/family_passes.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
+#include "losses/row_rules.h"
 #include "losses/row_error.h"
 #include "losses/row_kernels.h"
 #include "losses/term_slots.h"
@@ -1687,19 +1688,8 @@ void SetSequenceShares(const LossParams& params, int64_t block_size,
   const int64_t n = static_cast<int64_t>(rows.size());
   for (int64_t begin = 0; begin < n; begin += sequence_rows) {
     const int64_t end = std::min(n, begin + sequence_rows);
-    int64_t weighted_blocks = 0;
-    for (int64_t b = begin; b < end; b += block_size) {
-      for (int64_t r = b; r < std::min(end, b + block_size); ++r) {
-        if (EffectiveMask(params, rows[r].target, rows[r].mask) > 0) {
-          ++weighted_blocks;
-          break;
-        }
-      }
-    }
-    // SpecForge's clamp_min(1): a sequence without weight has share 1,
-    // which no row of it uses.
     const double share =
-        1.0 / static_cast<double>(std::max<int64_t>(weighted_blocks, 1));
+        SequenceShareOf(params, rows.data(), begin, end, block_size);
     for (int64_t r = begin; r < end; ++r) rows[r].sequence_share = share;
   }
 }

@@ -25,6 +25,7 @@
 #include "losses/device_results.h"
 #include "losses/loss_family.h"
 #include "losses/loss_math.h"
+#include "losses/row_rules.h"
 #include "proto/config.h"
 #include "python/native/cuda_run.h"
 #include "python/native/objective_checks.h"
@@ -364,6 +365,7 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
                                        : std::numeric_limits<float>::max();
   const char* terms_dtype = float64_terms ? "float64" : "float32";
   double mask_sum = 0;
+  const RowRules rules{vocab, ignore_index, count_ignored, float64_terms};
   const std::vector<int64_t>& ts = target_ids.strides;
   const std::vector<int64_t>& ms = weight_mask.strides;
   for (int64_t b = 0; b < b_size; ++b) {
@@ -371,7 +373,7 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
       for (int64_t k = 0; k < k_size; ++k) {
         const double mask =
             ReadMask(weight_mask, b * ms[0] + n * ms[1] + k * ms[2]);
-        if (!(mask >= 0) || std::isinf(mask)) {
+        if (!ValidMask(mask)) {
           return absl::InvalidArgumentError(
               absl::StrCat(Element(weight_mask, b, n, k),
                            ": must be finite and >= 0, got ", mask));
@@ -387,26 +389,11 @@ absl::StatusOr<std::vector<RowMeta>> RowsOf(const TensorArg& target_ids,
         const int64_t target =
             ReadId(target_ids, b * ts[0] + n * ts[1] + k * ts[2]);
         RowMeta meta;
-        meta.position = static_cast<int32_t>(k);
-        meta.block = b * n_size + n;
-        // An ignored target carries nothing, as a zero mask does, unless
-        // the loss counts it (ignored_target_weight COUNT: it keeps its
-        // weight, and its target, which the loss reads as ignored; the
-        // config holds such an ignore_index to int32).
-        const bool ignored = target == ignore_index;
-        if (mask > 0 && (!ignored || count_ignored)) {
-          if (!ignored && (target < 0 || target >= vocab)) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                Element(target_ids, b, n, k), ": must lie in [0, V = ", vocab,
-                ") or be ignore_index (", ignore_index,
-                ") where weight_mask > 0, got ", target));
-          }
-          meta.target = static_cast<int32_t>(target);
-          // In the terms' dtype: a float32 run rounds a float64 mask such
-          // as 1/3 here, and only here; a float64 run keeps it.
-          meta.mask = float64_terms ? mask
-                                    : static_cast<double>(
-                                          static_cast<float>(mask));
+        if (!RowOfElement(mask, target, k, b * n_size + n, rules, meta)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              Element(target_ids, b, n, k), ": must lie in [0, V = ", vocab,
+              ") or be ignore_index (", ignore_index,
+              ") where weight_mask > 0, got ", target));
         }
         rows.push_back(meta);
       }
