@@ -33,7 +33,12 @@ namespace dflash {
 // terms), nothing of them reaching the host before the head's work is
 // queued. A bad element the build found is reported then, as a
 // RowError about its row (InvalidArgument, "row (b, n, k) = (...):
-// weight_mask: must be finite and >= 0" and the like). Work goes on
+// weight_mask: must be finite and >= 0" and the like). So under COMPACT
+// such a run fails before it writes anything, but under ALL_ROWS only once
+// its forward chunks have run: `row_outputs` then hold every row's values
+// from its chunk, and `gradients` (overwritten by any run: zeroed at its
+// start) hold, under FUSED, the chunks' gradient products unscaled, else
+// zeros; take them as unspecified. Work goes on
 // `blas`'s stream, and device memory comes from that stream's allocator, so
 // HeadStats.peak_bytes are the run's device bytes, measured as on the CPU.
 // The chunk loop never waits for the device: the run synchronises once at

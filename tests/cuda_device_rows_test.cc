@@ -359,6 +359,15 @@ TEST(CudaDeviceRowsTest, ReportsRowsOfFirstBadElement) {
       const std::optional<RowErrorInfo> row = GetRowError(run.status());
       ASSERT_TRUE(row.has_value());
       EXPECT_EQ(row->row, e);
+      // COMPACT fails before writing anything; ALL_ROWS once the forward
+      // chunks have run, the FUSED gradients already written
+      // (heads/cuda_head.h).
+      if (selection == v1::HeadConfig::COMPACT) {
+        EXPECT_EQ(Download(grad_hidden, stream), Download(hidden, stream));
+        EXPECT_EQ(Download(grad_weight, stream), Download(weight, stream));
+      } else {
+        EXPECT_NE(Download(grad_hidden, stream), Download(hidden, stream));
+      }
     }
   }
 }
