@@ -566,6 +566,32 @@ class DeviceResultsTest(unittest.TestCase):
                     self.assertEqual(str(latched.exception),
                                      str(synchronous.exception))
 
+    def test_a_split_backward_keeps_the_buffer(self):
+        # The caller keeps only the loss: the results buffer, which the
+        # split backward reads and may latch into, lives until backward
+        # (autograd saves it), so memory allocated in between is not it.
+        data = reference.batch(seed=54)
+        f = DEVICE_RESULTS_FAMILIES[0]
+        for mode in ("FUSED", "CHECKPOINT"):
+            with self.subTest(mode=mode):
+                inputs = self.inputs(data, torch.float32, f)
+                hidden, weight, ids, mask = inputs[:4]
+                loss = dflash_objective(
+                    hidden, weight, ids, mask,
+                    config=device_results_config(f, mode)).loss
+                # Takes back freed blocks of the buffer's size, if any.
+                held = [torch.full((4096,), float("nan"), device="cuda",
+                                   dtype=torch.float64) for _ in range(8)]
+                loss.backward()
+                others = self.inputs(data, torch.float32, f)
+                want = self.step(f, mode, others, device=False)
+                torch.testing.assert_close(loss, want.loss, rtol=1e-6,
+                                           atol=1e-6)
+                for a, b in zip(inputs[:2], others[:2]):
+                    torch.testing.assert_close(a.grad, b.grad, rtol=1e-6,
+                                               atol=1e-6)
+                del held
+
     def test_top_k_is_refused(self):
         data = reference.batch(seed=48)
         f = DEVICE_RESULTS_FAMILIES[0]

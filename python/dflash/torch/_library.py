@@ -486,7 +486,7 @@ _SPLIT_BACKWARD_SCHEMA = (
     "(Tensor token, Tensor upstream, Tensor hidden, Tensor weight, "
     "Tensor? bias, Tensor? teacher_hidden, Tensor? confidence_logits, "
     "Tensor? correction_inputs, Tensor? correction_weight, bool trainable, "
-    "bool of_loss_num=False) -> ("
+    "bool of_loss_num=False, Tensor? results=None) -> ("
     + ", ".join(["Tensor"] * 6) + ")")
 
 _BACKWARD_SCHEMA = (
@@ -647,6 +647,12 @@ def _register() -> Tuple[Any, Any]:
     # d(objective)/d(loss_num), read on the device, which the head
     # multiplies by its finished denominator there; else the float64 scale
     # of the head's gradients of loss_num / loss_den, read on the host.
+    # `results` is such a run's buffer, which the state's backward reads
+    # (its status words) and where it latches a non-finite upstream: passed
+    # so that it lives until the backward is queued, in a compiled graph
+    # too, whether or not the caller kept its terms. It is not declared
+    # mutated: the latch is an error word that nothing in the graph reads
+    # (check_objective_results reads it, outside).
     @torch.library.custom_op("dflash::objective_backward", mutates_args=(),
                              schema=_SPLIT_BACKWARD_SCHEMA)
     def objective_backward_op(token: torch.Tensor, upstream: torch.Tensor,
@@ -656,7 +662,8 @@ def _register() -> Tuple[Any, Any]:
                               confidence_logits: Optional[torch.Tensor],
                               correction_inputs: Optional[torch.Tensor],
                               correction_weight: Optional[torch.Tensor],
-                              trainable: bool, of_loss_num: bool = False
+                              trainable: bool, of_loss_num: bool = False,
+                              results: Optional[torch.Tensor] = None
                               ) -> Tuple[torch.Tensor, ...]:
         grads = _objective()._saved_backward(
             token, upstream if of_loss_num else float(upstream), trainable,
@@ -677,7 +684,8 @@ def _register() -> Tuple[Any, Any]:
           confidence_logits: Optional[torch.Tensor],
           correction_inputs: Optional[torch.Tensor],
           correction_weight: Optional[torch.Tensor],
-          trainable: bool, of_loss_num: bool = False
+          trainable: bool, of_loss_num: bool = False,
+          results: Optional[torch.Tensor] = None
           ) -> Tuple[torch.Tensor, ...]:
         return tuple(hidden.new_empty(shape, dtype=dtype, device=device)
                      for shape, dtype, device in split_backward_specs(
@@ -700,11 +708,14 @@ def _register() -> Tuple[Any, Any]:
         ctx.device_results = output[_AT["results"]].numel() > 0
         values = output[_AT["top_k_values"]] if top_k else None
         ids = output[_AT["top_k"]] if top_k else None
-        # The teacher where the backward reads it (objective_backward).
+        # The teacher and a head.device_results buffer where the backward
+        # reads them (objective_backward).
         ctx.save_for_backward(
             *output[_AT["grad_hidden"]:], output[_AT["scale_den"]], hidden,
             weight, bias, values, ids, _confidence, _z, _m,
-            output[_AT["token"]], _teacher if ctx.split else None)
+            output[_AT["token"]], _teacher if ctx.split else None,
+            output[_AT["results"]]
+            if ctx.split and ctx.device_results else None)
         ctx.mark_non_differentiable(
             *[t for i, t in enumerate(output)
               if i != 0 and not (top_k and i == _AT["top_k_values"])])
@@ -720,7 +731,7 @@ def _register() -> Tuple[Any, Any]:
             return grads
         # create_graph=True: differentiating these again raises, naming
         # dflash_objective (objective.py's _tie_to_error).
-        hidden, weight, bias, _, _, confidence, z, m, _, _ = (
+        hidden, weight, bias, _, _, confidence, z, m, _, _, _ = (
             ctx.saved_tensors[len(_GRAD_OUTPUTS) + 1:])
         tied: Tuple[Optional[torch.Tensor], ...] = _objective()._tie_to_error(
             [hidden, weight, bias, confidence, z, m], grad_outputs, grads)
@@ -731,8 +742,8 @@ def _register() -> Tuple[Any, Any]:
         saved = ctx.saved_tensors
         g = dict(zip(_GRAD_OUTPUTS, saved))
         den = saved[len(_GRAD_OUTPUTS)]
-        hidden, weight, bias, values, ids, confidence, z, m, token, teacher = (
-            saved[len(_GRAD_OUTPUTS) + 1:])
+        (hidden, weight, bias, values, ids, confidence, z, m, token, teacher,
+         results) = saved[len(_GRAD_OUTPUTS) + 1:]
         needs = ctx.needs_input_grad
         if not ctx.gradients and any(needs[i] for i in (0, 1, 4, 6, 7, 8)):
             raise RuntimeError(
@@ -750,7 +761,7 @@ def _register() -> Tuple[Any, Any]:
             # multiplies it by its own denominator there: no host read.
             made = objective_backward_op(
                 token, upstream, hidden, weight, bias, teacher, confidence,
-                z, m, ctx.trainable, True)
+                z, m, ctx.trainable, True, results)
             g = dict(zip(_GRAD_OUTPUTS, made))
             scale = None
         elif ctx.split and upstream is not None:

@@ -755,6 +755,9 @@ class _Objective(torch.autograd.Function):
                    else _library.device_denominator(
                        call.results, hidden.shape[2], terms[0].dtype))
         ctx.device_results = call.results is not None
+        # The buffer lives until backward (ctx's, not an output): a split
+        # state's backward reads its status words and may latch there.
+        ctx.results = call.results
         ctx.config = config
         ctx.trainable = trainable
         ctx.stream = stream
