@@ -31,6 +31,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/bfloat16.h"
 #include "base/error_norms.h"
 #include "base/gpu_test.h"
@@ -527,6 +528,30 @@ struct CountingAllocator {
   }
 };
 
+// The cuBLAS workspace a stream's state takes from the allocator, as
+// PyTorch sizes one: 32 MiB from compute capability 9, else 4 MiB.
+int64_t WorkspaceBytes() {
+  cudaDeviceProp properties;
+  EXPECT_EQ(cudaGetDeviceProperties(&properties, 0), cudaSuccess);
+  return properties.major >= 9 ? int64_t{32} << 20 : int64_t{4} << 20;
+}
+
+// The address of the one live allocation of WorkspaceBytes() in `sizes`
+// (a lent allocator's live blocks), or 0 (a failure) where there is not
+// exactly one.
+uintptr_t WorkspaceIn(const std::map<uintptr_t, int64_t>& sizes) {
+  uintptr_t found = 0;
+  int count = 0;
+  for (const auto& [data, bytes] : sizes) {
+    if (bytes == WorkspaceBytes()) {
+      found = data;
+      ++count;
+    }
+  }
+  EXPECT_EQ(count, 1) << "live allocations of the cuBLAS workspace's size";
+  return count == 1 ? found : 0;
+}
+
 // With an allocator lent (as the binding lends torch's caching allocator),
 // a run goes on the caller's stream itself and takes every workspace from
 // the allocator, on that stream, and hands each back: the same results as
@@ -627,7 +652,8 @@ absl::StatusOr<Split> StartOn(Place& place, const Case& c,
 
 // StartOn with a CountingAllocator lent for the forward pass: the split,
 // the allocator (which the state keeps), and the bytes and allocations it
-// left live.
+// left live, less the stream state's cuBLAS workspace (which the split
+// keeps alive with the state, but which is not the split's).
 struct Counted {
   Split split;
   CountingAllocator allocator;
@@ -640,9 +666,10 @@ absl::StatusOr<Counted> StartCounted(DevicePlace& gpu, const Case& c,
   absl::StatusOr<Split> split = StartOn(gpu, c, batch);
   SetTorchAllocator(std::nullopt);
   if (!split.ok()) return split.status();
-  const int64_t held = allocator.counts->live;
+  EXPECT_NE(WorkspaceIn(allocator.counts->sizes), 0u);
+  const int64_t held = allocator.counts->live - WorkspaceBytes();
   const int64_t allocations =
-      static_cast<int64_t>(allocator.counts->sizes.size());
+      static_cast<int64_t>(allocator.counts->sizes.size()) - 1;
   return Counted{*std::move(split), std::move(allocator), held, allocations};
 }
 
@@ -1316,8 +1343,11 @@ TEST(CudaDeviceMetadataTest, SplitStateCountsItsRows) {
     Held h;
     h.stat = started->forward.stats.saved_bytes;
     h.saved = started->saved->saved_bytes();
-    h.live = allocator.counts->live;
-    h.allocations = static_cast<int64_t>(allocator.counts->sizes.size());
+    // Less the stream state's cuBLAS workspace, kept with the state.
+    EXPECT_NE(WorkspaceIn(allocator.counts->sizes), 0u);
+    h.live = allocator.counts->live - WorkspaceBytes();
+    h.allocations =
+        static_cast<int64_t>(allocator.counts->sizes.size()) - 1;
     ObjectiveOutputs g;
     g.grad_hidden = gpu.Zeros("grad_hidden", "float32", {kB, kN, kK, kH});
     g.grad_weight = gpu.Zeros("grad_weight", "float32", {kV, kH});
@@ -1571,9 +1601,18 @@ TEST(CudaDeviceResultsObjectiveTest, CapturedCallsEqualTheSynchronousCalls) {
                                gpu.stream(), nullptr)
           .status();
     };
-    // Uncaptured first: the stream's state (its cuBLAS handle) is made.
+    // Uncaptured first: the stream's state (its cuBLAS handle and the
+    // handle's workspace, from the lent allocator on this stream) is made.
     ASSERT_TRUE(enqueue().ok());
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::map<uintptr_t, int64_t> live_sizes;
+    for (const auto& [data, block] : lent.counts->blocks) {
+      live_sizes[data] = block.first;
+      EXPECT_EQ(block.second, gpu.stream());
+    }
+    // The workspace is all that is left live by the uncaptured call.
+    ASSERT_NE(WorkspaceIn(live_sizes), 0u);
+    EXPECT_EQ(lent.counts->live, WorkspaceBytes());
     const int64_t live = lent.counts->live, calls = lent.counts->calls;
     const size_t streams = lent.counts->streams.size();
     ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
@@ -1689,6 +1728,90 @@ TEST(CudaDeviceResultsObjectiveTest, CapturedCallsEqualTheSynchronousCalls) {
     EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   }
   SetTorchAllocator(std::nullopt);
+  // The stream's state went with the lending, its workspace with it.
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(lent.counts->live, 0);
+}
+
+// A stream's state gives its cuBLAS handle a workspace from the lent
+// allocator, of PyTorch's size: the products write there (the emulation's
+// GEMM overwrites the head of a caller's workspace, as cuBLAS may), it is
+// live while a split run keeps the state after the lending ends, and it
+// goes back with the state.
+TEST(CudaStreamStateTest, ItsCublasHandleHasAWorkspaceFromTheAllocator) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const Case c{{"dflash", false, false}, "float32", "checkpoint"};
+  CountingAllocator lent;
+  const std::shared_ptr<CountingAllocator::Counts> counts = lent.counts;
+  SetTorchAllocator(lent.Lent());
+  absl::StatusOr<Split> split = StartOn(gpu, c, Batch(7));
+  SetTorchAllocator(std::nullopt);
+  ASSERT_TRUE(split.ok()) << split.status();
+  const uintptr_t workspace = WorkspaceIn(counts->sizes);
+  ASSERT_NE(workspace, 0u);
+  // Cleared, then the backward's products run on the state's handle.
+  constexpr int64_t kHead = 256;
+  void* const at = reinterpret_cast<void*>(workspace);
+  ASSERT_EQ(cudaMemsetAsync(at, 0, kHead,
+                            reinterpret_cast<cudaStream_t>(gpu.stream())),
+            cudaSuccess);
+  absl::StatusOr<Gradients> gradients =
+      BackwardOn(gpu, *split->started.saved, split->call, 1.0);
+  ASSERT_TRUE(gradients.ok()) << gradients.status();
+  std::vector<unsigned char> head(kHead);
+  ASSERT_EQ(cudaMemcpyAsync(head.data(), at, kHead, cudaMemcpyDeviceToHost,
+                            reinterpret_cast<cudaStream_t>(gpu.stream())),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(gpu.stream())),
+            cudaSuccess);
+  EXPECT_NE(head, std::vector<unsigned char>(kHead, 0))
+      << "no product wrote the workspace the state allocated";
+  EXPECT_EQ(counts->sizes.count(workspace), 1u);  // Live with the state.
+  split->started.saved.reset();
+  EXPECT_EQ(counts->sizes.count(workspace), 0u);
+  EXPECT_EQ(counts->live, 0);
+}
+
+// The first call on a stream makes its state (cuBLAS handle, workspace),
+// which a capture cannot hold: made while the stream captures, it is
+// refused by name, nothing queued or allocated, and the capture ends
+// cleanly. Run uncaptured, the same call goes.
+TEST(CudaStreamStateTest, AFirstCallInACaptureIsRefused) {
+  DevicePlace gpu;
+  DFLASH_SKIP_WITHOUT_GPU(gpu.Open());
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(gpu.stream());
+  absl::StatusOr<Call> call =
+      DeviceResultsCall(gpu, {"dflash", false, false}, "fused", Batch(3),
+                        /*device=*/true, /*gradients=*/true);
+  ASSERT_TRUE(call.ok()) << call.status();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  StreamOrderedAllocator lent;
+  SetTorchAllocator(lent.Lent());
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+            cudaSuccess);
+  const absl::StatusOr<HeadResult> refused = RunObjective(
+      call->config, call->tensors, call->outputs, call->options);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(
+      std::string(refused.status().message()),
+      ::testing::AllOf(
+          ::testing::HasSubstr(absl::StrFormat("CUDA stream 0x%x on device 0",
+                                               gpu.stream())),
+          ::testing::HasSubstr("the first call on a stream must run "
+                               "uncaptured"),
+          ::testing::HasSubstr("run one call on this stream before "
+                               "capturing (a warm-up on the stream the "
+                               "graph captures on")));
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(lent.counts->calls, 0);
+  const absl::StatusOr<HeadResult> warm = RunObjective(
+      call->config, call->tensors, call->outputs, call->options);
+  EXPECT_TRUE(warm.ok()) << warm.status();
+  SetTorchAllocator(std::nullopt);
 }
 
 // The binding's refusals: the buffer without the field and the field
@@ -1722,6 +1845,26 @@ TEST(CudaDeviceResultsObjectiveTest, Refusals) {
                      missing.options);
   EXPECT_THAT(std::string(run.status().message()),
               ::testing::HasSubstr("head.device_results is not set"));
+  // Labels on the host: their rows would be copied from pageable memory,
+  // which a capture cannot hold.
+  missing.config.mutable_head()->set_device_results(true);
+  missing.tensors.target_ids =
+      missing.host->Tensor("target_ids", batch.ids, "int64", {kB, kN, kK});
+  run = RunObjective(missing.config, missing.tensors, missing.outputs,
+                     missing.options);
+  EXPECT_EQ(run.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(run.status().message(),
+            "device_results: needs target_ids and weight_mask on hidden's "
+            "device (cuda:0), got target_ids on cpu and weight_mask on cuda:0 "
+            "(host labels are copied from pageable memory, which a CUDA graph "
+            "cannot capture)");
+  missing.tensors.weight_mask =
+      missing.host->Tensor("weight_mask", batch.mask, "float32", {kB, kN, kK});
+  run = RunObjective(missing.config, missing.tensors, missing.outputs,
+                     missing.options);
+  EXPECT_THAT(std::string(run.status().message()),
+              ::testing::HasSubstr("got target_ids on cpu and weight_mask on "
+                                   "cpu"));
   absl::StatusOr<Call> split =
       DeviceResultsCall(gpu, dflash, "checkpoint", batch, /*device=*/false,
                         /*gradients=*/false);

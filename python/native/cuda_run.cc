@@ -14,10 +14,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/bfloat16.h"
 #include "base/cublas_library.h"
 #include "base/cuda_stream.h"
 #include "base/status_macros.h"
+#include "base/tracking_allocator.h"
 #include "heads/cuda_head.h"
 #include "heads/cuda_projection.h"
 #include "losses/device_results.h"
@@ -32,8 +34,9 @@ absl::Status Check(cudaError_t error, const char* what) {
 }
 
 // What a device keeps between calls: the head's stream, its cuBLAS handle
-// (milliseconds to create) and the two events that order it on torch's
-// stream (made when first needed). `mu` serialises the calls on the
+// (milliseconds to create) with a workspace of its own (so that cuBLAS
+// never allocates during a capture), and the two events that order it on
+// torch's stream (made when first needed). `mu` serialises the calls on the
 // stream; `owner` is the thread holding it for a run (OrderedOn), and
 // `deferred` the split runs destroyed on that thread meanwhile: the lent
 // allocator's callbacks run Python there, whose garbage collector may free
@@ -46,7 +49,10 @@ struct DeviceState {
     }
   }
   std::mutex mu;
+  // Declared in this order so that the handle goes first, then the
+  // workspace it uses, then the stream whose allocator served it.
   std::unique_ptr<CudaStream> stream;
+  TrackedBuffer<uint8_t> workspace;
   std::unique_ptr<CublasHandle> blas;
   cudaEvent_t after_torch = nullptr;
   cudaEvent_t after_head = nullptr;
@@ -54,28 +60,84 @@ struct DeviceState {
   std::vector<std::shared_ptr<void>> deferred;
 };
 
-// The state of the current device's own stream, made on first use. Lives
-// until exit: torch's CUDA context outlives any Python object.
-absl::StatusOr<std::shared_ptr<DeviceState>> StateOf(int device) {
+// The cuBLAS workspace of a handle on `device`, sized as PyTorch sizes its
+// own (cuBLAS's recommendation): 32 MiB from compute capability 9 (Hopper),
+// else 4 MiB.
+absl::StatusOr<int64_t> CublasWorkspaceBytes(int device) {
+  cudaDeviceProp properties;
+  DFLASH_RETURN_IF_ERROR(Check(cudaGetDeviceProperties(&properties, device),
+                               "cudaGetDeviceProperties"));
+  return properties.major >= 9 ? int64_t{32} << 20 : int64_t{4} << 20;
+}
+
+// `state`'s cuBLAS handle on its stream, with a workspace from the stream's
+// allocator (torch's when lent) that lives as long as the handle: without
+// one cuBLAS would take its own from cudaMalloc on a product's first use,
+// which a capture cannot hold.
+absl::Status MakeHandle(DeviceState& state, int device) {
+  DFLASH_ASSIGN_OR_RETURN(const int64_t bytes, CublasWorkspaceBytes(device));
+  DFLASH_ASSIGN_OR_RETURN(
+      state.workspace,
+      TrackedBuffer<uint8_t>::Create(state.stream->allocator(), bytes));
+  DFLASH_ASSIGN_OR_RETURN(state.blas, CublasHandle::Create(*state.stream));
+  return state.blas->SetWorkspace(state.workspace.data(), bytes);
+}
+
+// FailedPrecondition where torch's `stream` is capturing a CUDA graph: a
+// first call on it would make its state (cudaStreamCreate, cublasCreate,
+// the workspace's allocation) inside the capture, which breaks it with a
+// CUDA error naming none of this.
+absl::Status RefuseFirstCallInCapture(int device, uintptr_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t error =
+      cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status);
+  if (error != cudaSuccess) {
+    // Not left for the run's next cudaGetLastError to report as its own.
+    cudaGetLastError();
+    // The legacy default stream while a blocking stream captures.
+    if (error != cudaErrorStreamCaptureImplicit) {
+      return Check(error, "cudaStreamIsCapturing");
+    }
+  } else if (status == cudaStreamCaptureStatusNone) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "CUDA stream 0x%x on device %d: the first call on a stream must run "
+      "uncaptured, but this one came while a CUDA graph is being captured "
+      "(it makes the stream's cuBLAS handle and workspace, which cannot be "
+      "captured); run one call on this stream before capturing (a warm-up "
+      "on the stream the graph captures on: with torch.cuda.graph, pass "
+      "the warm-up's stream as its stream=)",
+      stream, device));
+}
+
+// The state of the current device's own stream, made on first use (not
+// while torch's `stream` captures). Lives until exit: torch's CUDA context
+// outlives any Python object.
+absl::StatusOr<std::shared_ptr<DeviceState>> StateOf(int device,
+                                                     uintptr_t stream) {
   static std::mutex mu;
   static auto& states = *new std::map<int, std::shared_ptr<DeviceState>>();
   std::lock_guard<std::mutex> lock(mu);
   std::shared_ptr<DeviceState>& state = states[device];
   if (state != nullptr) return state;
+  DFLASH_RETURN_IF_ERROR(RefuseFirstCallInCapture(device, stream));
   auto created = std::make_shared<DeviceState>();
   DFLASH_ASSIGN_OR_RETURN(created->stream, CudaStream::Create());
-  DFLASH_ASSIGN_OR_RETURN(created->blas,
-                          CublasHandle::Create(*created->stream));
+  DFLASH_RETURN_IF_ERROR(MakeHandle(*created, device));
   state = std::move(created);
   return state;
 }
 
 // The allocator SetTorchAllocator lent, and the states of the torch streams
 // runs were queued on with it (keyed by device and stream; dropped when the
-// allocator changes, each kept alive by the runs using it).
+// allocator changes, each kept alive by the runs using it). `lent` counts
+// the allocators set, so that a state made with one is not kept for the
+// next.
 struct Lent {
   std::mutex mu;
   std::optional<TorchAllocator> allocator;
+  uint64_t lent = 0;
   std::map<std::pair<int, uintptr_t>, std::shared_ptr<DeviceState>> states;
 };
 
@@ -85,15 +147,24 @@ Lent& LentAllocator() {
 }
 
 // The state over torch's `stream` on `device` with the lent allocator, or
-// null when none is lent.
+// null when none is lent. A new one is made without `lent.mu` held: its
+// workspace comes from the lent allocator, whose callbacks take the GIL,
+// which a thread setting the allocator holds while it waits for `lent.mu`.
 absl::StatusOr<std::shared_ptr<DeviceState>> TorchStreamState(
     int device, uintptr_t stream) {
   Lent& lent = LentAllocator();
-  std::lock_guard<std::mutex> lock(lent.mu);
-  if (!lent.allocator.has_value()) return std::shared_ptr<DeviceState>();
-  std::shared_ptr<DeviceState>& state = lent.states[{device, stream}];
-  if (state != nullptr) return state;
-  const TorchAllocator allocator = *lent.allocator;
+  std::optional<TorchAllocator> lent_allocator;
+  uint64_t lent_count = 0;
+  {
+    std::lock_guard<std::mutex> lock(lent.mu);
+    if (!lent.allocator.has_value()) return std::shared_ptr<DeviceState>();
+    const auto found = lent.states.find({device, stream});
+    if (found != lent.states.end()) return found->second;
+    lent_allocator = lent.allocator;
+    lent_count = lent.lent;
+  }
+  DFLASH_RETURN_IF_ERROR(RefuseFirstCallInCapture(device, stream));
+  const TorchAllocator allocator = *std::move(lent_allocator);
   DeviceAllocatorHook hook;
   hook.allocate = [allocator, device](int64_t bytes, CUstream_st* on)
       -> absl::StatusOr<void*> {
@@ -109,9 +180,17 @@ absl::StatusOr<std::shared_ptr<DeviceState>> TorchStreamState(
   DFLASH_ASSIGN_OR_RETURN(
       created->stream,
       CudaStream::Wrap(reinterpret_cast<CUstream_st*>(stream), &hook));
-  DFLASH_ASSIGN_OR_RETURN(created->blas,
-                          CublasHandle::Create(*created->stream));
-  state = std::move(created);
+  DFLASH_RETURN_IF_ERROR(MakeHandle(*created, device));
+  std::shared_ptr<DeviceState> state = created;
+  {
+    std::lock_guard<std::mutex> lock(lent.mu);
+    // Kept for the stream's next calls unless another thread made one
+    // meanwhile (that one is used; this one is freed below, the lock let
+    // go) or the allocator changed (this one serves this call alone).
+    if (lent.lent == lent_count) {
+      state = lent.states.try_emplace({device, stream}, created).first->second;
+    }
+  }
   return state;
 }
 
@@ -140,7 +219,7 @@ absl::StatusOr<std::shared_ptr<DeviceState>> StateFor(int device,
   DFLASH_ASSIGN_OR_RETURN(std::shared_ptr<DeviceState> on_torch,
                           TorchStreamState(device, stream));
   if (on_torch != nullptr) return on_torch;
-  return StateOf(device);
+  return StateOf(device, stream);
 }
 
 // `state.mu` held by this thread for a run (OrderedOn): frees the split
@@ -351,9 +430,13 @@ bool BuiltWithCuda() { return true; }
 
 void SetTorchAllocator(std::optional<TorchAllocator> allocator) {
   Lent& lent = LentAllocator();
+  // Freed after the lock is let go: their workspaces go back through the
+  // allocator that served them, whose callbacks take the GIL.
+  std::map<std::pair<int, uintptr_t>, std::shared_ptr<DeviceState>> dropped;
   std::lock_guard<std::mutex> lock(lent.mu);
   lent.allocator = std::move(allocator);
-  lent.states.clear();
+  ++lent.lent;
+  dropped.swap(lent.states);
 }
 
 void SetCudaLibraryDirs(std::vector<std::string> dirs) {

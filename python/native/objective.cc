@@ -699,6 +699,19 @@ absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
       CheckPrepared(options.prepared_projection, tensors, checked.bound));
   DFLASH_RETURN_IF_ERROR(
       CheckDeviceResultsTensor(options.device_results, tensors, checked.bound));
+  // Host rows would reach the device by a copy from pageable memory, which
+  // a CUDA graph cannot capture (and a replay would read a vector freed
+  // with this call): device results need the rows built on the device.
+  if (options.device_results.has_value() && tensors.hidden.on_cuda() &&
+      !(tensors.target_ids.on_cuda() && tensors.weight_mask.on_cuda())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device_results: needs target_ids and weight_mask on hidden's device (",
+        tensors.hidden.device, "), got target_ids on ",
+        tensors.target_ids.device, " and weight_mask on ",
+        tensors.weight_mask.device,
+        " (host labels are copied from pageable memory, which a CUDA graph "
+        "cannot capture)"));
+  }
   // Metadata on a CUDA hidden's device (CheckTensors: hidden's) stays
   // there: the head builds the rows (nothing read back before its work is
   // queued). Otherwise the rows are made on the host, a lone device tensor
