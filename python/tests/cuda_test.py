@@ -510,7 +510,9 @@ class DeviceResultsTest(unittest.TestCase):
     def test_captured_in_a_cuda_graph(self):
         # torch.cuda.graph's recipe: warm up on a side stream, capture the
         # whole step (forward and backward, the gradients' buffers made
-        # inside), replay with new inputs copied into the captured ones.
+        # inside) on that same stream (the head refuses a first call on a
+        # capturing stream: it opens cuBLAS there), replay with new inputs
+        # copied into the captured ones.
         f = DEVICE_RESULTS_FAMILIES[0]
         batches = [reference.batch(seed=46 + i) for i in range(3)]
         for mode in ("FUSED", "CHECKPOINT"):
@@ -526,7 +528,7 @@ class DeviceResultsTest(unittest.TestCase):
                 torch.cuda.current_stream().wait_stream(side)
                 hidden.grad = weight.grad = None
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, stream=side):
                     terms = self.step(f, mode, inputs)
                 for data in batches[1:]:
                     with torch.no_grad():
