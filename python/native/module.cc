@@ -587,9 +587,11 @@ py::tuple StartObjectiveFromPython(
   auto state = std::make_unique<SavedHead>();
   state->saved = std::move(value.saved);
   state->on_cuda = tensors.hidden.on_cuda();
+  // device_results too: the backward reads its status words and latches
+  // a non-finite upstream there.
   for (py::handle t : {hidden, weight, bias, teacher_hidden,
                        confidence_logits, correction_inputs,
-                       correction_weight}) {
+                       correction_weight, device_results}) {
     state->borrowed.push_back(py::reinterpret_borrow<py::object>(t));
   }
   state->borrowed.push_back(prepared);
