@@ -1083,9 +1083,11 @@ __global__ void DeviceScalesKernel(double* finish, double* results,
     for (int64_t i = kResultLoss; i < DeviceResultsSize(block_size); ++i) {
       results[i] = poison;
     }
-    // NaN, not u x scale: an infinite upstream times a zero scale would
-    // leave a gradient of 0 or inf.
-    finish[kFinishScaledGradient] = finish[kFinishScaledConfidence] = poison;
+    // Every finish slot, as DeviceFinish poisons them: NaN, not u x scale
+    // (an infinite upstream times a zero scale would leave 0 or inf), and a
+    // later Backward of the same run, finite upstream or not, scales by NaN
+    // too while the word stays set.
+    for (int i = 0; i < kFinishSlots; ++i) finish[i] = poison;
     return;
   }
   finish[kFinishScaledGradient] = u * finish[kFinishGradientScale];

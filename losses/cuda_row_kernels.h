@@ -248,7 +248,8 @@ void LaunchPoisonRowOutputs(const double* results, const RowOutputs& out,
 // times_denominator) x the finished scale, queued. Where that upstream is
 // not finite and `results`' status words (DeviceResultsSize(block_size)
 // doubles) are clear, UpstreamErrorCode goes into its loss word and NaN
-// into its other slots and both scales, as DeviceFinish's poisoning does.
+// into its other slots and every finish slot, as DeviceFinish's poisoning
+// does (a later Backward of the run scales by NaN too).
 void LaunchDeviceScales(double* finish, double* results, int32_t block_size,
                         double upstream, const void* device_upstream,
                         bool upstream_float, bool times_denominator,

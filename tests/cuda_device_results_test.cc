@@ -29,7 +29,8 @@
 //   CheckDeviceResults returns the synchronous run's Status, word for
 //   word; the next good launch is correct again;
 // - a split launch whose device upstream is NaN, inf or -inf: the same, with
-//   the synchronous Backward's refusal of that upstream;
+//   the synchronous Backward's refusal of that upstream, kept through a
+//   second Backward of the run with a finite upstream;
 // - the refusals: a CPU head, COMPACT, domino, a missing or unwanted
 //   buffer, a device upstream without the option.
 // Skipped, with the reason, where no GPU is usable.
@@ -629,6 +630,39 @@ TEST(CudaDeviceResultsTest, NonFiniteDeviceUpstreamIsLatched) {
         for (double g : gradients[i]) {
           ASSERT_TRUE(std::isnan(g)) << "gradient " << i << ": " << g;
         }
+      }
+    }
+    // Uncaptured, the same run's second Backward with a finite upstream
+    // keeps the error and NaN gradients (a split run may run Backward more
+    // than once): the word stays set until the next forward.
+    {
+      Data data = MakeData(7);
+      data.upstream = std::nanf("");
+      b.Load(data, stream);
+      absl::StatusOr<CudaRows> rows = BuildCudaRows(
+          config, Ids(b.ids), Masks(b.masks), kB, kN, stream);
+      ASSERT_TRUE(rows.ok()) << rows.status();
+      HeadOptions options;
+      options.device_results = b.results.data();
+      // Borrowed by the run until it is destroyed.
+      const v1::ObjectiveConfig device_config = WithDeviceResults(config);
+      auto run = StartCudaHead<float>(device_config, b.Inputs(rows->view()),
+                                      *gpu->blas, b.RowOutputs(), options);
+      ASSERT_TRUE(run.ok()) << run.status();
+      DeviceUpstream upstream;
+      upstream.value = b.upstream.data();
+      upstream.is_float = true;
+      upstream.of_loss_num = true;
+      ASSERT_TRUE((*run)->Backward(upstream, b.Gradients(), nullptr).ok());
+      const absl::Status first =
+          CheckDeviceResults(config, b.results.data(), stream);
+      EXPECT_EQ(first.code(), absl::StatusCode::kInvalidArgument) << first;
+      Write(b.upstream, std::vector<float>{1}, stream);
+      const auto second = (*run)->Backward(upstream, b.Gradients(), nullptr);
+      ASSERT_TRUE(second.ok()) << second.status();
+      EXPECT_EQ(CheckDeviceResults(config, b.results.data(), stream), first);
+      for (double g : Read(b.grad_hidden, stream)) {
+        ASSERT_TRUE(std::isnan(g)) << g;
       }
     }
     // The next launch with a finite upstream is clean again.
