@@ -101,50 +101,9 @@ Result OnCpu(const v1::ObjectiveConfig& config, const Case& c) {
   return r;
 }
 
-template <typename T>
-TrackedBuffer<T> Upload(const std::vector<double>& host, CudaStream& stream) {
-  std::vector<T> values;
-  for (double x : host) values.push_back(FromDouble<T>(x));
-  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
-                                         static_cast<int64_t>(values.size()));
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_TRUE(
-      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
-  return *std::move(buffer);
-}
-
-template <typename T>
-std::vector<double> Download(const TrackedBuffer<T>& buffer,
-                             CudaStream& stream) {
-  std::vector<T> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  std::vector<double> out;
-  for (const T& x : host) out.push_back(AsDouble(x));
-  return out;
-}
-
 // [rows] ids, 7 each: the head must overwrite every one.
 TrackedBuffer<int32_t> UploadIds(int64_t rows, CudaStream& stream) {
-  const std::vector<int32_t> values(rows, 7);
-  auto buffer = TrackedBuffer<int32_t>::Create(stream.allocator(), rows);
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_TRUE(
-      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
-  return *std::move(buffer);
-}
-
-std::vector<int32_t> DownloadIds(const TrackedBuffer<int32_t>& buffer,
-                                 CudaStream& stream) {
-  std::vector<int32_t> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  return host;
-}
-
-template <typename T>
-absl::Span<T> Span(TrackedBuffer<T>& b) {
-  return absl::MakeSpan(b.data(), b.size());
+  return Upload<int32_t>(std::vector<int32_t>(rows, 7), stream);
 }
 
 template <typename T>
@@ -190,9 +149,9 @@ Result OnGpu(v1::ObjectiveConfig config, const Case& c, Gpu& gpu) {
     row_outputs.base_argmax = Span(base_argmax);
     row_outputs.teacher_argmax = Span(teacher_argmax);
     r.head = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, row_outputs);
-    r.argmax = DownloadIds(argmax, stream);
-    r.base_argmax = DownloadIds(base_argmax, stream);
-    r.teacher_argmax = DownloadIds(teacher_argmax, stream);
+    r.argmax = CopyBack(argmax, stream);
+    r.base_argmax = CopyBack(base_argmax, stream);
+    r.teacher_argmax = CopyBack(teacher_argmax, stream);
     r.grad_hidden = Download(grad_hidden, stream);
     r.grad_z = Download(grad_z, stream);
     r.grad_m = Download(grad_m, stream);

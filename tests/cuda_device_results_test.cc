@@ -97,21 +97,6 @@ void Write(TrackedBuffer<T>& buffer, const std::vector<T>& host,
   ASSERT_TRUE(stream.Synchronize().ok());
 }
 
-template <typename T>
-std::vector<double> Read(const TrackedBuffer<T>& buffer, CudaStream& stream) {
-  std::vector<T> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  std::vector<double> out;
-  for (const T& x : host) out.push_back(AsDouble(x));
-  return out;
-}
-
-template <typename T>
-absl::Span<T> Span(TrackedBuffer<T>& b) {
-  return absl::MakeSpan(b.data(), b.size());
-}
-
 // One launch's data: hidden states, labels [B, N, K] and the upstream.
 struct Data {
   Batch batch;
@@ -239,14 +224,14 @@ struct Buffers {
   }
   // neg_log_q, loss_weight, top_k_values, argmax, top_k.
   std::vector<std::vector<double>> HostRowOutputs(CudaStream& stream) const {
-    return {Read(neg_log_q, stream), Read(loss_weight, stream),
-            Read(top_k_values, stream), Read(argmax, stream),
-            Read(top_k, stream)};
+    return {Download(neg_log_q, stream), Download(loss_weight, stream),
+            Download(top_k_values, stream), Download(argmax, stream),
+            Download(top_k, stream)};
   }
   std::vector<std::vector<double>> HostGradients(CudaStream& stream) const {
-    return {Read(grad_hidden, stream), Read(grad_weight, stream),
-            Read(grad_bias, stream), Read(grad_confidence, stream),
-            Read(grad_z, stream), Read(grad_m, stream)};
+    return {Download(grad_hidden, stream), Download(grad_weight, stream),
+            Download(grad_bias, stream), Download(grad_confidence, stream),
+            Download(grad_z, stream), Download(grad_m, stream)};
   }
 
   TrackedBuffer<T> hidden, teacher;
@@ -547,11 +532,11 @@ TEST(CudaDeviceResultsTest, ErrorsAreLatchedAndReportedAsSynchronously) {
       EXPECT_EQ(got, want.status());
       EXPECT_EQ(ReadDeviceResults(config, b.results.data(), stream).status(),
                 want.status());
-      std::vector<double> raw = Read(b.results, stream);
+      std::vector<double> raw = Download(b.results, stream);
       for (int64_t i = kResultLoss; i < DeviceResultsSize(kK); ++i) {
         EXPECT_TRUE(std::isnan(raw[i])) << "slot " << i;
       }
-      for (double g : Read(b.grad_hidden, stream)) {
+      for (double g : Download(b.grad_hidden, stream)) {
         ASSERT_TRUE(std::isnan(g));
       }
       // The row outputs the synchronous run never returns: NaN values, -1
@@ -621,7 +606,7 @@ TEST(CudaDeviceResultsTest, NonFiniteDeviceUpstreamIsLatched) {
       EXPECT_EQ(got, want.status());
       EXPECT_EQ(ReadDeviceResults(config, b.results.data(), stream).status(),
                 want.status());
-      std::vector<double> raw = Read(b.results, stream);
+      std::vector<double> raw = Download(b.results, stream);
       for (int64_t i = kResultLoss; i < DeviceResultsSize(kK); ++i) {
         EXPECT_TRUE(std::isnan(raw[i])) << "slot " << i;
       }
@@ -661,7 +646,7 @@ TEST(CudaDeviceResultsTest, NonFiniteDeviceUpstreamIsLatched) {
       const auto second = (*run)->Backward(upstream, b.Gradients(), nullptr);
       ASSERT_TRUE(second.ok()) << second.status();
       EXPECT_EQ(CheckDeviceResults(config, b.results.data(), stream), first);
-      for (double g : Read(b.grad_hidden, stream)) {
+      for (double g : Download(b.grad_hidden, stream)) {
         ASSERT_TRUE(std::isnan(g)) << g;
       }
     }

@@ -94,31 +94,6 @@ TrackedBuffer<char> UploadBytes(const std::vector<V>& host,
   return *std::move(buffer);
 }
 
-template <typename T>
-TrackedBuffer<T> Upload(const std::vector<double>& host, CudaStream& stream) {
-  std::vector<T> values(host.begin(), host.end());
-  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
-                                         static_cast<int64_t>(values.size()));
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_TRUE(
-      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
-  return *std::move(buffer);
-}
-
-template <typename T>
-std::vector<double> Download(const TrackedBuffer<T>& buffer,
-                             CudaStream& stream) {
-  std::vector<T> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  return std::vector<double>(host.begin(), host.end());
-}
-
-template <typename T>
-absl::Span<T> Span(TrackedBuffer<T>& b) {
-  return absl::MakeSpan(b.data(), b.size());
-}
-
 // The labels on the device in the given dtypes; `transposed` stores them
 // [B, K, N] and passes strides that read them as [B, N, K].
 struct DeviceLabels {

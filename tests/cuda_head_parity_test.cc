@@ -33,32 +33,6 @@ using namespace head_test;  // NOLINT: the suite's shared vocabulary.
   absl::StatusOr<Gpu> gpu = OpenGpu(); \
   DFLASH_SKIP_WITHOUT_GPU(gpu.status())
 
-// A device copy of host values (empty stays empty).
-template <typename T, typename U>
-TrackedBuffer<T> Upload(const std::vector<U>& host, CudaStream& stream) {
-  std::vector<T> values;
-  for (const U& x : host) values.push_back(FromDouble<T>(x));
-  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
-                                         static_cast<int64_t>(values.size()));
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_TRUE(
-      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
-  return *std::move(buffer);
-}
-
-template <typename T>
-std::vector<T> Download(const TrackedBuffer<T>& buffer, CudaStream& stream) {
-  std::vector<T> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  return host;
-}
-
-template <typename T>
-absl::Span<T> Span(TrackedBuffer<T>& b) {
-  return absl::MakeSpan(b.data(), b.size());
-}
-
 // One RunCudaHead of `config` over `b`, results back on the host.
 struct GpuRun {
   absl::StatusOr<HeadResult> result;
@@ -111,13 +85,13 @@ GpuRun RunOnGpu(const v1::ObjectiveConfig& config, const Batch& b, Gpu& gpu) {
     run.result = RunCudaHead<T>(config, inputs, gradients, *gpu.blas, outputs);
     run.idle_on_return = stream.Idle();
     RunOutputs& o = run.outputs;
-    o.grad_hidden = AsDoubles(Download(grad_hidden, stream));
-    o.grad_weight = AsDoubles(Download(grad_weight, stream));
-    o.grad_bias = AsDoubles(Download(grad_bias, stream));
-    o.grad_confidence = AsDoubles(Download(grad_confidence, stream));
-    o.neg_log_q = Download(neg_log_q, stream);
-    o.argmax = Download(argmax, stream);
-    o.top_k = Download(top_k, stream);
+    o.grad_hidden = Download(grad_hidden, stream);
+    o.grad_weight = Download(grad_weight, stream);
+    o.grad_bias = Download(grad_bias, stream);
+    o.grad_confidence = Download(grad_confidence, stream);
+    o.neg_log_q = CopyBack(neg_log_q, stream);
+    o.argmax = CopyBack(argmax, stream);
+    o.top_k = CopyBack(top_k, stream);
   }
   EXPECT_TRUE(stream.Synchronize().ok());
   run.leaked_bytes = stream.allocator().current_bytes() - base;
@@ -264,9 +238,9 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
           RunCudaHead<float>(OnCuda(f32, v1::HeadConfig::FLOAT32), d_inputs,
                              d_gradients, *gpu->blas, d_outputs);
       ASSERT_TRUE(gpu_run.ok()) << gpu_run.status();
-      EXPECT_EQ(Download(d_ids, stream), ids);
-      const std::vector<float> got_values = Download(d_values, stream);
-      const std::vector<double> got_weights = Download(d_weights, stream);
+      EXPECT_EQ(CopyBack(d_ids, stream), ids);
+      const std::vector<float> got_values = CopyBack(d_values, stream);
+      const std::vector<double> got_weights = CopyBack(d_weights, stream);
       for (int64_t i = 0; i < n * kTopK; ++i) {
         EXPECT_NEAR(got_values[i], values[i], 1e-5 * (1 + std::abs(values[i])));
       }
@@ -312,14 +286,14 @@ TEST(CudaHeadTopKTest, ValuesDiagnosticsAndTheirBackwardMatchTheCpu) {
               absl::MakeConstSpan(d_grad_values.data(), d_grad_values.size()),
               kTopK, d_gradients, stream)
               .ok());
-      const std::vector<float> got_hidden = Download(d_grad_hidden, stream);
+      const std::vector<float> got_hidden = CopyBack(d_grad_hidden, stream);
       EXPECT_LT(RelativeNorm(AsDoubles(got_hidden), AsDoubles(grad_hidden)),
                 1e-5);
       if (trainable) {
-        EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_weight, stream)),
+        EXPECT_LT(RelativeNorm(Download(d_grad_weight, stream),
                                AsDoubles(grad_weight)),
                   1e-5);
-        EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_bias, stream)),
+        EXPECT_LT(RelativeNorm(Download(d_grad_bias, stream),
                                AsDoubles(grad_bias)),
                   1e-5);
       }
@@ -390,13 +364,13 @@ TEST(CudaHeadTopKTest, BFloat16BackwardMatchesTheCpu) {
           {Span(d_grad_hidden), Span(d_grad_weight), Span(d_grad_bias), {}},
           stream)
           .ok());
-  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_hidden, stream)),
+  EXPECT_LT(RelativeNorm(Download(d_grad_hidden, stream),
                          AsDoubles(grad_hidden)),
             1e-2);
-  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_weight, stream)),
+  EXPECT_LT(RelativeNorm(Download(d_grad_weight, stream),
                          AsDoubles(grad_weight)),
             2e-2);
-  EXPECT_LT(RelativeNorm(AsDoubles(Download(d_grad_bias, stream)),
+  EXPECT_LT(RelativeNorm(Download(d_grad_bias, stream),
                          AsDoubles(grad_bias)),
             2e-2);
 }
@@ -545,9 +519,9 @@ TEST(CudaHeadLargeTest, MaterializeBeyondTwoToThe31Logits) {
       RunCudaHead<float>(*config, inputs, gradients, *gpu->blas, outputs);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->loss_denominator, kRows);
-  const std::vector<float> got_grad = Download(grad_hidden, stream);
-  const std::vector<double> got_nlq = Download(neg_log_q, stream);
-  const std::vector<int32_t> got_argmax = Download(argmax, stream);
+  const std::vector<float> got_grad = CopyBack(grad_hidden, stream);
+  const std::vector<double> got_nlq = CopyBack(neg_log_q, stream);
+  const std::vector<int32_t> got_argmax = CopyBack(argmax, stream);
   const int64_t past = (int64_t{1} << 31) / kVocab;
   for (int64_t r :
        {int64_t{0}, int64_t{1}, past - 1, past, past + 7, kRows - 1}) {

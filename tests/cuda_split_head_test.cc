@@ -50,34 +50,6 @@ using head_test::MakeBatch;
 
 constexpr int64_t kRank = 3;
 
-template <typename T>
-TrackedBuffer<T> Upload(const std::vector<double>& host, CudaStream& stream) {
-  std::vector<T> values;
-  for (double x : host) values.push_back(FromDouble<T>(x));
-  auto buffer = TrackedBuffer<T>::Create(stream.allocator(),
-                                         static_cast<int64_t>(values.size()));
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_TRUE(
-      stream.CopyToDevice(buffer->data(), values.data(), buffer->bytes()).ok());
-  return *std::move(buffer);
-}
-
-template <typename T>
-std::vector<double> Download(const TrackedBuffer<T>& buffer,
-                             CudaStream& stream) {
-  std::vector<T> host(buffer.size());
-  EXPECT_TRUE(
-      stream.CopyToHost(host.data(), buffer.data(), buffer.bytes()).ok());
-  std::vector<double> out;
-  for (const T& x : host) out.push_back(AsDouble(x));
-  return out;
-}
-
-template <typename T>
-absl::Span<T> Span(TrackedBuffer<T>& b) {
-  return absl::MakeSpan(b.data(), b.size());
-}
-
 // A run's gradients on the device, filled with 7 (the head overwrites).
 template <typename T>
 struct DeviceGradients {
