@@ -88,7 +88,8 @@ class CudaHeadBackend final : public HeadBackend<T> {
     }
     DFLASH_ASSIGN_OR_RETURN(
         std::unique_ptr<CudaChunkLoss<T>> loss,
-        CudaChunkLoss<T>::Create(*spec.params, ChunkLossOptionsOf(config_),
+        CudaChunkLoss<T>::Create(*spec.params,
+                                 ChunkLossOptionsOf(config_, spec.vocab_shard),
                                  stream_, spec.max_chunk_rows));
     loss_ = std::move(loss);
     const int64_t rows = RowCount(*spec.inputs);
@@ -609,11 +610,6 @@ absl::Status CheckCudaHead(const v1::ObjectiveConfig& config,
                           "CUDA heads run FLOAT32 or BFLOAT16");
       !ok.ok()) {
     return ok;
-  }
-  if (options.vocab_shard != nullptr) {
-    return absl::InvalidArgumentError(
-        "vocab_shard: the CUDA head does not run vocab-parallel yet (run the "
-        "CPU head, or set none)");
   }
   if (config.head().device_results() && config.loss().has_domino()) {
     return absl::InvalidArgumentError(

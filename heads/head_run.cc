@@ -1017,6 +1017,12 @@ absl::Status CheckDeviceResultsOption(const v1::ObjectiveConfig& config,
         "options.device_results: a buffer is given but head.device_results "
         "is not set (the results are returned on the host)");
   }
+  if (config.head().device_results() && options.vocab_shard != nullptr) {
+    return absl::InvalidArgumentError(
+        "head.device_results: a vocab-parallel head merges each chunk's "
+        "statistics on the host, so it does not finish on the device; got "
+        "true with a vocab_shard");
+  }
   return absl::OkStatus();
 }
 

@@ -190,14 +190,8 @@ absl::Status CheckSize(const char* name, size_t size, int64_t expected,
 
 }  // namespace
 
-absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options,
-                                      bool vocab_parallel) {
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options) {
   if (const VocabShard* shard = options.vocab_shard; shard != nullptr) {
-    if (!vocab_parallel) {
-      return absl::InvalidArgumentError(
-          "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
-          "none, or run the CPU loss)");
-    }
     DFLASH_RETURN_IF_ERROR(CheckShardFields(*shard, 0, "vocab_shard"));
   }
   if (options.block_size <= 0) {
@@ -392,39 +386,19 @@ absl::StatusOr<RowStats> StatsForTarget(const LossParams& p, int32_t target,
 // order: this range's max, sum of exp(z' - max), target logit (-inf where
 // the target lies in another range) and argmax (a global id). ChunkPasses
 // adds a family's fields after these; Domino its base logits' four.
-enum ShardStatsField { kMax, kSumExp, kTargetLogit, kArgmax, kStatsBase };
+// A record's stats of a range (RangeStatsField, vocab_shard.h), then for
+// Domino the base logits' from here.
+constexpr int kStatsBase = kRangeStatsSize;
 
 // `s`, the stats of a range starting at class `offset` (its target logit
 // read where `here`), as a record's first kStatsBase fields at `out`.
 void PutRangeStats(const RowStats& s, bool here, int64_t offset,
                    double* out) {
-  out[kMax] = s.max_logit;
-  out[kSumExp] = std::exp(s.logsumexp - s.max_logit);
-  out[kTargetLogit] =
+  out[kRangeMax] = s.max_logit;
+  out[kRangeSumExp] = std::exp(s.logsumexp - s.max_logit);
+  out[kRangeTargetLogit] =
       here ? s.target_logit : -std::numeric_limits<double>::infinity();
-  out[kArgmax] = static_cast<double>(offset + s.argmax);
-}
-
-// Online softmax's merge of one more range's (max, sum of exp(x - max))
-// and its argmax: on ties the earlier range's, the lower id.
-void MergeRange(double max, double sum, double argmax, double& merged_max,
-                double& merged_sum, int32_t& merged_argmax) {
-  if (max > merged_max) {
-    merged_sum = merged_sum * std::exp(merged_max - max) + sum;
-    merged_max = max;
-    merged_argmax = static_cast<int32_t>(argmax);
-  } else {
-    merged_sum += sum * std::exp(max - merged_max);
-  }
-}
-
-// A row error about a range's logit v, with where the range starts.
-absl::Status RangeError(const absl::Status& status, int64_t offset) {
-  std::optional<RowErrorInfo> row = GetRowError(status);
-  if (!row) return status;
-  return RowError(row->row,
-                  absl::StrCat(row->detail, " (counted from class ", offset,
-                               ", this process's first)"));
+  out[kRangeArgmax] = static_cast<double>(offset + s.argmax);
 }
 
 // Domino's row on the CPU (family_passes.h's DominoPass): each row's base
@@ -464,7 +438,7 @@ class DominoRow {
   double mask() const { return mask_; }
   double weight() const { return weight_; }
 
-  // Vocab-parallel: this range's record of the row (ShardStatsField of the
+  // Vocab-parallel: this range's record of the row (RangeStatsField of the
   // final logits, then of the base logits at kStatsBase); its target is
   // in [0, vocab) of the whole vocabulary.
   absl::Status RangeStats(double* out) {
@@ -474,10 +448,10 @@ class DominoRow {
     const int32_t target = here ? static_cast<int32_t>(local) : 0;
     absl::StatusOr<RowStats> s =
         ComputeRowStats<W>(absl::MakeConstSpan(final_), target, r_);
-    if (!s.ok()) return RangeError(s.status(), offset_);
+    if (!s.ok()) return ShardRangeError(s.status(), offset_);
     absl::StatusOr<RowStats> b =
         ComputeRowStats<W>(absl::MakeConstSpan(base_), target, r_);
-    if (!b.ok()) return RangeError(b.status(), offset_);
+    if (!b.ok()) return ShardRangeError(b.status(), offset_);
     PutRangeStats(*s, here, offset_, out);
     PutRangeStats(*b, here, offset_, out + kStatsBase);
     return absl::OkStatus();
@@ -584,18 +558,11 @@ class DominoRow {
 };
 
 // The whole row's stats from every process's record fields from `field`
-// on (ShardStatsField), in rank order; the target logit its owner's.
+// on (RangeStatsField), in rank order; the target logit its owner's.
 RowStats MergeRangeStats(absl::Span<const double* const> records,
                          int field) {
-  const double lowest = -std::numeric_limits<double>::infinity();
-  double max = lowest, sum = 0, target_logit = 0;
-  int32_t argmax = 0;
-  for (const double* rec : records) {
-    const double* at = rec + field;
-    MergeRange(at[kMax], at[kSumExp], at[kArgmax], max, sum, argmax);
-    if (at[kTargetLogit] > lowest) target_logit = at[kTargetLogit];
-  }
-  return {max, max + std::log(sum), target_logit, argmax};
+  const MergedRangeStats m = MergeRangeRecords(records, field);
+  return {m.max, m.max + std::log(m.sum_exp), m.target_logit, m.argmax};
 }
 
 // Vocab-parallel Domino: every row's final and base stats over this range
@@ -1385,9 +1352,9 @@ class ChunkPasses {
     return absl::OkStatus();
   }
 
-  // A row's stats record: always kMax, kSumExp (of z' - max over this
-  // range), kTargetLogit (-inf where the target is not in this range) and
-  // kArgmax (global); then, as the chunk needs them (StatsLayout), the sum
+  // A row's stats record: always the RangeStatsField (max, sum of
+  // exp(z' - max) over this range, the target logit or -inf, the global
+  // argmax); then, as the chunk needs them (StatsLayout), the sum
   // of z' (label smoothing's mean), the teacher's max, sum of exp and
   // argmax, and top_k_ entries of (value, global id) and, for the teacher
   // diagnostics' mass, the teacher's logit there.
@@ -1436,7 +1403,7 @@ class ChunkPasses {
     return absl::OkStatus();
   }
 
-  // Row r's record over this range (ShardStatsField).
+  // Row r's record over this range (RangeStatsField).
   absl::Status AnalyseRange(int64_t r, const StatsLayout& layout,
                             double* out) {
     const int32_t target = inputs_.rows[r].target;
@@ -1449,7 +1416,7 @@ class ChunkPasses {
     absl::Span<W> z = source_.Draft(r);
     absl::StatusOr<RowStats> s =
         ComputeRowStats<W>(z, here ? static_cast<int32_t>(local) : 0, r);
-    if (!s.ok()) return RangeError(s.status(), offset_);
+    if (!s.ok()) return ShardRangeError(s.status(), offset_);
     PutRangeStats(*s, here, offset_, out);
     if (layout.sum >= 0) {
       double sum = 0;
@@ -1460,7 +1427,7 @@ class ChunkPasses {
     if (layout.teacher >= 0) {
       t = source_.Teacher(r);
       absl::StatusOr<RowStats> ts = ComputeRowStats<W>(t, 0, r);
-      if (!ts.ok()) return TeacherError(RangeError(ts.status(), offset_));
+      if (!ts.ok()) return TeacherError(ShardRangeError(ts.status(), offset_));
       out[layout.teacher] = ts->max_logit;
       out[layout.teacher + 1] = std::exp(ts->logsumexp - ts->max_logit);
       out[layout.teacher + 2] = static_cast<double>(offset_ + ts->argmax);
@@ -1489,12 +1456,10 @@ class ChunkPasses {
   void MergeStats(int64_t r, const StatsLayout& layout,
                   absl::Span<const double* const> records) {
     const double lowest = -std::numeric_limits<double>::infinity();
-    double max = lowest, sum = 0, target_logit = 0, mean_sum = 0;
-    double teacher_max = lowest, teacher_sum = 0;
-    int32_t argmax = 0, teacher_argmax = 0;
+    const MergedRangeStats merged = MergeRangeRecords(records, 0);
+    double mean_sum = 0, teacher_max = lowest, teacher_sum = 0;
+    int32_t teacher_argmax = 0;
     for (const double* rec : records) {
-      MergeRange(rec[kMax], rec[kSumExp], rec[kArgmax], max, sum, argmax);
-      if (rec[kTargetLogit] > lowest) target_logit = rec[kTargetLogit];
       if (layout.sum >= 0) mean_sum += rec[layout.sum];
       if (layout.teacher >= 0) {
         const double* teacher = rec + layout.teacher;
@@ -1502,10 +1467,11 @@ class ChunkPasses {
                    teacher_sum, teacher_argmax);
       }
     }
-    const double lse = max + std::log(sum);
+    const double lse = merged.max + std::log(merged.sum_exp);
     const int32_t target = inputs_.rows[r].target;
     // A row without a target class has -log q = 0 (StatsForTarget).
-    stats_[r] = {max, lse, HasTarget(target) ? target_logit : lse, argmax};
+    stats_[r] = {merged.max, lse,
+                 HasTarget(target) ? merged.target_logit : lse, merged.argmax};
     have_stats_[r] = true;
     mean_sum_[r] = mean_sum;
     if (!teacher_stats_.empty()) {
@@ -1715,7 +1681,7 @@ template <typename T>
 absl::StatusOr<CpuChunkLoss<T>> CpuChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options) {
   DFLASH_RETURN_IF_ERROR(
-      ValidateChunkLossOptions(options, /*vocab_parallel=*/true));
+      ValidateChunkLossOptions(options));
   return CpuChunkLoss(params, options);
 }
 
@@ -1739,13 +1705,9 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
   return loss.Run(inputs, outputs);
 }
 
-namespace {
-
-// Before a vocab-parallel chunk: one gather of every process's check of
-// its inputs and of the chunk's shape, which must agree (ShardRecords).
-absl::Status ShardHandshake(const ChunkLossOptions& options,
-                            const absl::Status& valid, int64_t width,
-                            int64_t rows, int32_t k, bool teacher) {
+absl::Status ChunkShardHandshake(const ChunkLossOptions& options,
+                                 const absl::Status& valid, int64_t width,
+                                 int64_t rows, int32_t k, bool teacher) {
   const VocabShard& shard = *options.vocab_shard;
   enum {
     kOffset = kRecordHead,
@@ -1781,15 +1743,13 @@ absl::Status ShardHandshake(const ChunkLossOptions& options,
       absl::StrCat("chunk loss: ", tiles.message()));
 }
 
-}  // namespace
-
 template <typename T>
 absl::StatusOr<ChunkTerms> CpuChunkLoss<T>::Run(
     const ChunkLossInputs<T>& inputs, const ChunkLossOutputs& outputs) const {
   const absl::Status valid =
       ValidateChunkLossInputs(params_, options_, inputs, outputs);
   if (options_.vocab_shard != nullptr) {
-    DFLASH_RETURN_IF_ERROR(ShardHandshake(
+    DFLASH_RETURN_IF_ERROR(ChunkShardHandshake(
         options_, valid, inputs.vocab, static_cast<int64_t>(inputs.rows.size()),
         outputs.top_k.empty() ? 0 : outputs.k, !inputs.teacher_logits.empty()));
   }

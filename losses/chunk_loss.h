@@ -268,11 +268,19 @@ absl::StatusOr<ChunkTerms> ChunkLoss(const v1::LossConfig& config,
                                      const ChunkLossOutputs& outputs = {});
 
 // The options' checks: block_size >= 1, logit_scale finite and > 0,
-// logit_softcap finite and >= 0; a vocab_shard (its offset >= 0, vocab in
-// [1, 2^31), an exchange) only where `vocab_parallel` (the CPU loss), else
-// it is refused (the CUDA loss runs whole rows).
-absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options,
-                                      bool vocab_parallel = false);
+// logit_softcap finite and >= 0; a vocab_shard's fields (its offset >= 0,
+// vocab in [1, 2^31), an exchange).
+absl::Status ValidateChunkLossOptions(const ChunkLossOptions& options);
+
+// Before each vocab-parallel chunk (options.vocab_shard set), on every
+// process: one gather of `valid` (this process's checks of its inputs) and
+// of the chunk's shape: the ranges [offset, offset + width) must tile the
+// vocabulary, and rows, k (0: no top-k), options.metric_top_k and whether
+// teacher logits are given must agree. Returns the group's first error,
+// the same on every process, or OK. The CPU and CUDA losses both call it.
+absl::Status ChunkShardHandshake(const ChunkLossOptions& options,
+                                 const absl::Status& valid, int64_t width,
+                                 int64_t rows, int32_t k, bool teacher);
 
 // The checks CpuChunkLoss::Run makes before any work: span sizes, block
 // positions and masks (unless inputs.rows_checked), and, for block-coupled

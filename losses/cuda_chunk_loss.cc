@@ -1,6 +1,8 @@
 #include "losses/cuda_chunk_loss.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -9,6 +11,7 @@
 #include "losses/cuda_row_kernels.h"
 #include "losses/loss_math.h"
 #include "losses/row_error.h"
+#include "losses/vocab_shard.h"
 
 namespace dflash {
 namespace {
@@ -25,6 +28,70 @@ int64_t ScratchBytes(int64_t n) {
   return Aligned<cuda::Row>(n) + Aligned<int32_t>(n + 1) +
          Aligned<cuda::RowStats>(n) + 3 * Aligned<double>(n) +
          Aligned<double>(kTermSlots * n);
+}
+
+// What the CUDA loss runs vocab-parallel (CudaChunkLoss): the families
+// whose rows read only the merged stats of the other ranges.
+absl::Status CheckShardLoss(const LossParams& loss,
+                            const ChunkLossOptions& options) {
+  const char* refused = nullptr;
+  if (loss.family == LossFamily::kDistillation) {
+    refused = "loss.distillation (its divergence is a row sum over every range)";
+  } else if (loss.dpard) {
+    refused =
+        "loss.dspark with objective DPARD (its Renyi term is a row sum over "
+        "every range)";
+  } else if (loss.family == LossFamily::kDomino) {
+    refused = "loss.domino (its final and base logits' records)";
+  }
+  if (refused != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_shard: the CUDA loss does not run ", refused,
+                     " vocab-parallel yet; run the CPU loss, or set none"));
+  }
+  if (options.metric_top_k > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_shard: the CUDA loss does not run options.metric_top_k "
+        "vocab-parallel yet (its lists are merged across the ranges); got ",
+        options.metric_top_k, ", expected 0, or run the CPU loss"));
+  }
+  return absl::OkStatus();
+}
+
+// A chunk's inputs the CUDA loss does not take vocab-parallel.
+template <typename T>
+absl::Status CheckShardChunk(const ChunkLossInputs<T>& inputs,
+                             const ChunkLossOutputs& outputs,
+                             bool device_rows) {
+  if (!inputs.teacher_logits.empty()) {
+    return absl::InvalidArgumentError(
+        "vocab_shard: the CUDA loss does not take teacher logits "
+        "vocab-parallel yet (DSpark's L1 and the teacher diagnostics are row "
+        "sums over every range); give none, or run the CPU loss");
+  }
+  if (!outputs.top_k.empty() && outputs.k > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_shard: the CUDA loss does not return top_k vocab-parallel yet "
+        "(its lists are merged across the ranges); got k = ",
+        outputs.k, ", expected 0, or run the CPU loss"));
+  }
+  if (device_rows) {
+    return absl::InvalidArgumentError(
+        "vocab_shard: the CUDA loss takes host rows vocab-parallel (their "
+        "targets are checked against the whole vocabulary there); got device "
+        "rows");
+  }
+  return absl::OkStatus();
+}
+
+// The loss's error word as this range's error: a logit's index counts from
+// the range's first class.
+absl::Status ShardLossError(unsigned long long code, int64_t offset) {
+  const cuda::ErrorKind kind = cuda::DecodeErrorCode(code).kind;
+  absl::Status error = CudaLossError(code);
+  return kind == cuda::kLogitNotFinite || kind == cuda::kTeacherNotFinite
+             ? ShardRangeError(error, offset)
+             : error;
 }
 
 }  // namespace
@@ -45,6 +112,10 @@ struct CudaChunkLoss<T>::State {
   std::vector<std::vector<int32_t>> block_begins;
   // RunDeviceRows's stand-in rows for the size checks (positions only).
   std::vector<RowMeta> layout;
+  // Vocab-parallel: a chunk's stats on the host, its record, the gathered
+  // records.
+  std::vector<cuda::RowStats> shard_stats;
+  std::vector<double> shard_record, shard_gathered;
 };
 
 template <typename T>
@@ -59,6 +130,9 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options,
     CudaStream& stream, int64_t max_rows) {
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
+  if (options.vocab_shard != nullptr) {
+    DFLASH_RETURN_IF_ERROR(CheckShardLoss(params, options));
+  }
   if (options.block_size > (1 << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: block_size must lie in [1, 2^20], got ",
@@ -154,19 +228,27 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
                                    const ChunkLossOutputs& outputs,
                                    const int64_t* out_rows, bool record) {
   const State& s = *state_;
-  DFLASH_RETURN_IF_ERROR(Check(inputs, outputs, out_rows));
+  const VocabShard* shard = s.params.options.vocab_shard;
+  absl::Status valid = Check(inputs, outputs, out_rows);
+  if (valid.ok() && shard != nullptr) {
+    valid = CheckShardChunk(inputs, outputs, /*device_rows=*/false);
+  }
   const int64_t n = static_cast<int64_t>(inputs.rows.size());
-  if (n == 0) return absl::OkStatus();
+  if (!valid.ok() && shard == nullptr) return valid;
   const LossParams& loss = s.params.loss;
-  const int64_t vocab = inputs.vocab;
-  std::vector<cuda::Row> rows(n);
-  for (int64_t r = 0; r < n; ++r) {
+  // Target ids are global: the whole vocabulary's.
+  const int64_t classes = shard != nullptr ? shard->vocab : inputs.vocab;
+  std::vector<cuda::Row> rows(valid.ok() ? n : 0);
+  for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) {
     const RowMeta& meta = inputs.rows[r];
     const double mask = EffectiveMask(loss, meta.target, meta.mask);
     if (!inputs.rows_checked && mask != 0 && meta.target != loss.ignore_index &&
-        (meta.target < 0 || meta.target >= vocab)) {
-      return RowError(r, absl::StrCat("target id ", meta.target,
-                                      " is outside [0, ", vocab, ")"));
+        (meta.target < 0 || meta.target >= classes)) {
+      valid = RowError(r, absl::StrCat("target id ", meta.target,
+                                       " is outside [0, ", classes, ")"));
+      if (shard == nullptr) return valid;
+      rows.clear();
+      break;
     }
     // The kernels read the mask in float32, as the CUDA head computes
     // (CUDA runs float32 or bfloat16; the binding gives them float32
@@ -185,7 +267,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
     }
     block_begin.push_back(static_cast<int32_t>(n));
   }
-  return Launch(inputs, outputs, out_rows, record, n, std::move(rows),
+  return Launch(valid, inputs, outputs, out_rows, record, n, std::move(rows),
                 nullptr, std::move(block_begin));
 }
 
@@ -197,6 +279,11 @@ absl::Status CudaChunkLoss<T>::RunDeviceRows(const RowMeta* rows,
                                              const int64_t* out_rows,
                                              bool record) {
   State& s = *state_;
+  if (s.params.options.vocab_shard != nullptr) {
+    // Refused on every process at the chunk's handshake.
+    return Launch(CheckShardChunk(inputs, outputs, /*device_rows=*/true),
+                  inputs, outputs, out_rows, record, 0, {}, rows, {});
+  }
   const int64_t k = s.params.options.block_size;
   if (!inputs.rows.empty() || count < 0 || count % k != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -216,12 +303,13 @@ absl::Status CudaChunkLoss<T>::RunDeviceRows(const RowMeta* rows,
   check_inputs.rows = s.layout;
   check_inputs.rows_checked = true;
   DFLASH_RETURN_IF_ERROR(Check(check_inputs, outputs, out_rows));
-  if (count == 0) return absl::OkStatus();
-  return Launch(inputs, outputs, out_rows, record, count, {}, rows, {});
+  return Launch(absl::OkStatus(), inputs, outputs, out_rows, record, count,
+                {}, rows, {});
 }
 
 template <typename T>
-absl::Status CudaChunkLoss<T>::Launch(const ChunkLossInputs<T>& inputs,
+absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
+                                      const ChunkLossInputs<T>& inputs,
                                       const ChunkLossOutputs& outputs,
                                       const int64_t* out_rows, bool record,
                                       int64_t n,
@@ -230,22 +318,35 @@ absl::Status CudaChunkLoss<T>::Launch(const ChunkLossInputs<T>& inputs,
                                       std::vector<int32_t> block_begin) {
   State& s = *state_;
   const LossParams& loss = s.params.loss;
+  const VocabShard* shard = s.params.options.vocab_shard;
   const int64_t vocab = inputs.vocab;
   // The chunk's metadata and scratch: the run's, or a buffer of its own
   // freed in stream order when this call returns.
   TrackedBuffer<char> own;
-  if (n <= s.scratch_rows && s.scratch.size() == 0) {
-    DFLASH_ASSIGN_OR_RETURN(
-        s.scratch, TrackedBuffer<char>::Create(s.stream->allocator(),
-                                               ScratchBytes(s.scratch_rows)));
+  absl::Status ready = valid;
+  if (ready.ok() && n > 0 && n <= s.scratch_rows && s.scratch.size() == 0) {
+    absl::StatusOr<TrackedBuffer<char>> scratch = TrackedBuffer<char>::Create(
+        s.stream->allocator(), ScratchBytes(s.scratch_rows));
+    if (scratch.ok()) s.scratch = *std::move(scratch);
+    ready = scratch.status();
   }
-  char* at = s.scratch.data();
-  if (n > s.scratch_rows) {
-    DFLASH_ASSIGN_OR_RETURN(
-        own, TrackedBuffer<char>::Create(s.stream->allocator(),
-                                         ScratchBytes(n)));
-    at = own.data();
+  if (ready.ok() && n > s.scratch_rows) {
+    absl::StatusOr<TrackedBuffer<char>> scratch =
+        TrackedBuffer<char>::Create(s.stream->allocator(), ScratchBytes(n));
+    if (scratch.ok()) own = *std::move(scratch);
+    ready = scratch.status();
   }
+  if (shard != nullptr) {
+    // Every process's checks and scratch meet here, so that a failure on
+    // one is a failure on every one.
+    DFLASH_RETURN_IF_ERROR(ChunkShardHandshake(
+        s.params.options, ready, vocab, n,
+        outputs.top_k.empty() ? 0 : outputs.k,
+        !inputs.teacher_logits.empty()));
+  }
+  DFLASH_RETURN_IF_ERROR(ready);
+  if (n == 0) return absl::OkStatus();
+  char* at = n > s.scratch_rows ? own.data() : s.scratch.data();
   auto take = [&](int64_t bytes) {
     char* here = at;
     at += bytes;
@@ -322,21 +423,106 @@ absl::Status CudaChunkLoss<T>::Launch(const ChunkLossInputs<T>& inputs,
   args.error = s.error.data();
   cuda::KernelParams params = s.params;
   params.vocab = vocab;
-  cuda::LaunchChunkLoss<T>(params, args, s.stream->stream());
+  params.offset = shard != nullptr ? shard->offset : 0;
+  params.classes = shard != nullptr ? shard->vocab : vocab;
+  if (shard == nullptr) {
+    cuda::LaunchChunkLoss<T>(params, args, s.stream->stream());
+    return s.stream->LaunchStatus("chunk loss kernels");
+  }
+  cuda::LaunchChunkStats<T>(params, args, s.stream->stream());
+  DFLASH_RETURN_IF_ERROR(MergeShardStats(
+      s.stream->LaunchStatus("chunk loss stats"), n, args.stats));
+  cuda::LaunchChunkTerms<T>(params, args, s.stream->stream());
   return s.stream->LaunchStatus("chunk loss kernels");
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
+                                               cuda::RowStats* stats) {
+  State& s = *state_;
+  const VocabShard& shard = *s.params.options.vocab_shard;
+  const std::vector<cuda::Row>& rows = s.rows.back();
+  const bool sum = s.params.loss.label_smoothing > 0;
+  const int per_row = kRangeStatsSize + (sum ? 1 : 0);
+  s.shard_stats.resize(n);
+  s.shard_record.assign(kRecordHead + n * per_row, 0.0);
+  if (local.ok()) {
+    local = s.stream->CopyToHost(s.shard_stats.data(), stats,
+                                 n * sizeof(cuda::RowStats));
+  }
+  unsigned long long error = cuda::kNoError;
+  if (local.ok()) {
+    local = s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
+  }
+  if (local.ok() && error != cuda::kNoError) {
+    local = ShardLossError(error, shard.offset);
+  }
+  const double lowest = -std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < n && local.ok(); ++r) {
+    if (rows[r].mask == 0) continue;
+    const cuda::RowStats& range = s.shard_stats[r];
+    double* at = s.shard_record.data() + kRecordHead + r * per_row;
+    at[kRangeMax] = range.max;
+    at[kRangeSumExp] = range.sum_exp;
+    // -inf where another range holds the target (the stats pass's) or the
+    // row has no target class.
+    at[kRangeTargetLogit] = HasTarget(rows[r].target) ? range.target : lowest;
+    at[kRangeArgmax] = static_cast<double>(shard.offset + range.argmax);
+    if (sum) at[kRangeStatsSize] = range.sum;
+  }
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
+                                       absl::MakeSpan(s.shard_record),
+                                       s.shard_gathered));
+  const size_t record_size = s.shard_record.size();
+  const int size = shard.exchange->size();
+  std::vector<const double*> records(size);
+  for (int64_t r = 0; r < n; ++r) {
+    if (rows[r].mask == 0) continue;
+    double whole_sum = 0;
+    for (int q = 0; q < size; ++q) {
+      records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
+                   r * per_row;
+      if (sum) whole_sum += records[q][kRangeStatsSize];
+    }
+    const MergedRangeStats merged = MergeRangeRecords(records, 0);
+    cuda::RowStats& whole = s.shard_stats[r];
+    whole = cuda::RowStats{};
+    whole.max = static_cast<float>(merged.max);
+    whole.log_sum = static_cast<float>(std::log(merged.sum_exp));
+    whole.sum_exp = static_cast<float>(merged.sum_exp);
+    whole.target = static_cast<float>(merged.target_logit);
+    whole.sum = static_cast<float>(whole_sum);
+    whole.argmax = merged.argmax;
+  }
+  // The device reads them before the next chunk's stats come back here.
+  return s.stream->CopyToDevice(stats, s.shard_stats.data(),
+                                n * sizeof(cuda::RowStats));
 }
 
 template <typename T>
 absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   State& s = *state_;
   unsigned long long error = 0;
-  if (absl::Status ok =
-          s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
-      !ok.ok()) {
-    return ok;
+  absl::Status read =
+      s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
+  if (read.ok()) {
+    ReleaseHostRows();
+    ReleaseScratch();
   }
-  ReleaseHostRows();
-  ReleaseScratch();
+  if (const VocabShard* shard = s.params.options.vocab_shard;
+      shard != nullptr) {
+    // An error one device found (after the chunks' stats) reaches every
+    // process here.
+    absl::Status local = read;
+    if (local.ok() && error != cuda::kNoError) {
+      local = ShardLossError(error, shard->offset);
+    }
+    s.shard_record.assign(kHandshakeSize, 0.0);
+    DFLASH_RETURN_IF_ERROR(GatherRecords(*shard->exchange, local,
+                                         absl::MakeSpan(s.shard_record),
+                                         s.shard_gathered));
+  }
+  DFLASH_RETURN_IF_ERROR(read);
   if (error != cuda::kNoError) return CudaLossError(error);
   std::vector<double> totals(s.totals.size());
   DFLASH_RETURN_IF_ERROR(

@@ -31,6 +31,19 @@ namespace dflash {
 // terms accumulate on the device, and Terms() waits once and reads them.
 // Errors only the device can see (a non-finite logit, teacher logit or
 // confidence logit) are reported by Terms(), naming the row.
+//
+// Vocab-parallel (options.vocab_shard), as CpuChunkLoss: the logits are
+// this process's range of classes; each chunk's stats over the range are
+// read back (one wait per chunk), gathered and merged in rank order on the
+// host, and written back as the whole rows', so that every process's terms
+// and row outputs are bitwise the same and its gradient is its range's.
+// Terms() ends with one more gather, so that an error one device found is
+// an error on every process. For the families whose rows read nothing
+// else of the other ranges: the softmax families (CE, label smoothing,
+// z-loss, tv, the LK compositions, D-PACE) and DSpark without teacher
+// logits. Refused, naming the field, with a shard: loss.distillation,
+// D-PARD and loss.domino, options.metric_top_k (Create); teacher logits,
+// top_k and device rows (each chunk's handshake, on every process).
 template <typename T>
 class CudaChunkLoss {
  public:
@@ -100,12 +113,20 @@ class CudaChunkLoss {
   explicit CudaChunkLoss(std::unique_ptr<State> state);
   // Run's work once its rows are prepared: `host_rows` (copied to the
   // device) or `device_rows` (converted there), `block_begin` for coupled
-  // blocks (empty with device rows: uniform blocks).
-  absl::Status Launch(const ChunkLossInputs<T>& inputs,
+  // blocks (empty with device rows: uniform blocks). `valid` is the
+  // chunk's checks: vocab-parallel, every process's meet in the chunk's
+  // handshake (ChunkShardHandshake) after this one's scratch is ready.
+  absl::Status Launch(const absl::Status& valid,
+                      const ChunkLossInputs<T>& inputs,
                       const ChunkLossOutputs& outputs, const int64_t* out_rows,
                       bool record, int64_t n, std::vector<cuda::Row> host_rows,
                       const RowMeta* device_rows,
                       std::vector<int32_t> block_begin);
+  // Vocab-parallel: the stats pass's rows over this range (`stats`, n
+  // rows), gathered with `local` (this process's error so far) and merged
+  // in rank order into the whole rows' stats, written back.
+  absl::Status MergeShardStats(absl::Status local, int64_t n,
+                               cuda::RowStats* stats);
   // The checks of Run: limits, sizes (the chunk's share of per-row arrays
   // indexed by out_rows), with `inputs.rows` standing for the chunk.
   absl::Status Check(const ChunkLossInputs<T>& inputs,

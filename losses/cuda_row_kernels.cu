@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   ForRow(z_row, v, a.stride, [&](int64_t i, float x) {
     const float z = transform(x);
     AddLogit(s, i, z, inv_t, tempered);
-    if (i == meta.target) target = z;
+    if (i + p.offset == meta.target) target = z;
   });
   s = BlockReduce(
       s, [&](Online x, Online y) { return Merge(x, y, inv_t, tempered); });
@@ -331,12 +331,18 @@ __global__ void __launch_bounds__(kThreads, 3)
   stats = RowStats{};
   stats.max = s.max;
   stats.log_sum = logf(s.sum);
+  stats.sum_exp = s.sum;
   if (distill) {
     stats.lse_t =
         tempered ? s.max * inv_t + logf(s.sum_t) : s.max + stats.log_sum;
   }
   // Only where a thread set it (NegLogQ reads it then); else RowStats' 0.
-  if (HasTarget(meta.target)) stats.target = target;
+  // Vocab-parallel, -inf where another range holds the target (the
+  // record's kRangeTargetLogit).
+  if (HasTarget(meta.target)) {
+    const int64_t local = meta.target - p.offset;
+    stats.target = local >= 0 && local < v ? target : -INFINITY;
+  }
   stats.sum = s.total;
   stats.argmax = s.argmax;
   if (teacher) {
@@ -466,7 +472,7 @@ class CudaRow {
         weight_(weight) {}
 
   __device__ __forceinline__ const LossParams& loss() const { return p_.loss; }
-  __device__ __forceinline__ int64_t vocab() const { return p_.vocab; }
+  __device__ __forceinline__ int64_t vocab() const { return p_.classes; }
   __device__ __forceinline__ int32_t target() const { return meta_.target; }
   __device__ __forceinline__ double mask() const { return meta_.mask; }
   __device__ __forceinline__ double weight() const { return weight_; }
@@ -477,7 +483,7 @@ class CudaRow {
     return static_cast<double>(s_.max) + s_.log_sum;
   }
   __device__ __forceinline__ double MeanLogit() const {
-    return double{s_.sum} / p_.vocab;
+    return double{s_.sum} / p_.classes;
   }
   __device__ __forceinline__ double share() const {
     return CouplesBlocks(p_.loss) ? a_.ce_share[r_] : 1.0;
@@ -526,11 +532,12 @@ class CudaRow {
     return s_.t_argmax == s_.argmax;
   }
 
+  // f and g get global class ids, as on the CPU.
   template <typename F>
   __device__ __forceinline__ void ForEach(F&& f) const {
     ForRows(z_, t_, p_.vocab, a_.stride, [&](int64_t i, float x, float y) {
       const float zp = transform_(x);
-      f(i, zp, t_ != nullptr ? transform_(y) : zp);
+      f(i + p_.offset, zp, t_ != nullptr ? transform_(y) : zp);
     });
   }
   template <typename S>
@@ -559,7 +566,7 @@ class CudaRow {
                                                        double) {
     const float softmax_f = static_cast<float>(softmax);
     const float on_target_f = static_cast<float>(on_target);
-    const float uniform_f = static_cast<float>(uniform / p_.vocab);
+    const float uniform_f = static_cast<float>(uniform / p_.classes);
     const int32_t target = meta_.target;
     // The teacher, where there is one, is not read.
     Map(static_cast<const T*>(nullptr), [&](int64_t i, float zp, float) {
@@ -603,9 +610,8 @@ class CudaRow {
     bool bad = false;
     MapRow(z_, teacher, p_.vocab, a_.stride, [&](int64_t i, float x, float y) {
       const float zp = transform_(x);
-      const float chained =
-          transform_.Chain(g(i, zp, teacher != nullptr ? transform_(y) : zp),
-                           zp);
+      const float chained = transform_.Chain(
+          g(i + p_.offset, zp, teacher != nullptr ? transform_(y) : zp), zp);
       bad |= !isfinite(chained);
       return chained;
     });
@@ -940,6 +946,18 @@ __global__ void ScaleRowsByLkFactorKernel(T* data, int64_t width,
   }
 }
 
+// The chunk's row terms into the run's totals, where it records them.
+template <typename T>
+void LaunchReduceTerms(const KernelParams& params, const ChunkArgs<T>& args,
+                       CUstream_st* stream) {
+  if (args.totals == nullptr) return;
+  DFLASH_LAUNCH(ReduceTermsKernel,
+                static_cast<unsigned>(TotalsSize(params.options.block_size)),
+                kThreads, 0, stream)
+  (args.meta, args.row_terms, args.rows,
+   static_cast<int32_t>(params.options.block_size), args.totals);
+}
+
 }  // namespace
 
 template <typename T>
@@ -947,23 +965,32 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream) {
   if (args.rows == 0) return;
   const dim3 rows(static_cast<unsigned>(args.rows));
-  auto reduce_terms = [&] {
-    if (args.totals == nullptr) return;
-    DFLASH_LAUNCH(ReduceTermsKernel,
-                  static_cast<unsigned>(TotalsSize(params.options.block_size)),
-                  kThreads, 0, stream)
-    (args.meta, args.row_terms, args.rows,
-     static_cast<int32_t>(params.options.block_size), args.totals);
-  };
   if (params.loss.family == LossFamily::kDomino) {
     DFLASH_LAUNCH(DominoKernel<T>, rows, kThreads, 0, stream)(params, args);
-    reduce_terms();
+    LaunchReduceTerms(params, args, stream);
     return;
   }
-  DFLASH_LAUNCH(StatsKernel<T>, rows, kThreads, 0, stream)(params, args);
+  LaunchChunkStats(params, args, stream);
   if ((args.top_k != nullptr && args.k > 0) || args.metric_k > 0) {
     DFLASH_LAUNCH(TopKKernel<T>, rows, kThreads, 0, stream)(params, args);
   }
+  LaunchChunkTerms(params, args, stream);
+}
+
+template <typename T>
+void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream) {
+  if (args.rows == 0) return;
+  DFLASH_LAUNCH(StatsKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+}
+
+template <typename T>
+void LaunchChunkTerms(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream) {
+  if (args.rows == 0) return;
+  const dim3 rows(static_cast<unsigned>(args.rows));
   if (params.loss.dpard) {
     DFLASH_LAUNCH(AcceptanceKernel<T>, rows, kThreads, 0, stream)(params, args);
   }
@@ -975,7 +1002,7 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
      args.block_size, args.accept, args.weight, args.ce_share);
   }
   DFLASH_LAUNCH(LossKernel<T>, rows, kThreads, 0, stream)(params, args);
-  reduce_terms();
+  LaunchReduceTerms(params, args, stream);
 }
 
 namespace {
@@ -1199,6 +1226,16 @@ template void LaunchChunkLoss<float>(const KernelParams&,
 template void LaunchChunkLoss<BFloat16>(const KernelParams&,
                                         const ChunkArgs<BFloat16>&,
                                         CUstream_st*);
+template void LaunchChunkStats<float>(const KernelParams&,
+                                      const ChunkArgs<float>&, CUstream_st*);
+template void LaunchChunkStats<BFloat16>(const KernelParams&,
+                                         const ChunkArgs<BFloat16>&,
+                                         CUstream_st*);
+template void LaunchChunkTerms<float>(const KernelParams&,
+                                      const ChunkArgs<float>&, CUstream_st*);
+template void LaunchChunkTerms<BFloat16>(const KernelParams&,
+                                         const ChunkArgs<BFloat16>&,
+                                         CUstream_st*);
 template void LaunchScale<float>(float*, int64_t, double, CUstream_st*,
                                  const double*);
 template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*,

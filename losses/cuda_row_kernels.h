@@ -20,10 +20,14 @@ namespace dflash {
 namespace cuda {
 
 // The loss and the head's options, resolved on the host (loss_params.h).
+// Vocab-parallel, the logits are classes [offset, offset + vocab) of
+// `classes`; target ids and the ids a row pass sees are global.
 struct KernelParams {
   LossParams loss;
   ChunkLossOptions options;
-  int64_t vocab = 0;
+  int64_t vocab = 0;    // The logits' width.
+  int64_t offset = 0;   // Their first class.
+  int64_t classes = 0;  // The whole vocabulary (vocab without a shard).
 };
 
 // A chunk row, prepared on the host: mask is EffectiveMask (0 where the
@@ -50,6 +54,9 @@ struct RowStats {
   float t_lse = 0;   // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
   int32_t argmax = 0;
   int32_t t_argmax = 0;  // Teacher: first index of the maximum.
+  // sum of exp(z' - max), which log_sum rounds: a vocab-parallel range's
+  // record carries it (RangeStatsField).
+  float sum_exp = 0;
 };
 
 // The term slots (TermSlot, kTermSlots, PositionSlot, TotalsSize) are
@@ -177,6 +184,17 @@ struct ChunkArgs {
 template <typename T>
 void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream);
+
+// LaunchChunkLoss in two parts, for a vocab-parallel chunk whose stats are
+// merged across the processes in between: the stats pass over this range
+// (args.stats), then the rest, which reads args.stats as the whole row's.
+// Not for Domino, top-k or the diagnostics' top-k.
+template <typename T>
+void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream);
+template <typename T>
+void LaunchChunkTerms(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream);
 
 // out[i] for rows[i], i < count, as CudaChunkLoss prepares a host row:
 // the effective mask (target 0 where it is 0), RowLossWeight and

@@ -1,7 +1,9 @@
 #include "losses/vocab_shard.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +35,41 @@ absl::Status CheckShardFields(const VocabShard& shard, int64_t width,
         ") (width: the logits')"));
   }
   return absl::OkStatus();
+}
+
+void MergeRange(double max, double sum, double argmax, double& merged_max,
+                double& merged_sum, int32_t& merged_argmax) {
+  if (max > merged_max) {
+    merged_sum = merged_sum * std::exp(merged_max - max) + sum;
+    merged_max = max;
+    merged_argmax = static_cast<int32_t>(argmax);
+  } else {
+    merged_sum += sum * std::exp(max - merged_max);
+  }
+}
+
+MergedRangeStats MergeRangeRecords(absl::Span<const double* const> records,
+                                   int field) {
+  const double lowest = -std::numeric_limits<double>::infinity();
+  MergedRangeStats merged;
+  merged.max = lowest;
+  for (const double* record : records) {
+    const double* at = record + field;
+    MergeRange(at[kRangeMax], at[kRangeSumExp], at[kRangeArgmax], merged.max,
+               merged.sum_exp, merged.argmax);
+    if (at[kRangeTargetLogit] > lowest) {
+      merged.target_logit = at[kRangeTargetLogit];
+    }
+  }
+  return merged;
+}
+
+absl::Status ShardRangeError(const absl::Status& status, int64_t offset) {
+  std::optional<RowErrorInfo> row = GetRowError(status);
+  if (!row) return status;
+  return RowError(row->row,
+                  absl::StrCat(row->detail, " (counted from class ", offset,
+                               ", this process's first)"));
 }
 
 void SetRecordHead(const absl::Status& error, absl::Span<double> record) {

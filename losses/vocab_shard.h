@@ -118,6 +118,41 @@ class RunExchange final : public VocabExchange {
   bool stopped_ = false;
 };
 
+// A row's statistics over one process's range of classes, as the
+// records of a vocab-parallel loss carry them (the CPU loss's and the CUDA
+// loss's): the fields' order.
+enum RangeStatsField {
+  kRangeMax,          // max z' over the range.
+  kRangeSumExp,       // sum of exp(z' - max) over the range.
+  kRangeTargetLogit,  // z' at the target where the range holds it, else -inf.
+  kRangeArgmax,       // The first index of the maximum, a global id.
+  kRangeStatsSize
+};
+
+// A row's statistics over the whole vocabulary, merged from its ranges'.
+struct MergedRangeStats {
+  double max = 0;
+  double sum_exp = 0;       // sum of exp(z' - max): logsumexp = max + log.
+  double target_logit = 0;  // The owner's; 0 where no range holds it.
+  int32_t argmax = 0;
+};
+
+// One more range's (max, sum of exp(z' - max), argmax) into the merged
+// ones, as online softmax: on a tie of the maximum the earlier range's
+// argmax stays (the lower id, ranges in rank order).
+void MergeRange(double max, double sum, double argmax, double& merged_max,
+                double& merged_sum, int32_t& merged_argmax);
+
+// Every process's record fields from `field` on (RangeStatsField), merged
+// in rank order as online softmax: ties of the maximum go to the earlier
+// range, the lower id. The same records give the same bits everywhere.
+MergedRangeStats MergeRangeRecords(absl::Span<const double* const> records,
+                                   int field);
+
+// `status`, a range's error, naming where the range starts where it is a
+// row error (its logit index counts from this process's first class).
+absl::Status ShardRangeError(const absl::Status& status, int64_t offset);
+
 // A record's field that every process must give alike: its index in the
 // record and what it is (named in the error).
 struct AgreedField {

@@ -559,16 +559,6 @@ TEST(VocabParallelLossTest, AConfidenceErrorAfterARowSumIsAnErrorOnEvery) {
   }
 }
 
-TEST(VocabParallelLossTest, TheCudaLossRefusesAShard) {
-  ThreadGroup group(1, kTimeout);
-  const VocabShard shard{0, kV, &group.exchange(0)};
-  const ChunkLossOptions options{kK, 1, 0, 0, &shard};
-  // CudaChunkLoss::Create checks its options with this.
-  EXPECT_EQ(ValidateChunkLossOptions(options).message(),
-            "vocab_shard: the CUDA loss does not run vocab-parallel yet (set "
-            "none, or run the CPU loss)");
-}
-
 // Domino: the base logits (Chunk::logits) and a correction's logits
 // (Chunk::teacher stands in for them), both this range's; its final and
 // base logits' stats merged from one gather.
@@ -869,7 +859,7 @@ TEST(VocabParallelLossTest, AShardsFieldsAreChecked) {
   for (const auto& c : cases) {
     // The loss's options (the width not known yet), else its inputs.
     const absl::Status options =
-        ValidateChunkLossOptions({kK, 1, 0, 0, &c.shard}, true);
+        ValidateChunkLossOptions({kK, 1, 0, 0, &c.shard});
     if (!options.ok()) {
       EXPECT_EQ(options.message(), absl::StrCat("vocab_shard", c.error));
     } else {
