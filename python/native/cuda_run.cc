@@ -451,10 +451,12 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig& config,
                                             int device, uintptr_t stream,
                                             bool forward_only,
                                             const DeviceMetadata* metadata,
-                                            double* device_results) {
+                                            double* device_results,
+                                            const VocabShard* vocab_shard) {
   HeadOptions options;
   options.forward_only = forward_only;
   options.device_results = device_results;
+  options.vocab_shard = vocab_shard;
   return OnHeadStream(
       device, stream, [&](DeviceState& state) -> absl::StatusOr<HeadResult> {
         if (metadata == nullptr) {
@@ -523,11 +525,11 @@ absl::Status CopyFromDevice(int device, uintptr_t stream, uintptr_t source,
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool,
-    const DeviceMetadata*, double*);
+    const DeviceMetadata*, double*, const VocabShard*);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
-    bool, const DeviceMetadata*, double*);
+    bool, const DeviceMetadata*, double*, const VocabShard*);
 #define DFLASH_INSTANTIATE_SPLIT_AND_TOP_K(T)                          \
   template absl::StatusOr<std::unique_ptr<TorchStreamRun<T>>>         \
   StartOnTorchStream<T>(const v1::ObjectiveConfig&, const HeadInputs<T>&, \

@@ -77,15 +77,18 @@ struct DeviceMetadata {
 // and before the work queued on it next, through events: nothing waits on
 // the host beyond the head's own two synchronisations. The head's stream
 // and cuBLAS handle are made once per device and kept. With `metadata`,
-// the rows come from it and `inputs.rows` is empty. Without CUDA in the
-// build: Unimplemented.
+// the rows come from it and `inputs.rows` is empty. With `vocab_shard`
+// (HeadOptions::vocab_shard) the run is vocab-parallel: its exchange is
+// called during the run, which waits for the device once per chunk.
+// Without CUDA in the build: Unimplemented.
 template <typename T>
 absl::StatusOr<HeadResult> RunOnTorchStream(
     const v1::ObjectiveConfig& config, const HeadInputs<T>& inputs,
     const HeadGradients<T>& gradients, const HeadRowOutputs& row_outputs,
     int device, uintptr_t stream, bool forward_only = false,
     const DeviceMetadata* metadata = nullptr,
-    double* device_results = nullptr);
+    double* device_results = nullptr,
+    const VocabShard* vocab_shard = nullptr);
 
 // A split CUDA run (StartOnTorchStream): StartCudaHead's SplitHeadRun with
 // the stream it was queued on, kept for its backward. Destroying it frees

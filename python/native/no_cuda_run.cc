@@ -17,7 +17,8 @@ absl::StatusOr<HeadResult> RunOnTorchStream(const v1::ObjectiveConfig&,
                                             const HeadGradients<T>&,
                                             const HeadRowOutputs&, int,
                                             uintptr_t, bool,
-                                            const DeviceMetadata*, double*) {
+                                            const DeviceMetadata*, double*,
+                                            const VocabShard*) {
   return absl::UnimplementedError(
       "this dflash was built without CUDA (no toolkit when it was built)");
 }
@@ -53,11 +54,11 @@ absl::Status CopyFromDevice(int, uintptr_t, uintptr_t, void*, int64_t) {
 template absl::StatusOr<HeadResult> RunOnTorchStream<float>(
     const v1::ObjectiveConfig&, const HeadInputs<float>&,
     const HeadGradients<float>&, const HeadRowOutputs&, int, uintptr_t, bool,
-    const DeviceMetadata*, double*);
+    const DeviceMetadata*, double*, const VocabShard*);
 template absl::StatusOr<HeadResult> RunOnTorchStream<BFloat16>(
     const v1::ObjectiveConfig&, const HeadInputs<BFloat16>&,
     const HeadGradients<BFloat16>&, const HeadRowOutputs&, int, uintptr_t,
-    bool, const DeviceMetadata*, double*);
+    bool, const DeviceMetadata*, double*, const VocabShard*);
 template absl::StatusOr<std::unique_ptr<TorchStreamRun<float>>>
 StartOnTorchStream<float>(const v1::ObjectiveConfig&, const HeadInputs<float>&,
                           const HeadRowOutputs&, int, uintptr_t,

@@ -292,7 +292,8 @@ absl::StatusOr<HeadResult> Run(const v1::ObjectiveConfig& config,
           cuda_stream, objective_options.forward_only,
           metadata.has_value() ? &*metadata : nullptr,
           results.has_value() ? reinterpret_cast<double*>(results->data)
-                              : nullptr);
+                              : nullptr,
+          objective_options.vocab_shard);
     }
   }
   if constexpr (std::is_same_v<T, BFloat16>) {
@@ -714,10 +715,12 @@ absl::StatusOr<Checked> CheckObjective(const v1::ObjectiveConfig& config,
   }
   // Metadata on a CUDA hidden's device (CheckTensors: hidden's) stays
   // there: the head builds the rows (nothing read back before its work is
-  // queued). Otherwise the rows are made on the host, a lone device tensor
-  // copied there.
-  if (tensors.hidden.on_cuda() && tensors.target_ids.on_cuda() &&
-      tensors.weight_mask.on_cuda()) {
+  // queued). Otherwise, and vocab-parallel (whose targets are checked
+  // against the whole vocabulary on the host, and whose chunks wait for the
+  // device anyway), the rows are made on the host, device tensors copied
+  // there.
+  if (shard == nullptr && tensors.hidden.on_cuda() &&
+      tensors.target_ids.on_cuda() && tensors.weight_mask.on_cuda()) {
     const std::vector<int64_t>& s = tensors.hidden.shape;
     DeviceMetadata& metadata = checked.metadata.emplace();
     metadata.target_ids = DeviceTensorOf(tensors.target_ids);

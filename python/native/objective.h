@@ -87,7 +87,8 @@ struct ObjectiveOptions {
   bool forward_only = false;
   // A vocab-parallel run (HeadOptions::vocab_shard): the weight (bias,
   // correction weight) holds this process's rows [offset, offset + rows) of
-  // vocab_shard->vocab classes; target and top-k ids are global. CPU only.
+  // vocab_shard->vocab classes; target and top-k ids are global. On CUDA,
+  // the families CudaChunkLoss runs vocab-parallel (losses/cuda_chunk_loss.h).
   // Borrowed; null: the whole vocabulary.
   const VocabShard* vocab_shard = nullptr;
   // With head.device_results (required then, refused otherwise): float64

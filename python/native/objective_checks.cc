@@ -295,10 +295,9 @@ absl::Status CheckPrepared(const PreparedProjection* prepared,
 
 absl::Status CheckVocabShard(const VocabShard& shard,
                              const ObjectiveTensors& t) {
-  if (t.hidden.device != "cpu") {
+  if (t.hidden.device != "cpu" && !t.hidden.on_cuda()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "vocab_shard: runs on CPU tensors only (the CUDA head does not run "
-        "vocab-parallel yet), got hidden on ",
+        "vocab_shard: runs on CPU or CUDA tensors, got hidden on ",
         t.hidden.device));
   }
   const int64_t rows = t.weight.shape.size() == 2 ? t.weight.shape[0] : 0;

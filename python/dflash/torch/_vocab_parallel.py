@@ -219,14 +219,25 @@ def _all_gather_into(group: Any, world: int
                      ) -> Callable[[memoryview, memoryview], None]:
     """The exchange the C++ loss calls: out (size * n float64) gets every
     rank's local (n float64) in rank order, by torch.distributed's
-    list-form all_gather into views of out (no copy on this side)."""
+    list-form all_gather: into views of out (no copy on this side) where
+    the group's backend takes CPU tensors (gloo); through a buffer on the
+    current CUDA device where it takes device tensors alone (NCCL, whose
+    ranks each set theirs: torch.cuda.set_device)."""
+    on_device = dist.get_backend(group) == "nccl"
 
     def all_gather(local: memoryview, out: memoryview) -> None:
         n = local.nbytes // 8
         source = torch.frombuffer(local, dtype=torch.float64)
         target = torch.frombuffer(out, dtype=torch.float64)
-        dist.all_gather([target[q * n:(q + 1) * n] for q in range(world)],
-                        source, group=group)
+        if not on_device:
+            dist.all_gather([target[q * n:(q + 1) * n] for q in range(world)],
+                            source, group=group)
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        sent = source.to(device)
+        parts = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(parts, sent, group=group)
+        target.copy_(torch.cat(parts).cpu())
 
     return all_gather
 

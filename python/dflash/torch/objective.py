@@ -1260,11 +1260,13 @@ def _checked_objective(
                             ("confidence_logits", confidence_logits),
                             ("correction_inputs", correction_inputs),
                             ("correction_weight", correction_weight)):
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            if (isinstance(value, torch.Tensor)
+                    and value.device.type != "cpu"
+                    and (value.device.type != "cuda" or local_rows)):
                 raise ValueError(
-                    f"{name}: vocab_group runs on CPU tensors only (the "
-                    "CUDA head does not run vocab-parallel yet), got a "
-                    f"tensor on {value.device}")
+                    f"{name}: vocab_group runs on CPU tensors, and on CUDA "
+                    "tensors with rows='shared' (rows='local' gathers its "
+                    f"rows on the host), got a tensor on {value.device}")
         hidden = _tensor("hidden", hidden)
         lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
         target_ids = _tensor("target_ids", target_ids)

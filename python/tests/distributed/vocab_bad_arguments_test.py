@@ -232,9 +232,10 @@ class RefusalsTest(unittest.TestCase):
 
     def test_a_rank_refusing_its_arguments(self):
         for scenario, bad, pattern, kind in (
-                ("non_cpu", 1, r"hidden: vocab_group runs on CPU tensors "
-                 r"only \(the CUDA head does not run vocab-parallel yet\), "
-                 r"got a tensor on meta", "ValueError"),
+                ("non_cpu", 1, r"hidden: vocab_group runs on CPU tensors, "
+                 r"and on CUDA tensors with rows='shared' \(rows='local' "
+                 r"gathers its rows on the host\), got a tensor on meta",
+                 "ValueError"),
                 ("bad_type", 0, r"hidden: must be a torch.Tensor, got str",
                  "TypeError")):
             for rank, result in enumerate(self.results):
