@@ -625,6 +625,50 @@ class DeviceResultsTest(unittest.TestCase):
                 self.assertIsNone(check_objective_results(got))
 
 
+@unittest.skipIf(SKIP is not None, SKIP)
+@unittest.skipUnless(torch.distributed.is_available()
+                     and torch.distributed.is_nccl_available(),
+                     "needs torch.distributed with NCCL")
+class VocabParallelCudaTest(unittest.TestCase):
+    """vocab_group on CUDA tensors over a one-rank NCCL group: the exchange
+    through a device buffer, the head's per-chunk merge, the gradient of
+    hidden summed over the group, against the call without a group. (The
+    ranges' merge across ranks is //tests:cuda_vocab_parallel_test's.)"""
+
+    def setUp(self):
+        self.dist = torch.distributed
+        self.dist.init_process_group("nccl", store=self.dist.HashStore(),
+                                     rank=0, world_size=1)
+        self.addCleanup(self.dist.destroy_process_group)
+
+    def test_one_rank_equals_the_call_without_a_group(self):
+        data = reference.batch(seed=35)
+        results = []
+        for group in (None, self.dist.group.WORLD):
+            hidden = data["hidden"].float().cuda().requires_grad_()
+            weight = data["weight"].float().cuda().requires_grad_()
+            terms = dflash_objective(
+                hidden, weight, data["target_ids"].cuda(),
+                data["weight_mask"].cuda(), return_rows=True,
+                vocab_group=group)
+            terms.loss.backward()
+            results.append((terms.loss, terms.diagnostics.argmax,
+                            hidden.grad, weight.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    def test_refused_families_raise(self):
+        data = reference.batch(seed=36)
+        with self.assertRaisesRegex(ValueError, "vocab_shard: the CUDA loss "
+                                    "does not run loss.distillation"):
+            dflash_objective(
+                data["hidden"].float().cuda(), data["weight"].float().cuda(),
+                data["target_ids"].cuda(), data["weight_mask"].cuda(),
+                config="loss { distillation { } }",
+                teacher_hidden=data["teacher"].float().cuda(),
+                vocab_group=self.dist.group.WORLD)
+
+
 class DeviceResultsOnTheCpuTest(unittest.TestCase):
     """What of head.device_results runs without a GPU: the refusals, the
     terms' names in the buffer against the synchronous call's report, and
