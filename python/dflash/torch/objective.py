@@ -23,8 +23,8 @@ import os
 import signal
 import threading
 import weakref
-from typing import (Any, Dict, List, NamedTuple, Optional, Sequence, Set,
-                    Tuple, TypedDict, Union, cast)
+from typing import (Any, Callable, Dict, Iterator, List, NamedTuple,
+                    Optional, Sequence, Set, Tuple, TypedDict, Union, cast)
 
 import torch
 
@@ -420,7 +420,8 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
               correction_weight: Optional[torch.Tensor],
               prepared: Optional[_core.PreparedProjection],
               shard: Optional[Any] = None, summed: bool = True,
-              split: bool = False) -> _HeadCall:
+              split: bool = False,
+              into: Optional[Dict[str, torch.Tensor]] = None) -> _HeadCall:
     """Runs the head once into fresh buffers (target_ids and weight_mask on
     the host, or on a CUDA hidden's device, where the head builds its rows:
     never copied). `gradients` false: the forward pass alone, no gradient
@@ -434,7 +435,10 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
     head.device_results and a CUDA hidden the head writes its terms into a
     float64 buffer on hidden's device (`results`) and the terms are sliced
     and cast from it there: nothing is read from the device (a CPU hidden
-    is refused by the binding, naming head.device_results)."""
+    is refused by the binding, naming head.device_results). `into`: buffers
+    (by _GRADIENTS name) the run writes those gradients into instead of
+    fresh ones (the head overwrites them; rows="local" runs the head W
+    times into one set)."""
     # The head reads hidden and the per-row tensors beside it as whole
     # rows, one after the other: a view that is not laid out so (a slice of
     # a longer batch along N, as SpecForge's chunks are) is copied here.
@@ -471,8 +475,9 @@ def _run_head(config: _core.ObjectiveConfig, top_k: int, return_rows: bool,
     }
     if not gradients or split:
         wanted.update(dict.fromkeys(_GRADIENTS))
-    made = {name: None if spec is None else _empty(
-                _BUFFER_NAMES.get(name, name), *spec, device)
+    reused = into or {}
+    made = {name: None if spec is None else reused[name] if name in reused
+            else _empty(_BUFFER_NAMES.get(name, name), *spec, device)
             for name, spec in wanted.items()}
     grads = {name: made[name] for name in _GRADIENTS}
     outputs = {name: made[name] for name in made if name not in grads}
@@ -910,6 +915,22 @@ class _Objective(torch.autograd.Function):
                 None, None)
 
 
+# The weight side of the head's gradients: the tensors a vocab shard owns.
+_WEIGHT_SIDE = ("grad_weight", "grad_bias", "grad_correction_weight")
+# rows="local": the row tensors each rank brings, gathered in this order
+# (hidden, teacher_hidden, confidence_logits, target_ids, weight_mask,
+# correction_inputs), and their dtypes on the wire (None: their own, which
+# the agreement compared; ids and masks need not share theirs).
+_ROW_WIRES = (None, None, None, torch.int64, torch.float64, None)
+_Rows = Tuple[Optional[torch.Tensor], ...]
+
+
+def _weight_side_of(call: _HeadCall) -> Dict[str, torch.Tensor]:
+    """The weight-side gradient buffers the run wrote, by name."""
+    return {name: grad for name, grad in call.grads.items()
+            if name in _WEIGHT_SIDE and grad is not None}
+
+
 class _LocalRows(torch.autograd.Function):
     """The vocab-parallel head with rows="local" (the vocab group is also
     the data-parallel group), in _Objective's arguments and results: every
@@ -921,6 +942,10 @@ class _LocalRows(torch.autograd.Function):
     those of its shards of the weight, bias and correction weight are every
     run's, each scaled by its rank's factor (d loss / d loss_num, gathered
     in backward: every rank runs backward from its loss_num, as under DDP).
+    When the weight or bias trains, backward gathers the rows again and
+    runs the head over each rank's rows again for them, summing into one
+    set of buffers: kept from forward they would be W shards, the whole
+    weight's size on every rank, held until backward.
     """
 
     @staticmethod
@@ -937,44 +962,32 @@ class _LocalRows(torch.autograd.Function):
                 shard: Any) -> Tuple[torch.Tensor, ...]:
         parallel = _vocab_parallel()
         trainable = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
-        # Every buffer of the row gathers first: a failure here (a
-        # MemoryError) is refused where the others wait, in the status
-        # gather; past it only the collectives run.
-        sends = [parallel.rows_to_send(shard, t, wire)
-                 for t, wire in ((hidden.contiguous(), None),
-                                 (teacher, None), (confidence, None),
-                                 (target_ids, torch.int64),
-                                 (weight_mask, torch.float64),
-                                 (correction_inputs, None))]
-        try:
-            shard.core.gather_status()
-            per_rank = list(zip(*[parallel.exchange_rows(shard, send)
-                                  for send in sends]))
-        except BaseException as error:
-            # The group stopped at the status gather, or a collective
-            # failed past it: no refusal to send.
-            _REFUSED.add(id(error))
-            raise
+        rows = (hidden.contiguous(), teacher, confidence, target_ids,
+                weight_mask, correction_inputs)
+        per_rank = _LocalRows._gathered(shard, rows)
         if (prepared is None and not trainable
                 and weight.dtype == torch.float32 and weight.is_contiguous()):
             # The W runs share one layout of the frozen float32 shard (each
             # run would lay it out again).
             prepared = _core.PreparedProjection(weight, bias)
+        # A trainable head's weight side is made again in backward
+        # (_weight_side): here the runs write it into one set of buffers
+        # (the head needs them when it trains), dropped after forward.
+        again = gradients and trainable
+        shared: Dict[str, torch.Tensor] = {}
+
+        def run(q: int, rows: _Rows) -> _HeadCall:
+            h, t, c, ids, mask, z = rows
+            assert h is not None and ids is not None and mask is not None
+            return _run_head(config, top_k, return_rows, trainable,
+                             gradients, h, weight, bias, t, c, ids, mask, z,
+                             correction_weight, prepared, shard,
+                             summed=False, into=shared if again else None)
+
         calls: List[_HeadCall] = []
-        before = shard.core.runs
-        for q, (h, t, c, ids, mask, z) in enumerate(per_rank):
-            try:
-                call = _run_head(config, top_k, return_rows, trainable,
-                                 gradients, h, weight, bias, t, c, ids, mask,
-                                 z, correction_weight, prepared, shard,
-                                 summed=False)
-            except BaseException as error:
-                # Failed here before run q's handshake (a MemoryError for
-                # its buffers): the others wait in it for this record.
-                # Before the first run _checked_objective sends it.
-                if q > 0 and shard.core.runs == before + q:
-                    shard.core.refuse(error)
-                raise
+        for q, call in _LocalRows._each_run(shard, per_rank, run):
+            if again:
+                shared.update(_weight_side_of(call))
             if q != shard.rank:
                 # Another rank's rows: only the gradients' parts are kept.
                 call = call._replace(terms=[], extras=[])
@@ -989,18 +1002,69 @@ class _LocalRows(torch.autograd.Function):
         run_info.fill(result)
         ctx.den = result["loss_denominator"]
         ctx.shard = shard
-        ctx.world = shard.world
-        per_run = [c.grads[name] for name in (
-            "grad_weight", "grad_bias", "grad_correction_weight")
-            for c in calls]
+        ctx.again = again
+        ctx.config = config
+        ctx.prepared = prepared if again else None
+        # Without a trainable head only M's gradient (Domino's correction
+        # weight) has a weight side: each run's is kept, W x this shard's
+        # rows x r, so that the frozen head runs once (r is far below H).
+        per_run = [] if again else [c.grads[name] for name in _WEIGHT_SIDE
+                                    for c in calls]
+        # What backward gathers again (the caller's tensors: nothing held
+        # beyond them).
+        kept = (teacher, target_ids, weight_mask) if again else (None,) * 3
         ctx.save_for_backward(
             grads["grad_hidden"], grads["grad_confidence"],
-            grads["grad_correction_inputs"], *per_run, hidden, weight, bias,
-            confidence, correction_inputs, correction_weight)
+            grads["grad_correction_inputs"], hidden, weight, bias,
+            confidence, correction_inputs, correction_weight, *kept,
+            *per_run)
         returned = own.terms + [e for e in own.extras if e is not None]
         ctx.mark_non_differentiable(*returned[1:])
         ctx.set_materialize_grads(False)
         return tuple(returned)
+
+    @staticmethod
+    def _gathered(shard: Any, rows: _Rows) -> List[_Rows]:
+        """Every rank's `rows` (in _ROW_WIRES's order; this rank's its
+        own tensors) in rank order. Every buffer of the row gathers is made
+        first: a failure there (a MemoryError) is refused here, where the
+        others wait (the status gather); past it only the collectives run.
+        Either error is put in _REFUSED (the group stopped together at the
+        status gather, or a collective failed: nothing more to send)."""
+        parallel = _vocab_parallel()
+        try:
+            sends = [parallel.rows_to_send(shard, t, wire)
+                     for t, wire in zip(rows, _ROW_WIRES)]
+        except BaseException as error:
+            shard.core.refuse(error)
+            _REFUSED.add(id(error))
+            raise
+        try:
+            shard.core.gather_status()
+            return list(zip(*[parallel.exchange_rows(shard, send)
+                              for send in sends]))
+        except BaseException as error:
+            _REFUSED.add(id(error))
+            raise
+
+    @staticmethod
+    def _each_run(shard: Any, per_rank: Sequence[_Rows],
+                  run: Callable[[int, _Rows], _HeadCall]
+                  ) -> Iterator[Tuple[int, _HeadCall]]:
+        """(q, run(q, rank q's rows)) in rank order. A failure before run
+        q's handshake (a MemoryError for its buffers) is refused there,
+        where the others wait for this rank's record, and put in
+        _REFUSED; one inside the run stopped every rank already."""
+        before = shard.core.runs
+        for q, rows in enumerate(per_rank):
+            try:
+                call = run(q, rows)
+            except BaseException as error:
+                if shard.core.runs == before + q:
+                    shard.core.refuse(error)
+                    _REFUSED.add(id(error))
+                raise
+            yield q, call
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Optional[torch.Tensor]
@@ -1009,16 +1073,16 @@ class _LocalRows(torch.autograd.Function):
             grads = _LocalRows._gradients(ctx, grad_outputs[0])
         if not torch.is_grad_enabled():
             return grads
-        return _tie_to_error(ctx.saved_tensors[3 + 3 * ctx.world:],
-                             grad_outputs, grads)
+        return _tie_to_error(ctx.saved_tensors[3:9], grad_outputs, grads)
 
     @staticmethod
     def _gradients(ctx: Any, grad_num: Optional[torch.Tensor]
                    ) -> Tuple[Optional[torch.Tensor], ...]:
         saved = ctx.saved_tensors
-        world = ctx.world
         own_hidden, own_confidence, own_z = saved[:3]
-        per_run = saved[3:3 + 3 * world]
+        (hidden, weight, bias, confidence, z, m, teacher, target_ids,
+         weight_mask) = saved[3:12]
+        per_run = saved[12:]
         # The head's gradients are of loss_num / loss_den (_Objective).
         scale = 0.0 if grad_num is None else float(grad_num) * ctx.den
         needs = ctx.needs_input_grad
@@ -1027,29 +1091,70 @@ class _LocalRows(torch.autograd.Function):
                    ) -> Optional[torch.Tensor]:
             return None if grad is None or not wanted else grad * scale
 
-        def summed(runs: Sequence[Optional[torch.Tensor]],
-                   factors: Sequence[float]) -> Optional[torch.Tensor]:
-            total: Optional[torch.Tensor] = None
-            for grad, factor in zip(runs, factors):
-                if grad is not None:
-                    total = (grad * factor if total is None
-                             else total + grad * factor)
-            return total
-
-        grad_weight = grad_bias = grad_m = None
-        if needs[6] or needs[7] or needs[13]:
+        side: Dict[str, Optional[torch.Tensor]] = dict.fromkeys(_WEIGHT_SIDE)
+        if ctx.again:
+            side.update(_LocalRows._weight_side(
+                ctx, scale, (hidden.contiguous(), teacher, confidence,
+                             target_ids, weight_mask, z),
+                weight, bias, m))
+        elif needs[13]:
             # Agreed on every rank (trainable, M's requires_grad).
             factors = _vocab_parallel().gather_scales(ctx.shard, scale)
-            grad_weight = (summed(per_run[:world], factors) if needs[6]
-                           else None)
-            grad_bias = (summed(per_run[world:2 * world], factors)
-                         if needs[7] else None)
-            grad_m = (summed(per_run[2 * world:], factors) if needs[13]
-                      else None)
+            world = ctx.shard.world
+            for grad, factor in zip(per_run[2 * world:], factors):
+                total = side["grad_correction_weight"]
+                side["grad_correction_weight"] = (
+                    grad * factor if total is None else total + grad * factor)
         return (None, None, None, None, None, scaled(own_hidden, needs[5]),
-                grad_weight, grad_bias, None,
+                side["grad_weight"] if needs[6] else None,
+                side["grad_bias"] if needs[7] else None, None,
                 scaled(own_confidence, needs[9]), None, None,
-                scaled(own_z, needs[12]), grad_m, None, None)
+                scaled(own_z, needs[12]),
+                side["grad_correction_weight"] if needs[13] else None,
+                None, None)
+
+    @staticmethod
+    def _weight_side(ctx: Any, scale: float, rows: _Rows,
+                     weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     m: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Backward of a trainable head: the weight side of its gradients
+        (_WEIGHT_SIDE, those the head computes) summed over the ranks' rows,
+        run q's times rank q's factor, in rank order: every rank's rows
+        gathered again (as forward), the factors gathered (`scale` this
+        rank's), and the head run again over each rank's rows, run 0's
+        buffers the sum and one more set for each later run's (the head's
+        other outputs dropped). Every rank runs it in the same order (as
+        under DDP); a failure on one rank stops every rank (_gathered,
+        _each_run)."""
+        shard = ctx.shard
+        total: Dict[str, torch.Tensor] = {}
+        later: Dict[str, torch.Tensor] = {}
+
+        def run(q: int, rows: _Rows) -> _HeadCall:
+            h, t, c, ids, mask, z = rows
+            assert h is not None and ids is not None and mask is not None
+            return _run_head(ctx.config, 0, False, True, True, h, weight,
+                             bias, t, c, ids, mask, z, m, ctx.prepared,
+                             shard, summed=False, into=later)
+
+        try:
+            per_rank = _LocalRows._gathered(shard, rows)
+            factors = _vocab_parallel().gather_scales(shard, scale)
+            for q, call in _LocalRows._each_run(shard, per_rank, run):
+                side = _weight_side_of(call)
+                for grad in side.values():
+                    grad.mul_(factors[q])
+                if q == 0:
+                    total = side
+                    continue
+                later.update(side)
+                for name, grad in side.items():
+                    total[name].add_(grad)
+        except BaseException as error:
+            # No caller after this sends a refusal (_checked_objective's).
+            _REFUSED.discard(id(error))
+            raise
+        return total
 
 
 def dflash_objective(

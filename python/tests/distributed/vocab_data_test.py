@@ -13,6 +13,12 @@ weight and bias, int32 ids and a bool mask on some ranks only. And
 refusals: rows="local" on one rank only, top_k, a mismatched row tensor,
 an unknown rows value, an empty micro-batch raise on every rank, as does
 a MemoryError on one rank before any one of its W runs of the head.
+What a call holds from forward to backward: the gradients of its own rows
+(and with a frozen head and Domino's correction each run's of M's shard),
+never a weight-gradient shard per run; with a vocabulary large beside the
+rows, less than two weight shards in all on two and four ranks. A trainable
+head's backward failing on one rank (its row buffers, each of its W runs)
+raises on every rank.
 """
 
 import os
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ranks  # noqa: E402
 import vocab_cases  # noqa: E402
 from dflash.torch import FusedHead, dflash_objective  # noqa: E402
+from dflash.torch import _vocab_parallel as parallel_module  # noqa: E402
 from dflash.torch import objective as objective_module  # noqa: E402
 from dflash.torch.distributed import shard_rows  # noqa: E402
 
@@ -149,8 +156,15 @@ def run_rank(c: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     hidden = rows["hidden"].clone().requires_grad_()
     confidence, z = leaves(c, rows)
     terms = call(c, rows, weight, bias, m, group, confidence, z, hidden)
+    given = [hidden, weight, bias, m, confidence, z, rows["teacher"],
+             rows["target_ids"], rows["weight_mask"]]
+    held = held_bytes(terms, given)
     (factor(rank) * terms.loss_num).backward()
     out = outputs(terms)
+    # Not the single process's: checked against this rank's sizes.
+    out["held"] = held
+    out["row_gradients"] = sum(
+        nbytes(t) for t in (hidden, confidence, z) if t is not None)
     out["grad_hidden"] = hidden.grad.clone()
     if confidence is not None:
         out["grad_confidence"] = confidence.grad.clone()
@@ -162,6 +176,29 @@ def run_rank(c: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         if bias is not None:
             out["grad_bias"] = bias.grad.clone()
     return out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage(t: torch.Tensor) -> int:
+    # torch 1.13 has no untyped_storage.
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage().data_ptr()
+    return t.storage().data_ptr()
+
+
+def held_bytes(terms: Any, given: List[Optional[torch.Tensor]]) -> int:
+    """The bytes autograd holds for the call between forward and backward
+    beyond the caller's own tensors `given`: its saved tensors' storages
+    (each once) that are none of `given`'s."""
+    theirs = {_storage(t) for t in given if t is not None}
+    mine: Dict[int, int] = {}
+    for t in terms.loss_num.grad_fn.saved_tensors:
+        if t is not None and t.numel() and _storage(t) not in theirs:
+            mine[_storage(t)] = nbytes(t)
+    return sum(mine.values())
 
 
 def one_process(c: Dict[str, Any], world: int) -> List[Dict[str, Any]]:
@@ -254,6 +291,16 @@ class LocalRowsTest(unittest.TestCase):
         for rank, result in enumerate(got):
             if isinstance(result, tuple):
                 self.fail(f"rank {rank} raised {result[0]}: {result[1]}")
+            # Held from forward to backward: the gradients of this rank's
+            # rows, and with a frozen head each of the W runs' gradient of
+            # this rank's shard of M, never a shard of the weight's
+            # gradient per run.
+            held, allowed = result.pop("held"), result.pop("row_gradients")
+            if not c["trainable"] and c["correction"]:
+                start, stop = vocab_cases._range(V, world, rank)
+                allowed += world * (stop - start) * c["correction"] * (
+                    torch.finfo(c["dtype"]).bits // 8)
+            self.assertLessEqual(held, allowed, f"rank {rank} held bytes")
         want = one_process(c, world)
         tolerance = TOLERANCE[c["dtype"]]
         total = want[0].pop("all_rows_loss_num", None)
@@ -279,6 +326,158 @@ class LocalRowsTest(unittest.TestCase):
 
     def test_three_ranks(self):
         self.check(3)
+
+
+# A vocabulary large beside the rows (a rank's rows 12 to 36 x H floats,
+# its shard about V / W x H): what the call holds until backward is to stay
+# below two shards however many ranks.
+BIG_V = 4099
+
+
+def big_inputs(world: int) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(21)
+    x: Dict[str, Any] = {
+        "weight": torch.randn(BIG_V, H, generator=g) / 2,
+        "bias": torch.randn(BIG_V, generator=g) / 4, "rows": []}
+    for q in range(world):
+        b = 1 + q % 3
+        x["rows"].append({
+            "hidden": torch.randn(b, N, K, H, generator=g),
+            "target_ids": torch.randint(0, BIG_V, (b, N, K), generator=g),
+            "weight_mask": (torch.rand(b, N, K, generator=g) > 0.2).double()})
+    return x
+
+
+def big_call(rows: Dict[str, torch.Tensor], hidden: torch.Tensor,
+             weight: torch.Tensor, bias: torch.Tensor,
+             group: Optional[Any]) -> Any:
+    extra: Dict[str, Any] = {}
+    if group is not None:
+        extra = {"vocab_group": group, "rows": "local"}
+    return dflash_objective(hidden, weight, rows["target_ids"],
+                            rows["weight_mask"], lm_head_bias=bias,
+                            config=vocab_cases.CONFIGS["dflash"], threads=1,
+                            **extra)
+
+
+def held_rank(rank: int, world: int) -> Dict[str, Any]:
+    """A trainable float32 weight and bias on BIG_V: the bytes of every
+    tensor autograd saved for the call (each storage once, the caller's
+    hidden, shards and rows among them) and of those beyond the caller's,
+    then the gradients of factor(rank) x loss_num."""
+    group = dist.group.WORLD
+    x = big_inputs(world)
+    rows = x["rows"][rank]
+    weight = shard_rows(x["weight"], group).requires_grad_()
+    bias = shard_rows(x["bias"], group).requires_grad_()
+    hidden = rows["hidden"].clone().requires_grad_()
+    terms = big_call(rows, hidden, weight, bias, group)
+    saved = {_storage(t): nbytes(t)
+             for t in terms.loss_num.grad_fn.saved_tensors
+             if t is not None and t.numel()}
+    held = held_bytes(terms, [hidden, weight, bias, rows["target_ids"],
+                              rows["weight_mask"]])
+    (factor(rank) * terms.loss_num).backward()
+    return {"saved": sum(saved.values()), "held": held,
+            "shard": nbytes(weight), "hidden": nbytes(hidden),
+            "grad_weight": weight.grad, "grad_bias": bias.grad,
+            "grad_hidden": hidden.grad}
+
+
+class HeldMemoryTest(unittest.TestCase):
+    """A trainable head holds no weight-sized gradient from forward to
+    backward (its weight side is made in backward): every tensor saved
+    for the call, the caller's shards and rows included, comes to less
+    than two of this rank's weight-gradient shards (the runs' W shards
+    kept from forward came to W + 1 and more), and beyond the caller's
+    tensors only the gradient of its hidden is held. Its gradients are the
+    single process's (float32 1e-6)."""
+
+    def check(self, world: int) -> None:
+        got = ranks.run_ranks(held_rank, world, timeout=240)
+        x = big_inputs(world)
+        weight = x["weight"].clone().requires_grad_()
+        bias = x["bias"].clone().requires_grad_()
+        hiddens = [r["hidden"].clone().requires_grad_() for r in x["rows"]]
+        loss = sum(factor(q) * big_call(rows, h, weight, bias, None).loss_num
+                   for q, (rows, h) in enumerate(zip(x["rows"], hiddens)))
+        loss.backward()
+        for rank, result in enumerate(got):
+            with self.subTest(world=world, rank=rank):
+                self.assertLess(result["saved"], 2 * result["shard"])
+                self.assertLessEqual(result["held"], result["hidden"])
+                shard = slice(*vocab_cases._range(BIG_V, world, rank))
+                for name, want in (("grad_weight", weight.grad[shard]),
+                                   ("grad_bias", bias.grad[shard]),
+                                   ("grad_hidden", hiddens[rank].grad)):
+                    self.assertLess(
+                        ranks.relative_error(result[name], want), 1e-6, name)
+
+    def test_two_ranks(self):
+        self.check(2)
+
+    def test_four_ranks(self):
+        self.check(4)
+
+
+def backward_refusals(rank: int, world: int) -> List[str]:
+    """A trainable call whose backward fails on rank 1 alone: a
+    MemoryError for its row buffers (before the backward's status gather),
+    then for the buffers of each of its W runs of the head in turn. Every
+    rank's backward raises; then a good call and backward run."""
+    group = dist.group.WORLD
+    x = big_inputs(world)
+    rows = x["rows"][rank]
+    weight = shard_rows(x["weight"], group).requires_grad_()
+    out = []
+    for where in ["rows"] + [f"run {q}" for q in range(world)]:
+        terms = big_call(rows, rows["hidden"], weight, None, group)
+        real_rows, real_empty = parallel_module.rows_to_send, \
+            objective_module._empty
+        made = []
+
+        def no_row_memory(*args, **kwargs):
+            raise MemoryError("rows: injected")
+
+        def no_run_memory(name, *args, **kwargs):
+            if name == "the gradient of hidden":
+                made.append(1)
+                if f"run {len(made) - 1}" == where:
+                    raise MemoryError(f"{name}: injected")
+            return real_empty(name, *args, **kwargs)
+
+        if rank == 1 and where == "rows":
+            parallel_module.rows_to_send = no_row_memory
+        elif rank == 1:
+            objective_module._empty = no_run_memory
+        try:
+            terms.loss_num.backward()
+            out.append(f"{where}: no error")
+        except (MemoryError, RuntimeError) as error:
+            out.append(f"{where}: {type(error).__name__}: {error}")
+        finally:
+            parallel_module.rows_to_send = real_rows
+            objective_module._empty = real_empty
+    weight.grad = None
+    big_call(rows, rows["hidden"], weight, None, group).loss_num.backward()
+    out.append(f"after: {float(weight.grad.abs().sum())}")
+    return out
+
+
+class BackwardRefusalTest(unittest.TestCase):
+    def test_every_rank_raises(self):
+        got = ranks.run_ranks(backward_refusals, 3, timeout=120)
+        for rank, lines in enumerate(got):
+            for line, where in zip(lines, ["rows", "run 0", "run 1",
+                                           "run 2"]):
+                with self.subTest(rank=rank, where=where):
+                    self.assertTrue(line.startswith(
+                        f"{where}: MemoryError: "), line)
+                    self.assertIn(
+                        "injected" if rank == 1 else
+                        "process 1 of 3 failed: RESOURCE_EXHAUSTED", line)
+            self.assertTrue(lines[-1].startswith("after: "), lines[-1])
+            self.assertGreater(float(lines[-1].split()[-1]), 0)
 
 
 def refusals(rank: int, world: int) -> List[str]:
