@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -30,24 +31,15 @@ int64_t ScratchBytes(int64_t n) {
          Aligned<double>(kTermSlots * n);
 }
 
-// What the CUDA loss runs vocab-parallel (CudaChunkLoss): the families
-// whose rows read only the merged stats of the other ranges.
+// What the CUDA loss runs vocab-parallel (CudaChunkLoss): every family but
+// Domino, without top-k lists.
 absl::Status CheckShardLoss(const LossParams& loss,
                             const ChunkLossOptions& options) {
-  const char* refused = nullptr;
-  if (loss.family == LossFamily::kDistillation) {
-    refused = "loss.distillation (its divergence is a row sum over every range)";
-  } else if (loss.dpard) {
-    refused =
-        "loss.dspark with objective DPARD (its Renyi term is a row sum over "
-        "every range)";
-  } else if (loss.family == LossFamily::kDomino) {
-    refused = "loss.domino (its final and base logits' records)";
-  }
-  if (refused != nullptr) {
+  if (loss.family == LossFamily::kDomino) {
     return absl::InvalidArgumentError(
-        absl::StrCat("vocab_shard: the CUDA loss does not run ", refused,
-                     " vocab-parallel yet; run the CPU loss, or set none"));
+        "vocab_shard: the CUDA loss does not run loss.domino vocab-parallel "
+        "yet (its final and base logits' records); run the CPU loss, or set "
+        "none");
   }
   if (options.metric_top_k > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -58,17 +50,11 @@ absl::Status CheckShardLoss(const LossParams& loss,
   return absl::OkStatus();
 }
 
-// A chunk's inputs the CUDA loss does not take vocab-parallel.
+// A chunk's inputs and outputs the CUDA loss does not take vocab-parallel.
 template <typename T>
 absl::Status CheckShardChunk(const ChunkLossInputs<T>& inputs,
                              const ChunkLossOutputs& outputs,
                              bool device_rows) {
-  if (!inputs.teacher_logits.empty()) {
-    return absl::InvalidArgumentError(
-        "vocab_shard: the CUDA loss does not take teacher logits "
-        "vocab-parallel yet (DSpark's L1 and the teacher diagnostics are row "
-        "sums over every range); give none, or run the CPU loss");
-  }
   if (!outputs.top_k.empty() && outputs.k > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "vocab_shard: the CUDA loss does not return top_k vocab-parallel yet "
@@ -116,6 +102,7 @@ struct CudaChunkLoss<T>::State {
   // records.
   std::vector<cuda::RowStats> shard_stats;
   std::vector<double> shard_record, shard_gathered;
+  std::vector<cuda::RowSumState> row_sums;  // ShardRounds' rows.
 };
 
 template <typename T>
@@ -336,6 +323,15 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     if (scratch.ok()) own = *std::move(scratch);
     ready = scratch.status();
   }
+  // Vocab-parallel, the row sums' rounds (ShardRounds); freed in stream
+  // order as this returns.
+  TrackedBuffer<cuda::RowSumState> row_sums;
+  if (ready.ok() && shard != nullptr && n > 0) {
+    absl::StatusOr<TrackedBuffer<cuda::RowSumState>> buffer =
+        TrackedBuffer<cuda::RowSumState>::Create(s.stream->allocator(), n);
+    if (buffer.ok()) row_sums = *std::move(buffer);
+    ready = buffer.status();
+  }
   if (shard != nullptr) {
     // Every process's checks and scratch meet here, so that a failure on
     // one is a failure on every one.
@@ -429,21 +425,137 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     cuda::LaunchChunkLoss<T>(params, args, s.stream->stream());
     return s.stream->LaunchStatus("chunk loss kernels");
   }
-  cuda::LaunchChunkStats<T>(params, args, s.stream->stream());
-  DFLASH_RETURN_IF_ERROR(MergeShardStats(
-      s.stream->LaunchStatus("chunk loss stats"), n, args.stats));
-  cuda::LaunchChunkTerms<T>(params, args, s.stream->stream());
-  return s.stream->LaunchStatus("chunk loss kernels");
+  // Vocab-parallel: the stats, then each pass that meets row sums in
+  // rounds (ShardRounds), every merge on the host.
+  CUstream_st* stream = s.stream->stream();
+  cuda::LaunchChunkStats<T>(params, args, stream);
+  DFLASH_RETURN_IF_ERROR(
+      MergeShardStats(s.stream->LaunchStatus("chunk loss stats"), n,
+                      args.teacher != nullptr, args.stats));
+  args.row_sums = row_sums.data();
+  if (loss.dpard) {
+    DFLASH_RETURN_IF_ERROR(
+        ShardRounds(n, args.row_sums, [&](bool collect) {
+          args.collect = collect;
+          cuda::LaunchAcceptancePass<T>(params, args, stream);
+        }));
+  }
+  cuda::LaunchBlockWeights<T>(params, args, stream);
+  // Without teacher logits no pass meets a row sum: one loss pass.
+  if (args.teacher == nullptr) args.row_sums = nullptr;
+  return ShardRounds(n, args.row_sums, [&](bool collect) {
+    args.collect = collect;
+    cuda::LaunchLossPass<T>(params, args, stream);
+  });
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::ShardRounds(
+    int64_t n, cuda::RowSumState* device,
+    const std::function<void(bool collect)>& launch) {
+  State& s = *state_;
+  if (device == nullptr) {
+    launch(/*collect=*/false);
+    return s.stream->LaunchStatus("chunk loss pass");
+  }
+  const VocabShard& shard = *s.params.options.vocab_shard;
+  const int size = shard.exchange->size();
+  std::vector<cuda::RowSumState>& host = s.row_sums;
+  host.assign(n, cuda::RowSumState());
+  // A row's record: whether it waits, the sum's kind, its two parts.
+  constexpr int kRow = 4;
+  for (;;) {
+    absl::Status local = s.stream->CopyToDevice(
+        device, host.data(), n * sizeof(cuda::RowSumState));
+    if (local.ok()) {
+      launch(/*collect=*/true);
+      local = s.stream->LaunchStatus("chunk loss row sums");
+    }
+    if (local.ok()) {
+      local = s.stream->CopyToHost(host.data(), device,
+                                   n * sizeof(cuda::RowSumState));
+    }
+    s.shard_record.assign(kRecordHead + n * kRow, 0.0);
+    for (int64_t r = 0; r < n && local.ok(); ++r) {
+      if (host[r].pending == 0) continue;
+      double* at = s.shard_record.data() + kRecordHead + r * kRow;
+      at[0] = 1;
+      at[1] = host[r].kind;
+      at[2] = host[r].partial[0];
+      at[3] = host[r].partial[1];
+    }
+    DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
+                                         absl::MakeSpan(s.shard_record),
+                                         s.shard_gathered));
+    const size_t record_size = s.shard_record.size();
+    bool any = false;
+    for (int64_t r = 0; r < n; ++r) {
+      auto field = [&](int q, int i) {
+        return s.shard_gathered[q * record_size + kRecordHead + r * kRow + i];
+      };
+      const bool pending = field(0, 0) != 0;
+      for (int q = 1; q < size; ++q) {
+        if ((field(q, 0) != 0) != pending) {
+          return absl::InternalError(absl::StrCat(
+              "vocab_shard: the processes disagree on whether row ", r,
+              " needs another row sum"));
+        }
+      }
+      if (!pending) continue;
+      any = true;
+      cuda::RowSumState& state = host[r];
+      if (state.known_count == cuda::kMaxRowSums) {
+        return absl::InternalError(absl::StrCat(
+            "vocab_shard: row ", r, " needs more than ", cuda::kMaxRowSums,
+            " row sums"));
+      }
+      double* known = state.known[state.known_count++];
+      if (static_cast<int>(field(0, 1)) == cuda::kRowLogSumExp) {
+        // Every range's (max, sum of exp(x - max)), as one logsumexp.
+        double max = -std::numeric_limits<double>::infinity(), sum = 0;
+        for (int q = 0; q < size; ++q) {
+          if (field(q, 3) > 0) max = std::max(max, field(q, 2));
+        }
+        for (int q = 0; q < size; ++q) {
+          if (field(q, 3) > 0) sum += field(q, 3) * std::exp(field(q, 2) - max);
+        }
+        known[0] = max + std::log(sum);
+        known[1] = 0;
+      } else {
+        known[0] = known[1] = 0;
+        for (int q = 0; q < size; ++q) {
+          known[0] += field(q, 2);
+          known[1] += field(q, 3);
+        }
+      }
+      state.pending = 0;
+    }
+    if (!any) break;
+  }
+  // Every row's sums are known now (on the device since the last round).
+  launch(/*collect=*/false);
+  return s.stream->LaunchStatus("chunk loss pass");
 }
 
 template <typename T>
 absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
+                                               bool teacher,
                                                cuda::RowStats* stats) {
   State& s = *state_;
   const VocabShard& shard = *s.params.options.vocab_shard;
+  const LossParams& loss = s.params.loss;
   const std::vector<cuda::Row>& rows = s.rows.back();
-  const bool sum = s.params.loss.label_smoothing > 0;
-  const int per_row = kRangeStatsSize + (sum ? 1 : 0);
+  // A row's record: RangeStatsField, then as the chunk needs them the sum
+  // of z' (label smoothing), the teacher's (max, sum at t_lse's
+  // temperature, global argmax), and distillation's tempered sum.
+  const bool distill = loss.family == LossFamily::kDistillation;
+  const double inv_t = loss.inv_temperature;
+  const bool tempered = distill && static_cast<float>(inv_t) != 1.0f;
+  int per_row = kRangeStatsSize;
+  const int sum_at = loss.label_smoothing > 0 ? per_row++ : -1;
+  const int teacher_at = teacher ? per_row : -1;
+  if (teacher) per_row += 3;
+  const int tempered_at = distill ? per_row++ : -1;
   s.shard_stats.resize(n);
   s.shard_record.assign(kRecordHead + n * per_row, 0.0);
   if (local.ok()) {
@@ -468,7 +580,13 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
     // row has no target class.
     at[kRangeTargetLogit] = HasTarget(rows[r].target) ? range.target : lowest;
     at[kRangeArgmax] = static_cast<double>(shard.offset + range.argmax);
-    if (sum) at[kRangeStatsSize] = range.sum;
+    if (sum_at >= 0) at[sum_at] = range.sum;
+    if (teacher_at >= 0) {
+      at[teacher_at] = range.t_max;
+      at[teacher_at + 1] = range.t_sum_exp;
+      at[teacher_at + 2] = static_cast<double>(shard.offset + range.t_argmax);
+    }
+    if (tempered_at >= 0) at[tempered_at] = range.sum_exp_t;
   }
   DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
                                        absl::MakeSpan(s.shard_record),
@@ -476,13 +594,20 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   const size_t record_size = s.shard_record.size();
   const int size = shard.exchange->size();
   std::vector<const double*> records(size);
+  // Over every range's (max at max_at, sum of exp((x - max) * scale) at
+  // sum_at), in rank order: the whole row's maximum and that sum about it.
+  auto scaled_sum = [&](int max_at, int sum_at_, double scale, double max) {
+    double sum = 0;
+    for (const double* rec : records) {
+      sum += rec[sum_at_] * std::exp((rec[max_at] - max) * scale);
+    }
+    return sum;
+  };
   for (int64_t r = 0; r < n; ++r) {
     if (rows[r].mask == 0) continue;
-    double whole_sum = 0;
     for (int q = 0; q < size; ++q) {
       records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
                    r * per_row;
-      if (sum) whole_sum += records[q][kRangeStatsSize];
     }
     const MergedRangeStats merged = MergeRangeRecords(records, 0);
     cuda::RowStats& whole = s.shard_stats[r];
@@ -491,8 +616,39 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
     whole.log_sum = static_cast<float>(std::log(merged.sum_exp));
     whole.sum_exp = static_cast<float>(merged.sum_exp);
     whole.target = static_cast<float>(merged.target_logit);
-    whole.sum = static_cast<float>(whole_sum);
     whole.argmax = merged.argmax;
+    if (sum_at >= 0) {
+      double sum = 0;
+      for (const double* rec : records) sum += rec[sum_at];
+      whole.sum = static_cast<float>(sum);
+    }
+    if (tempered_at >= 0) {
+      // The stats pass's lse_t, over the whole row.
+      const double sum_t =
+          scaled_sum(kRangeMax, tempered_at, tempered ? inv_t : 1.0,
+                     merged.max);
+      whole.sum_exp_t = static_cast<float>(sum_t);
+      whole.lse_t = tempered ? static_cast<float>(merged.max * inv_t +
+                                                  std::log(sum_t))
+                             : whole.max + whole.log_sum;
+    }
+    if (teacher_at >= 0) {
+      // The maximum and its first id: the earlier range's on a tie.
+      double max = lowest;
+      int32_t argmax = 0;
+      for (const double* rec : records) {
+        if (rec[teacher_at] > max) {
+          max = rec[teacher_at];
+          argmax = static_cast<int32_t>(rec[teacher_at + 2]);
+        }
+      }
+      const double scale = tempered ? inv_t : 1.0;
+      const double sum = scaled_sum(teacher_at, teacher_at + 1, scale, max);
+      whole.t_max = static_cast<float>(max);
+      whole.t_sum_exp = static_cast<float>(sum);
+      whole.t_lse = static_cast<float>(max * scale + std::log(sum));
+      whole.t_argmax = argmax;
+    }
   }
   // The device reads them before the next chunk's stats come back here.
   return s.stream->CopyToDevice(stats, s.shard_stats.data(),

@@ -6,6 +6,7 @@
 // a CudaStream and the terms read back once (Terms()).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -38,12 +39,12 @@ namespace dflash {
 // host, and written back as the whole rows', so that every process's terms
 // and row outputs are bitwise the same and its gradient is its range's.
 // Terms() ends with one more gather, so that an error one device found is
-// an error on every process. For the families whose rows read nothing
-// else of the other ranges: the softmax families (CE, label smoothing,
-// z-loss, tv, the LK compositions, D-PACE) and DSpark without teacher
-// logits. Refused, naming the field, with a shard: loss.distillation,
-// D-PARD and loss.domino, options.metric_top_k (Create); teacher logits,
-// top_k and device rows (each chunk's handshake, on every process).
+// an error on every process. A pass that meets row sums over the whole
+// vocabulary (the teacher's L1 of DSpark and of the teacher diagnostics,
+// distillation's divergence, D-PARD's) runs in rounds, one gather each
+// (ShardRounds), as the CPU loss does. Refused, naming the field, with a
+// shard: loss.domino and options.metric_top_k (Create); top_k and device
+// rows (each chunk's handshake, on every process).
 template <typename T>
 class CudaChunkLoss {
  public:
@@ -123,10 +124,18 @@ class CudaChunkLoss {
                       const RowMeta* device_rows,
                       std::vector<int32_t> block_begin);
   // Vocab-parallel: the stats pass's rows over this range (`stats`, n
-  // rows), gathered with `local` (this process's error so far) and merged
-  // in rank order into the whole rows' stats, written back.
-  absl::Status MergeShardStats(absl::Status local, int64_t n,
+  // rows; the teacher's too with `teacher`), gathered with `local` (this
+  // process's error so far) and merged in rank order into the whole rows'
+  // stats, written back.
+  absl::Status MergeShardStats(absl::Status local, int64_t n, bool teacher,
                                cuda::RowStats* stats);
+  // Vocab-parallel: launch(true) (a collecting round of a pass over n
+  // rows) until no row meets a row sum the rounds have not merged, each
+  // round's partials gathered and merged into `device` (cuda::RowSumState,
+  // null: the pass meets none), then launch(false), the pass with every sum
+  // known.
+  absl::Status ShardRounds(int64_t n, cuda::RowSumState* device,
+                           const std::function<void(bool collect)>& launch);
   // The checks of Run: limits, sizes (the chunk's share of per-row arrays
   // indexed by out_rows), with `inputs.rows` standing for the chunk.
   absl::Status Check(const ChunkLossInputs<T>& inputs,

@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (distill) {
     stats.lse_t =
         tempered ? s.max * inv_t + logf(s.sum_t) : s.max + stats.log_sum;
+    stats.sum_exp_t = tempered ? s.sum_t : s.sum;
   }
   // Only where a thread set it (NegLogQ reads it then); else RowStats' 0.
   // Vocab-parallel, -inf where another range holds the target (the
@@ -349,6 +350,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     stats.t_lse = teacher_tempered ? t.max * teacher_inv_t + logf(t.sum_t)
                                    : t.max + logf(t.sum);
     stats.t_argmax = t.argmax;
+    stats.t_max = t.max;
+    stats.t_sum_exp = teacher_tempered ? t.sum_t : t.sum;
   }
 }
 
@@ -521,12 +524,8 @@ class CudaRow {
     return exp(-static_cast<double>(s_.log_sum));
   }
   __device__ __forceinline__ double TeacherTop1() const {
-    // A teacher row without a finite value has no argmax (its error is
-    // reported already): read nothing past the row.
-    const float t_max = s_.t_argmax < p_.vocab
-                            ? transform_(ToFloat(t_[s_.t_argmax]))
-                            : NAN;
-    return exp(static_cast<double>(t_max) - s_.t_lse);
+    // The stats pass's maximum of t' (vocab-parallel, the whole row's).
+    return exp(static_cast<double>(s_.t_max) - s_.t_lse);
   }
   __device__ __forceinline__ bool TeacherAgrees() const {
     return s_.t_argmax == s_.argmax;
@@ -541,11 +540,16 @@ class CudaRow {
     });
   }
   template <typename S>
-  __device__ __forceinline__ S Reduce(S partial) const {
-    return BlockReduce(partial, [](S x, S y) { return x + y; });
+  __device__ __forceinline__ S Reduce(S partial) {
+    const S total = BlockReduce(partial, [](S x, S y) { return x + y; });
+    if (a_.row_sums == nullptr) return total;
+    double parts[2];
+    Parts(total, parts);
+    const double* known = ShardSum(RowSumKindOf(total), parts);
+    return known != nullptr ? FromParts(total, known) : total;
   }
   template <typename F>
-  __device__ __forceinline__ double LogSumExp(F&& f) const {
+  __device__ __forceinline__ double LogSumExp(F&& f) {
     Online online;
     ForEach([&](int64_t i, float zp, float tp) {
       AddLogit(online, i, f(zp, tp), 1.0f, false);
@@ -553,17 +557,23 @@ class CudaRow {
     online = BlockReduce(online, [](Online x, Online y) {
       return Merge(x, y, 1.0f, false);
     });
-    return online.max + logf(online.sum);
+    const double lse = online.max + logf(online.sum);
+    if (a_.row_sums == nullptr) return lse;
+    const double parts[2] = {online.max, online.sum};
+    const double* known = ShardSum(kRowLogSumExp, parts);
+    return known != nullptr ? known[0] : lse;
   }
 
   template <typename G>
   __device__ __forceinline__ void WriteGradient(G&& g, double) {
+    if (a_.collect) return;
     Map(t_, g);
   }
   __device__ __forceinline__ void WriteSoftmaxGradient(double softmax,
                                                        double on_target,
                                                        double uniform,
                                                        double) {
+    if (a_.collect) return;
     const float softmax_f = static_cast<float>(softmax);
     const float on_target_f = static_cast<float>(on_target);
     const float uniform_f = static_cast<float>(uniform / p_.classes);
@@ -576,20 +586,20 @@ class CudaRow {
   }
 
   __device__ __forceinline__ void Add(TermSlot slot, double value) const {
-    if (threadIdx.x == 0) terms_[slot] += value;
+    if (threadIdx.x == 0 && !a_.collect) terms_[slot] += value;
   }
   __device__ __forceinline__ void SetTeacherAcceptance(double accept) const {
-    if (threadIdx.x == 0 && a_.teacher_acceptance != nullptr) {
+    if (threadIdx.x == 0 && !a_.collect && a_.teacher_acceptance != nullptr) {
       a_.teacher_acceptance[out_] = accept;
     }
   }
   __device__ __forceinline__ void SetConfidenceGradient(double g) const {
-    if (threadIdx.x == 0 && a_.confidence_grad != nullptr) {
+    if (threadIdx.x == 0 && !a_.collect && a_.confidence_grad != nullptr) {
       a_.confidence_grad[out_] = g;
     }
   }
   __device__ __forceinline__ void ConfidenceNotFinite(double c) const {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !a_.collect) {
       ReportError(a_.error, out_, kConfidenceNotFinite, 0,
                   static_cast<float>(c));
     }
@@ -602,6 +612,50 @@ class CudaRow {
   __device__ __forceinline__ const RowStats& stats() const { return s_; }
 
  private:
+  // A row sum's parts (at most two) and its kind, and back.
+  __device__ __forceinline__ static void Parts(float x, double* parts) {
+    parts[0] = x;
+    parts[1] = 0;
+  }
+  __device__ __forceinline__ static void Parts(RowSums<float> x,
+                                               double* parts) {
+    parts[0] = x.a;
+    parts[1] = x.b;
+  }
+  __device__ __forceinline__ static RowSumKind RowSumKindOf(float) {
+    return kRowSum;
+  }
+  __device__ __forceinline__ static RowSumKind RowSumKindOf(RowSums<float>) {
+    return kRowSums;
+  }
+  __device__ __forceinline__ static float FromParts(float,
+                                                    const double* known) {
+    return static_cast<float>(known[0]);
+  }
+  __device__ __forceinline__ static RowSums<float> FromParts(
+      RowSums<float>, const double* known) {
+    return {static_cast<float>(known[0]), static_cast<float>(known[1])};
+  }
+
+  // Vocab-parallel, the pass's next row sum: the merged value where a
+  // round has it, else null with this range's `parts` left for the host
+  // (the first unknown sum of the pass only; the rest of this round's pass
+  // is not written: ChunkArgs::collect).
+  __device__ __forceinline__ const double* ShardSum(RowSumKind kind,
+                                                    const double* parts) {
+    RowSumState& state = a_.row_sums[r_];
+    const int j = next_sum_++;
+    if (j < state.known_count) return state.known[j];
+    if (!waiting_ && threadIdx.x == 0) {
+      state.pending = 1;
+      state.kind = kind;
+      state.partial[0] = parts[0];
+      state.partial[1] = parts[1];
+    }
+    waiting_ = true;
+    return nullptr;
+  }
+
   // The row's d/dz in place: g(i, z', t') is d/dz' (t' from `teacher`, or
   // z' where it is null), chained through the transform; a result that is
   // not finite is the row's error.
@@ -628,6 +682,8 @@ class CudaRow {
   const RowStats s_;
   const Transform transform_;
   const double weight_;
+  int next_sum_ = 0;      // Row sums this pass has met.
+  bool waiting_ = false;  // An unknown one among them.
 };
 
 // Block weights and shares (CoupledBlockWeights), one thread per block run.
@@ -662,12 +718,12 @@ __global__ void __launch_bounds__(kThreads)
     AcceptanceKernel(KernelParams p, ChunkArgs<T> a) {
   const int64_t r = blockIdx.x;
   if (a.meta[r].mask == 0) {
-    if (threadIdx.x == 0) a.accept[r] = 0;
+    if (threadIdx.x == 0 && !a.collect) a.accept[r] = 0;
     return;
   }
   CudaRow<T> row(p, a, r, 0.0);
   const double l1 = TeacherL1(row);
-  if (threadIdx.x == 0) a.accept[r] = DSparkAcceptance(l1);
+  if (threadIdx.x == 0 && !a.collect) a.accept[r] = DSparkAcceptance(l1);
 }
 
 // A row without a mask: zero gradient, terms and outputs.
@@ -734,14 +790,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r = blockIdx.x;
   const Row meta = a.meta[r];
   if (meta.mask == 0) {
-    MaskedRow(p, a, r);
+    if (!a.collect) MaskedRow(p, a, r);
     return;
   }
   CudaRow<T> row(p, a, r, CouplesBlocks(p.loss) ? a.weight[r] : meta.weight);
-  RowMetrics(a, row);
+  if (!a.collect) RowMetrics(a, row);
   if (TeacherMetrics(p, a)) TeacherDiagnosticsPass(row);
   if (row.weight() == 0) {
-    ZeroRow(row.logits(), p.vocab);
+    if (!a.collect) ZeroRow(row.logits(), p.vocab);
     return;
   }
   FamilyPass(row);
@@ -974,7 +1030,9 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   if ((args.top_k != nullptr && args.k > 0) || args.metric_k > 0) {
     DFLASH_LAUNCH(TopKKernel<T>, rows, kThreads, 0, stream)(params, args);
   }
-  LaunchChunkTerms(params, args, stream);
+  if (params.loss.dpard) LaunchAcceptancePass(params, args, stream);
+  LaunchBlockWeights(params, args, stream);
+  LaunchLossPass(params, args, stream);
 }
 
 template <typename T>
@@ -987,22 +1045,33 @@ void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
 }
 
 template <typename T>
-void LaunchChunkTerms(const KernelParams& params, const ChunkArgs<T>& args,
-                      CUstream_st* stream) {
+void LaunchAcceptancePass(const KernelParams& params, const ChunkArgs<T>& args,
+                          CUstream_st* stream) {
   if (args.rows == 0) return;
-  const dim3 rows(static_cast<unsigned>(args.rows));
-  if (params.loss.dpard) {
-    DFLASH_LAUNCH(AcceptanceKernel<T>, rows, kThreads, 0, stream)(params, args);
-  }
-  if (CouplesBlocks(params.loss) && args.blocks > 0) {
-    constexpr int kPerBlock = 128;
-    DFLASH_LAUNCH(BlockWeightsKernel, (args.blocks + kPerBlock - 1) / kPerBlock,
-                  kPerBlock, 0, stream)
-    (params.loss, args.meta, args.stats, args.block_begin, args.blocks,
-     args.block_size, args.accept, args.weight, args.ce_share);
-  }
-  DFLASH_LAUNCH(LossKernel<T>, rows, kThreads, 0, stream)(params, args);
-  LaunchReduceTerms(params, args, stream);
+  DFLASH_LAUNCH(AcceptanceKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+}
+
+template <typename T>
+void LaunchBlockWeights(const KernelParams& params, const ChunkArgs<T>& args,
+                        CUstream_st* stream) {
+  if (!CouplesBlocks(params.loss) || args.blocks <= 0) return;
+  constexpr int kPerBlock = 128;
+  DFLASH_LAUNCH(BlockWeightsKernel, (args.blocks + kPerBlock - 1) / kPerBlock,
+                kPerBlock, 0, stream)
+  (params.loss, args.meta, args.stats, args.block_begin, args.blocks,
+   args.block_size, args.accept, args.weight, args.ce_share);
+}
+
+template <typename T>
+void LaunchLossPass(const KernelParams& params, const ChunkArgs<T>& args,
+                    CUstream_st* stream) {
+  if (args.rows == 0) return;
+  DFLASH_LAUNCH(LossKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+  if (!args.collect) LaunchReduceTerms(params, args, stream);
 }
 
 namespace {
@@ -1231,11 +1300,16 @@ template void LaunchChunkStats<float>(const KernelParams&,
 template void LaunchChunkStats<BFloat16>(const KernelParams&,
                                          const ChunkArgs<BFloat16>&,
                                          CUstream_st*);
-template void LaunchChunkTerms<float>(const KernelParams&,
-                                      const ChunkArgs<float>&, CUstream_st*);
-template void LaunchChunkTerms<BFloat16>(const KernelParams&,
-                                         const ChunkArgs<BFloat16>&,
-                                         CUstream_st*);
+#define DFLASH_INSTANTIATE_CHUNK_PARTS(T)                                  \
+  template void LaunchAcceptancePass<T>(const KernelParams&,               \
+                                        const ChunkArgs<T>&, CUstream_st*); \
+  template void LaunchBlockWeights<T>(const KernelParams&,                 \
+                                      const ChunkArgs<T>&, CUstream_st*);   \
+  template void LaunchLossPass<T>(const KernelParams&, const ChunkArgs<T>&, \
+                                  CUstream_st*);
+DFLASH_INSTANTIATE_CHUNK_PARTS(float)
+DFLASH_INSTANTIATE_CHUNK_PARTS(BFloat16)
+#undef DFLASH_INSTANTIATE_CHUNK_PARTS
 template void LaunchScale<float>(float*, int64_t, double, CUstream_st*,
                                  const double*);
 template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*,

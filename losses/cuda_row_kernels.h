@@ -54,10 +54,31 @@ struct RowStats {
   float t_lse = 0;   // Teacher: logsumexp(t' / T) (T = 1 for DSpark).
   int32_t argmax = 0;
   int32_t t_argmax = 0;  // Teacher: first index of the maximum.
-  // sum of exp(z' - max), which log_sum rounds: a vocab-parallel range's
-  // record carries it (RangeStatsField).
+  // Vocab-parallel, the sums behind the logsumexps, which a range's record
+  // carries (log_sum, lse_t and t_lse round them): sum of exp(z' - max),
+  // of exp((z' - max) / T) (distillation), the teacher's maximum and its
+  // sum at t_lse's temperature.
   float sum_exp = 0;
+  float sum_exp_t = 0;
+  float t_max = 0;
+  float t_sum_exp = 0;
 };
+
+// Vocab-parallel, a row pass's row sums (Reduce, LogSumExp) over the whole
+// vocabulary: the pass runs in rounds (ChunkArgs::collect), each meeting
+// one more sum that no round has merged yet, whose partial over this
+// range it leaves here; the host merges every process's and appends the
+// result to `known`, so that the pass with every sum known writes its
+// terms and gradient.
+constexpr int kMaxRowSums = 4;
+struct RowSumState {
+  double known[kMaxRowSums][2] = {};  // Merged sums (host).
+  int32_t known_count = 0;           // (host)
+  int32_t pending = 0;  // 1: the last round met an unknown sum (device).
+  int32_t kind = 0;     // Its RowSumKind (device).
+  double partial[2] = {};  // Its partial over this range (device).
+};
+enum RowSumKind : int32_t { kRowSum = 0, kRowSums = 1, kRowLogSumExp = 2 };
 
 // The term slots (TermSlot, kTermSlots, PositionSlot, TotalsSize) are
 // losses/term_slots.h's: one kTermSlots row per chunk row in row_terms,
@@ -176,6 +197,10 @@ struct ChunkArgs {
   double* row_terms = nullptr;
   double* totals = nullptr;  // TotalsSize(K); null: terms are not recorded.
   unsigned long long* error = nullptr;
+  // Vocab-parallel with row sums: [rows] (null otherwise), and whether
+  // this launch only collects their partials (nothing written but them).
+  RowSumState* row_sums = nullptr;
+  bool collect = false;
 };
 
 // Queues the chunk's kernels on `stream`: stats, top-k, block weights,
@@ -185,16 +210,25 @@ template <typename T>
 void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
                      CUstream_st* stream);
 
-// LaunchChunkLoss in two parts, for a vocab-parallel chunk whose stats are
-// merged across the processes in between: the stats pass over this range
-// (args.stats), then the rest, which reads args.stats as the whole row's.
-// Not for Domino, top-k or the diagnostics' top-k.
+// LaunchChunkLoss in parts, for a vocab-parallel chunk whose stats and row
+// sums are merged across the processes in between: the stats pass over
+// this range (args.stats); D-PARD's acceptance pass (AcceptancePass, a
+// round of it with args.collect); the block weights (BlockWeights); the
+// loss pass (LossPass, likewise) and the terms' reduction. They read
+// args.stats as the whole rows'. Not for Domino, top-k or the diagnostics'
+// top-k.
 template <typename T>
 void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
                       CUstream_st* stream);
 template <typename T>
-void LaunchChunkTerms(const KernelParams& params, const ChunkArgs<T>& args,
-                      CUstream_st* stream);
+void LaunchAcceptancePass(const KernelParams& params, const ChunkArgs<T>& args,
+                          CUstream_st* stream);
+template <typename T>
+void LaunchBlockWeights(const KernelParams& params, const ChunkArgs<T>& args,
+                        CUstream_st* stream);
+template <typename T>
+void LaunchLossPass(const KernelParams& params, const ChunkArgs<T>& args,
+                    CUstream_st* stream);
 
 // out[i] for rows[i], i < count, as CudaChunkLoss prepares a host row:
 // the effective mask (target 0 where it is 0), RowLossWeight and
