@@ -1078,7 +1078,15 @@ class _LocalRows(torch.autograd.Function):
     @staticmethod
     def _gradients(ctx: Any, grad_num: Optional[torch.Tensor]
                    ) -> Tuple[Optional[torch.Tensor], ...]:
-        saved = ctx.saved_tensors
+        try:
+            # Raises where the caller edited a saved tensor in place.
+            saved = ctx.saved_tensors
+        except BaseException as error:
+            if ctx.again:
+                # The others wait for this rank in the backward's status
+                # gather (_weight_side).
+                ctx.shard.core.refuse(error)
+            raise
         own_hidden, own_confidence, own_z = saved[:3]
         (hidden, weight, bias, confidence, z, m, teacher, target_ids,
          weight_mask) = saved[3:12]
@@ -1093,10 +1101,10 @@ class _LocalRows(torch.autograd.Function):
 
         side: Dict[str, Optional[torch.Tensor]] = dict.fromkeys(_WEIGHT_SIDE)
         if ctx.again:
+            # (hidden as the caller's: each run reads it contiguous.)
             side.update(_LocalRows._weight_side(
-                ctx, scale, (hidden.contiguous(), teacher, confidence,
-                             target_ids, weight_mask, z),
-                weight, bias, m))
+                ctx, scale, (hidden, teacher, confidence, target_ids,
+                             weight_mask, z), weight, bias, m))
         elif needs[13]:
             # Agreed on every rank (trainable, M's requires_grad).
             factors = _vocab_parallel().gather_scales(ctx.shard, scale)

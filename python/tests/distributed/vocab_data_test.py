@@ -421,17 +421,23 @@ class HeldMemoryTest(unittest.TestCase):
 
 
 def backward_refusals(rank: int, world: int) -> List[str]:
-    """A trainable call whose backward fails on rank 1 alone: a
-    MemoryError for its row buffers (before the backward's status gather),
-    then for the buffers of each of its W runs of the head in turn. Every
-    rank's backward raises; then a good call and backward run."""
+    """A trainable call whose backward fails on rank 1 alone: its mask
+    edited in place after forward (torch's error unpacking it), a
+    MemoryError for its row buffers (both before the backward's status
+    gather), then for the buffers of each of its W runs of the head in
+    turn. Every rank's backward raises; then a good call and backward
+    run."""
     group = dist.group.WORLD
     x = big_inputs(world)
     rows = x["rows"][rank]
     weight = shard_rows(x["weight"], group).requires_grad_()
     out = []
-    for where in ["rows"] + [f"run {q}" for q in range(world)]:
-        terms = big_call(rows, rows["hidden"], weight, None, group)
+    for where in ["edited", "rows"] + [f"run {q}" for q in range(world)]:
+        mask = rows["weight_mask"].clone()
+        terms = big_call(dict(rows, weight_mask=mask), rows["hidden"],
+                         weight, None, group)
+        if rank == 1 and where == "edited":
+            mask.mul_(1)
         real_rows, real_empty = parallel_module.rows_to_send, \
             objective_module._empty
         made = []
@@ -453,7 +459,7 @@ def backward_refusals(rank: int, world: int) -> List[str]:
         try:
             terms.loss_num.backward()
             out.append(f"{where}: no error")
-        except (MemoryError, RuntimeError) as error:
+        except (MemoryError, RuntimeError, ValueError) as error:
             out.append(f"{where}: {type(error).__name__}: {error}")
         finally:
             parallel_module.rows_to_send = real_rows
@@ -468,8 +474,15 @@ class BackwardRefusalTest(unittest.TestCase):
     def test_every_rank_raises(self):
         got = ranks.run_ranks(backward_refusals, 3, timeout=120)
         for rank, lines in enumerate(got):
-            for line, where in zip(lines, ["rows", "run 0", "run 1",
-                                           "run 2"]):
+            with self.subTest(rank=rank, where="edited"):
+                # torch's RuntimeError on rank 1, a ValueError naming it on
+                # the others.
+                self.assertIn(
+                    "RuntimeError: one of the variables needed" if rank == 1
+                    else "ValueError: vocab_shard: process 1 of 3 failed: "
+                    "INVALID_ARGUMENT", lines[0])
+            for line, where in zip(lines[1:], ["rows", "run 0", "run 1",
+                                               "run 2"]):
                 with self.subTest(rank=rank, where=where):
                     self.assertTrue(line.startswith(
                         f"{where}: MemoryError: "), line)
