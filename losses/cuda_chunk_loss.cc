@@ -32,7 +32,7 @@ int64_t ScratchBytes(int64_t n) {
 }
 
 // What the CUDA loss runs vocab-parallel (CudaChunkLoss): every family but
-// Domino, without top-k lists.
+// Domino.
 absl::Status CheckShardLoss(const LossParams& loss,
                             const ChunkLossOptions& options) {
   if (loss.family == LossFamily::kDomino) {
@@ -41,26 +41,11 @@ absl::Status CheckShardLoss(const LossParams& loss,
         "yet (its final and base logits' records); run the CPU loss, or set "
         "none");
   }
-  if (options.metric_top_k > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "vocab_shard: the CUDA loss does not run options.metric_top_k "
-        "vocab-parallel yet (its lists are merged across the ranges); got ",
-        options.metric_top_k, ", expected 0, or run the CPU loss"));
-  }
   return absl::OkStatus();
 }
 
-// A chunk's inputs and outputs the CUDA loss does not take vocab-parallel.
-template <typename T>
-absl::Status CheckShardChunk(const ChunkLossInputs<T>& inputs,
-                             const ChunkLossOutputs& outputs,
-                             bool device_rows) {
-  if (!outputs.top_k.empty() && outputs.k > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "vocab_shard: the CUDA loss does not return top_k vocab-parallel yet "
-        "(its lists are merged across the ranges); got k = ",
-        outputs.k, ", expected 0, or run the CPU loss"));
-  }
+// What the CUDA loss does not take vocab-parallel in a chunk.
+absl::Status CheckShardChunk(bool device_rows) {
   if (device_rows) {
     return absl::InvalidArgumentError(
         "vocab_shard: the CUDA loss takes host rows vocab-parallel (their "
@@ -81,6 +66,18 @@ absl::Status ShardLossError(unsigned long long code, int64_t offset) {
 }
 
 }  // namespace
+
+// A vocab-parallel chunk's top-k lists on the device (the top-k pass's over
+// this range, then the merged ones), freed in stream order with the chunk.
+template <typename T>
+struct CudaChunkLoss<T>::ShardLists {
+  int32_t picks = 0;     // max(caller_k, metric_k): the lists' width.
+  int32_t caller_k = 0;  // outputs.k, where top_k is asked for.
+  int32_t metric_k = 0;  // The diagnostics', at most the vocabulary.
+  bool teacher_metrics = false;  // The diagnostics' teacher mass.
+  TrackedBuffer<int32_t> ids, ranks;
+  TrackedBuffer<float> values, teacher;
+};
 
 template <typename T>
 struct CudaChunkLoss<T>::State {
@@ -103,6 +100,10 @@ struct CudaChunkLoss<T>::State {
   std::vector<cuda::RowStats> shard_stats;
   std::vector<double> shard_record, shard_gathered;
   std::vector<cuda::RowSumState> row_sums;  // ShardRounds' rows.
+  // The merged top-k lists and the rows' terms their diagnostics fill.
+  std::vector<int32_t> top_ids, ranks;
+  std::vector<float> top_values, top_teacher;
+  std::vector<double> top_terms;
 };
 
 template <typename T>
@@ -218,7 +219,7 @@ absl::Status CudaChunkLoss<T>::Run(const ChunkLossInputs<T>& inputs,
   const VocabShard* shard = s.params.options.vocab_shard;
   absl::Status valid = Check(inputs, outputs, out_rows);
   if (valid.ok() && shard != nullptr) {
-    valid = CheckShardChunk(inputs, outputs, /*device_rows=*/false);
+    valid = CheckShardChunk(/*device_rows=*/false);
   }
   const int64_t n = static_cast<int64_t>(inputs.rows.size());
   if (!valid.ok() && shard == nullptr) return valid;
@@ -268,7 +269,7 @@ absl::Status CudaChunkLoss<T>::RunDeviceRows(const RowMeta* rows,
   State& s = *state_;
   if (s.params.options.vocab_shard != nullptr) {
     // Refused on every process at the chunk's handshake.
-    return Launch(CheckShardChunk(inputs, outputs, /*device_rows=*/true),
+    return Launch(CheckShardChunk(/*device_rows=*/true),
                   inputs, outputs, out_rows, record, 0, {}, rows, {});
   }
   const int64_t k = s.params.options.block_size;
@@ -323,14 +324,33 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     if (scratch.ok()) own = *std::move(scratch);
     ready = scratch.status();
   }
-  // Vocab-parallel, the row sums' rounds (ShardRounds); freed in stream
-  // order as this returns.
+  // Vocab-parallel, the row sums' rounds (ShardRounds) and the top-k
+  // lists; freed in stream order as this returns.
   TrackedBuffer<cuda::RowSumState> row_sums;
-  if (ready.ok() && shard != nullptr && n > 0) {
-    absl::StatusOr<TrackedBuffer<cuda::RowSumState>> buffer =
-        TrackedBuffer<cuda::RowSumState>::Create(s.stream->allocator(), n);
-    if (buffer.ok()) row_sums = *std::move(buffer);
-    ready = buffer.status();
+  ShardLists lists;
+  if (shard != nullptr) {
+    lists.caller_k = outputs.top_k.empty() ? 0 : outputs.k;
+    lists.metric_k = static_cast<int32_t>(
+        std::min<int64_t>(s.params.options.metric_top_k, shard->vocab));
+    lists.picks = std::max(lists.caller_k, lists.metric_k);
+    lists.teacher_metrics = !inputs.teacher_logits.empty() &&
+                            loss.family != LossFamily::kDSpark &&
+                            loss.family != LossFamily::kDistillation;
+  }
+  auto create = [&](auto& buffer, int64_t count) {
+    if (!ready.ok() || count == 0) return;
+    auto made = std::remove_reference_t<decltype(buffer)>::Create(
+        s.stream->allocator(), count);
+    if (made.ok()) buffer = *std::move(made);
+    ready = made.status();
+  };
+  if (shard != nullptr) {
+    const int64_t list = n * lists.picks;
+    create(row_sums, n);
+    create(lists.ids, list);
+    create(lists.values, list);
+    create(lists.teacher, lists.teacher_metrics ? list : 0);
+    create(lists.ranks, lists.picks > 0 ? n : 0);
   }
   if (shard != nullptr) {
     // Every process's checks and scratch meet here, so that a failure on
@@ -404,8 +424,9 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   args.target_probability = outputs.target_probability.empty()
                                 ? nullptr
                                 : outputs.target_probability.data();
-  args.metric_k = static_cast<int32_t>(
-      std::min<int64_t>(s.params.options.metric_top_k, vocab));
+  args.metric_k = static_cast<int32_t>(std::min<int64_t>(
+      s.params.options.metric_top_k,
+      shard != nullptr ? shard->vocab : vocab));
   args.target_rank =
       outputs.target_rank.empty() ? nullptr : outputs.target_rank.data();
   args.top_k_values =
@@ -429,9 +450,34 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   // rounds (ShardRounds), every merge on the host.
   CUstream_st* stream = s.stream->stream();
   cuda::LaunchChunkStats<T>(params, args, stream);
-  DFLASH_RETURN_IF_ERROR(
-      MergeShardStats(s.stream->LaunchStatus("chunk loss stats"), n,
-                      args.teacher != nullptr, args.stats));
+  if (lists.picks > 0) {
+    // This range's lists, by chunk row (local ids).
+    cuda::ChunkArgs<T> range = args;
+    range.top_k = lists.ids.data();
+    range.top_k_values = lists.values.data();
+    range.top_k_teacher = lists.teacher.data();
+    range.k = lists.picks;
+    range.metric_k = 0;
+    range.out_rows = nullptr;
+    range.target_rank = nullptr;
+    cuda::LaunchTopK<T>(params, range, stream);
+  }
+  DFLASH_RETURN_IF_ERROR(MergeShardStats(
+      s.stream->LaunchStatus("chunk loss stats"), n, args.teacher != nullptr,
+      args.stats, lists, args.row_terms));
+  if (lists.caller_k > 0) {
+    cuda::LaunchScatterRows(lists.ids.data(), lists.picks, args.top_k, args.k,
+                            lists.caller_k, out_rows, n, stream);
+    if (args.top_k_values != nullptr) {
+      cuda::LaunchScatterRows(lists.values.data(), lists.picks,
+                              args.top_k_values, args.k, lists.caller_k,
+                              out_rows, n, stream);
+    }
+  }
+  if (lists.metric_k > 0 && args.target_rank != nullptr) {
+    cuda::LaunchScatterRows(lists.ranks.data(), 1, args.target_rank, 1, 1,
+                            out_rows, n, stream);
+  }
   args.row_sums = row_sums.data();
   if (loss.dpard) {
     DFLASH_RETURN_IF_ERROR(
@@ -538,9 +584,63 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
 }
 
 template <typename T>
+void CudaChunkLoss<T>::MergeLists(int64_t r,
+                                  absl::Span<const double* const> records,
+                                  int list_at, int entry,
+                                  const ShardLists& lists) {
+  State& s = *state_;
+  const cuda::Row& row = s.rows.back()[r];
+  const cuda::RowStats& whole = s.shard_stats[r];
+  const int32_t picks = lists.picks;
+  int32_t* ids = s.top_ids.data() + r * picks;
+  float* values = s.top_values.data() + r * picks;
+  // Each range's list is sorted (ties to the lower id) and the ranges
+  // ascend, so the largest head, the earlier range's on a tie, is next.
+  std::vector<int32_t> heads(records.size(), 0);
+  double mass = 0, teacher_mass = 0;
+  int32_t rank = -1;
+  for (int32_t j = 0; j < picks; ++j) {
+    const double* best = nullptr;
+    int best_range = -1;
+    for (size_t q = 0; q < records.size(); ++q) {
+      if (heads[q] >= picks) continue;
+      const double* pick = records[q] + list_at + entry * heads[q];
+      if (pick[1] < 0) continue;
+      if (best == nullptr || pick[0] > best[0]) {
+        best = pick;
+        best_range = static_cast<int>(q);
+      }
+    }
+    if (best == nullptr) {  // Fewer classes than picks.
+      ids[j] = -1;
+      values[j] = 0;
+      continue;
+    }
+    ++heads[best_range];
+    ids[j] = static_cast<int32_t>(best[1]);
+    values[j] = static_cast<float>(best[0]);
+    if (j >= lists.metric_k) continue;
+    // As the single-process top-k pass.
+    if (ids[j] == row.target) rank = j;
+    mass += std::exp((best[0] - double{whole.max}) - double{whole.log_sum});
+    if (lists.teacher_metrics) {
+      teacher_mass += std::exp(best[2] - double{whole.t_lse});
+    }
+  }
+  if (lists.metric_k == 0) return;
+  s.ranks[r] = rank;
+  double* terms = s.top_terms.data() + r * kTermSlots;
+  terms[kTopKRecall] = rank >= 0 ? double{row.mask} : 0.0;
+  terms[kTopKMass] = row.mask * mass;
+  terms[kTeacherTopKMass] = row.mask * teacher_mass;
+}
+
+template <typename T>
 absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
                                                bool teacher,
-                                               cuda::RowStats* stats) {
+                                               cuda::RowStats* stats,
+                                               ShardLists& lists,
+                                               double* row_terms) {
   State& s = *state_;
   const VocabShard& shard = *s.params.options.vocab_shard;
   const LossParams& loss = s.params.loss;
@@ -556,6 +656,11 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   const int teacher_at = teacher ? per_row : -1;
   if (teacher) per_row += 3;
   const int tempered_at = distill ? per_row++ : -1;
+  // Then the range's top-k list: (value, global id or -1: none, and the
+  // teacher's value there for the diagnostics' mass) a pick.
+  const int list_at = per_row, entry = lists.teacher_metrics ? 3 : 2;
+  const int32_t picks = lists.picks;
+  per_row += picks * entry;
   s.shard_stats.resize(n);
   s.shard_record.assign(kRecordHead + n * per_row, 0.0);
   if (local.ok()) {
@@ -563,6 +668,22 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
                                  n * sizeof(cuda::RowStats));
   }
   unsigned long long error = cuda::kNoError;
+  s.top_ids.resize(n * picks);
+  s.top_values.resize(n * picks);
+  std::vector<float>& top_teacher = s.top_teacher;
+  top_teacher.resize(lists.teacher_metrics ? n * picks : 0);
+  if (local.ok() && picks > 0) {
+    local = s.stream->CopyToHost(s.top_ids.data(), lists.ids.data(),
+                                 lists.ids.bytes());
+    if (local.ok()) {
+      local = s.stream->CopyToHost(s.top_values.data(), lists.values.data(),
+                                   lists.values.bytes());
+    }
+    if (local.ok() && lists.teacher_metrics) {
+      local = s.stream->CopyToHost(top_teacher.data(), lists.teacher.data(),
+                                   lists.teacher.bytes());
+    }
+  }
   if (local.ok()) {
     local = s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
   }
@@ -587,6 +708,13 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
       at[teacher_at + 2] = static_cast<double>(shard.offset + range.t_argmax);
     }
     if (tempered_at >= 0) at[tempered_at] = range.sum_exp_t;
+    for (int32_t j = 0; j < picks; ++j) {
+      double* pick = at + list_at + entry * j;
+      const int32_t id = s.top_ids[r * picks + j];
+      pick[0] = id >= 0 ? s.top_values[r * picks + j] : lowest;
+      pick[1] = id >= 0 ? static_cast<double>(shard.offset + id) : -1;
+      if (lists.teacher_metrics) pick[2] = top_teacher[r * picks + j];
+    }
   }
   DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
                                        absl::MakeSpan(s.shard_record),
@@ -594,6 +722,8 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   const size_t record_size = s.shard_record.size();
   const int size = shard.exchange->size();
   std::vector<const double*> records(size);
+  s.ranks.assign(n, -1);
+  s.top_terms.assign(picks > 0 ? n * kTermSlots : 0, 0.0);
   // Over every range's (max at max_at, sum of exp((x - max) * scale) at
   // sum_at), in rank order: the whole row's maximum and that sum about it.
   auto scaled_sum = [&](int max_at, int sum_at_, double scale, double max) {
@@ -648,6 +778,26 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
       whole.t_sum_exp = static_cast<float>(sum);
       whole.t_lse = static_cast<float>(max * scale + std::log(sum));
       whole.t_argmax = argmax;
+    }
+    if (picks > 0) MergeLists(r, records, list_at, entry, lists);
+  }
+  if (picks > 0) {
+    // Masked rows: no list, no rank, no terms (as the single-process pass).
+    for (int64_t r = 0; r < n; ++r) {
+      if (rows[r].mask != 0) continue;
+      std::fill_n(s.top_ids.begin() + r * picks, picks, -1);
+      std::fill_n(s.top_values.begin() + r * picks, picks, 0.0f);
+      s.ranks[r] = -1;
+    }
+    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+        lists.ids.data(), s.top_ids.data(), lists.ids.bytes()));
+    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+        lists.values.data(), s.top_values.data(), lists.values.bytes()));
+    if (lists.metric_k > 0) {
+      DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+          lists.ranks.data(), s.ranks.data(), lists.ranks.bytes()));
+      DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+          row_terms, s.top_terms.data(), s.top_terms.size() * sizeof(double)));
     }
   }
   // The device reads them before the next chunk's stats come back here.

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "base/bfloat16.h"
 #include "base/cuda_stream.h"
 #include "base/tracking_allocator.h"
@@ -42,9 +43,11 @@ namespace dflash {
 // an error on every process. A pass that meets row sums over the whole
 // vocabulary (the teacher's L1 of DSpark and of the teacher diagnostics,
 // distillation's divergence, D-PARD's) runs in rounds, one gather each
-// (ShardRounds), as the CPU loss does. Refused, naming the field, with a
-// shard: loss.domino and options.metric_top_k (Create); top_k and device
-// rows (each chunk's handshake, on every process).
+// (ShardRounds), as the CPU loss does. Top-k lists (the caller's top_k,
+// options.metric_top_k) are each range's k largest, merged on the host
+// (ties to the lower global id). Refused, naming the field, with a shard:
+// loss.domino (Create) and device rows (each chunk's handshake, on every
+// process).
 template <typename T>
 class CudaChunkLoss {
  public:
@@ -123,12 +126,21 @@ class CudaChunkLoss {
                       bool record, int64_t n, std::vector<cuda::Row> host_rows,
                       const RowMeta* device_rows,
                       std::vector<int32_t> block_begin);
+  // Vocab-parallel top-k lists (defined in the .cc).
+  struct ShardLists;
   // Vocab-parallel: the stats pass's rows over this range (`stats`, n
-  // rows; the teacher's too with `teacher`), gathered with `local` (this
-  // process's error so far) and merged in rank order into the whole rows'
-  // stats, written back.
+  // rows; the teacher's too with `teacher`) and its top-k `lists`,
+  // gathered with `local` (this process's error so far) and merged in rank
+  // order into the whole rows' stats and lists, written back (the lists'
+  // diagnostics into `row_terms`).
   absl::Status MergeShardStats(absl::Status local, int64_t n, bool teacher,
-                               cuda::RowStats* stats);
+                               cuda::RowStats* stats, ShardLists& lists,
+                               double* row_terms);
+  // Row r's top-k list merged from every range's `records` (picks at
+  // list_at, `entry` values each), after its stats: ids, values, the
+  // target's rank and the diagnostics' terms, on the host.
+  void MergeLists(int64_t r, absl::Span<const double* const> records,
+                  int list_at, int entry, const ShardLists& lists);
   // Vocab-parallel: launch(true) (a collecting round of a pass over n
   // rows) until no row meets a row sum the rounds have not merged, each
   // round's partials gathered and merged into `device` (cuda::RowSumState,

@@ -429,6 +429,11 @@ __global__ void __launch_bounds__(kThreads)
         if (a.top_k_values != nullptr) {
           a.top_k_values[out * a.k + j] = found ? best.value : 0;
         }
+        if (a.top_k_teacher != nullptr) {
+          a.top_k_teacher[out * a.k + j] =
+              found ? transform(ToFloat(a.teacher[r * a.stride + best.index]))
+                    : 0;
+        }
       }
       if (j < a.metric_k && found) {
         if (best.index == meta.target) rank = j;
@@ -566,7 +571,12 @@ class CudaRow {
 
   template <typename G>
   __device__ __forceinline__ void WriteGradient(G&& g, double) {
-    if (a_.collect) return;
+    if (a_.collect) {
+      // Nothing stored, but g runs: a pass may sum inside it (forward KL's
+      // divergence) for a row sum after it.
+      ForEach([&](int64_t i, float zp, float tp) { g(i, zp, tp); });
+      return;
+    }
     Map(t_, g);
   }
   __device__ __forceinline__ void WriteSoftmaxGradient(double softmax,
@@ -1036,6 +1046,46 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
 }
 
 template <typename T>
+void LaunchTopK(const KernelParams& params, const ChunkArgs<T>& args,
+                CUstream_st* stream) {
+  if (args.rows == 0) return;
+  DFLASH_LAUNCH(TopKKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+}
+
+namespace {
+
+template <typename V>
+__global__ void ScatterRowsKernel(const V* src, int64_t src_width, V* dst,
+                                  int64_t dst_width, int64_t width,
+                                  const int64_t* out_rows, int64_t rows) {
+  const int64_t total = rows * width;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / width, j = i % width;
+    dst[OutRow(out_rows, r) * dst_width + j] = src[r * src_width + j];
+  }
+}
+
+}  // namespace
+
+template <typename V>
+void LaunchScatterRows(const V* src, int64_t src_width, V* dst,
+                       int64_t dst_width, int64_t width,
+                       const int64_t* out_rows, int64_t rows,
+                       CUstream_st* stream) {
+  const int64_t total = rows * width;
+  if (total == 0) return;
+  constexpr int kBlock = 256;
+  const int64_t blocks = (total + kBlock - 1) / kBlock;
+  DFLASH_LAUNCH(ScatterRowsKernel<V>,
+                static_cast<unsigned>(blocks < 4096 ? blocks : 4096), kBlock,
+                0, stream)
+  (src, src_width, dst, dst_width, width, out_rows, rows);
+}
+
+template <typename T>
 void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
                       CUstream_st* stream) {
   if (args.rows == 0) return;
@@ -1310,6 +1360,19 @@ template void LaunchChunkStats<BFloat16>(const KernelParams&,
 DFLASH_INSTANTIATE_CHUNK_PARTS(float)
 DFLASH_INSTANTIATE_CHUNK_PARTS(BFloat16)
 #undef DFLASH_INSTANTIATE_CHUNK_PARTS
+template void LaunchTopK<float>(const KernelParams&, const ChunkArgs<float>&,
+                                CUstream_st*);
+template void LaunchTopK<BFloat16>(const KernelParams&,
+                                   const ChunkArgs<BFloat16>&, CUstream_st*);
+template void LaunchScatterRows<int32_t>(const int32_t*, int64_t, int32_t*,
+                                         int64_t, int64_t, const int64_t*,
+                                         int64_t, CUstream_st*);
+template void LaunchScatterRows<float>(const float*, int64_t, float*, int64_t,
+                                       int64_t, const int64_t*, int64_t,
+                                       CUstream_st*);
+template void LaunchScatterRows<double>(const double*, int64_t, double*,
+                                        int64_t, int64_t, const int64_t*,
+                                        int64_t, CUstream_st*);
 template void LaunchScale<float>(float*, int64_t, double, CUstream_st*,
                                  const double*);
 template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*,

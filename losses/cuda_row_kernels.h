@@ -183,6 +183,8 @@ struct ChunkArgs {
   int32_t metric_k = 0;
   int32_t* target_rank = nullptr;
   float* top_k_values = nullptr;  // [out row, k], beside top_k.
+  // Vocab-parallel, with the teacher diagnostics: t' at each top_k id.
+  float* top_k_teacher = nullptr;
   double* loss_weight = nullptr;  // By out row.
   // The teacher diagnostics (teacher logits for a loss that reads none):
   // each row's teacher acceptance, by out row.
@@ -220,6 +222,19 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
 template <typename T>
 void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
                       CUstream_st* stream);
+// The top-k pass alone (after the stats pass): args.k largest z' of each
+// row into args.top_k and args.top_k_values (and top_k_teacher), local ids,
+// -1 past the row's classes; the diagnostics' slots as args.metric_k says.
+template <typename T>
+void LaunchTopK(const KernelParams& params, const ChunkArgs<T>& args,
+                CUstream_st* stream);
+// dst[out_rows[r] * dst_width + j] = src[r * src_width + j] for r < rows,
+// j < width (out_rows null: r), queued. V is int32_t, float or double.
+template <typename V>
+void LaunchScatterRows(const V* src, int64_t src_width, V* dst,
+                       int64_t dst_width, int64_t width,
+                       const int64_t* out_rows, int64_t rows,
+                       CUstream_st* stream);
 template <typename T>
 void LaunchAcceptancePass(const KernelParams& params, const ChunkArgs<T>& args,
                           CUstream_st* stream);
