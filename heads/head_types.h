@@ -219,7 +219,8 @@ struct HeadOptions {
   // the same chunks; a checkpoint.memory_budget_bytes must keep every
   // chunk's intermediates (a recomputed chunk exchanges again, so every
   // process must recompute the same ones). Not with loss.domino or a split
-  // correction; the CUDA head refuses a shard.
+  // correction. The CUDA head too (its loss merges each chunk's records on
+  // the host), but not with head.device_results or device rows.
   const VocabShard* vocab_shard = nullptr;
   // With head.device_results (required then, refused otherwise): the
   // caller's device buffer of DeviceResultsSize(layout.block_size) doubles

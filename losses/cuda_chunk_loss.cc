@@ -31,19 +31,6 @@ int64_t ScratchBytes(int64_t n) {
          Aligned<double>(kTermSlots * n);
 }
 
-// What the CUDA loss runs vocab-parallel (CudaChunkLoss): every family but
-// Domino.
-absl::Status CheckShardLoss(const LossParams& loss,
-                            const ChunkLossOptions& options) {
-  if (loss.family == LossFamily::kDomino) {
-    return absl::InvalidArgumentError(
-        "vocab_shard: the CUDA loss does not run loss.domino vocab-parallel "
-        "yet (its final and base logits' records); run the CPU loss, or set "
-        "none");
-  }
-  return absl::OkStatus();
-}
-
 // What the CUDA loss does not take vocab-parallel in a chunk.
 absl::Status CheckShardChunk(bool device_rows) {
   if (device_rows) {
@@ -53,6 +40,33 @@ absl::Status CheckShardChunk(bool device_rows) {
         "rows");
   }
   return absl::OkStatus();
+}
+
+// `range`, a row's stats over this process's classes from `offset` on, as
+// its record's RangeStatsField at `at` (its target logit -inf where another
+// range holds the target, or the row has none).
+void PutRangeRecord(const cuda::RowStats& range, bool has_target,
+                    int64_t offset, double* at) {
+  at[kRangeMax] = range.max;
+  at[kRangeSumExp] = range.sum_exp;
+  at[kRangeTargetLogit] = has_target
+                              ? double{range.target}
+                              : -std::numeric_limits<double>::infinity();
+  at[kRangeArgmax] = static_cast<double>(offset + range.argmax);
+}
+
+// The whole row's stats from every range's record at `field`, in rank
+// order (MergeRangeRecords), as the kernels read them.
+cuda::RowStats WholeRowStats(absl::Span<const double* const> records,
+                             int field) {
+  const MergedRangeStats merged = MergeRangeRecords(records, field);
+  cuda::RowStats whole;
+  whole.max = static_cast<float>(merged.max);
+  whole.log_sum = static_cast<float>(std::log(merged.sum_exp));
+  whole.sum_exp = static_cast<float>(merged.sum_exp);
+  whole.target = static_cast<float>(merged.target_logit);
+  whole.argmax = merged.argmax;
+  return whole;
 }
 
 // The loss's error word as this range's error: a logit's index counts from
@@ -118,9 +132,6 @@ absl::StatusOr<std::unique_ptr<CudaChunkLoss<T>>> CudaChunkLoss<T>::Create(
     const LossParams& params, const ChunkLossOptions& options,
     CudaStream& stream, int64_t max_rows) {
   DFLASH_RETURN_IF_ERROR(ValidateChunkLossOptions(options));
-  if (options.vocab_shard != nullptr) {
-    DFLASH_RETURN_IF_ERROR(CheckShardLoss(params, options));
-  }
   if (options.block_size > (1 << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk loss: block_size must lie in [1, 2^20], got ",
@@ -327,6 +338,7 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   // Vocab-parallel, the row sums' rounds (ShardRounds) and the top-k
   // lists; freed in stream order as this returns.
   TrackedBuffer<cuda::RowSumState> row_sums;
+  TrackedBuffer<cuda::RowStats> base_stats;  // Domino's.
   ShardLists lists;
   if (shard != nullptr) {
     lists.caller_k = outputs.top_k.empty() ? 0 : outputs.k;
@@ -344,7 +356,9 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     if (made.ok()) buffer = *std::move(made);
     ready = made.status();
   };
-  if (shard != nullptr) {
+  if (shard != nullptr && loss.family == LossFamily::kDomino) {
+    create(base_stats, n);
+  } else if (shard != nullptr) {
     const int64_t list = n * lists.picks;
     create(row_sums, n);
     create(lists.ids, list);
@@ -449,6 +463,15 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   // Vocab-parallel: the stats, then each pass that meets row sums in
   // rounds (ShardRounds), every merge on the host.
   CUstream_st* stream = s.stream->stream();
+  if (loss.family == LossFamily::kDomino) {
+    args.base_stats = base_stats.data();
+    cuda::LaunchDominoStats<T>(params, args, stream);
+    DFLASH_RETURN_IF_ERROR(
+        MergeDominoStats(s.stream->LaunchStatus("domino stats"), n,
+                         args.stats, args.base_stats));
+    cuda::LaunchDominoPass<T>(params, args, stream);
+    return s.stream->LaunchStatus("domino pass");
+  }
   cuda::LaunchChunkStats<T>(params, args, stream);
   if (lists.picks > 0) {
     // This range's lists, by chunk row (local ids).
@@ -584,6 +607,60 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
 }
 
 template <typename T>
+absl::Status CudaChunkLoss<T>::MergeDominoStats(absl::Status local, int64_t n,
+                                                cuda::RowStats* final_stats,
+                                                cuda::RowStats* base_stats) {
+  State& s = *state_;
+  const VocabShard& shard = *s.params.options.vocab_shard;
+  const std::vector<cuda::Row>& rows = s.rows.back();
+  // A row's record: the final logits' RangeStatsField, then the base's.
+  constexpr int kPerRow = 2 * kRangeStatsSize;
+  std::vector<cuda::RowStats>& both = s.shard_stats;
+  both.resize(2 * n);
+  if (local.ok()) {
+    local = s.stream->CopyToHost(both.data(), final_stats,
+                                 n * sizeof(cuda::RowStats));
+  }
+  if (local.ok()) {
+    local = s.stream->CopyToHost(both.data() + n, base_stats,
+                                 n * sizeof(cuda::RowStats));
+  }
+  unsigned long long error = cuda::kNoError;
+  if (local.ok()) {
+    local = s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
+  }
+  if (local.ok() && error != cuda::kNoError) {
+    local = ShardLossError(error, shard.offset);
+  }
+  s.shard_record.assign(kRecordHead + n * kPerRow, 0.0);
+  for (int64_t r = 0; r < n && local.ok(); ++r) {
+    if (rows[r].mask == 0) continue;
+    double* at = s.shard_record.data() + kRecordHead + r * kPerRow;
+    PutRangeRecord(both[r], true, shard.offset, at);
+    PutRangeRecord(both[n + r], true, shard.offset, at + kRangeStatsSize);
+  }
+  DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
+                                       absl::MakeSpan(s.shard_record),
+                                       s.shard_gathered));
+  const size_t record_size = s.shard_record.size();
+  const int size = shard.exchange->size();
+  std::vector<const double*> records(size);
+  for (int64_t r = 0; r < n; ++r) {
+    if (rows[r].mask == 0) continue;
+    for (int q = 0; q < size; ++q) {
+      records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
+                   r * kPerRow;
+    }
+    both[r] = WholeRowStats(records, 0);
+    both[n + r] = WholeRowStats(records, kRangeStatsSize);
+  }
+  DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
+      final_stats, both.data(), n * sizeof(cuda::RowStats)));
+  return s.stream->CopyToDevice(base_stats, both.data() + n,
+                                n * sizeof(cuda::RowStats));
+}
+
+template <typename T>
 void CudaChunkLoss<T>::MergeLists(int64_t r,
                                   absl::Span<const double* const> records,
                                   int list_at, int entry,
@@ -695,12 +772,7 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
     if (rows[r].mask == 0) continue;
     const cuda::RowStats& range = s.shard_stats[r];
     double* at = s.shard_record.data() + kRecordHead + r * per_row;
-    at[kRangeMax] = range.max;
-    at[kRangeSumExp] = range.sum_exp;
-    // -inf where another range holds the target (the stats pass's) or the
-    // row has no target class.
-    at[kRangeTargetLogit] = HasTarget(rows[r].target) ? range.target : lowest;
-    at[kRangeArgmax] = static_cast<double>(shard.offset + range.argmax);
+    PutRangeRecord(range, HasTarget(rows[r].target), shard.offset, at);
     if (sum_at >= 0) at[sum_at] = range.sum;
     if (teacher_at >= 0) {
       at[teacher_at] = range.t_max;
@@ -739,14 +811,9 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
       records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
                    r * per_row;
     }
-    const MergedRangeStats merged = MergeRangeRecords(records, 0);
     cuda::RowStats& whole = s.shard_stats[r];
-    whole = cuda::RowStats{};
-    whole.max = static_cast<float>(merged.max);
-    whole.log_sum = static_cast<float>(std::log(merged.sum_exp));
-    whole.sum_exp = static_cast<float>(merged.sum_exp);
-    whole.target = static_cast<float>(merged.target_logit);
-    whole.argmax = merged.argmax;
+    whole = WholeRowStats(records, 0);
+    const double merged_max = whole.max;
     if (sum_at >= 0) {
       double sum = 0;
       for (const double* rec : records) sum += rec[sum_at];
@@ -756,9 +823,9 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
       // The stats pass's lse_t, over the whole row.
       const double sum_t =
           scaled_sum(kRangeMax, tempered_at, tempered ? inv_t : 1.0,
-                     merged.max);
+                     merged_max);
       whole.sum_exp_t = static_cast<float>(sum_t);
-      whole.lse_t = tempered ? static_cast<float>(merged.max * inv_t +
+      whole.lse_t = tempered ? static_cast<float>(merged_max * inv_t +
                                                   std::log(sum_t))
                              : whole.max + whole.log_sum;
     }

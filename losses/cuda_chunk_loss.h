@@ -45,9 +45,9 @@ namespace dflash {
 // distillation's divergence, D-PARD's) runs in rounds, one gather each
 // (ShardRounds), as the CPU loss does. Top-k lists (the caller's top_k,
 // options.metric_top_k) are each range's k largest, merged on the host
-// (ties to the lower global id). Refused, naming the field, with a shard:
-// loss.domino (Create) and device rows (each chunk's handshake, on every
-// process).
+// (ties to the lower global id). Domino's final and base logits' stats
+// travel in one record. Refused with a shard, naming it: device rows (each
+// chunk's handshake, on every process).
 template <typename T>
 class CudaChunkLoss {
  public:
@@ -136,6 +136,11 @@ class CudaChunkLoss {
   absl::Status MergeShardStats(absl::Status local, int64_t n, bool teacher,
                                cuda::RowStats* stats, ShardLists& lists,
                                double* row_terms);
+  // Domino's MergeShardStats: its final and base logits' stats, merged
+  // into the whole rows' alike.
+  absl::Status MergeDominoStats(absl::Status local, int64_t n,
+                                cuda::RowStats* final_stats,
+                                cuda::RowStats* base_stats);
   // Row r's top-k list merged from every range's `records` (picks at
   // list_at, `entry` values each), after its stats: ids, values, the
   // target's rank and the diagnostics' terms, on the host.

@@ -823,6 +823,7 @@ class CudaDominoRow {
                                            const ChunkArgs<T>& a, int64_t r)
       : p_(p),
         a_(a),
+        r_(r),
         out_(OutRow(a.out_rows, r)),
         base_(a.logits + r * a.stride),
         correction_(a.correction + r * a.stride),
@@ -836,7 +837,11 @@ class CudaDominoRow {
   __device__ __forceinline__ double mask() const { return meta_.mask; }
   __device__ __forceinline__ double weight() const { return meta_.weight; }
 
-  __device__ __forceinline__ bool DominoStats(DominoRowStats& out) {
+  // The final and base logits' stats over this row's range (the target's
+  // logit -inf where another range holds it); false on the row's error
+  // (reported).
+  __device__ __forceinline__ bool RangeStats(RowStats& final_stats,
+                                             RowStats& base_stats) {
     const int64_t v = p_.vocab;
     DFLASH_SHARED(float, final_target);
     DFLASH_SHARED(float, base_target);
@@ -846,7 +851,7 @@ class CudaDominoRow {
       const float zf = Final(b, c), zb = transform_(b);
       AddLogit(fs, i, zf, 1.0f, false);
       AddLogit(bs, i, zb, 1.0f, false);
-      if (i == meta_.target) {
+      if (i + p_.offset == meta_.target) {
         final_target = zf;
         base_target = zb;
       }
@@ -862,15 +867,40 @@ class CudaDominoRow {
       });
       return false;
     }
+    const int64_t local = meta_.target - p_.offset;
+    const bool here = local >= 0 && local < v;
+    final_stats = RowStats{};
+    final_stats.max = fs.max;
+    final_stats.log_sum = logf(fs.sum);
+    final_stats.sum_exp = fs.sum;
+    final_stats.target = here ? final_target : -INFINITY;
+    final_stats.argmax = fs.argmax;
+    base_stats = RowStats{};
+    base_stats.max = bs.max;
+    base_stats.log_sum = logf(bs.sum);
+    base_stats.sum_exp = bs.sum;
+    base_stats.target = here ? base_target : -INFINITY;
+    base_stats.argmax = bs.argmax;
+    return true;
+  }
+
+  __device__ __forceinline__ bool DominoStats(DominoRowStats& out) {
+    RowStats fs, bs;
+    if (a_.base_stats != nullptr) {
+      // Vocab-parallel: the whole rows', merged across the ranges.
+      fs = a_.stats[r_];
+      bs = a_.base_stats[r_];
+    } else if (!RangeStats(fs, bs)) {
+      return false;
+    }
     final_max_ = fs.max;
     base_max_ = bs.max;
-    final_log_sum_ = logf(fs.sum);
-    base_log_sum_ = logf(bs.sum);
+    final_log_sum_ = fs.log_sum;
+    base_log_sum_ = bs.log_sum;
     // Domino refuses ignored_target_weight COUNT: a row here has a target.
-    out.neg_log_q =
-        NegLogQ(meta_.target, fs.max, final_log_sum_, final_target);
+    out.neg_log_q = NegLogQ(meta_.target, fs.max, fs.log_sum, fs.target);
     out.base_neg_log_q =
-        NegLogQ(meta_.target, bs.max, base_log_sum_, base_target);
+        NegLogQ(meta_.target, bs.max, bs.log_sum, bs.target);
     out.argmax = fs.argmax;
     out.base_argmax = bs.argmax;
     return true;
@@ -895,7 +925,7 @@ class CudaDominoRow {
     for (int64_t i = threadIdx.x; i < p_.vocab; i += kThreads) {
       const float b = ToFloat(base_[i]), c = ToFloat(correction_[i]);
       const float zf = Final(b, c), zb = transform_(b);
-      const float onehot = i == meta_.target ? 1.0f : 0.0f;
+      const float onehot = i + p_.offset == meta_.target ? 1.0f : 0.0f;
       const float d_final = transform_.Chain(
           gf * (expf((zf - final_max_) - final_log_sum_) - onehot), zf);
       const float d_base = transform_.Chain(
@@ -918,7 +948,7 @@ class CudaDominoRow {
 
   const KernelParams& p_;
   const ChunkArgs<T>& a_;
-  const int64_t out_;
+  const int64_t r_, out_;
   T* const base_;
   T* const correction_;
   double* const terms_;
@@ -955,6 +985,27 @@ __global__ void __launch_bounds__(kThreads)
   }
   CudaDominoRow<T> row(p, a, r);
   DominoPass(row);
+}
+
+// Vocab-parallel Domino's stats pass: each row's final and base logits'
+// stats over this range (argmax local), RowStats{} where the row has no
+// mask or an error.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DominoStatsKernel(KernelParams p, ChunkArgs<T> a) {
+  const int64_t r = blockIdx.x;
+  RowStats final_stats, base_stats;
+  if (a.meta[r].mask == 0) {
+    if (threadIdx.x == 0) a.stats[r] = a.base_stats[r] = RowStats{};
+    return;
+  }
+  CudaDominoRow<T> row(p, a, r);
+  if (!row.RangeStats(final_stats, base_stats)) {
+    final_stats = base_stats = RowStats{};
+  }
+  if (threadIdx.x != 0) return;
+  a.stats[r] = final_stats;
+  a.base_stats[r] = base_stats;
 }
 
 // The rows' terms into the totals: one block per total (a row slot, or a
@@ -1032,8 +1083,7 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   if (args.rows == 0) return;
   const dim3 rows(static_cast<unsigned>(args.rows));
   if (params.loss.family == LossFamily::kDomino) {
-    DFLASH_LAUNCH(DominoKernel<T>, rows, kThreads, 0, stream)(params, args);
-    LaunchReduceTerms(params, args, stream);
+    LaunchDominoPass(params, args, stream);
     return;
   }
   LaunchChunkStats(params, args, stream);
@@ -1043,6 +1093,25 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
   if (params.loss.dpard) LaunchAcceptancePass(params, args, stream);
   LaunchBlockWeights(params, args, stream);
   LaunchLossPass(params, args, stream);
+}
+
+template <typename T>
+void LaunchDominoStats(const KernelParams& params, const ChunkArgs<T>& args,
+                       CUstream_st* stream) {
+  if (args.rows == 0) return;
+  DFLASH_LAUNCH(DominoStatsKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+}
+
+template <typename T>
+void LaunchDominoPass(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream) {
+  if (args.rows == 0) return;
+  DFLASH_LAUNCH(DominoKernel<T>, dim3(static_cast<unsigned>(args.rows)),
+                kThreads, 0, stream)
+  (params, args);
+  LaunchReduceTerms(params, args, stream);
 }
 
 template <typename T>
@@ -1362,6 +1431,16 @@ DFLASH_INSTANTIATE_CHUNK_PARTS(BFloat16)
 #undef DFLASH_INSTANTIATE_CHUNK_PARTS
 template void LaunchTopK<float>(const KernelParams&, const ChunkArgs<float>&,
                                 CUstream_st*);
+template void LaunchDominoStats<float>(const KernelParams&,
+                                       const ChunkArgs<float>&, CUstream_st*);
+template void LaunchDominoStats<BFloat16>(const KernelParams&,
+                                          const ChunkArgs<BFloat16>&,
+                                          CUstream_st*);
+template void LaunchDominoPass<float>(const KernelParams&,
+                                      const ChunkArgs<float>&, CUstream_st*);
+template void LaunchDominoPass<BFloat16>(const KernelParams&,
+                                         const ChunkArgs<BFloat16>&,
+                                         CUstream_st*);
 template void LaunchTopK<BFloat16>(const KernelParams&,
                                    const ChunkArgs<BFloat16>&, CUstream_st*);
 template void LaunchScatterRows<int32_t>(const int32_t*, int64_t, int32_t*,

@@ -199,6 +199,10 @@ struct ChunkArgs {
   double* row_terms = nullptr;
   double* totals = nullptr;  // TotalsSize(K); null: terms are not recorded.
   unsigned long long* error = nullptr;
+  // Vocab-parallel Domino: [rows], the base logits' stats beside `stats`
+  // (the final logits'), over the range from LaunchDominoStats, the whole
+  // rows' for LaunchDominoPass.
+  RowStats* base_stats = nullptr;
   // Vocab-parallel with row sums: [rows] (null otherwise), and whether
   // this launch only collects their partials (nothing written but them).
   RowSumState* row_sums = nullptr;
@@ -221,6 +225,15 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
 // top-k.
 template <typename T>
 void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
+                      CUstream_st* stream);
+// Domino vocab-parallel: its final and base logits' stats over this range
+// (args.stats, args.base_stats), then, with them merged into the whole
+// rows', its pass and the terms' reduction.
+template <typename T>
+void LaunchDominoStats(const KernelParams& params, const ChunkArgs<T>& args,
+                       CUstream_st* stream);
+template <typename T>
+void LaunchDominoPass(const KernelParams& params, const ChunkArgs<T>& args,
                       CUstream_st* stream);
 // The top-k pass alone (after the stats pass): args.k largest z' of each
 // row into args.top_k and args.top_k_values (and top_k_teacher), local ids,

@@ -11,8 +11,8 @@
 // 1e-6 apart (reverse KL at T 0.7: 4e-6). The
 // families that meet row sums over the whole vocabulary (DSpark's L1,
 // distillation, D-PARD, the teacher diagnostics) run their rounds here.
-// V 7 gives ranges narrower than k; row 0 ties its maximum across the
-// first range boundary. Skipped, with the reason, where no GPU is usable.
+// Domino's final and base logits too. V 7 gives ranges narrower than k;
+// row 1 ties its maximum across a range boundary. Skipped, with the reason, where no GPU is usable.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -98,9 +98,11 @@ Problem MakeProblem(int64_t vocab, uint32_t seed) {
 struct Run {
   absl::StatusOr<ChunkTerms> terms = absl::UnknownError("not run");
   std::vector<double> grad;  // [kRows, width]
+  std::vector<double> correction_grad;  // Domino's, [kRows, width].
   std::vector<double> confidence_grad, neg_log_q, target_probability;
   std::vector<double> teacher_acceptance, loss_weight;
   std::vector<int32_t> argmax, top_k, target_rank, teacher_argmax;
+  std::vector<int32_t> base_argmax;
   std::vector<float> top_k_values;
 };
 
@@ -138,6 +140,9 @@ const Case kCases[] = {
     {"jsd", "distillation { divergence: JSD beta: 0.3 }", true},
     {"teacher_diagnostics", "dflash { gamma: 7 }", true, 3},
     {"metric_top_k", "dpace { alpha: 0.3 }", false, 3},
+    // Domino: the teacher's values stand for the correction's logits.
+    {"domino", "domino { lambda_base: 0.3 pure_draft_prefix_len: 1 gamma: 4 }"},
+    {"domino_softcap", "domino { lambda_base: 0.5 }", false, 0, 0.7, 5},
 };
 
 template <typename T>
@@ -161,6 +166,9 @@ Run RunRange(const Case& c, const Problem& p, int64_t offset, int64_t width,
   ChunkLossOptions options{kK, c.scale, c.softcap, c.metric_top_k, shard};
   std::vector<T> logits = Columns<T>(p.logits, p.vocab, offset, width);
   const std::vector<T> teacher = Columns<T>(p.teacher, p.vocab, offset, width);
+  const bool domino = config.has_domino();
+  std::vector<T> correction = domino ? teacher : std::vector<T>();
+  const int32_t k = domino ? 0 : kTopK;  // Domino returns no top-k.
   const bool confidence =
       config.has_dspark() && config.dspark().confidence_weight() > 0;
   const std::vector<ConfidenceOf<T>> confidence_logits(p.confidence.begin(),
@@ -169,10 +177,11 @@ Run RunRange(const Case& c, const Problem& p, int64_t offset, int64_t width,
   out.confidence_grad.assign(confidence ? kRows : 0, 7);
   out.neg_log_q.assign(kRows, 7);
   out.argmax.assign(kRows, 7);
-  out.top_k.assign(kRows * kTopK, 7);
+  out.top_k.assign(kRows * k, 7);
   out.target_probability.assign(kRows, 7);
   out.target_rank.assign(c.metric_top_k > 0 ? kRows : 0, 7);
-  out.top_k_values.assign(kRows * kTopK, 7);
+  out.top_k_values.assign(kRows * k, 7);
+  out.base_argmax.assign(domino ? kRows : 0, 7);
   out.loss_weight.assign(kRows, 7);
   // Distillation reports no teacher acceptance.
   out.teacher_acceptance.assign(
@@ -184,18 +193,20 @@ Run RunRange(const Case& c, const Problem& p, int64_t offset, int64_t width,
   if (confidence) inputs.confidence_logits = confidence_logits;
   inputs.rows = p.rows;
   inputs.vocab = width;
+  if (domino) inputs.correction_logits = absl::MakeSpan(correction);
   ChunkLossOutputs outputs;
   outputs.confidence_grad = absl::MakeSpan(out.confidence_grad);
   outputs.neg_log_q = absl::MakeSpan(out.neg_log_q);
   outputs.argmax = absl::MakeSpan(out.argmax);
   outputs.top_k = absl::MakeSpan(out.top_k);
-  outputs.k = kTopK;
+  outputs.k = k;
   outputs.target_probability = absl::MakeSpan(out.target_probability);
   outputs.target_rank = absl::MakeSpan(out.target_rank);
   outputs.top_k_values = absl::MakeSpan(out.top_k_values);
   outputs.loss_weight = absl::MakeSpan(out.loss_weight);
   outputs.teacher_acceptance = absl::MakeSpan(out.teacher_acceptance);
   outputs.teacher_argmax = absl::MakeSpan(out.teacher_argmax);
+  outputs.base_argmax = absl::MakeSpan(out.base_argmax);
   if constexpr (std::is_same_v<T, double>) {
     out.terms = ChunkLoss<T>(config, options, inputs, outputs);  // The CPU's.
   } else {
@@ -203,6 +214,7 @@ Run RunRange(const Case& c, const Problem& p, int64_t offset, int64_t width,
         CudaChunkLossFromHost<T>(config, options, inputs, outputs, stream);
   }
   for (const T& g : logits) out.grad.push_back(AsDouble(g));
+  for (const T& g : correction) out.correction_grad.push_back(AsDouble(g));
   return out;
 }
 
@@ -287,6 +299,7 @@ void CheckCase(const Case& c, int64_t vocab, double tolerance) {
     EXPECT_EQ(first.top_k, single.top_k) << where;
     EXPECT_EQ(first.target_rank, single.target_rank) << where;
     EXPECT_EQ(first.teacher_argmax, single.teacher_argmax) << where;
+    EXPECT_EQ(first.base_argmax, single.base_argmax) << where;
     for (size_t i = 0; i < single.top_k_values.size(); ++i) {
       EXPECT_EQ(first.top_k_values[i], single.top_k_values[i])
           << where << " top_k_values " << i;
@@ -302,26 +315,34 @@ void CheckCase(const Case& c, int64_t vocab, double tolerance) {
     ExpectNearEach(first.confidence_grad, single.confidence_grad, tolerance,
                    where + " confidence_grad");
     // The ranges' gradients side by side are the whole rows'.
-    std::vector<double> stacked(kRows * vocab);
-    for (int q = 0; q < size; ++q) {
-      const int64_t width = ranges.widths[q], offset = ranges.offsets[q];
-      for (int64_t r = 0; r < kRows; ++r) {
-        for (int64_t v = 0; v < width; ++v) {
-          stacked[r * vocab + offset + v] = runs[q].grad[r * width + v];
+    auto stacked = [&](std::vector<double> Run::*grad) {
+      std::vector<double> whole(kRows * vocab);
+      for (int q = 0; q < size; ++q) {
+        const int64_t width = ranges.widths[q], offset = ranges.offsets[q];
+        for (int64_t r = 0; r < kRows; ++r) {
+          for (int64_t v = 0; v < width; ++v) {
+            whole[r * vocab + offset + v] = (runs[q].*grad)[r * width + v];
+          }
         }
       }
-    }
-    EXPECT_LE(Normwise(stacked, single.grad), gradient_tolerance)
-        << where << " d/d(logits)";
-    if constexpr (std::is_same_v<T, float>) {
-      EXPECT_LE(Normwise(stacked, exact.grad), gradient_tolerance)
-          << where << " d/d(logits) against the CPU in float64";
+      return whole;
+    };
+    for (auto grad : {&Run::grad, &Run::correction_grad}) {
+      if ((single.*grad).empty()) continue;
+      const std::vector<double> whole = stacked(grad);
+      EXPECT_LE(Normwise(whole, single.*grad), gradient_tolerance)
+          << where << " d/d(logits)";
+      if constexpr (std::is_same_v<T, float>) {
+        EXPECT_LE(Normwise(whole, exact.*grad), gradient_tolerance)
+            << where << " d/d(logits) against the CPU in float64";
+      }
     }
     for (int q = 1; q < size; ++q) {
       const std::string other = absl::StrCat(where, " process ", q);
       ExpectTermsEqual(*runs[q].terms, *first.terms, other);
       EXPECT_EQ(runs[q].neg_log_q, first.neg_log_q) << other;
       EXPECT_EQ(runs[q].argmax, first.argmax) << other;
+      EXPECT_EQ(runs[q].base_argmax, first.base_argmax) << other;
       EXPECT_EQ(runs[q].top_k, first.top_k) << other;
       EXPECT_EQ(runs[q].top_k_values, first.top_k_values) << other;
       EXPECT_EQ(runs[q].target_rank, first.target_rank) << other;
@@ -351,32 +372,6 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(info.param.name);
     });
-
-// Domino is refused with a shard, on every process alike, naming it.
-TEST(CudaVocabParallelLossTest, DominoIsRefused) {
-  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
-  DFLASH_SKIP_WITHOUT_GPU(stream.status());
-  const Problem p = MakeProblem(11, 3);
-  ThreadGroup group(2, kTimeout);
-  const Ranges ranges = SplitVocab(11, 2);
-  std::vector<absl::Status> statuses(2);
-  RunRanks(2, [&](int q) {
-    absl::StatusOr<std::unique_ptr<CudaStream>> own = CudaStream::Create();
-    ASSERT_TRUE(own.ok());
-    const VocabShard shard{ranges.offsets[q], 11, &group.exchange(q)};
-    const Case domino{"domino", "domino { lambda_base: 0.3 }"};
-    statuses[q] = RunRange<float>(domino, p, ranges.offsets[q],
-                                  ranges.widths[q], &shard, **own)
-                      .terms.status();
-  });
-  for (const absl::Status& status : statuses) {
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(status.message(),
-              "vocab_shard: the CUDA loss does not run loss.domino "
-              "vocab-parallel yet (its final and base logits' records); run "
-              "the CPU loss, or set none");
-  }
-}
 
 }  // namespace
 }  // namespace dflash
