@@ -69,6 +69,16 @@ cuda::RowStats WholeRowStats(absl::Span<const double* const> records,
   return whole;
 }
 
+// Row r's record (per_row values after the head) from each process's in
+// GatherRecords' `gathered`, in rank order, into `records`.
+void RowRecords(const std::vector<double>& gathered, int64_t r, int per_row,
+                std::vector<const double*>& records) {
+  const size_t record_size = gathered.size() / records.size();
+  for (size_t q = 0; q < records.size(); ++q) {
+    records[q] = gathered.data() + q * record_size + kRecordHead + r * per_row;
+  }
+}
+
 // The loss's error word as this range's error: a logit's index counts from
 // the range's first class.
 absl::Status ShardLossError(unsigned long long code, int64_t offset) {
@@ -642,15 +652,10 @@ absl::Status CudaChunkLoss<T>::MergeDominoStats(absl::Status local, int64_t n,
   DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
                                        absl::MakeSpan(s.shard_record),
                                        s.shard_gathered));
-  const size_t record_size = s.shard_record.size();
-  const int size = shard.exchange->size();
-  std::vector<const double*> records(size);
+  std::vector<const double*> records(shard.exchange->size());
   for (int64_t r = 0; r < n; ++r) {
     if (rows[r].mask == 0) continue;
-    for (int q = 0; q < size; ++q) {
-      records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
-                   r * kPerRow;
-    }
+    RowRecords(s.shard_gathered, r, kPerRow, records);
     both[r] = WholeRowStats(records, 0);
     both[n + r] = WholeRowStats(records, kRangeStatsSize);
   }
@@ -791,9 +796,7 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
                                        absl::MakeSpan(s.shard_record),
                                        s.shard_gathered));
-  const size_t record_size = s.shard_record.size();
-  const int size = shard.exchange->size();
-  std::vector<const double*> records(size);
+  std::vector<const double*> records(shard.exchange->size());
   s.ranks.assign(n, -1);
   s.top_terms.assign(picks > 0 ? n * kTermSlots : 0, 0.0);
   // Over every range's (max at max_at, sum of exp((x - max) * scale) at
@@ -807,10 +810,7 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   };
   for (int64_t r = 0; r < n; ++r) {
     if (rows[r].mask == 0) continue;
-    for (int q = 0; q < size; ++q) {
-      records[q] = s.shard_gathered.data() + q * record_size + kRecordHead +
-                   r * per_row;
-    }
+    RowRecords(s.shard_gathered, r, per_row, records);
     cuda::RowStats& whole = s.shard_stats[r];
     whole = WholeRowStats(records, 0);
     const double merged_max = whole.max;
