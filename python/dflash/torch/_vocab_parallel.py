@@ -62,11 +62,21 @@ def checked_group(group: object, name: str = "vocab_group"
     if world < 1 or rank < 0:
         raise ValueError(f"{name}: this rank is not a member of the group")
     backend = str(dist.get_backend(group)).lower()
-    if backend != "gloo":
+    if backend not in ("gloo", "nccl"):
         raise ValueError(
-            f"{name}: the vocab-parallel head runs on CPU tensors over a "
-            f"gloo group, got a {backend} group")
+            f"{name}: the vocab-parallel head runs over a gloo group (CPU "
+            f"tensors) or an NCCL group (CUDA tensors), got a {backend} "
+            "group")
     return group, rank, world
+
+
+def collective_device(group: Any) -> torch.device:
+    """Where `group`'s collectives take their tensors: the current CUDA
+    device for NCCL (each rank sets its own: torch.cuda.set_device), else
+    the CPU (gloo)."""
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Shard(NamedTuple):
@@ -158,6 +168,7 @@ def agree(group: Any, rank: int, world: int,
         local[0] = 1.0
     else:
         local[:] = torch.tensor(list(mine), dtype=torch.float64)
+    local = local.to(collective_device(group))
     gathered = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
     table = [[int(v) for v in t.tolist()] for t in gathered]
@@ -223,7 +234,7 @@ def _all_gather_into(group: Any, world: int
     the group's backend takes CPU tensors (gloo); through a buffer on the
     current CUDA device where it takes device tensors alone (NCCL, whose
     ranks each set theirs: torch.cuda.set_device)."""
-    on_device = dist.get_backend(group) == "nccl"
+    on_device = str(dist.get_backend(group)).lower() == "nccl"
 
     def all_gather(local: memoryview, out: memoryview) -> None:
         n = local.nbytes // 8
@@ -233,8 +244,7 @@ def _all_gather_into(group: Any, world: int
             dist.all_gather([target[q * n:(q + 1) * n] for q in range(world)],
                             source, group=group)
             return
-        device = torch.device("cuda", torch.cuda.current_device())
-        sent = source.to(device)
+        sent = source.to(collective_device(group))
         parts = [torch.empty_like(sent) for _ in range(world)]
         dist.all_gather(parts, sent, group=group)
         target.copy_(torch.cat(parts).cpu())

@@ -1366,6 +1366,7 @@ def _checked_objective(
             raise ValueError("rows: must be 'shared' or 'local', got "
                              f"{rows!r}")
         local_rows = rows == "local"
+        nccl = parallel.collective_device(group).type == "cuda"
         for name, value in (("hidden", hidden),
                             ("lm_head_weight", lm_head_weight),
                             ("lm_head_bias", lm_head_bias),
@@ -1380,6 +1381,11 @@ def _checked_objective(
                     f"{name}: vocab_group runs on CPU tensors, and on CUDA "
                     "tensors with rows='shared' (rows='local' gathers its "
                     f"rows on the host), got a tensor on {value.device}")
+            if (nccl and isinstance(value, torch.Tensor)
+                    and value.device.type != "cuda"):
+                raise ValueError(
+                    f"{name}: an NCCL vocab_group takes CUDA tensors, got a "
+                    f"tensor on {value.device}")
         hidden = _tensor("hidden", hidden)
         lm_head_weight = _tensor("lm_head_weight", lm_head_weight)
         target_ids = _tensor("target_ids", target_ids)
