@@ -316,26 +316,44 @@ def exchange_rows(shard: Shard, send: RowsToSend
             for q, (got, b) in enumerate(zip(send.gathered, shard.batches))]
 
 
-def reduce_scatter_rows(shard: Shard,
-                        parts: Sequence[Sequence[Optional[torch.Tensor]]]
-                        ) -> List[Optional[torch.Tensor]]:
+class PackedRows(NamedTuple):
+    """reduce_scatter_rows' buffers, made before any collective."""
+
+    mine: List[Optional[torch.Tensor]]
+    padded: List[torch.Tensor]  # Each rank's parts packed, one length.
+    out: Optional[torch.Tensor]
+
+
+def pack_rows(shard: Shard, parts: Sequence[Sequence[Optional[torch.Tensor]]]
+              ) -> PackedRows:
     """rows="local": parts[q] holds this rank's (its vocabulary's) part of
     the gradients of rank q's row tensors (hidden's, the correction
-    inputs'; one dtype); returns this rank's own tensors summed over the
-    group. One reduce_scatter of the ranks' parts packed and padded to one
-    length; where gloo has none (torch 1.13) one SUM all_reduce of them all,
-    this rank's slice kept."""
-    mine = parts[shard.rank]
-    present = [i for i, t in enumerate(mine) if t is not None]
-    if not present:
-        return list(mine)
+    inputs'; one dtype), packed and padded to one length for
+    reduce_scatter_rows. Only allocates: a MemoryError here is refused
+    where the others wait (the caller's status gather)."""
+    mine = list(parts[shard.rank])
+    if all(t is None for t in mine):
+        return PackedRows(mine, [], None)
     # The same tensors are present in every rank's parts (agreed).
     packed = [torch.cat([t.reshape(-1) for t in parts[q] if t is not None])
               for q in range(shard.world)]
     length = max(p.numel() for p in packed)
     padded = [torch.nn.functional.pad(p, (0, length - p.numel()))
               for p in packed]
-    out = padded[0].new_empty(length)
+    return PackedRows(mine, padded, padded[0].new_empty(length))
+
+
+def reduce_scatter_rows(shard: Shard, rows: PackedRows
+                        ) -> List[Optional[torch.Tensor]]:
+    """rows="local": this rank's own tensors of pack_rows' parts summed
+    over the group. One reduce_scatter of the packed parts; where gloo has
+    none (torch 1.13) one SUM all_reduce of them all, this rank's slice
+    kept."""
+    mine, padded, out = rows
+    if out is None:
+        return mine
+    length = out.numel()
+    present = [i for i, t in enumerate(mine) if t is not None]
     try:
         dist.reduce_scatter(out, padded, op=dist.ReduceOp.SUM,
                             group=shard.group)

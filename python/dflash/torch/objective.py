@@ -994,10 +994,24 @@ class _LocalRows(torch.autograd.Function):
             calls.append(call)
         own = calls[shard.rank]
         grads = dict(own.grads)
-        grads["grad_hidden"], grads["grad_correction_inputs"] = (
-            parallel.reduce_scatter_rows(shard, [
+        # The reduce-scatter's buffers first: a failure there (a
+        # MemoryError) is refused where the others wait, in a status
+        # gather, as _gathered does.
+        try:
+            packed = parallel.pack_rows(shard, [
                 [c.grads["grad_hidden"], c.grads["grad_correction_inputs"]]
-                for c in calls]))
+                for c in calls])
+        except BaseException as error:
+            shard.core.refuse(error)
+            _REFUSED.add(id(error))
+            raise
+        try:
+            shard.core.gather_status()
+            grads["grad_hidden"], grads["grad_correction_inputs"] = (
+                parallel.reduce_scatter_rows(shard, packed))
+        except BaseException as error:
+            _REFUSED.add(id(error))
+            raise
         result = own.result
         run_info.fill(result)
         ctx.den = result["loss_denominator"]
@@ -1082,9 +1096,9 @@ class _LocalRows(torch.autograd.Function):
             # Raises where the caller edited a saved tensor in place.
             saved = ctx.saved_tensors
         except BaseException as error:
-            if ctx.again:
+            if ctx.again or ctx.needs_input_grad[13]:
                 # The others wait for this rank in the backward's status
-                # gather (_weight_side).
+                # gather (_weight_side's, or M's below).
                 ctx.shard.core.refuse(error)
             raise
         own_hidden, own_confidence, own_z = saved[:3]
@@ -1106,7 +1120,9 @@ class _LocalRows(torch.autograd.Function):
                 ctx, scale, (hidden, teacher, confidence, target_ids,
                              weight_mask, z), weight, bias, m))
         elif needs[13]:
-            # Agreed on every rank (trainable, M's requires_grad).
+            # Agreed on every rank (trainable, M's requires_grad). The
+            # status gather first, where a rank that failed above is.
+            ctx.shard.core.gather_status()
             factors = _vocab_parallel().gather_scales(ctx.shard, scale)
             world = ctx.shard.world
             for grad, factor in zip(per_run[2 * world:], factors):

@@ -493,6 +493,71 @@ class BackwardRefusalTest(unittest.TestCase):
             self.assertGreater(float(lines[-1].split()[-1]), 0)
 
 
+def forward_and_domino_refusals(rank: int, world: int) -> List[str]:
+    """Two failures on rank 1 alone, each an error on every rank, then a
+    good call and backward: a MemoryError for forward's reduce-scatter
+    buffers (after the W runs); a frozen Domino head whose correction
+    weight M trains, backward failing on rank 1 (its correction inputs
+    edited in place after forward) before the factors' gather."""
+    group = dist.group.WORLD
+    x = big_inputs(world)
+    rows = x["rows"][rank]
+    weight = shard_rows(x["weight"], group)
+    out = []
+    real_pack = parallel_module.pack_rows
+
+    def no_pack_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("pack: injected")
+
+    if rank == 1:
+        parallel_module.pack_rows = no_pack_memory
+    try:
+        big_call(rows, rows["hidden"], weight, None, group)
+        out.append("pack: no error")
+    except (MemoryError, ValueError) as error:
+        out.append(f"pack: {type(error).__name__}: {error}")
+    finally:
+        parallel_module.pack_rows = real_pack
+    g = torch.Generator().manual_seed(31)
+    m = shard_rows(torch.randn(BIG_V, 2, generator=g), group).requires_grad_()
+    z = torch.randn(rows["hidden"].shape[:3] + (2,),
+                    generator=torch.Generator().manual_seed(32 + rank))
+    terms = dflash_objective(
+        rows["hidden"], weight, rows["target_ids"], rows["weight_mask"],
+        config=vocab_cases.CONFIGS["domino"], correction_inputs=z,
+        correction_weight=m, threads=1, vocab_group=group, rows="local")
+    if rank == 1:
+        z.mul_(1)
+    try:
+        terms.loss_num.backward()
+        out.append("domino: no error")
+    except (RuntimeError, ValueError) as error:
+        out.append(f"domino: {type(error).__name__}: {error}")
+    good = shard_rows(x["weight"], group).requires_grad_()
+    big_call(rows, rows["hidden"], good, None, group).loss_num.backward()
+    out.append(f"after: {float(good.grad.abs().sum())}")
+    return out
+
+
+class ForwardAndDominoRefusalTest(unittest.TestCase):
+    def test_every_rank_raises(self):
+        got = ranks.run_ranks(forward_and_domino_refusals, 3, timeout=120)
+        for rank, lines in enumerate(got):
+            with self.subTest(rank=rank, where="pack"):
+                self.assertTrue(lines[0].startswith("pack: MemoryError: "),
+                                lines[0])
+                self.assertIn("injected" if rank == 1 else
+                              "process 1 of 3 failed: RESOURCE_EXHAUSTED",
+                              lines[0])
+            with self.subTest(rank=rank, where="domino"):
+                self.assertIn(
+                    "domino: RuntimeError: one of the variables needed"
+                    if rank == 1 else "domino: ValueError: vocab_shard: "
+                    "process 1 of 3 failed: INVALID_ARGUMENT", lines[1])
+            self.assertTrue(lines[2].startswith("after: "), lines[2])
+            self.assertGreater(float(lines[2].split()[-1]), 0)
+
+
 def refusals(rank: int, world: int) -> List[str]:
     """Each refused call on this rank: its exception's type and message.
     After them a good call, which every rank completes."""
