@@ -387,6 +387,8 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   DFLASH_RETURN_IF_ERROR(ready);
   if (n == 0) return absl::OkStatus();
   char* at = n > s.scratch_rows ? own.data() : s.scratch.data();
+  // This process's failure since the chunk's last gather (vocab-parallel).
+  absl::Status carried;
   auto take = [&](int64_t bytes) {
     char* here = at;
     at += bytes;
@@ -413,11 +415,16 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
   } else {
     s.rows.push_back(std::move(host_rows));
     s.block_begins.push_back(std::move(block_begin));
-    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-        meta, s.rows.back().data(), n * sizeof(cuda::Row)));
-    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-        blocks, s.block_begins.back().data(),
-        s.block_begins.back().size() * sizeof(int32_t)));
+    carried = s.stream->CopyToDevice(meta, s.rows.back().data(),
+                                     n * sizeof(cuda::Row));
+    if (carried.ok()) {
+      carried = s.stream->CopyToDevice(
+          blocks, s.block_begins.back().data(),
+          s.block_begins.back().size() * sizeof(int32_t));
+    }
+    // Vocab-parallel, a failure from here on goes to the chunk's next
+    // gather (never a return between two: the others wait in it).
+    if (shard == nullptr) DFLASH_RETURN_IF_ERROR(carried);
     args.block_begin = blocks;
     args.blocks = static_cast<int32_t>(s.block_begins.back().size()) - 1;
   }
@@ -471,34 +478,43 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     return s.stream->LaunchStatus("chunk loss kernels");
   }
   // Vocab-parallel: the stats, then each pass that meets row sums in
-  // rounds (ShardRounds), every merge on the host.
+  // rounds (ShardRounds), every merge on the host, then a closing gather
+  // of the chunk's errors. A process's own failure travels in the next
+  // gather (`carried`); a gather's error is the group's, returned at once.
   CUstream_st* stream = s.stream->stream();
+  auto launch_status = [&](const char* what) {
+    if (carried.ok()) carried = s.stream->LaunchStatus(what);
+  };
   if (loss.family == LossFamily::kDomino) {
     args.base_stats = base_stats.data();
-    cuda::LaunchDominoStats<T>(params, args, stream);
-    DFLASH_RETURN_IF_ERROR(
-        MergeDominoStats(s.stream->LaunchStatus("domino stats"), n,
-                         args.stats, args.base_stats));
-    cuda::LaunchDominoPass<T>(params, args, stream);
-    return s.stream->LaunchStatus("domino pass");
+    if (carried.ok()) cuda::LaunchDominoStats<T>(params, args, stream);
+    launch_status("domino stats");
+    DFLASH_RETURN_IF_ERROR(MergeDominoStats(n, out_rows, args.stats,
+                                            args.base_stats, carried));
+    if (carried.ok()) cuda::LaunchDominoPass<T>(params, args, stream);
+    launch_status("domino pass");
+    return CloseShardChunk(n, out_rows, carried);
   }
-  cuda::LaunchChunkStats<T>(params, args, stream);
-  if (lists.picks > 0) {
-    // This range's lists, by chunk row (local ids).
-    cuda::ChunkArgs<T> range = args;
-    range.top_k = lists.ids.data();
-    range.top_k_values = lists.values.data();
-    range.top_k_teacher = lists.teacher.data();
-    range.k = lists.picks;
-    range.metric_k = 0;
-    range.out_rows = nullptr;
-    range.target_rank = nullptr;
-    cuda::LaunchTopK<T>(params, range, stream);
+  if (carried.ok()) {
+    cuda::LaunchChunkStats<T>(params, args, stream);
+    if (lists.picks > 0) {
+      // This range's lists, by chunk row (local ids).
+      cuda::ChunkArgs<T> range = args;
+      range.top_k = lists.ids.data();
+      range.top_k_values = lists.values.data();
+      range.top_k_teacher = lists.teacher.data();
+      range.k = lists.picks;
+      range.metric_k = 0;
+      range.out_rows = nullptr;
+      range.target_rank = nullptr;
+      cuda::LaunchTopK<T>(params, range, stream);
+    }
   }
-  DFLASH_RETURN_IF_ERROR(MergeShardStats(
-      s.stream->LaunchStatus("chunk loss stats"), n, args.teacher != nullptr,
-      args.stats, lists, args.row_terms));
-  if (lists.caller_k > 0) {
+  launch_status("chunk loss stats");
+  DFLASH_RETURN_IF_ERROR(MergeShardStats(n, out_rows, args.teacher != nullptr,
+                                         args.stats, lists, args.row_terms,
+                                         carried));
+  if (carried.ok() && lists.caller_k > 0) {
     cuda::LaunchScatterRows(lists.ids.data(), lists.picks, args.top_k, args.k,
                             lists.caller_k, out_rows, n, stream);
     if (args.top_k_values != nullptr) {
@@ -507,35 +523,80 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
                               out_rows, n, stream);
     }
   }
-  if (lists.metric_k > 0 && args.target_rank != nullptr) {
+  if (carried.ok() && lists.metric_k > 0 && args.target_rank != nullptr) {
     cuda::LaunchScatterRows(lists.ranks.data(), 1, args.target_rank, 1, 1,
                             out_rows, n, stream);
   }
-  args.row_sums = row_sums.data();
   if (loss.dpard) {
-    DFLASH_RETURN_IF_ERROR(
-        ShardRounds(n, args.row_sums, [&](bool collect) {
+    args.row_sums = row_sums.data();
+    DFLASH_RETURN_IF_ERROR(ShardRounds(
+        n, args.row_sums,
+        [&](bool collect) {
           args.collect = collect;
           cuda::LaunchAcceptancePass<T>(params, args, stream);
-        }));
+        },
+        carried));
   }
-  cuda::LaunchBlockWeights<T>(params, args, stream);
+  if (carried.ok()) cuda::LaunchBlockWeights<T>(params, args, stream);
   // Without teacher logits no pass meets a row sum: one loss pass.
-  if (args.teacher == nullptr) args.row_sums = nullptr;
-  return ShardRounds(n, args.row_sums, [&](bool collect) {
-    args.collect = collect;
-    cuda::LaunchLossPass<T>(params, args, stream);
-  });
+  args.row_sums = args.teacher != nullptr ? row_sums.data() : nullptr;
+  DFLASH_RETURN_IF_ERROR(ShardRounds(
+      n, args.row_sums,
+      [&](bool collect) {
+        args.collect = collect;
+        cuda::LaunchLossPass<T>(params, args, stream);
+      },
+      carried));
+  return CloseShardChunk(n, out_rows, carried);
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::ChunkDeviceError(int64_t n,
+                                                const int64_t* out_rows) {
+  State& s = *state_;
+  unsigned long long code = cuda::kNoError;
+  DFLASH_RETURN_IF_ERROR(
+      s.stream->CopyToHost(&code, s.error.data(), sizeof(code)));
+  if (code == cuda::kNoError) return absl::OkStatus();
+  cuda::ReportedError e = cuda::DecodeErrorCode(code);
+  if (out_rows != nullptr) {
+    // The device names the caller's row (out_rows[r]); the chunk's row is
+    // what a chunk's error names.
+    std::vector<int64_t> rows(n);
+    DFLASH_RETURN_IF_ERROR(
+        s.stream->CopyToHost(rows.data(), out_rows, n * sizeof(int64_t)));
+    const auto at = std::find(rows.begin(), rows.end(), e.row);
+    if (at != rows.end()) e.row = at - rows.begin();
+  }
+  return ShardLossError(cuda::ErrorCode(e.row, e.kind, e.logit, e.value),
+                        s.params.options.vocab_shard->offset);
+}
+
+template <typename T>
+absl::Status CudaChunkLoss<T>::CloseShardChunk(int64_t n,
+                                               const int64_t* out_rows,
+                                               const absl::Status& carried) {
+  State& s = *state_;
+  const absl::Status local =
+      carried.ok() ? ChunkDeviceError(n, out_rows) : carried;
+  s.shard_record.assign(kHandshakeSize, 0.0);
+  return GatherRecords(*s.params.options.vocab_shard->exchange, local,
+                       absl::MakeSpan(s.shard_record), s.shard_gathered);
 }
 
 template <typename T>
 absl::Status CudaChunkLoss<T>::ShardRounds(
     int64_t n, cuda::RowSumState* device,
-    const std::function<void(bool collect)>& launch) {
+    const std::function<void(bool collect)>& launch, absl::Status& carried) {
   State& s = *state_;
-  if (device == nullptr) {
+  auto write = [&] {
+    if (!carried.ok()) return;
     launch(/*collect=*/false);
-    return s.stream->LaunchStatus("chunk loss pass");
+    carried = s.stream->LaunchStatus("chunk loss pass");
+  };
+  if (device == nullptr) {
+    write();
+    return absl::OkStatus();
   }
   const VocabShard& shard = *s.params.options.vocab_shard;
   const int size = shard.exchange->size();
@@ -544,8 +605,11 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
   // A row's record: whether it waits, the sum's kind, its two parts.
   constexpr int kRow = 4;
   for (;;) {
-    absl::Status local = s.stream->CopyToDevice(
-        device, host.data(), n * sizeof(cuda::RowSumState));
+    absl::Status local = carried;
+    if (local.ok()) {
+      local = s.stream->CopyToDevice(device, host.data(),
+                                     n * sizeof(cuda::RowSumState));
+    }
     if (local.ok()) {
       launch(/*collect=*/true);
       local = s.stream->LaunchStatus("chunk loss row sums");
@@ -612,15 +676,18 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
     if (!any) break;
   }
   // Every row's sums are known now (on the device since the last round).
-  launch(/*collect=*/false);
-  return s.stream->LaunchStatus("chunk loss pass");
+  write();
+  return absl::OkStatus();
 }
 
 template <typename T>
-absl::Status CudaChunkLoss<T>::MergeDominoStats(absl::Status local, int64_t n,
+absl::Status CudaChunkLoss<T>::MergeDominoStats(int64_t n,
+                                                const int64_t* out_rows,
                                                 cuda::RowStats* final_stats,
-                                                cuda::RowStats* base_stats) {
+                                                cuda::RowStats* base_stats,
+                                                absl::Status& carried) {
   State& s = *state_;
+  absl::Status local = carried;
   const VocabShard& shard = *s.params.options.vocab_shard;
   const std::vector<cuda::Row>& rows = s.rows.back();
   // A row's record: the final logits' RangeStatsField, then the base's.
@@ -635,13 +702,7 @@ absl::Status CudaChunkLoss<T>::MergeDominoStats(absl::Status local, int64_t n,
     local = s.stream->CopyToHost(both.data() + n, base_stats,
                                  n * sizeof(cuda::RowStats));
   }
-  unsigned long long error = cuda::kNoError;
-  if (local.ok()) {
-    local = s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
-  }
-  if (local.ok() && error != cuda::kNoError) {
-    local = ShardLossError(error, shard.offset);
-  }
+  if (local.ok()) local = ChunkDeviceError(n, out_rows);
   s.shard_record.assign(kRecordHead + n * kPerRow, 0.0);
   for (int64_t r = 0; r < n && local.ok(); ++r) {
     if (rows[r].mask == 0) continue;
@@ -659,10 +720,13 @@ absl::Status CudaChunkLoss<T>::MergeDominoStats(absl::Status local, int64_t n,
     both[r] = WholeRowStats(records, 0);
     both[n + r] = WholeRowStats(records, kRangeStatsSize);
   }
-  DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-      final_stats, both.data(), n * sizeof(cuda::RowStats)));
-  return s.stream->CopyToDevice(base_stats, both.data() + n,
-                                n * sizeof(cuda::RowStats));
+  carried = s.stream->CopyToDevice(final_stats, both.data(),
+                                   n * sizeof(cuda::RowStats));
+  if (carried.ok()) {
+    carried = s.stream->CopyToDevice(base_stats, both.data() + n,
+                                     n * sizeof(cuda::RowStats));
+  }
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -718,11 +782,13 @@ void CudaChunkLoss<T>::MergeLists(int64_t r,
 }
 
 template <typename T>
-absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
+absl::Status CudaChunkLoss<T>::MergeShardStats(int64_t n,
+                                               const int64_t* out_rows,
                                                bool teacher,
                                                cuda::RowStats* stats,
                                                ShardLists& lists,
-                                               double* row_terms) {
+                                               double* row_terms,
+                                               absl::Status& carried) {
   State& s = *state_;
   const VocabShard& shard = *s.params.options.vocab_shard;
   const LossParams& loss = s.params.loss;
@@ -743,13 +809,13 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
   const int list_at = per_row, entry = lists.teacher_metrics ? 3 : 2;
   const int32_t picks = lists.picks;
   per_row += picks * entry;
+  absl::Status local = carried;
   s.shard_stats.resize(n);
   s.shard_record.assign(kRecordHead + n * per_row, 0.0);
   if (local.ok()) {
     local = s.stream->CopyToHost(s.shard_stats.data(), stats,
                                  n * sizeof(cuda::RowStats));
   }
-  unsigned long long error = cuda::kNoError;
   s.top_ids.resize(n * picks);
   s.top_values.resize(n * picks);
   std::vector<float>& top_teacher = s.top_teacher;
@@ -766,12 +832,7 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
                                    lists.teacher.bytes());
     }
   }
-  if (local.ok()) {
-    local = s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
-  }
-  if (local.ok() && error != cuda::kNoError) {
-    local = ShardLossError(error, shard.offset);
-  }
+  if (local.ok()) local = ChunkDeviceError(n, out_rows);
   const double lowest = -std::numeric_limits<double>::infinity();
   for (int64_t r = 0; r < n && local.ok(); ++r) {
     if (rows[r].mask == 0) continue;
@@ -856,46 +917,41 @@ absl::Status CudaChunkLoss<T>::MergeShardStats(absl::Status local, int64_t n,
       std::fill_n(s.top_values.begin() + r * picks, picks, 0.0f);
       s.ranks[r] = -1;
     }
-    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-        lists.ids.data(), s.top_ids.data(), lists.ids.bytes()));
-    DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-        lists.values.data(), s.top_values.data(), lists.values.bytes()));
-    if (lists.metric_k > 0) {
-      DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-          lists.ranks.data(), s.ranks.data(), lists.ranks.bytes()));
-      DFLASH_RETURN_IF_ERROR(s.stream->CopyToDevice(
-          row_terms, s.top_terms.data(), s.top_terms.size() * sizeof(double)));
+    carried = s.stream->CopyToDevice(lists.ids.data(), s.top_ids.data(),
+                                     lists.ids.bytes());
+    if (carried.ok()) {
+      carried = s.stream->CopyToDevice(
+          lists.values.data(), s.top_values.data(), lists.values.bytes());
+    }
+    if (carried.ok() && lists.metric_k > 0) {
+      carried = s.stream->CopyToDevice(lists.ranks.data(), s.ranks.data(),
+                                       lists.ranks.bytes());
+    }
+    if (carried.ok() && lists.metric_k > 0) {
+      carried = s.stream->CopyToDevice(
+          row_terms, s.top_terms.data(), s.top_terms.size() * sizeof(double));
     }
   }
   // The device reads them before the next chunk's stats come back here.
-  return s.stream->CopyToDevice(stats, s.shard_stats.data(),
-                                n * sizeof(cuda::RowStats));
+  if (carried.ok()) {
+    carried = s.stream->CopyToDevice(stats, s.shard_stats.data(),
+                                     n * sizeof(cuda::RowStats));
+  }
+  return absl::OkStatus();
 }
 
 template <typename T>
 absl::StatusOr<ChunkTerms> CudaChunkLoss<T>::Terms() {
   State& s = *state_;
   unsigned long long error = 0;
-  absl::Status read =
-      s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
-  if (read.ok()) {
-    ReleaseHostRows();
-    ReleaseScratch();
+  if (absl::Status ok =
+          s.stream->CopyToHost(&error, s.error.data(), sizeof(error));
+      !ok.ok()) {
+    return ok;
   }
-  if (const VocabShard* shard = s.params.options.vocab_shard;
-      shard != nullptr) {
-    // An error one device found (after the chunks' stats) reaches every
-    // process here.
-    absl::Status local = read;
-    if (local.ok() && error != cuda::kNoError) {
-      local = ShardLossError(error, shard->offset);
-    }
-    s.shard_record.assign(kHandshakeSize, 0.0);
-    DFLASH_RETURN_IF_ERROR(GatherRecords(*shard->exchange, local,
-                                         absl::MakeSpan(s.shard_record),
-                                         s.shard_gathered));
-  }
-  DFLASH_RETURN_IF_ERROR(read);
+  ReleaseHostRows();
+  ReleaseScratch();
+  // (Vocab-parallel, each chunk's closing gather agreed on its errors.)
   if (error != cuda::kNoError) return CudaLossError(error);
   std::vector<double> totals(s.totals.size());
   DFLASH_RETURN_IF_ERROR(

@@ -39,8 +39,9 @@ namespace dflash {
 // read back (one wait per chunk), gathered and merged in rank order on the
 // host, and written back as the whole rows', so that every process's terms
 // and row outputs are bitwise the same and its gradient is its range's.
-// Terms() ends with one more gather, so that an error one device found is
-// an error on every process. A pass that meets row sums over the whole
+// Each chunk ends with a closing gather of its errors, so that an error one
+// device found is an error of that chunk on every process; vocab-parallel,
+// a row error names the chunk's row (as Run's own checks), not out_rows'. A pass that meets row sums over the whole
 // vocabulary (the teacher's L1 of DSpark and of the teacher diagnostics,
 // distillation's divergence, D-PARD's) runs in rounds, one gather each
 // (ShardRounds), as the CPU loss does. Top-k lists (the caller's top_k,
@@ -130,17 +131,21 @@ class CudaChunkLoss {
   struct ShardLists;
   // Vocab-parallel: the stats pass's rows over this range (`stats`, n
   // rows; the teacher's too with `teacher`) and its top-k `lists`,
-  // gathered with `local` (this process's error so far) and merged in rank
+  // gathered with `carried` (this process's failure since the last
+  // gather) or the device's error (ChunkDeviceError) and merged in rank
   // order into the whole rows' stats and lists, written back (the lists'
-  // diagnostics into `row_terms`).
-  absl::Status MergeShardStats(absl::Status local, int64_t n, bool teacher,
-                               cuda::RowStats* stats, ShardLists& lists,
-                               double* row_terms);
+  // diagnostics into `row_terms`). Returns the gather's (the group's)
+  // error; a failure after it goes into `carried`, for the next gather.
+  absl::Status MergeShardStats(int64_t n, const int64_t* out_rows,
+                               bool teacher, cuda::RowStats* stats,
+                               ShardLists& lists, double* row_terms,
+                               absl::Status& carried);
   // Domino's MergeShardStats: its final and base logits' stats, merged
   // into the whole rows' alike.
-  absl::Status MergeDominoStats(absl::Status local, int64_t n,
+  absl::Status MergeDominoStats(int64_t n, const int64_t* out_rows,
                                 cuda::RowStats* final_stats,
-                                cuda::RowStats* base_stats);
+                                cuda::RowStats* base_stats,
+                                absl::Status& carried);
   // Row r's top-k list merged from every range's `records` (picks at
   // list_at, `entry` values each), after its stats: ids, values, the
   // target's rank and the diagnostics' terms, on the host.
@@ -150,9 +155,18 @@ class CudaChunkLoss {
   // rows) until no row meets a row sum the rounds have not merged, each
   // round's partials gathered and merged into `device` (cuda::RowSumState,
   // null: the pass meets none), then launch(false), the pass with every sum
-  // known.
+  // known. Nothing is launched once `carried` holds a failure, which each
+  // round's gather sends; returns a gather's (the group's) error.
   absl::Status ShardRounds(int64_t n, cuda::RowSumState* device,
-                           const std::function<void(bool collect)>& launch);
+                           const std::function<void(bool collect)>& launch,
+                           absl::Status& carried);
+  // Vocab-parallel: the device's error word as the chunk's error, its row
+  // the chunk's (found among `out_rows`, device memory), or OK.
+  absl::Status ChunkDeviceError(int64_t n, const int64_t* out_rows);
+  // Vocab-parallel: the chunk's closing gather of `carried` or the
+  // device's error, so that every process fails at the same chunk alike.
+  absl::Status CloseShardChunk(int64_t n, const int64_t* out_rows,
+                               const absl::Status& carried);
   // The checks of Run: limits, sizes (the chunk's share of per-row arrays
   // indexed by out_rows), with `inputs.rows` standing for the chunk.
   absl::Status Check(const ChunkLossInputs<T>& inputs,

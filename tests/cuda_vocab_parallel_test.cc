@@ -711,15 +711,12 @@ TEST(CudaVocabParallelTest, ANaNOnOneProcessIsAnErrorOnEvery) {
   }
 }
 
-// The row named as the single-process head names it (NanCase::single).
-// DISABLED: the vocab-parallel CUDA loss's error from a chunk (CudaChunkLoss
-// MergeShardStats: ShardLossError of the device's error word) carries the
-// batch row, but CudaHeadBackend's chunk path (NameChunkLossError,
-// heads/cuda_head.cc) reads a RowError's row as an index into the chunk's
-// active rows: chunk 0's batch row 1 is named (0, 0, 2) (the chunk's active
-// row 1), chunk 2's batch row 22 lies past the chunk's rows and is named
-// "chunk 2: row 22: ...". Enable once the head names the batch row.
-TEST(CudaVocabParallelTest, DISABLED_AnErrorNamesTheSingleProcessRow) {
+// The row named as the single-process head names it (NanCase::single): the
+// chunk's device error is named by the chunk's row, which the head maps to
+// the batch row, on every process (it failed on chunk 0's batch row 1 as
+// (0, 0, 2), and named chunk 2's batch row 22 "chunk 2: row 22", before the
+// loss mapped the device's caller row back to the chunk's).
+TEST(CudaVocabParallelTest, AnErrorNamesTheSingleProcessRow) {
   absl::StatusOr<Gpu> gpu = OpenGpu();
   DFLASH_SKIP_WITHOUT_GPU(gpu.status());
   const Batch b = MakeShardBatch();
