@@ -1043,6 +1043,14 @@ absl::StatusOr<HeadResult> RunHeadOnce(const v1::ObjectiveConfig& config,
                      options.upstream_gradient));
   }
   if (shard != nullptr) DFLASH_RETURN_IF_ERROR(CheckVocabShard(config, *shard));
+  if (shard != nullptr && config.head().backend() == v1::HeadConfig::CUDA &&
+      config.head().row_selection() == v1::HeadConfig::ALL_ROWS) {
+    return absl::InvalidArgumentError(
+        "head.row_selection: a vocab-parallel CUDA head runs COMPACT rows "
+        "(ALL_ROWS makes each chunk's rows on the device, and a "
+        "vocab-parallel chunk reads them on the host); got ALL_ROWS with a "
+        "vocab_shard");
+  }
   HeadRun<T> run(config, inputs, &gradients, row_outputs, backend,
                  options.forward_only, shard);
   if (shard != nullptr) {

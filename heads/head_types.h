@@ -199,7 +199,7 @@ struct HeadOptions {
   // as FUSED does) and no gradient written. The HeadGradients may then be
   // empty (any given are left alone, confidence's included).
   bool forward_only = false;
-  // A vocab-parallel CPU head (borrowed; null: the whole vocabulary here):
+  // A vocab-parallel head (borrowed; null: the whole vocabulary here):
   // head.vocab_size is this process's number of classes (the rows of
   // inputs.weight, inputs.bias and inputs.correction_weight here), classes
   // [offset, offset + head.vocab_size) of vocab_shard->vocab. Every process
@@ -218,9 +218,9 @@ struct HeadOptions {
   // chunk plan is made for the widest process's logits, so that all run
   // the same chunks; a checkpoint.memory_budget_bytes must keep every
   // chunk's intermediates (a recomputed chunk exchanges again, so every
-  // process must recompute the same ones). Not with loss.domino or a split
-  // correction. The CUDA head too (its loss merges each chunk's records on
-  // the host), but not with head.device_results or device rows.
+  // process must recompute the same ones). The CUDA head too (its loss
+  // merges each chunk's records on the host), but not with
+  // head.device_results or device rows.
   const VocabShard* vocab_shard = nullptr;
   // With head.device_results (required then, refused otherwise): the
   // caller's device buffer of DeviceResultsSize(layout.block_size) doubles

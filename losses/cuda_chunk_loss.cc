@@ -370,7 +370,8 @@ absl::Status CudaChunkLoss<T>::Launch(const absl::Status& valid,
     create(base_stats, n);
   } else if (shard != nullptr) {
     const int64_t list = n * lists.picks;
-    create(row_sums, n);
+    // Only the passes that meet row sums use it.
+    if (!inputs.teacher_logits.empty() || loss.dpard) create(row_sums, n);
     create(lists.ids, list);
     create(lists.values, list);
     create(lists.teacher, lists.teacher_metrics ? list : 0);

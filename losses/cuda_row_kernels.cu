@@ -1449,9 +1449,7 @@ template void LaunchScatterRows<int32_t>(const int32_t*, int64_t, int32_t*,
 template void LaunchScatterRows<float>(const float*, int64_t, float*, int64_t,
                                        int64_t, const int64_t*, int64_t,
                                        CUstream_st*);
-template void LaunchScatterRows<double>(const double*, int64_t, double*,
-                                        int64_t, int64_t, const int64_t*,
-                                        int64_t, CUstream_st*);
+
 template void LaunchScale<float>(float*, int64_t, double, CUstream_st*,
                                  const double*);
 template void LaunchScale<BFloat16>(BFloat16*, int64_t, double, CUstream_st*,

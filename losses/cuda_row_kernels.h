@@ -221,8 +221,8 @@ void LaunchChunkLoss(const KernelParams& params, const ChunkArgs<T>& args,
 // this range (args.stats); D-PARD's acceptance pass (AcceptancePass, a
 // round of it with args.collect); the block weights (BlockWeights); the
 // loss pass (LossPass, likewise) and the terms' reduction. They read
-// args.stats as the whole rows'. Not for Domino, top-k or the diagnostics'
-// top-k.
+// args.stats as the whole rows'. Domino has its own (below); the top-k
+// lists come from LaunchTopK.
 template <typename T>
 void LaunchChunkStats(const KernelParams& params, const ChunkArgs<T>& args,
                       CUstream_st* stream);
@@ -242,7 +242,7 @@ template <typename T>
 void LaunchTopK(const KernelParams& params, const ChunkArgs<T>& args,
                 CUstream_st* stream);
 // dst[out_rows[r] * dst_width + j] = src[r * src_width + j] for r < rows,
-// j < width (out_rows null: r), queued. V is int32_t, float or double.
+// j < width (out_rows null: r), queued. V is int32_t or float.
 template <typename V>
 void LaunchScatterRows(const V* src, int64_t src_width, V* dst,
                        int64_t dst_width, int64_t width,

@@ -94,7 +94,7 @@ struct LossParams {
 // every process of the exchange's group runs the same chunks in the same
 // order (docs/semantics.md section 8.2). Target ids, argmax and
 // top-k ids are global; metric_top_k and outputs.k are bounded by the
-// whole vocabulary. The CUDA loss runs every family but Domino so.
+// whole vocabulary. The CUDA loss runs every family so.
 struct ChunkLossOptions {
   int64_t block_size = 1;
   double logit_scale = 1;

@@ -756,5 +756,28 @@ TEST(CudaVocabParallelTest, DeviceResultsAreRefusedOnEveryProcess) {
   }
 }
 
+// head.row_selection ALL_ROWS makes each chunk's rows on the device; a
+// vocab-parallel chunk reads them on the host: refused before any chunk,
+// an InvalidArgument on every process naming the field.
+TEST(CudaVocabParallelTest, AllRowsIsRefusedOnEveryProcess) {
+  absl::StatusOr<Gpu> gpu = OpenGpu();
+  DFLASH_SKIP_WITHOUT_GPU(gpu.status());
+  v1::ObjectiveConfig config =
+      OnCuda(ConfigBuilder("dflash { gamma: 7 }"), v1::HeadConfig::FLOAT32);
+  config.mutable_head()->set_row_selection(v1::HeadConfig::ALL_ROWS);
+  const std::vector<ProcessRun> runs = RunProcesses(
+      config, MakeShardBatch(), 2, [](int) { return Extras(); });
+  for (int q = 0; q < 2; ++q) {
+    EXPECT_EQ(runs[q].status.code(), absl::StatusCode::kInvalidArgument)
+        << "process " << q << ": " << runs[q].status;
+    EXPECT_EQ(std::string(runs[q].status.message()),
+              "head.row_selection: a vocab-parallel CUDA head runs COMPACT "
+              "rows (ALL_ROWS makes each chunk's rows on the device, and a "
+              "vocab-parallel chunk reads them on the host); got ALL_ROWS "
+              "with a vocab_shard")
+        << "process " << q;
+  }
+}
+
 }  // namespace
 }  // namespace dflash

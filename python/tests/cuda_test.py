@@ -632,8 +632,10 @@ class DeviceResultsTest(unittest.TestCase):
 class VocabParallelCudaTest(unittest.TestCase):
     """vocab_group on CUDA tensors over a one-rank NCCL group: the exchange
     through a device buffer, the head's per-chunk merge, the gradient of
-    hidden summed over the group, against the call without a group. (The
-    ranges' merge across ranks is //tests:cuda_vocab_parallel_test's.)"""
+    hidden summed over the group, against the call without a group; the
+    refusals. (The ranges' merge across ranks is
+    //tests:cuda_vocab_parallel_test's and cuda_vocab_parallel_loss_test's,
+    under emulation.)"""
 
     def setUp(self):
         self.dist = torch.distributed
@@ -657,15 +659,21 @@ class VocabParallelCudaTest(unittest.TestCase):
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
-    def test_refused_families_raise(self):
+    def test_local_rows_and_host_tensors_are_refused(self):
         data = reference.batch(seed=36)
-        with self.assertRaisesRegex(ValueError, "vocab_shard: the CUDA loss "
-                                    "does not run loss.distillation"):
+        cuda = {name: data[name].cuda() for name in ("target_ids",
+                                                     "weight_mask")}
+        with self.assertRaisesRegex(ValueError, "rows='local' gathers its "
+                                    "rows on the host"):
             dflash_objective(
                 data["hidden"].float().cuda(), data["weight"].float().cuda(),
-                data["target_ids"].cuda(), data["weight_mask"].cuda(),
-                config="loss { distillation { } }",
-                teacher_hidden=data["teacher"].float().cuda(),
+                cuda["target_ids"], cuda["weight_mask"],
+                vocab_group=self.dist.group.WORLD, rows="local")
+        with self.assertRaisesRegex(ValueError, "an NCCL vocab_group takes "
+                                    "CUDA tensors"):
+            dflash_objective(
+                data["hidden"].float(), data["weight"].float(),
+                data["target_ids"], data["weight_mask"],
                 vocab_group=self.dist.group.WORLD)
 
 

@@ -105,8 +105,8 @@ class Shard(NamedTuple):
 _FIELDS = ("refused", "rows", "rows option", "B", "N", "K", "H", "dtype", "top_k",
            "return_rows", "gradients", "trainable", "bias", "teacher_hidden",
            "confidence_logits", "correction rank", "config", "target_ids",
-           "weight_mask", "lm_head_weight's columns", "inputs' dtypes, "
-           "shapes and requires_grad")
+           "weight_mask", "lm_head_weight's columns", "inputs' devices, "
+           "dtypes, shapes and requires_grad")
 _DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
@@ -147,11 +147,13 @@ def signature(hidden: torch.Tensor, weight: torch.Tensor,
 
 
 def _inputs_crc(tensors: Sequence[Optional[torch.Tensor]]) -> int:
-    """What the ranks' inputs must share beyond the fields above: dtypes,
-    shapes past the first dimension (a shard's rows differ) and which
-    require a gradient (the backward's sums run where one does)."""
+    """What the ranks' inputs must share beyond the fields above: the
+    device type (a CPU and a CUDA rank make other gathers), dtypes, shapes
+    past the first dimension (a shard's rows differ) and which require a
+    gradient (the backward's sums run where one does)."""
     described = [None if t is None else
-                 (str(t.dtype), tuple(t.shape[1:]), t.requires_grad)
+                 (t.device.type, str(t.dtype), tuple(t.shape[1:]),
+                  t.requires_grad)
                  for t in tensors]
     return zlib.crc32(repr(described).encode())
 
@@ -192,7 +194,8 @@ def agree(group: Any, rank: int, world: int,
             shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             what = ("differ" if name in (
                 "config", "target_ids", "weight_mask",
-                "inputs' dtypes, shapes and requires_grad") else "differs")
+                "inputs' devices, dtypes, shapes and requires_grad")
+                    else "differs")
             raise ValueError(
                 f"vocab_group: the ranks' {name} {what} ({shown}); every "
                 "rank of a vocab group runs the same "

@@ -252,10 +252,12 @@ class RefusalsTest(unittest.TestCase):
 
     def test_inputs_that_differ_only_inside_the_head(self):
         self.assertEveryRank("weight_dtype", r"vocab_group: the ranks' "
-                             r"inputs' dtypes, shapes and requires_grad "
+                             r"inputs' devices, dtypes, shapes and "
+                             r"requires_grad "
                              r"differ")
         self.assertEveryRank("requires_grad", r"vocab_group: the ranks' "
-                             r"inputs' dtypes, shapes and requires_grad "
+                             r"inputs' devices, dtypes, shapes and "
+                             r"requires_grad "
                              r"differ")
 
     def test_a_vocabulary_smaller_than_the_group(self):

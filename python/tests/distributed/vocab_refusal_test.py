@@ -235,7 +235,8 @@ class RefusalAfterTheAgreementTest(unittest.TestCase):
                 kind, message = result["correction_grad"]
                 self.assertEqual(kind, "ValueError", message)
                 self.assertRegex(message, r"vocab_group: the ranks' inputs' "
-                                 r"dtypes, shapes and requires_grad differ")
+                                 r"devices, dtypes, shapes and requires_grad "
+                                 r"differ")
 
     def test_a_refusal_whose_message_cannot_be_read(self):
         self.assertStopped("unreadable_refusal", "Unprintable", r"^$",
