@@ -380,5 +380,62 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(info.param.name);
     });
 
+// Process 1's exchange fails (without sending) at each gather a chunk
+// makes in turn: the handshake, the stats, each round (DSpark: two, D-PARD:
+// four), the closing gather (their number pinned). Every process stops at
+// that gather, the others naming process 1, none waits for the timeout.
+TEST(CudaVocabParallelLossTest, AnExchangeErrorAtEachGatherStopsEvery) {
+  absl::StatusOr<std::unique_ptr<CudaStream>> stream = CudaStream::Create();
+  DFLASH_SKIP_WITHOUT_GPU(stream.status());
+  const Problem p = MakeProblem(29, 5);
+  const Ranges ranges = SplitVocab(29, 2);
+  for (const Case& c : kCases) {
+    const std::string name = c.name;
+    if (name != "dflash" && name != "dspark" && name != "dpard" &&
+        name != "domino") {
+      continue;
+    }
+    auto run = [&](ThreadGroup& group) {
+      std::vector<absl::Status> statuses(2);
+      RunRanks(2, [&](int q) {
+        absl::StatusOr<std::unique_ptr<CudaStream>> own = CudaStream::Create();
+        ASSERT_TRUE(own.ok());
+        const VocabShard shard{ranges.offsets[q], 29, &group.exchange(q)};
+        statuses[q] = RunRange<float>(c, p, ranges.offsets[q],
+                                      ranges.widths[q], &shard, **own)
+                          .terms.status();
+      });
+      return statuses;
+    };
+    int64_t calls = 0;
+    {
+      ThreadGroup group(2, kTimeout);
+      for (const absl::Status& status : run(group)) {
+        ASSERT_TRUE(status.ok()) << name << ": " << status;
+      }
+      calls = group.calls(1);
+    }
+    // The gathers of one chunk (docs/scaling.md, "On CUDA").
+    const int64_t expected = name == "dspark" ? 5 : name == "dpard" ? 7 : 3;
+    EXPECT_EQ(calls, expected) << name;
+    for (int64_t call = 1; call <= calls; ++call) {
+      ThreadGroup group(2, kTimeout);
+      group.FailCall(1, call);
+      const std::vector<absl::Status> statuses = run(group);
+      const std::string where = absl::StrCat(name, " gather ", call);
+      EXPECT_EQ(statuses[1].code(), absl::StatusCode::kUnavailable)
+          << where << " " << statuses[1];
+      EXPECT_EQ(statuses[1].message(),
+                absl::StrCat("AllGather: call ", call,
+                             " of rank 1 fails (injected)"))
+          << where;
+      EXPECT_EQ(statuses[0].message(),
+                "vocab_shard: process 1 of 2 failed: UNAVAILABLE (its own "
+                "error says why)")
+          << where << " " << statuses[0];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dflash

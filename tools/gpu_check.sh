@@ -28,7 +28,7 @@ tests=(base/cuda_device_test heads/cuda_projection_test losses/cuda_chunk_loss_t
        tests/cuda_head_parity_test tests/cuda_correction_test
        tests/cuda_split_head_test tests/cuda_device_rows_test
        tests/cuda_device_results_test tests/cuda_vocab_parallel_loss_test
-       python/native/cuda_objective_test)
+       tests/cuda_vocab_parallel_test python/native/cuda_objective_test)
 bench=bench/cuda_heads_bench
 
 pack() {
