@@ -603,8 +603,9 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
   const int size = shard.exchange->size();
   std::vector<cuda::RowSumState>& host = s.row_sums;
   host.assign(n, cuda::RowSumState());
-  // A row's record: whether it waits, the sum's kind, its two parts.
-  constexpr int kRow = 4;
+  // A row's record: whether it waits, the sum's kind, its two parts, the
+  // sums its pass met.
+  constexpr int kRow = 5;
   for (;;) {
     absl::Status local = carried;
     if (local.ok()) {
@@ -627,12 +628,16 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
       at[1] = host[r].kind;
       at[2] = host[r].partial[0];
       at[3] = host[r].partial[1];
+      at[4] = host[r].met;
     }
     DFLASH_RETURN_IF_ERROR(GatherRecords(*shard.exchange, local,
                                          absl::MakeSpan(s.shard_record),
                                          s.shard_gathered));
     const size_t record_size = s.shard_record.size();
-    bool any = false;
+    // Whether another collecting round is needed: some row waits for a
+    // sum this round did not merge. A round after which every row's sums
+    // are known would only find that no row waits: skipped.
+    bool again = false;
     for (int64_t r = 0; r < n; ++r) {
       auto field = [&](int q, int i) {
         return s.shard_gathered[q * record_size + kRecordHead + r * kRow + i];
@@ -646,7 +651,6 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
         }
       }
       if (!pending) continue;
-      any = true;
       cuda::RowSumState& state = host[r];
       if (state.known_count == cuda::kMaxRowSums) {
         return absl::InternalError(absl::StrCat(
@@ -673,10 +677,16 @@ absl::Status CudaChunkLoss<T>::ShardRounds(
         }
       }
       state.pending = 0;
+      again = again || state.known_count < static_cast<int32_t>(field(0, 4));
     }
-    if (!any) break;
+    for (cuda::RowSumState& state : host) state.met = 0;
+    if (!again) break;
   }
-  // Every row's sums are known now (on the device since the last round).
+  // Every row's sums are known now: to the device, for the writing pass.
+  if (carried.ok()) {
+    carried = s.stream->CopyToDevice(device, host.data(),
+                                     n * sizeof(cuda::RowSumState));
+  }
   write();
   return absl::OkStatus();
 }

@@ -655,6 +655,7 @@ class CudaRow {
                                                     const double* parts) {
     RowSumState& state = a_.row_sums[r_];
     const int j = next_sum_++;
+    if (threadIdx.x == 0) state.met = j + 1;
     if (j < state.known_count) return state.known[j];
     if (!waiting_ && threadIdx.x == 0) {
       state.pending = 1;

@@ -77,6 +77,10 @@ struct RowSumState {
   int32_t pending = 0;  // 1: the last round met an unknown sum (device).
   int32_t kind = 0;     // Its RowSumKind (device).
   double partial[2] = {};  // Its partial over this range (device).
+  // The row sums the last round's pass met in all, those past the first
+  // unknown one included (device): a pass meets the same ones whatever
+  // their values, so a row whose known sums reach it waits no more.
+  int32_t met = 0;
 };
 enum RowSumKind : int32_t { kRowSum = 0, kRowSums = 1, kRowLogSumExp = 2 };
 
