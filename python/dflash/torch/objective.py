@@ -24,7 +24,8 @@ import signal
 import threading
 import weakref
 from typing import (Any, Callable, Dict, Iterator, List, NamedTuple,
-                    Optional, Sequence, Set, Tuple, TypedDict, Union, cast)
+                    Optional, Sequence, Set, Tuple, TypedDict, TypeVar, Union,
+                    cast)
 
 import torch
 
@@ -931,6 +932,10 @@ def _weight_side_of(call: _HeadCall) -> Dict[str, torch.Tensor]:
             if name in _WEIGHT_SIDE and grad is not None}
 
 
+_Made = TypeVar("_Made")
+_Collected = TypeVar("_Collected")
+
+
 class _LocalRows(torch.autograd.Function):
     """The vocab-parallel head with rows="local" (the vocab group is also
     the data-parallel group), in _Objective's arguments and results: every
@@ -994,24 +999,13 @@ class _LocalRows(torch.autograd.Function):
             calls.append(call)
         own = calls[shard.rank]
         grads = dict(own.grads)
-        # The reduce-scatter's buffers first: a failure there (a
-        # MemoryError) is refused where the others wait, in a status
-        # gather, as _gathered does.
-        try:
-            packed = parallel.pack_rows(shard, [
-                [c.grads["grad_hidden"], c.grads["grad_correction_inputs"]]
-                for c in calls])
-        except BaseException as error:
-            shard.core.refuse(error)
-            _REFUSED.add(id(error))
-            raise
-        try:
-            shard.core.gather_status()
-            grads["grad_hidden"], grads["grad_correction_inputs"] = (
-                parallel.reduce_scatter_rows(shard, packed))
-        except BaseException as error:
-            _REFUSED.add(id(error))
-            raise
+        grads["grad_hidden"], grads["grad_correction_inputs"] = (
+            _LocalRows._buffers_first(
+                shard,
+                lambda: parallel.pack_rows(shard, [
+                    [c.grads["grad_hidden"], c.grads["grad_correction_inputs"]]
+                    for c in calls]),
+                lambda packed: parallel.reduce_scatter_rows(shard, packed)))
         result = own.result
         run_info.fill(result)
         ctx.den = result["loss_denominator"]
@@ -1041,22 +1035,32 @@ class _LocalRows(torch.autograd.Function):
     def _gathered(shard: Any, rows: _Rows) -> List[_Rows]:
         """Every rank's `rows` (in _ROW_WIRES's order; this rank's its
         own tensors) in rank order. Every buffer of the row gathers is made
-        first: a failure there (a MemoryError) is refused here, where the
-        others wait (the status gather); past it only the collectives run.
-        Either error is put in _REFUSED (the group stopped together at the
-        status gather, or a collective failed: nothing more to send)."""
+        first (_buffers_first)."""
         parallel = _vocab_parallel()
+        return _LocalRows._buffers_first(
+            shard,
+            lambda: [parallel.rows_to_send(shard, t, wire)
+                     for t, wire in zip(rows, _ROW_WIRES)],
+            lambda sends: list(zip(*[parallel.exchange_rows(shard, send)
+                                     for send in sends])))
+
+    @staticmethod
+    def _buffers_first(shard: Any, make: Callable[[], _Made],
+                       collect: Callable[[_Made], _Collected]) -> _Collected:
+        """collect(make()): make() allocates a step's buffers, collect()
+        runs its collectives. A failure in make() (a MemoryError) is refused
+        where the others wait, a status gather before collect(); either
+        error is put in _REFUSED (the group stopped together at the status
+        gather, or a collective failed: nothing more to send)."""
         try:
-            sends = [parallel.rows_to_send(shard, t, wire)
-                     for t, wire in zip(rows, _ROW_WIRES)]
+            made = make()
         except BaseException as error:
             shard.core.refuse(error)
             _REFUSED.add(id(error))
             raise
         try:
             shard.core.gather_status()
-            return list(zip(*[parallel.exchange_rows(shard, send)
-                              for send in sends]))
+            return collect(made)
         except BaseException as error:
             _REFUSED.add(id(error))
             raise
