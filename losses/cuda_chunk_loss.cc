@@ -127,6 +127,7 @@ struct CudaChunkLoss<T>::State {
   // The merged top-k lists and the rows' terms their diagnostics fill.
   std::vector<int32_t> top_ids, ranks;
   std::vector<float> top_values, top_teacher;
+  std::vector<int32_t> list_heads;  // MergeLists' place in each range's.
   std::vector<double> top_terms;
 };
 
@@ -753,7 +754,8 @@ void CudaChunkLoss<T>::MergeLists(int64_t r,
   float* values = s.top_values.data() + r * picks;
   // Each range's list is sorted (ties to the lower id) and the ranges
   // ascend, so the largest head, the earlier range's on a tie, is next.
-  std::vector<int32_t> heads(records.size(), 0);
+  std::vector<int32_t>& heads = s.list_heads;
+  heads.assign(records.size(), 0);
   double mass = 0, teacher_mass = 0;
   int32_t rank = -1;
   for (int32_t j = 0; j < picks; ++j) {

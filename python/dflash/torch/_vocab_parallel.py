@@ -237,17 +237,18 @@ def _all_gather_into(group: Any, world: int
     the group's backend takes CPU tensors (gloo); through a buffer on the
     current CUDA device where it takes device tensors alone (NCCL, whose
     ranks each set theirs: torch.cuda.set_device)."""
-    on_device = str(dist.get_backend(group)).lower() == "nccl"
+    # Decided once per call, not per gather.
+    device = collective_device(group)
 
     def all_gather(local: memoryview, out: memoryview) -> None:
         n = local.nbytes // 8
         source = torch.frombuffer(local, dtype=torch.float64)
         target = torch.frombuffer(out, dtype=torch.float64)
-        if not on_device:
+        if device.type == "cpu":
             dist.all_gather([target[q * n:(q + 1) * n] for q in range(world)],
                             source, group=group)
             return
-        sent = source.to(collective_device(group))
+        sent = source.to(device)
         parts = [torch.empty_like(sent) for _ in range(world)]
         dist.all_gather(parts, sent, group=group)
         target.copy_(torch.cat(parts).cpu())
